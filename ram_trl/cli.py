@@ -1,0 +1,129 @@
+"""The ``ram-trl`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from ram_trl.errors import RamTrlError
+
+
+def _add_merge(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "merge",
+        help="merge a base model and N agents as described by a mergekit-style YAML config",
+        description="Merge a base model and N agents into one model directory (streaming, float32 arithmetic).",
+    )
+    parser.add_argument("config", help="merge config (YAML)")
+    parser.add_argument("output_dir", help="output model directory (must not exist unless --overwrite)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (tensors, bytes, peak memory) and stop")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output safetensors file (default: 5GB)")
+    parser.add_argument("--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
+    )
+    parser.add_argument(
+        "--chunk-budget", default="256MB", help="memory for one chunk's buffers; bounds peak memory (default: 256MB)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_example(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "example",
+        help="write a tiny synthetic base model, RL-like agents and a merge config to try the merge on",
+    )
+    parser.add_argument("output_root", help="directory to create")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_methods(subparsers: argparse._SubParsersAction) -> None:
+    subparsers.add_parser("methods", help="list the merge methods, their parameters and aliases")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ram_trl import __version__
+
+    parser = argparse.ArgumentParser(prog="ram-trl", description="Reinforced Agent Merging for RL-trained LLM agents")
+    parser.add_argument("--version", action="version", version=f"ram-trl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_merge(subparsers)
+    _add_example(subparsers)
+    _add_methods(subparsers)
+    return parser
+
+
+def _run_merge(args: argparse.Namespace) -> int:
+    from ram_trl.engine import merge
+
+    merge(
+        args.config,
+        args.output_dir,
+        overwrite=args.overwrite,
+        dry_run=args.dry_run,
+        max_shard_size=args.max_shard_size,
+        device=args.device,
+        allow_pickle=args.allow_pickle,
+        chunk_budget=args.chunk_budget,
+        progress=not args.no_progress,
+    )
+    return 0
+
+
+def _run_example(args: argparse.Namespace) -> int:
+    from ram_trl.synthetic import generate_example
+
+    paths = generate_example(args.output_root, seed=args.seed)
+    print(f"base model: {paths['base']}")
+    for agent in paths["agents"]:
+        print(f"agent:      {agent}")
+    print(f"config:     {paths['config']}")
+    print(f"next: ram-trl merge {paths['config']} {args.output_root}/merged")
+    return 0
+
+
+def _run_methods(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ram_trl.methods import alias_names, method_names, resolve_method
+
+    table = Table(title="merge methods")
+    for column in ("method", "parameters (global)", "parameters (per agent)", "aliases"):
+        table.add_column(column)
+    aliases = alias_names()
+    for name in method_names():
+        method, _ = resolve_method(name)
+        table.add_row(
+            name,
+            ", ".join(f"{p.name}={p.default}" for p in method.parameters if p.scope == "global"),
+            ", ".join(f"{p.name}={p.default}" for p in method.parameters if p.scope == "agent"),
+            ", ".join(a for a, alias in aliases.items() if alias.method == name),
+        )
+    Console().print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``ram-trl``; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    handlers = {"merge": _run_merge, "example": _run_example, "methods": _run_methods}
+    try:
+        return handlers[args.command](args)
+    except RamTrlError as exc:
+        print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ram-trl {args.command}: interrupted; no output was left behind", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

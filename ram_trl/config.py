@@ -1,0 +1,329 @@
+"""Merge configuration: mergekit-style YAML, validated before any heavy work starts.
+
+The field names of shared concepts are mergekit's (``merge_method``, ``base_model``, ``models[].model``,
+``models[].parameters``, top-level ``parameters``, ``dtype``, ``out_dtype``, ``tokenizer_source``), so a mergekit
+YAML for ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``linear``, ``ram`` or ``ramplus_tl`` runs
+unchanged. Differences are listed in the README ("Differences from mergekit").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ram_trl.errors import ConfigError
+from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+}
+
+_UNSUPPORTED_MERGEKIT_FIELDS = {
+    "slices": "layer slicing (frankenmerges) is not supported: ram_trl merges whole models tensor by tensor",
+    "tokenizer": "the 'tokenizer' block is not supported: use tokenizer_source: base or a model path",
+    "chat_template": "chat_template is not supported: the output keeps the tokenizer_source's chat template",
+    "modules": "per-module configs are not supported",
+}
+
+
+class ModelEntry(BaseModel):
+    """One entry of ``models``: an agent checkpoint and its per-agent parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Path to the agent's checkpoint directory")
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    name: str | None = Field(default=None, description="Label for reports (default: the directory name)")
+
+
+class MergeConfig(BaseModel):
+    """A merge config (the YAML file), before resolution against the method registry and the file system.
+
+    Args:
+        merge_method: Method name or alias (``ram``, ``ram_plus``, ``ram_plus_soft``, ``task_arithmetic``, ``ties``,
+            ``dare_linear``, ``dare_ties``, ``linear``; mergekit's ``ramplus_tl`` and others as aliases).
+        base_model: Path of the base checkpoint all agents were trained from.
+        models: The agents.
+        parameters: Global parameters, and defaults for per-agent parameters.
+        dtype: mergekit's compute dtype. ram_trl always computes in float32; ``dtype`` only sets the output dtype
+            when ``out_dtype`` is absent (as in mergekit).
+        out_dtype: Output dtype of floating tensors (default: each tensor's dtype in the base).
+        tokenizer_source: ``base`` (default) or a path whose tokenizer files are copied to the output.
+        seed: Seed of DARE's random drops.
+        shape_mismatch: ``error`` (default) or ``merge_common_rows`` for resized vocabularies.
+        allow_nonfinite: Merge inputs holding NaN/Inf instead of refusing them.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    merge_method: str
+    base_model: str
+    models: list[ModelEntry]
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    dtype: str | None = None
+    out_dtype: str | None = None
+    tokenizer_source: str | None = None
+    seed: int = 0
+    shape_mismatch: Literal["error", "merge_common_rows"] = "error"
+    allow_nonfinite: bool = False
+    name: str | None = None
+
+    @field_validator("dtype", "out_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value.lower() not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _some_models(cls, value: list[ModelEntry]) -> list[ModelEntry]:
+        if not value:
+            raise ValueError("'models' is empty: list at least one agent checkpoint")
+        return value
+
+
+@dataclass
+class AgentSpec:
+    """A resolved agent: where it is and its parameters (scalars, or mergekit filter lists)."""
+
+    index: int
+    name: str
+    path: Path
+    parameters: dict[str, Any]
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated merge config, ready to plan.
+
+    Args:
+        method: The merge method.
+        method_alias: The name the config used.
+        params: Global parameter values, defaults filled in.
+        agents: The agents, in config order.
+        base_path: Base checkpoint path.
+        out_dtype: Output dtype for floating tensors, or ``None`` for the base's dtype per tensor.
+        tokenizer_source: Directory whose tokenizer files are copied.
+        raw: The config as given (for the model card and report).
+    """
+
+    method: MergeMethod
+    method_alias: str
+    params: dict[str, Any]
+    agents: list[AgentSpec]
+    base_path: Path
+    out_dtype: torch.dtype | None
+    tokenizer_source: Path
+    seed: int
+    shape_mismatch: str
+    allow_nonfinite: bool
+    raw: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
+        """The value of per-agent parameter ``name`` for one tensor (resolving mergekit filter lists)."""
+        value = agent.parameters[name]
+        if isinstance(value, list):
+            for rule in value:
+                pattern = rule.get("filter")
+                if pattern is None or pattern in tensor_name:
+                    return float(rule["value"])
+            raise ConfigError(f"agent {agent.name}: no rule of parameter {name!r} matches tensor {tensor_name!r}")
+        return float(value)
+
+
+def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tuple[MergeConfig, Path | None]:
+    """Parse a config from a YAML path, a dict, or a :class:`MergeConfig`.
+
+    Returns:
+        ``(config, yaml_path)``; ``yaml_path`` is ``None`` unless the config came from a file.
+
+    Raises:
+        ConfigError: naming the file and the field to change.
+    """
+    if isinstance(source, MergeConfig):
+        return source, None
+    path: Path | None = None
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"merge config {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models")
+    where = str(path) if path else "merge config"
+    for key, why in _UNSUPPORTED_MERGEKIT_FIELDS.items():
+        if key in data:
+            raise ConfigError(f"{where}: field {key!r}: {why}")
+    try:
+        return MergeConfig.model_validate(data), path
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{where}: {problems}") from exc
+
+
+def _resolve_path(value: str, config_dir: Path | None) -> Path:
+    path = Path(value).expanduser()
+    if path.is_absolute() or path.exists() or config_dir is None:
+        return path
+    beside = config_dir / path
+    return beside if beside.exists() else path
+
+
+def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
+    if parameter.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: parameter {parameter.name!r} must be true or false, got {value!r}")
+        return value
+    if parameter.kind is str:
+        if not isinstance(value, str) or (parameter.choices and value not in parameter.choices):
+            raise ConfigError(f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: parameter {parameter.name!r} must be a number, got {value!r}")
+    value = float(value)
+    if parameter.minimum is not None and value < parameter.minimum:
+        raise ConfigError(f"{where}: parameter {parameter.name!r} must be >= {parameter.minimum}, got {value}")
+    if parameter.maximum is not None and value > parameter.maximum:
+        raise ConfigError(f"{where}: parameter {parameter.name!r} must be <= {parameter.maximum}, got {value}")
+    return value
+
+
+def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
+    if isinstance(value, list):
+        if not value or not all(isinstance(rule, dict) and "value" in rule for rule in value):
+            raise ConfigError(
+                f"{where}: parameter {parameter.name!r}: lists must be mergekit filter rules "
+                "[{filter: SUBSTRING, value: X}, ..., {value: DEFAULT}]; gradients (lists of numbers) are not supported"
+            )
+        for rule in value:
+            extra = set(rule) - {"filter", "value"}
+            if extra:
+                raise ConfigError(f"{where}: parameter {parameter.name!r}: unknown keys {sorted(extra)} in a filter rule")
+            _check_value(parameter, rule["value"], where)
+        return value
+    return _check_value(parameter, value, where)
+
+
+def resolve_config(config: MergeConfig, config_path: Path | None = None) -> ResolvedConfig:
+    """Check a config against the method registry and the file system (paths only; tensors come later).
+
+    Args:
+        config: The parsed config.
+        config_path: The YAML file it came from; relative paths that do not exist from the working directory are
+            looked up beside it.
+
+    Returns:
+        The :class:`ResolvedConfig`.
+
+    Raises:
+        ConfigError: for an unknown method, unknown or out-of-range parameters, or missing paths.
+    """
+    where = str(config_path) if config_path else "merge config"
+    try:
+        method, alias_defaults = resolve_method(config.merge_method)
+    except KeyError:
+        raise ConfigError(
+            f"{where}: unknown merge_method {config.merge_method!r}; available: {', '.join(method_names())} "
+            "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
+        ) from None
+    config_dir = config_path.parent if config_path else None
+    base_path = _resolve_path(config.base_model, config_dir)
+    if not base_path.exists():
+        raise ConfigError(f"{where}: base_model {config.base_model!r} does not exist (resolved to {base_path})")
+
+    params: dict[str, Any] = {}
+    agent_defaults: dict[str, Any] = {}
+    for key, value in config.parameters.items():
+        parameter = method.parameter(key)
+        if parameter is None:
+            raise ConfigError(
+                f"{where}: parameters.{key}: {method.name} takes no parameter {key!r}; it accepts "
+                f"{', '.join(p.name for p in method.parameters)}"
+            )
+        if parameter.scope == "global":
+            params[parameter.name] = _check_value(parameter, value, f"{where}: parameters")
+        else:
+            agent_defaults[parameter.name] = _check_agent_value(parameter, value, f"{where}: parameters")
+    for parameter in method.parameters:
+        if parameter.scope == "global" and parameter.name not in params:
+            params[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
+
+    agents: list[AgentSpec] = []
+    notes: list[str] = []
+    for position, entry in enumerate(config.models):
+        path = _resolve_path(entry.model, config_dir)
+        label = f"{where}: models[{position}] ({entry.model})"
+        if not path.exists():
+            raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
+        if method.name != "linear" and path.resolve() == base_path.resolve():
+            notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
+            continue
+        values = dict(agent_defaults)
+        for key, value in entry.parameters.items():
+            parameter = method.parameter(key)
+            if parameter is None:
+                raise ConfigError(
+                    f"{label}: {method.name} takes no per-agent parameter {key!r}; per-agent parameters: "
+                    f"{', '.join(p.name for p in method.parameters if p.scope == 'agent') or 'none'}"
+                )
+            if parameter.scope == "global":
+                raise ConfigError(f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'")
+            values[parameter.name] = _check_agent_value(parameter, value, label)
+        for parameter in method.parameters:
+            if parameter.scope == "agent" and parameter.name not in values:
+                values[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
+        name = entry.name or path.name
+        agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values))
+    if not agents:
+        raise ConfigError(f"{where}: no agent left to merge (every entry of 'models' is the base model)")
+    names = [a.name for a in agents]
+    if len(set(names)) != len(names):
+        for agent in agents:
+            agent.name = f"{agent.index}:{agent.name}"
+
+    out_name = config.out_dtype or config.dtype
+    out_dtype = DTYPES[out_name.lower()] if out_name else None
+    tokenizer_source = base_path
+    if config.tokenizer_source not in (None, "base"):
+        if config.tokenizer_source == "union":
+            raise ConfigError(f"{where}: tokenizer_source 'union' is not supported; use base or a model path")
+        tokenizer_source = _resolve_path(config.tokenizer_source, config_dir)
+        if not tokenizer_source.is_dir():
+            raise ConfigError(f"{where}: tokenizer_source {config.tokenizer_source!r} is not a directory")
+    return ResolvedConfig(
+        method=method,
+        method_alias=config.merge_method,
+        params=params,
+        agents=agents,
+        base_path=base_path,
+        out_dtype=out_dtype,
+        tokenizer_source=tokenizer_source,
+        seed=config.seed,
+        shape_mismatch=config.shape_mismatch,
+        allow_nonfinite=config.allow_nonfinite,
+        raw=config.model_dump(exclude_defaults=True),
+        notes=notes,
+    )

@@ -1,0 +1,539 @@
+"""The streaming merge engine: read -> statistics -> merge -> write, one row chunk at a time.
+
+:func:`merge` validates the config and every input header, plans the work, runs a statistics pass when the method
+needs global overlap counts (RAM+, RAM+s), then merges chunk by chunk into a temporary sibling of the output
+directory, which is renamed into place only when everything (shards, index, config, tokenizer, model card, report)
+has been written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
+from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
+from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardWriter
+from ram_trl.methods import ChunkInputs
+from ram_trl.methods.ram import DEFAULT_EPS, active_mask
+from ram_trl.methods.ties import MagnitudeCut, keep_count, magnitude_cut
+from ram_trl.planner import (
+    DEFAULT_CHUNK_BUDGET,
+    DEFAULT_MAX_SHARD_SIZE,
+    MergePlan,
+    TensorTask,
+    build_plan,
+    parse_size,
+)
+from ram_trl.statistics import OverlapStatistics
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE = "ram_merge_report.json"
+DENSE_AGENT_WARNING = 0.99
+
+
+@dataclass
+class MergeOptions:
+    """Run options (the CLI flags), separate from what is merged (the config).
+
+    Args:
+        overwrite: Replace an existing output directory.
+        dry_run: Plan and print, write nothing.
+        max_shard_size: Largest output file, e.g. ``"5GB"``.
+        device: Where the arithmetic runs (``"cpu"`` or ``"cuda"``); reads and writes stay on the CPU.
+        allow_pickle: Accept ``pytorch_model*.bin`` inputs.
+        chunk_budget: Bytes allowed for one chunk's buffers, e.g. ``"256MB"``.
+        progress: Show progress bars.
+    """
+
+    overwrite: bool = False
+    dry_run: bool = False
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    device: str = "cpu"
+    allow_pickle: bool = False
+    chunk_budget: str | int = DEFAULT_CHUNK_BUDGET
+    progress: bool = True
+
+
+@dataclass
+class MergeState:
+    """What the passes accumulate: global and per-tensor overlap statistics, cuts, warnings."""
+
+    stats: OverlapStatistics
+    tensor_stats: dict[str, OverlapStatistics] = field(default_factory=dict)
+    lambdas: list[float] | None = None
+    warnings: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+def merge(
+    config: str | os.PathLike | dict[str, Any] | MergeConfig,
+    output_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    device: str = "cpu",
+    allow_pickle: bool = False,
+    chunk_budget: str | int = DEFAULT_CHUNK_BUDGET,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Merge a base model and N agents into one model directory.
+
+    Args:
+        config: A merge config: a YAML path, a dict, or a :class:`~ram_trl.config.MergeConfig`.
+        output_dir: Where the merged model goes. Must not exist unless ``overwrite``.
+        overwrite: Replace an existing ``output_dir`` (only once the new one is complete).
+        dry_run: Validate and plan, print the plan, and return it without reading tensor data.
+        max_shard_size: Largest output safetensors file.
+        device: ``"cpu"`` or ``"cuda"`` for the arithmetic.
+        allow_pickle: Accept pickle checkpoints (loaded with ``torch.load(weights_only=True)``).
+        chunk_budget: Bytes allowed for one chunk's buffers; bounds peak memory (see :mod:`ram_trl.planner`).
+        progress: Show progress bars.
+
+    Returns:
+        The merge report (also written to ``output_dir/ram_merge_report.json``): method, parameters, per-agent
+        statistics and lambda_t, output files, timings. With ``dry_run``, the plan.
+
+    Raises:
+        ConfigError: for an invalid config (before any tensor is read).
+        CheckpointError: for missing, corrupt or mismatched inputs (before any tensor is written where possible).
+        NonFiniteError: for NaN/Inf values in an input, unless the config allows them.
+    """
+    options = MergeOptions(
+        overwrite=overwrite,
+        dry_run=dry_run,
+        max_shard_size=max_shard_size,
+        device=device,
+        allow_pickle=allow_pickle,
+        chunk_budget=chunk_budget,
+        progress=progress,
+    )
+    parsed, config_path = load_config(config)
+    resolved = resolve_config(parsed, config_path)
+    return run_merge(resolved, Path(output_dir), options)
+
+
+def open_inputs(resolved: ResolvedConfig, allow_pickle: bool) -> tuple[Checkpoint, list[Checkpoint]]:
+    """Open the base and every agent (headers only)."""
+    base = open_checkpoint(resolved.base_path, "base model", allow_pickle=allow_pickle)
+    agents = [
+        open_checkpoint(agent.path, f"agent {agent.index} ({agent.name}, {agent.path})", allow_pickle=allow_pickle)
+        for agent in resolved.agents
+    ]
+    return base, agents
+
+
+def prepare(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
+    """Everything that can fail cheaply: output checks, input headers, the plan."""
+    if output_dir.exists() and not options.overwrite and not options.dry_run:
+        raise RamTrlError(f"output directory {output_dir} already exists; pass --overwrite (overwrite=True) to replace it")
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RamTrlError(f"--device {options.device}: no CUDA device is available; use --device cpu")
+    base, agents = open_inputs(resolved, options.allow_pickle)
+    for agent in resolved.agents:
+        if output_dir.resolve() == agent.path.resolve() or output_dir.resolve() == resolved.base_path.resolve():
+            raise RamTrlError(f"output directory {output_dir} is one of the inputs; choose another path")
+    plan = build_plan(
+        base,
+        agents,
+        out_dtype=resolved.out_dtype,
+        shape_mismatch=resolved.shape_mismatch,
+        needs_statistics=resolved.method.needs_statistics,
+        trims_by_magnitude=resolved.method.trims_by_magnitude,
+        chunk_budget=parse_size(options.chunk_budget),
+        max_shard_size=parse_size(options.max_shard_size),
+    )
+    return base, agents, plan
+
+
+def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
+    """Run a resolved merge (see :func:`merge`)."""
+    from ram_trl import report as reporting
+
+    started = time.perf_counter()
+    base, agents, plan = prepare(resolved, output_dir, options)
+    if options.dry_run:
+        summary = reporting.plan_summary(resolved, plan)
+        reporting.print_plan(resolved, plan)
+        return summary
+
+    state = MergeState(stats=OverlapStatistics.zeros(len(agents)))
+    device = torch.device(options.device)
+    timings: dict[str, float] = {}
+    with RowReader() as reader:
+        if resolved.method.needs_statistics:
+            tick = time.perf_counter()
+            statistics_pass(resolved, base, agents, plan, reader, state, device, options.progress)
+            timings["statistics_seconds"] = time.perf_counter() - tick
+            state.lambdas = _lambdas(resolved, state.stats)
+            _check_densities(resolved, state)
+
+        temp_dir = output_dir.parent / f".{output_dir.name}.ram-trl-tmp-{uuid.uuid4().hex[:8]}"
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        temp_dir.mkdir()
+        try:
+            tick = time.perf_counter()
+            write_shards(resolved, base, agents, plan, plan.shards, temp_dir, reader, state, device, options.progress)
+            timings["merge_seconds"] = time.perf_counter() - tick
+            if not resolved.method.needs_statistics:
+                _check_densities(resolved, state)
+            timings["total_seconds"] = time.perf_counter() - started
+            report = reporting.build_report(resolved, plan, state, timings, output_dir)
+            finalize_output(resolved, base, plan, temp_dir, report)
+            _swap_into_place(temp_dir, output_dir)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+    reporting.print_summary(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Passes
+
+
+def _progress(iterable, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="tensor", dynamic_ncols=True)
+
+
+def _eps(resolved: ResolvedConfig) -> float:
+    return float(resolved.params.get("eps", DEFAULT_EPS))
+
+
+def statistics_pass(
+    resolved: ResolvedConfig,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    plan: MergePlan,
+    reader: RowReader,
+    state: MergeState,
+    device: torch.device,
+    progress: bool,
+    tasks: list[TensorTask] | None = None,
+) -> None:
+    """Count shared/unique/active elements of every agent over the given tensors (default: all)."""
+    eps = _eps(resolved)
+    per_tensor = resolved.params.get("rho_scope") == "tensor"
+    tasks = plan.tasks if tasks is None else tasks
+    for task in _progress(tasks, len(tasks), "statistics", progress):
+        if not task.floating:
+            continue
+        tensor_stats = OverlapStatistics.zeros(len(agents))
+        for start, stop, deltas, _ in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
+            tensor_stats.update(active_mask(deltas, eps))
+        state.stats.add(tensor_stats)
+        if per_tensor:
+            state.tensor_stats[task.name] = tensor_stats
+
+
+def iter_delta_chunks(
+    resolved: ResolvedConfig,
+    task: TensorTask,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    device: torch.device,
+    state: MergeState,
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Yield ``(start_row, stop_row, deltas, base_values)`` for the base's rows of one tensor, chunk by chunk.
+
+    ``deltas`` is float32 of shape ``(num_agents, n)``; ``base_values`` float32 of shape ``(n,)``. An agent with
+    fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
+    """
+    for start, stop in task.chunks():
+        if start >= task.base_rows:
+            continue  # extra rows of a resized vocabulary have no base: see _write_extra_rows
+        raw_base = base.read_rows(task.name, reader, start, stop)
+        state.bytes_read += raw_base.numel() * raw_base.element_size()
+        base_values = raw_base.to(device=device, dtype=torch.float32).reshape(-1)
+        if not resolved.allow_nonfinite and not bool(torch.isfinite(base_values).all()):
+            raise NonFiniteError(
+                f"base model ({base.path}): tensor {task.name!r} holds NaN or Inf values (rows {start}:{stop}); "
+                "set allow_nonfinite: true in the config to merge anyway"
+            )
+        deltas = torch.empty((len(agents), base_values.numel()), dtype=torch.float32, device=device)
+        for t, agent in enumerate(agents):
+            have = min(stop, task.agent_rows[t])
+            if have <= start:
+                deltas[t].zero_()
+                continue
+            raw = agent.read_rows(task.name, reader, start, have)
+            state.bytes_read += raw.numel() * raw.element_size()
+            values = raw.to(device=device, dtype=torch.float32).reshape(-1)
+            n = values.numel()
+            torch.sub(values, base_values[:n], out=deltas[t, :n])
+            if n < base_values.numel():
+                deltas[t, n:].zero_()
+            if not resolved.allow_nonfinite and not bool(torch.isfinite(values).all()):
+                bad = int((~torch.isfinite(values)).sum())
+                raise NonFiniteError(
+                    f"{agent.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{have}); "
+                    "set allow_nonfinite: true in the config to merge anyway"
+                )
+            del raw, values
+        yield start, stop, deltas, base_values
+
+
+def _magnitude_cuts(
+    resolved: ResolvedConfig,
+    task: TensorTask,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    device: torch.device,
+    state: MergeState,
+) -> list[MagnitudeCut]:
+    """Per-agent TIES cut of one tensor (one whole float32 task vector in memory at a time)."""
+    base_values = base.read_rows(task.name, reader).to(device=device, dtype=torch.float32).reshape(-1)
+    cuts = []
+    for t, (spec, agent) in enumerate(zip(resolved.agents, agents, strict=True)):
+        density = resolved.agent_value(spec, "density", task.name)
+        k = keep_count(base_values.numel(), density)
+        if k >= base_values.numel():
+            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
+            continue
+        rows = min(task.base_rows, task.agent_rows[t])
+        values = agent.read_rows(task.name, reader, 0, rows).to(device=device, dtype=torch.float32).reshape(-1)
+        magnitudes = torch.zeros_like(base_values)
+        torch.sub(values, base_values[: values.numel()], out=magnitudes[: values.numel()])
+        magnitudes.abs_()
+        del values
+        cuts.append(magnitude_cut(magnitudes, k))
+        del magnitudes
+    return cuts
+
+
+def write_shards(
+    resolved: ResolvedConfig,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    plan: MergePlan,
+    shards,
+    out_dir: Path,
+    reader: RowReader,
+    state: MergeState,
+    device: torch.device,
+    progress: bool,
+) -> None:
+    """Merge and write the given shards into ``out_dir``."""
+    eps = _eps(resolved)
+    count_inline = not resolved.method.needs_statistics
+    total = sum(len(s.tasks) for s in shards)
+    bar = _progress(None, total, "merge", progress) if progress else None
+    for shard in shards:
+        planned = [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
+        writer = ShardWriter(out_dir / shard.file_name, planned)
+        try:
+            for task in shard.tasks:
+                if bar is not None:
+                    bar.set_postfix_str(task.name[-40:], refresh=False)
+                if not task.floating:
+                    for start, stop in task.chunks():
+                        writer.write(task.name, base.read_rows(task.name, reader, start, stop).to(task.out_dtype))
+                else:
+                    _merge_tensor(resolved, task, base, agents, reader, state, device, writer, eps, count_inline)
+                if bar is not None:
+                    bar.update(1)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+    if bar is not None:
+        bar.close()
+
+
+def _merge_tensor(
+    resolved: ResolvedConfig,
+    task: TensorTask,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    state: MergeState,
+    device: torch.device,
+    writer: ShardWriter,
+    eps: float,
+    count_inline: bool,
+) -> None:
+    method = resolved.method
+    agent_params = {
+        p.name: torch.tensor(
+            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents], dtype=torch.float32, device=device
+        )
+        for p in method.parameters
+        if p.scope == "agent"
+    }
+    lambdas = _tensor_lambdas(resolved, task, state)
+    cuts = _magnitude_cuts(resolved, task, base, agents, reader, device, state) if method.trims_by_magnitude else None
+    equal_seen = [0] * len(agents)
+    tensor_stats = OverlapStatistics.zeros(len(agents)) if count_inline else None
+    for start, stop, deltas, base_values in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
+        if tensor_stats is not None:
+            tensor_stats.update(active_mask(deltas, eps))
+        inputs = ChunkInputs(
+            name=task.name,
+            start=start * task.row_numel,
+            deltas=deltas,
+            base=base_values,
+            params=resolved.params,
+            agent_params=agent_params,
+            lambdas=lambdas,
+            cuts=cuts,
+            equal_seen=equal_seen,
+            seed=resolved.seed,
+        )
+        merged = method.merge(inputs)
+        merged.add_(base_values)
+        out_shape = (stop - start, *task.base.shape[1:]) if task.base.shape else ()
+        writer.write(task.name, merged.to(task.out_dtype).reshape(out_shape).cpu())
+        del deltas, merged, inputs
+    if task.out_rows > task.base_rows:
+        _write_extra_rows(task, agents, reader, writer)
+    if tensor_stats is not None:
+        state.stats.add(tensor_stats)
+
+
+def _write_extra_rows(task: TensorTask, agents: list[Checkpoint], reader: RowReader, writer: ShardWriter) -> None:
+    """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
+    for start, stop in task.chunks():
+        if start < task.base_rows:
+            continue
+        total = torch.zeros((stop - start, *task.base.shape[1:]), dtype=torch.float32)
+        count = torch.zeros((stop - start,) + (1,) * (len(task.base.shape) - 1), dtype=torch.float32)
+        for t, agent in enumerate(agents):
+            have = min(stop, task.agent_rows[t])
+            if have <= start:
+                continue
+            rows = agent.read_rows(task.name, reader, start, have).to(torch.float32)
+            total[: have - start] += rows
+            count[: have - start] += 1
+        writer.write(task.name, (total / count).to(task.out_dtype))
+
+
+def _lambdas(resolved: ResolvedConfig, stats: OverlapStatistics) -> list[float]:
+    name = resolved.method.name
+    if name == "ram_plus":
+        return stats.lambdas(resolved.params["r"], resolved.params["alpha"])
+    if name == "ram_plus_soft":
+        return stats.lambdas(resolved.params["r"], None, soft=True)
+    return [1.0] * stats.num_agents
+
+
+def _tensor_lambdas(resolved: ResolvedConfig, task: TensorTask, state: MergeState) -> list[float] | None:
+    if not resolved.method.needs_statistics:
+        return None
+    if resolved.params.get("rho_scope") == "tensor":
+        return _lambdas(resolved, state.tensor_stats[task.name])
+    return state.lambdas
+
+
+def _check_densities(resolved: ResolvedConfig, state: MergeState) -> None:
+    for t, agent in enumerate(resolved.agents):
+        density = state.stats.density(t)
+        if state.stats.active(t) == 0:
+            message = (
+                f"agent {agent.index} ({agent.name}): its task vector is zero at eps={_eps(resolved):g} "
+                "(identical to the base: density 0); it contributes nothing"
+            )
+        elif density > DENSE_AGENT_WARNING:
+            message = (
+                f"agent {agent.index} ({agent.name}): {density:.2%} of its elements differ from the base; "
+                "is it derived from this base model (same checkpoint, same dtype)?"
+            )
+        else:
+            continue
+        state.warnings.append(message)
+        warnings.warn(message, stacklevel=2)
+        logger.warning(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def finalize_output(
+    resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
+) -> None:
+    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
+    from ram_trl import report as reporting
+
+    if len(plan.shards) > 1:
+        index = {
+            "metadata": {"total_size": plan.output_bytes},
+            "weight_map": {t.name: s.file_name for s in plan.shards for t in s.tasks},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_model_config(resolved, base, plan, out_dir)
+    base_dir = resolved.base_path if resolved.base_path.is_dir() else resolved.base_path.parent
+    generation = base_dir / "generation_config.json"
+    if generation.is_file():
+        shutil.copy2(generation, out_dir / generation.name)
+    copied = 0
+    for name in TOKENIZER_FILES:
+        source = resolved.tokenizer_source / name
+        if source.is_file():
+            shutil.copy2(source, out_dir / name)
+            copied += 1
+    if copied == 0:
+        report["warnings"].append(f"no tokenizer files found in {resolved.tokenizer_source}")
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    (out_dir / "README.md").write_text(reporting.model_card(report))
+
+
+def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
+    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
+    if base.config_path is None:
+        warnings.warn(f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2)
+        return
+    config = json.loads(base.config_path.read_text())
+    if resolved.out_dtype is not None:
+        dtype_name = str(resolved.out_dtype).removeprefix("torch.")
+        key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+        config[key] = dtype_name
+    vocab = config.get("vocab_size")
+    for name in plan.resized:
+        task = next(t for t in plan.tasks if t.name == name)
+        if vocab == task.base_rows:
+            config["vocab_size"] = task.out_rows
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _swap_into_place(temp_dir: Path, output_dir: Path) -> None:
+    if output_dir.exists():
+        old = output_dir.parent / f".{output_dir.name}.ram-trl-old-{uuid.uuid4().hex[:8]}"
+        os.replace(output_dir, old)
+        os.replace(temp_dir, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(temp_dir, output_dir)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+__all__ = ["MergeOptions", "merge", "run_merge", "CheckpointError"]

@@ -1,0 +1,19 @@
+"""Exception types. Every message names the file, tensor and agent involved, and what to change."""
+
+from __future__ import annotations
+
+
+class RamTrlError(Exception):
+    """Base class for errors raised by ram_trl on bad input."""
+
+
+class ConfigError(RamTrlError, ValueError):
+    """The merge config is invalid; raised before any tensor is read."""
+
+
+class CheckpointError(RamTrlError):
+    """A checkpoint directory or file is missing, corrupt, or inconsistent with the base."""
+
+
+class NonFiniteError(RamTrlError):
+    """An input tensor holds NaN or Inf values."""

@@ -1,0 +1,1 @@
+"""Checkpoint reading and writing."""

@@ -1,0 +1,221 @@
+"""Model checkpoint directories: Hugging Face layouts of single-file or sharded safetensors (or, on request, pickle).
+
+A :class:`Checkpoint` knows every tensor's name, dtype, shape and location after reading only the headers, so a
+whole merge can be validated before its first tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ram_trl.errors import CheckpointError
+from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
+
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+
+#: Files copied from the base (or ``tokenizer_source``) into a merged output directory when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, dtype and shape of a tensor in a checkpoint."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Checkpoint:
+    """A model checkpoint on disk, opened lazily.
+
+    Args:
+        path: The checkpoint directory (or a single ``.safetensors`` file).
+        role: How error messages name this input, e.g. ``"base model"`` or ``"agent 2 (./tool_agent)"``.
+        tensors: Tensor name to metadata.
+        format: ``"safetensors"`` or ``"pickle"``.
+    """
+
+    path: Path
+    role: str
+    tensors: dict[str, TensorMeta]
+    format: str
+    files: list[Path] = field(default_factory=list)
+    _safetensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+    _pickle_files: dict[str, Path] = field(default_factory=dict, repr=False)
+    _pickle_cache: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def config_path(self) -> Path | None:
+        candidate = self.path / "config.json" if self.path.is_dir() else None
+        return candidate if candidate is not None and candidate.is_file() else None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._safetensors[n].nbytes for n in self._safetensors) if self._safetensors else 0
+
+    def location(self, name: str) -> TensorInfo | None:
+        """The safetensors location of ``name`` (``None`` for pickle checkpoints)."""
+        return self._safetensors.get(name)
+
+    def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
+        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype."""
+        if self.format == "safetensors":
+            return reader.read_rows(self._safetensors[name], start, stop)
+        file = self._pickle_files[name]
+        if file not in self._pickle_cache:
+            self._pickle_cache.clear()
+            self._pickle_cache[file] = _load_pickle(file, self.role)
+        tensor = self._pickle_cache[file][name]
+        if tensor.dim() == 0:
+            return tensor.clone()
+        return tensor[start:stop].clone()
+
+
+def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) -> Checkpoint:
+    """Open a checkpoint directory and read every tensor's metadata.
+
+    Args:
+        path: A Hugging Face model directory (``model.safetensors``, or shards with ``model.safetensors.index.json``)
+            or a single ``.safetensors`` file.
+        role: How error messages refer to this input.
+        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
+
+    Returns:
+        The opened :class:`Checkpoint`.
+
+    Raises:
+        CheckpointError: with the path and role, if the input is missing, not a checkpoint, or corrupt.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{role}: {path} does not exist (ram_trl reads local checkpoints; download it first)")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{role}: {path} is a file but not a .safetensors file")
+        return _from_safetensors_files(path.parent, role, [path])
+    index = path / SAFE_INDEX
+    if index.is_file():
+        return _from_index(path, role, index)
+    single = path / SAFE_SINGLE
+    if single.is_file():
+        return _from_safetensors_files(path, role, [single])
+    if (path / "adapter_config.json").is_file():
+        raise CheckpointError(
+            f"{role}: {path} is a PEFT adapter directory (adapter_config.json); LoRA agents are not supported "
+            "by this version: merge the adapter into its base first (PeftModel.merge_and_unload) and save it"
+        )
+    pickles = [path / PICKLE_INDEX, path / PICKLE_SINGLE]
+    if any(p.is_file() for p in pickles):
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{role}: {path} holds only pickle checkpoints (pytorch_model*.bin). Pickle files can run "
+                "arbitrary code when loaded; convert the model to safetensors (save_pretrained with "
+                "safe_serialization=True), or pass --allow-pickle (allow_pickle=True) to load it with "
+                "torch.load(weights_only=True)"
+            )
+        return _from_pickle(path, role)
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return _from_safetensors_files(path, role, others)
+    raise CheckpointError(
+        f"{role}: {path} is not a checkpoint directory (no {SAFE_SINGLE}, {SAFE_INDEX} or *.safetensors files)"
+    )
+
+
+def _from_index(path: Path, role: str, index: Path) -> Checkpoint:
+    try:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{role}: {index} is not a valid safetensors index ({exc})") from exc
+    files = sorted({path / f for f in weight_map.values()})
+    headers: dict[Path, dict[str, TensorInfo]] = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{role}: shard {file} listed in {index.name} is missing")
+        headers[file] = _read_header(file, role)
+    infos: dict[str, TensorInfo] = {}
+    for name, file_name in weight_map.items():
+        file = path / file_name
+        if name not in headers[file]:
+            raise CheckpointError(f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it")
+        infos[name] = headers[file][name]
+    return _checkpoint(path, role, infos, files)
+
+
+def _from_safetensors_files(path: Path, role: str, files: list[Path]) -> Checkpoint:
+    infos: dict[str, TensorInfo] = {}
+    for file in files:
+        for name, info in _read_header(file, role).items():
+            if name in infos:
+                raise CheckpointError(f"{role}: tensor {name!r} appears in both {infos[name].file} and {file}")
+            infos[name] = info
+    return _checkpoint(path, role, infos, files)
+
+
+def _read_header(file: Path, role: str) -> dict[str, TensorInfo]:
+    try:
+        tensors, _ = read_safetensors_header(file)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{role}: {exc}") from exc
+    return tensors
+
+
+def _checkpoint(path: Path, role: str, infos: dict[str, TensorInfo], files: list[Path]) -> Checkpoint:
+    metas = {n: TensorMeta(n, i.dtype, i.shape) for n, i in infos.items()}
+    return Checkpoint(path=path, role=role, tensors=metas, format="safetensors", files=files, _safetensors=infos)
+
+
+def _load_pickle(file: Path, role: str) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types for corrupt pickles
+        raise CheckpointError(f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})") from exc
+
+
+def _from_pickle(path: Path, role: str) -> Checkpoint:
+    warnings.warn(
+        f"{role}: loading pickle checkpoint {path} (--allow-pickle); memory is bounded by one .bin file, not by "
+        "one tensor",
+        stacklevel=3,
+    )
+    index = path / PICKLE_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        file_of = {name: path / f for name, f in weight_map.items()}
+    else:
+        file_of = None
+    files = sorted(set(file_of.values())) if file_of else [path / PICKLE_SINGLE]
+    metas: dict[str, TensorMeta] = {}
+    pickle_files: dict[str, Path] = {}
+    for file in files:
+        state = _load_pickle(file, role)
+        for name, tensor in state.items():
+            metas[name] = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
+            pickle_files[name] = file
+        del state
+    return Checkpoint(path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files)

@@ -1,0 +1,293 @@
+"""Bounded-memory reading and writing of safetensors files.
+
+The merge reads inputs one row range at a time and writes outputs one chunk at a time, so neither side ever holds
+a whole model. Reading uses positioned reads (no memory map), which keeps the resident set of the process equal to
+the buffers it actually uses; writing lays out a shard's header up front (the plan knows every output tensor's
+name, shape and dtype), then appends the data in order.
+
+The file format (https://github.com/huggingface/safetensors) is: an 8-byte little-endian header length ``n``, ``n``
+bytes of JSON mapping tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
+the end of the header) plus an optional ``"__metadata__"`` string map, then the tensor bytes, row-major,
+little-endian.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ram_trl.errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def dtype_itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a safetensors file.
+
+    Args:
+        name: Tensor name as stored.
+        dtype: Stored torch dtype.
+        shape: Stored shape.
+        file: Path of the file holding it.
+        begin: Absolute byte offset of the first element in the file.
+        end: Absolute byte offset one past the last element.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row (per index of the first dimension); 1 for 0-d and 1-d tensors."""
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate a safetensors header without reading tensor data.
+
+    Args:
+        path: The ``.safetensors`` file.
+
+    Returns:
+        A tuple ``(tensors, metadata)``: tensor name to :class:`TensorInfo`, and the ``__metadata__`` map.
+
+    Raises:
+        CheckpointError: if the file is missing, truncated, or its header is malformed or inconsistent.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({exc.strerror})") from exc
+    if size < 8:
+        raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes; truncated or empty)")
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        if header_len == 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: corrupt or truncated safetensors file (header claims {header_len} bytes, "
+                f"file has {size} bytes)"
+            )
+        raw = handle.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype_name = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from exc
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        expected = math.prod(shape) * dtype_itemsize(dtype)
+        if end - begin != expected or begin < 0:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor {name!r} spans {end - begin} bytes, "
+                f"its shape {list(shape)} and dtype {dtype_name} need {expected}"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, "
+                f"the file has {size} bytes"
+            )
+        tensors[name] = TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+class RowReader:
+    """Positioned reads of row ranges from safetensors files, with a small cache of open file handles."""
+
+    def __init__(self, max_open_files: int = 64) -> None:
+        self._handles: dict[Path, int] = {}
+        self._max_open = max_open_files
+
+    def _fd(self, path: Path) -> int:
+        fd = self._handles.get(path)
+        if fd is None:
+            if len(self._handles) >= self._max_open:
+                old_path, old_fd = next(iter(self._handles.items()))
+                os.close(old_fd)
+                del self._handles[old_path]
+            fd = os.open(path, os.O_RDONLY)
+            self._handles[path] = fd
+        return fd
+
+    def read_rows(self, info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype.
+
+        Args:
+            info: The tensor's location.
+            start: First row (default 0).
+            stop: One past the last row (default: all rows).
+
+        Returns:
+            A new tensor of shape ``(stop - start, *info.shape[1:])`` (or ``info.shape`` for 0-d tensors).
+        """
+        if not info.shape:
+            start, stop = 0, 1
+        start = 0 if start is None else start
+        stop = info.num_rows if stop is None else stop
+        row_bytes = info.row_numel * dtype_itemsize(info.dtype)
+        offset = info.begin + start * row_bytes
+        nbytes = (stop - start) * row_bytes
+        buffer = bytearray(nbytes)
+        fd = self._fd(info.file)
+        view = memoryview(buffer)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}")
+            done += got
+        shape = info.shape[1:] if info.shape else ()
+        rows = (stop - start,) if info.shape else ()
+        if nbytes == 0:
+            return torch.empty(rows + shape, dtype=info.dtype)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        return flat.view(info.dtype).reshape(rows + shape)
+
+    def close(self) -> None:
+        for fd in self._handles.values():
+            os.close(fd)
+        self._handles.clear()
+
+    def __enter__(self) -> RowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """An output tensor whose name, dtype and shape are known before its data is computed."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+
+
+class ShardWriter:
+    """Write one safetensors file whose header is fixed up front, appending tensor data chunk by chunk.
+
+    Tensors must be written in the order given, each as one or more contiguous row chunks. :meth:`close` checks
+    that every byte promised by the header was written.
+
+    Args:
+        path: Output file path.
+        tensors: The tensors of this shard, in file order.
+        metadata: The ``__metadata__`` string map (``{"format": "pt"}`` is what transformers expects).
+    """
+
+    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self._tensors = tensors
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        self._ends: list[int] = []
+        for tensor in tensors:
+            header[tensor.name] = {
+                "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + tensor.nbytes],
+            }
+            offset += tensor.nbytes
+            self._ends.append(offset)
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-len(encoded) % 8)
+        self._handle = open(self.path, "wb")
+        self._handle.write(struct.pack("<Q", len(encoded)))
+        self._handle.write(encoded)
+        self._written = 0
+        self._index = 0
+        self.total_bytes = offset
+
+    def write(self, name: str, chunk: torch.Tensor) -> None:
+        """Append the next row chunk of tensor ``name`` (which must be the tensor currently being written)."""
+        if self._index >= len(self._tensors) or self._tensors[self._index].name != name:
+            expected = self._tensors[self._index].name if self._index < len(self._tensors) else "<none>"
+            raise RuntimeError(f"{self.path}: wrote {name!r} out of order (expected {expected!r})")
+        planned = self._tensors[self._index]
+        if chunk.dtype != planned.dtype:
+            raise RuntimeError(f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}")
+        data = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        if data.numel():
+            self._handle.write(data.numpy())
+        self._written += data.numel()
+        if self._written > self._ends[self._index]:
+            raise RuntimeError(f"{self.path}: tensor {name!r} received more data than its shape holds")
+        if self._written == self._ends[self._index]:
+            self._index += 1
+
+    def close(self) -> None:
+        """Flush and close; raises if any planned tensor is incomplete."""
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        if self._written != self.total_bytes:
+            raise RuntimeError(
+                f"{self.path}: incomplete shard ({self._written} of {self.total_bytes} data bytes written)"
+            )
+
+    def abort(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()

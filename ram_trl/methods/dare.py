@@ -1,0 +1,75 @@
+"""DARE: drop a fraction ``p`` of every task vector's elements at random and rescale survivors by ``1 / (1 - p)``.
+
+The random keep/drop decision of element ``i`` of a tensor is a pure function of ``(seed, tensor name, agent index,
+i)`` (a counter-based hash, not a stateful generator), so the result does not depend on the order tensors are merged
+in, on how they are chunked, or on how many processes run the merge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def dare_key(seed: int, tensor_name: str, agent_index: int) -> tuple[int, int]:
+    """Two 32-bit keys for the hash stream of one (tensor, agent) pair."""
+    digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{agent_index}".encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    return value & _MASK32, value >> 32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # A 32-bit integer finaliser (low-bias multiply-xorshift) on int64 holding values below 2**32. Products may wrap
+    # in int64; their low 32 bits, all that is kept, are exact.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def hashed_uniform(key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform floats in ``[0, 1)`` for flat element indices ``start .. start + count - 1`` of one key's stream.
+
+    Args:
+        key: From :func:`dare_key`.
+        start: Flat index of the first element.
+        count: Number of elements.
+        device: Where to compute.
+
+    Returns:
+        A float32 tensor of shape ``(count,)``, multiples of ``2**-24``.
+    """
+    index = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    x = _mix32((index & _MASK32) ^ key[0])
+    x = _mix32(x ^ (index >> 32) ^ key[1])
+    return (x >> 8).to(torch.float32) * (2.0**-24)
+
+
+def dare_drop(
+    delta: torch.Tensor, density: float, key: tuple[int, int], start: int, rescale: bool = True
+) -> torch.Tensor:
+    """Randomly keep each element with probability ``density = 1 - p``; rescale survivors by ``1 / density``.
+
+    Args:
+        delta: A chunk of one agent's task vector (any shape), float32. Modified in place.
+        density: Keep probability ``1 - p``; ``>= 1`` keeps everything.
+        key: The (tensor, agent) hash key from :func:`dare_key`.
+        start: Flat index (within the whole tensor) of the chunk's first element.
+        rescale: Multiply survivors by ``1 / density`` (the DARE paper's rescale).
+
+    Returns:
+        The chunk, modified in place.
+    """
+    if density >= 1:
+        return delta
+    if density <= 0:
+        return delta.zero_()
+    keep = hashed_uniform(key, start, delta.numel(), delta.device).reshape(delta.shape) < density
+    delta.mul_(keep)
+    if rescale:
+        delta.div_(density)
+    return delta

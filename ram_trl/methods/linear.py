@@ -1,0 +1,64 @@
+"""Weighted sums of task vectors: task arithmetic and linear (weighted average) merging.
+
+Products are taken element by element and summed in agent order (no matrix multiply), so results are the same on
+every device and never go through reduced-precision matmul paths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def weighted_sum(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_t w_t * tau_t`` for task vectors of shape ``(num_agents, n)`` and weights of shape ``(num_agents,)``."""
+    return (deltas * weights.to(deltas.dtype).unsqueeze(-1)).sum(dim=0)
+
+
+def task_arithmetic(
+    deltas: torch.Tensor, weights: torch.Tensor, scale: float = 1.0, normalize: bool = False
+) -> torch.Tensor:
+    """Task arithmetic: ``lambda * sum_t w_t tau_t`` (optionally divided by ``sum_t w_t``).
+
+    Args:
+        deltas: Float32 task vectors, shape ``(num_agents, n)``.
+        weights: Per-agent weights ``w_t``.
+        scale: The global scaling term ``lambda``.
+        normalize: Divide by the sum of weights (left as is when that sum is below 1e-8 in magnitude, as mergekit).
+
+    Returns:
+        The merged task vector, shape ``(n,)``.
+    """
+    merged = weighted_sum(deltas, weights)
+    if normalize:
+        total = float(weights.sum())
+        if abs(total) >= 1e-8:
+            merged.div_(total)
+    if scale != 1.0:
+        merged.mul_(scale)
+    return merged
+
+
+def linear(deltas: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """Linear merging (a weighted average of the models), returned as a task vector on ``base``.
+
+    With ``normalize`` the result is ``sum_t w_t theta_t / sum_t w_t``, i.e. ``base + sum_t w_t tau_t / sum_t w_t``.
+    Without it, ``sum_t w_t theta_t = base + sum_t w_t tau_t + (sum_t w_t - 1) * base``.
+
+    Args:
+        deltas: Float32 task vectors, shape ``(num_agents, n)``.
+        base: Float32 base values, shape ``(n,)``.
+        weights: Per-model weights.
+        normalize: Divide by the sum of weights.
+
+    Returns:
+        The merged task vector, shape ``(n,)``.
+    """
+    merged = weighted_sum(deltas, weights)
+    total = float(weights.sum())
+    if normalize:
+        if abs(total) < 1e-8:
+            raise ValueError("linear merge with normalize: the weights sum to zero")
+        return merged.div_(total)
+    if total != 1.0:
+        merged.add_(base, alpha=total - 1.0)
+    return merged

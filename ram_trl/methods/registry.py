@@ -1,0 +1,354 @@
+"""Merge methods registered by name, with their parameters and what the engine must prepare for them.
+
+Each method is a thin adapter from a :class:`ChunkInputs` to the pure tensor functions of its family module
+(:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`, :mod:`~ram_trl.methods.ties`,
+:mod:`~ram_trl.methods.dare`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ram_trl.methods import dare, linear, ram, ties
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A method parameter.
+
+    Args:
+        name: Name in the config.
+        kind: Python type of the value (``float``, ``bool`` or ``str``).
+        default: Value when the config omits it.
+        scope: ``"global"`` (top-level ``parameters``) or ``"agent"`` (each entry of ``models``).
+        help: One line for docs and errors.
+        choices: Allowed values for ``str`` parameters.
+        minimum: Inclusive lower bound for numbers.
+        maximum: Inclusive upper bound for numbers.
+        aliases: Other accepted names (mergekit's, e.g. ``epsilon`` for ``eps``).
+    """
+
+    name: str
+    kind: type
+    default: Any
+    scope: Literal["global", "agent"]
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class ChunkInputs:
+    """Everything a method sees when merging one row chunk of one tensor.
+
+    Args:
+        name: The tensor's name.
+        start: Flat index (within the tensor) of the chunk's first element.
+        deltas: Float32 task vectors, shape ``(num_agents, n)``; methods may modify them in place.
+        base: Float32 base values, shape ``(n,)``.
+        params: Global parameter values.
+        agent_params: Per-agent parameter values for this tensor, each a float32 tensor of shape ``(num_agents,)``.
+        lambdas: Per-agent RAM rescale factors for this tensor (methods that need statistics).
+        cuts: Per-agent magnitude cuts for this tensor (methods that trim by magnitude).
+        equal_seen: Per-agent count of threshold-equal elements in earlier chunks of this tensor (updated in place).
+        seed: The merge's random seed.
+    """
+
+    name: str
+    start: int
+    deltas: torch.Tensor
+    base: torch.Tensor
+    params: dict[str, Any]
+    agent_params: dict[str, torch.Tensor]
+    lambdas: list[float] | None = None
+    cuts: list[ties.MagnitudeCut] | None = None
+    equal_seen: list[int] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """A registered merge method.
+
+    Args:
+        name: Canonical name.
+        pretty_name: Name for model cards.
+        description: One line.
+        parameters: Accepted parameters.
+        merge: Computes the merged task vector of one chunk.
+        needs_statistics: Whether global overlap statistics (a full pass over the inputs) must precede merging.
+        trims_by_magnitude: Whether each tensor needs a per-agent magnitude cut before merging.
+        reference: Paper URL.
+    """
+
+    name: str
+    pretty_name: str
+    description: str
+    parameters: tuple[Parameter, ...]
+    merge: Callable[[ChunkInputs], torch.Tensor]
+    needs_statistics: bool = False
+    trims_by_magnitude: bool = False
+    reference: str = ""
+
+    def parameter(self, name: str) -> Parameter | None:
+        for parameter in self.parameters:
+            if name == parameter.name or name in parameter.aliases:
+                return parameter
+        return None
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Another name for a method, optionally with different parameter defaults (e.g. mergekit's ``ramplus_tl``)."""
+
+    method: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+_METHODS: dict[str, MergeMethod] = {}
+_ALIASES: dict[str, Alias] = {}
+
+
+def register(method: MergeMethod, aliases: dict[str, Alias] | None = None) -> MergeMethod:
+    """Make ``method`` (and its aliases) available by name."""
+    for name in [method.name, *(aliases or {})]:
+        if name in _METHODS or name in _ALIASES:
+            raise ValueError(f"merge method name {name!r} is already registered")
+    _METHODS[method.name] = method
+    _ALIASES.update(aliases or {})
+    return method
+
+
+def resolve_method(name: str) -> tuple[MergeMethod, dict[str, Any]]:
+    """Look a method up by canonical name or alias.
+
+    Returns:
+        ``(method, default_overrides)``: the method and the parameter defaults the alias implies.
+
+    Raises:
+        KeyError: with the list of known names.
+    """
+    key = name.strip().lower()
+    if key in _METHODS:
+        return _METHODS[key], {}
+    if key in _ALIASES:
+        alias = _ALIASES[key]
+        return _METHODS[alias.method], dict(alias.defaults)
+    raise KeyError(name)
+
+
+def method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def alias_names() -> dict[str, Alias]:
+    return dict(_ALIASES)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameters shared by several methods
+
+_EPS = Parameter(
+    "eps", float, ram.DEFAULT_EPS, "global", "activity threshold: |tau| > eps (strict)", minimum=0.0,
+    aliases=("epsilon",),
+)
+_RHO_SCOPE = Parameter(
+    "rho_scope", str, "global", "global",
+    "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
+    choices=("global", "tensor"),
+)
+_R = Parameter("r", float, 0.1, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0)
+_ALPHA = Parameter("alpha", float, 2.0, "global", "clip bound alpha of rho_t", minimum=0.0)
+_LAMBDA = Parameter("lambda", float, 1.0, "global", "global scaling term applied to the merged task vector")
+_WEIGHT = Parameter("weight", float, 1.0, "agent", "per-agent weight w_t")
+_DENSITY = Parameter(
+    "density", float, 1.0, "agent", "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)",
+    minimum=0.0, maximum=1.0,
+)
+_INT8_MASK = Parameter("int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect")
+
+
+def _ram_lambdas(inputs: ChunkInputs) -> list[float]:
+    if inputs.lambdas is None:
+        raise RuntimeError(f"{inputs.name}: RAM needs overlap statistics before merging")
+    return inputs.lambdas
+
+
+def _merge_ram(inputs: ChunkInputs) -> torch.Tensor:
+    return ram.ram_merge(inputs.deltas, _ram_lambdas(inputs), inputs.params["eps"])
+
+
+def _merge_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor:
+    return linear.task_arithmetic(
+        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
+    )
+
+
+def _merge_linear(inputs: ChunkInputs) -> torch.Tensor:
+    return linear.linear(inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"])
+
+
+def _trim(inputs: ChunkInputs) -> None:
+    assert inputs.cuts is not None
+    for t, cut in enumerate(inputs.cuts):
+        _, equal = ties.magnitude_trim(inputs.deltas[t], cut, inputs.equal_seen[t])
+        inputs.equal_seen[t] += equal
+
+
+def _merge_ties(inputs: ChunkInputs) -> torch.Tensor:
+    _trim(inputs)
+    return ties.disjoint_merge(
+        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
+    )
+
+
+def _drop(inputs: ChunkInputs) -> None:
+    densities = inputs.agent_params["density"].tolist()
+    for t, density in enumerate(densities):
+        key = dare.dare_key(inputs.seed, inputs.name, t)
+        dare.dare_drop(inputs.deltas[t], density, key, inputs.start, inputs.params["rescale"])
+
+
+def _merge_dare_linear(inputs: ChunkInputs) -> torch.Tensor:
+    _drop(inputs)
+    return _merge_task_arithmetic(inputs)
+
+
+def _merge_dare_ties(inputs: ChunkInputs) -> torch.Tensor:
+    _drop(inputs)
+    return ties.disjoint_merge(
+        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
+    )
+
+
+RAM_REFERENCE = "https://arxiv.org/abs/2601.13572"
+
+register(
+    MergeMethod(
+        name="ram",
+        pretty_name="Reinforced Agent Merging (RAM)",
+        description="mean of shared elements, unique elements kept at full magnitude",
+        parameters=(_EPS, _RHO_SCOPE),
+        merge=lambda inputs: ram.ram_merge(inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"]),
+        reference=RAM_REFERENCE,
+    )
+)
+register(
+    MergeMethod(
+        name="ram_plus",
+        pretty_name="Reinforced Agent Merging Plus (RAM+)",
+        description="RAM with unique elements rescaled by lambda_t = 1 + r * clip(rho_t, 0, alpha)",
+        parameters=(_EPS, _R, _ALPHA, _RHO_SCOPE),
+        merge=_merge_ram,
+        needs_statistics=True,
+        reference=RAM_REFERENCE,
+    ),
+    aliases={
+        "ramplus": Alias("ram_plus"),
+        "ram+": Alias("ram_plus"),
+        "ramplus_tl": Alias(
+            "ram_plus",
+            {"rho_scope": "tensor", "alpha": 0.2},
+            "mergekit's tensor-local RAM+: rho per tensor, alpha default 0.2",
+        ),
+    },
+)
+register(
+    MergeMethod(
+        name="ram_plus_soft",
+        pretty_name="Reinforced Agent Merging Plus, soft saturation (RAM+s)",
+        description="RAM with unique elements rescaled by lambda_t = 1 + r * rho_t / (1 + rho_t)",
+        parameters=(_EPS, _R, _RHO_SCOPE),
+        merge=_merge_ram,
+        needs_statistics=True,
+        reference=RAM_REFERENCE,
+    ),
+    aliases={"ramplus_soft": Alias("ram_plus_soft"), "ram+s": Alias("ram_plus_soft"), "rams": Alias("ram_plus_soft")},
+)
+register(
+    MergeMethod(
+        name="task_arithmetic",
+        pretty_name="Task Arithmetic",
+        description="lambda * sum_t w_t tau_t",
+        parameters=(
+            _LAMBDA,
+            Parameter("normalize", bool, False, "global", "divide by the sum of weights"),
+            _WEIGHT,
+            _INT8_MASK,
+        ),
+        merge=_merge_task_arithmetic,
+        reference="https://arxiv.org/abs/2212.04089",
+    ),
+    aliases={"ta": Alias("task_arithmetic")},
+)
+register(
+    MergeMethod(
+        name="ties",
+        pretty_name="TIES",
+        description="per-tensor magnitude trim, sign election by sum, disjoint mean",
+        parameters=(
+            _LAMBDA,
+            Parameter("normalize", bool, True, "global", "disjoint mean (divide by the agreeing weights)"),
+            _WEIGHT,
+            _DENSITY,
+            _INT8_MASK,
+        ),
+        merge=_merge_ties,
+        trims_by_magnitude=True,
+        reference="https://arxiv.org/abs/2306.01708",
+    ),
+)
+_DARE_RESCALE = Parameter("rescale", bool, True, "global", "rescale survivors by 1 / density (= 1 / (1 - p))")
+register(
+    MergeMethod(
+        name="dare_linear",
+        pretty_name="DARE + Task Arithmetic",
+        description="random drop (p = 1 - density), rescale 1/(1-p), then task arithmetic",
+        parameters=(
+            _LAMBDA,
+            Parameter("normalize", bool, False, "global", "divide by the sum of weights"),
+            _DARE_RESCALE,
+            _WEIGHT,
+            _DENSITY,
+            _INT8_MASK,
+        ),
+        merge=_merge_dare_linear,
+        reference="https://arxiv.org/abs/2311.03099",
+    ),
+    aliases={"dare_ta": Alias("dare_linear")},
+)
+register(
+    MergeMethod(
+        name="dare_ties",
+        pretty_name="DARE + TIES",
+        description="random drop (p = 1 - density), rescale 1/(1-p), then sign election and disjoint sum/mean",
+        parameters=(
+            _LAMBDA,
+            Parameter("normalize", bool, False, "global", "disjoint mean (divide by the agreeing weights)"),
+            _DARE_RESCALE,
+            _WEIGHT,
+            _DENSITY,
+            _INT8_MASK,
+        ),
+        merge=_merge_dare_ties,
+        reference="https://arxiv.org/abs/2311.03099",
+    ),
+)
+register(
+    MergeMethod(
+        name="linear",
+        pretty_name="Linear (weighted average)",
+        description="sum_t w_t theta_t / sum_t w_t",
+        parameters=(Parameter("normalize", bool, True, "global", "divide by the sum of weights"), _WEIGHT),
+        merge=_merge_linear,
+        reference="https://arxiv.org/abs/2203.05482",
+    ),
+    aliases={"average": Alias("linear"), "model_soup": Alias("linear")},
+)

@@ -1,0 +1,327 @@
+"""Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory.
+
+The plan is built from checkpoint headers alone and checks every tensor of every input (presence, shape, dtype)
+before any tensor data is read.
+
+Memory model. A chunk of ``n`` elements with ``N`` agents keeps at most ``n * bytes_per_element(N)`` bytes of
+buffers alive (float32 task vectors and their products, the float32 base, raw reads, masks and the result).
+:func:`chunk_elements` sizes chunks so that this stays under ``chunk_budget``. Methods that trim by magnitude (TIES)
+also hold one whole tensor's float32 task vector and magnitudes while finding the cut. So the peak resident memory
+of a merge is about::
+
+    interpreter and libraries (~0.3-0.5 GB)
+    + chunk_budget
+    + (TIES only) 12 bytes * largest tensor's element count
+
+and does not grow with the number of tensors or the model's size beyond its largest tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.io.checkpoint import Checkpoint, TensorMeta
+from ram_trl.io.safetensors_io import dtype_itemsize
+
+DEFAULT_CHUNK_BUDGET = 256 * 1024**2
+DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
+PROCESS_BASELINE_BYTES = 450 * 1024**2
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+_UNITS.update({"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3})
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size such as ``"5GB"``, ``"500MiB"`` or ``1048576``."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    unit = (match.group(2) or "").upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"cannot parse size {value!r}; write e.g. 5GB, 500MB or 256MiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(num: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(num) < 1000 or unit == "TB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
+        num /= 1000
+    raise AssertionError
+
+
+def bytes_per_element(num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:
+    """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents.
+
+    Counts: float32 task vectors (``4N``), one temporary of the same size for weighted products (``4N``), masks
+    (``2N``), the float32 base and one float32 agent row being converted (8), raw reads of the base and one agent
+    (``2 * in_itemsize``), float32 result and two float32 accumulators (12), and the cast output (``out_itemsize``).
+    """
+    return 10 * num_agents + 20 + 2 * in_itemsize + out_itemsize
+
+
+def chunk_elements(budget: int, num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:
+    """Largest chunk (in elements) whose buffers fit in ``budget`` bytes."""
+    return max(1, budget // bytes_per_element(num_agents, in_itemsize, out_itemsize))
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One output tensor.
+
+    Args:
+        name: Tensor name.
+        base: The base tensor's metadata.
+        out_dtype: Output dtype.
+        out_rows: Rows of the output (more than the base's when an agent resized a vocabulary).
+        agent_rows: Rows each agent holds.
+        floating: Whether the tensor is merged (floating point) or copied from the base.
+        rows_per_chunk: Rows read and merged at once.
+    """
+
+    name: str
+    base: TensorMeta
+    out_dtype: torch.dtype
+    out_rows: int
+    agent_rows: tuple[int, ...]
+    floating: bool
+    rows_per_chunk: int
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        if not self.base.shape:
+            return ()
+        return (self.out_rows, *self.base.shape[1:])
+
+    @property
+    def base_rows(self) -> int:
+        return self.base.shape[0] if self.base.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.base.shape[1:]) if len(self.base.shape) > 1 else 1
+
+    @property
+    def out_numel(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def out_bytes(self) -> int:
+        return self.out_numel * dtype_itemsize(self.out_dtype)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Row ranges ``(start, stop)`` to process, split at the base's row count (rows past it are extra rows)."""
+        ranges: list[tuple[int, int]] = []
+        for lo, hi in ((0, self.base_rows), (self.base_rows, self.out_rows)):
+            for start in range(lo, hi, self.rows_per_chunk):
+                ranges.append((start, min(hi, start + self.rows_per_chunk)))
+        return ranges or [(0, 0)]
+
+
+@dataclass
+class ShardPlan:
+    """One output safetensors file and the tensors it holds, in order."""
+
+    file_name: str
+    tasks: list[TensorTask]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.out_bytes for t in self.tasks)
+
+
+@dataclass
+class MergePlan:
+    """Everything the merge will do, known before it reads a tensor.
+
+    Args:
+        tasks: Output tensors in write order.
+        shards: Output files.
+        num_agents: Agents merged.
+        chunk_budget: Bytes allowed for one chunk's buffers.
+        passes: Reads of every input (2 when global statistics precede the merge).
+        input_bytes: Bytes of base and agents read per pass.
+        trims_by_magnitude: Whether TIES cuts are computed (one extra read of each agent per tensor).
+    """
+
+    tasks: list[TensorTask]
+    shards: list[ShardPlan]
+    num_agents: int
+    chunk_budget: int
+    passes: int
+    input_bytes: int
+    trims_by_magnitude: bool
+    resized: list[str] = field(default_factory=list)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def bytes_read(self) -> int:
+        total = self.input_bytes * self.passes
+        if self.trims_by_magnitude:
+            total += sum(
+                t.base.numel * dtype_itemsize(t.base.dtype) * (self.num_agents + 1) for t in self.tasks if t.floating
+            )
+        return total
+
+    @property
+    def largest_tensor_numel(self) -> int:
+        return max((t.out_numel for t in self.tasks), default=0)
+
+    def largest_chunk_bytes(self) -> int:
+        """The largest chunk's buffer estimate (what :func:`bytes_per_element` bounds)."""
+        worst = 0
+        for task in self.tasks:
+            rows = min(task.rows_per_chunk, max(task.out_rows, 1))
+            elements = rows * task.row_numel
+            per = bytes_per_element(self.num_agents, dtype_itemsize(task.base.dtype), dtype_itemsize(task.out_dtype))
+            worst = max(worst, elements * per)
+        return worst
+
+    def peak_memory_estimate(self) -> int:
+        """Estimated peak resident memory of the whole process (see the module docstring)."""
+        peak = PROCESS_BASELINE_BYTES + self.largest_chunk_bytes()
+        if self.trims_by_magnitude:
+            peak += 12 * self.largest_tensor_numel
+        return peak
+
+
+def build_plan(
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    *,
+    out_dtype: torch.dtype | None,
+    shape_mismatch: str,
+    needs_statistics: bool,
+    trims_by_magnitude: bool,
+    chunk_budget: int = DEFAULT_CHUNK_BUDGET,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> MergePlan:
+    """Check all inputs against the base and plan the merge.
+
+    Args:
+        base: The base checkpoint.
+        agents: Agent checkpoints, in config order.
+        out_dtype: Output dtype of floating tensors (``None``: the base tensor's dtype).
+        shape_mismatch: ``"error"`` or ``"merge_common_rows"``.
+        needs_statistics: Whether a statistics pass precedes the merge.
+        trims_by_magnitude: Whether the method computes per-tensor magnitude cuts.
+        chunk_budget: Bytes allowed for one chunk's buffers.
+        max_shard_size: Largest output file (a tensor larger than this gets a shard of its own).
+
+    Returns:
+        The :class:`MergePlan`.
+
+    Raises:
+        CheckpointError: naming the tensor, the agent and the file for a missing tensor, an extra tensor, a shape
+            mismatch or a non-floating agent tensor.
+    """
+    num_agents = len(agents)
+    for agent in agents:
+        extra = sorted(set(agent.tensors) - set(base.tensors))
+        if extra:
+            more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+            raise CheckpointError(
+                f"{agent.role}: tensor {extra[0]!r}{more} is not in the base model ({base.path}); is this agent "
+                "derived from this base (same architecture and vocabulary)?"
+            )
+    tasks: list[TensorTask] = []
+    resized: list[str] = []
+    names = sorted(base.tensors, key=lambda n: _storage_order(base, n))
+    for name in names:
+        meta = base.tensors[name]
+        floating = meta.dtype.is_floating_point
+        rows = []
+        for agent in agents:
+            other = agent.tensors.get(name)
+            if other is None:
+                raise CheckpointError(
+                    f"{agent.role}: tensor {name!r} of the base model is missing in {agent.path}"
+                )
+            if floating and not other.dtype.is_floating_point:
+                raise CheckpointError(
+                    f"{agent.role}: tensor {name!r} has dtype {other.dtype} in {agent.path}, the base has {meta.dtype}"
+                )
+            if other.shape != meta.shape:
+                resizable = (
+                    shape_mismatch == "merge_common_rows"
+                    and len(other.shape) == len(meta.shape) >= 1
+                    and other.shape[1:] == meta.shape[1:]
+                    and floating
+                )
+                if not resizable:
+                    hint = (
+                        " (rows differ only: set shape_mismatch: merge_common_rows for resized vocabularies)"
+                        if len(other.shape) == len(meta.shape) >= 1 and other.shape[1:] == meta.shape[1:]
+                        else ""
+                    )
+                    raise CheckpointError(
+                        f"{agent.role}: tensor {name!r} has shape {list(other.shape)} in {agent.path}, the base "
+                        f"{base.path} has {list(meta.shape)}{hint}"
+                    )
+            rows.append(other.shape[0] if other.shape else 1)
+        base_rows = meta.shape[0] if meta.shape else 1
+        out_rows = max([base_rows, *rows])
+        if out_rows != base_rows:
+            resized.append(name)
+        dtype = out_dtype if (out_dtype is not None and floating) else meta.dtype
+        row_numel = math.prod(meta.shape[1:]) if len(meta.shape) > 1 else 1
+        in_size = max([dtype_itemsize(meta.dtype)] + [dtype_itemsize(a.tensors[name].dtype) for a in agents])
+        elements = chunk_elements(chunk_budget, num_agents, in_size, dtype_itemsize(dtype))
+        rows_per_chunk = max(1, elements // max(row_numel, 1))
+        tasks.append(
+            TensorTask(
+                name=name,
+                base=meta,
+                out_dtype=dtype,
+                out_rows=out_rows,
+                agent_rows=tuple(rows),
+                floating=floating,
+                rows_per_chunk=rows_per_chunk,
+            )
+        )
+    shards = plan_shards(tasks, max_shard_size)
+    input_bytes = sum(t.base.numel * dtype_itemsize(t.base.dtype) for t in tasks) + sum(
+        sum(m.numel * dtype_itemsize(m.dtype) for m in agent.tensors.values()) for agent in agents
+    )
+    return MergePlan(
+        tasks=tasks,
+        shards=shards,
+        num_agents=num_agents,
+        chunk_budget=chunk_budget,
+        passes=2 if needs_statistics else 1,
+        input_bytes=input_bytes,
+        trims_by_magnitude=trims_by_magnitude,
+        resized=resized,
+    )
+
+
+def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]:
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, named as transformers names them."""
+    groups: list[list[TensorTask]] = [[]]
+    size = 0
+    for task in tasks:
+        if groups[-1] and size + task.out_bytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(task)
+        size += task.out_bytes
+    if len(groups) == 1:
+        return [ShardPlan("model.safetensors", groups[0])]
+    total = len(groups)
+    return [ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)]
+
+
+def _storage_order(checkpoint: Checkpoint, name: str) -> tuple[str, int, str]:
+    info = checkpoint.location(name)
+    if info is None:
+        return ("", 0, name)
+    return (str(info.file), info.begin, name)

@@ -1,0 +1,228 @@
+"""Merge reports: the JSON report, the model card, and terminal tables for plans and results."""
+
+from __future__ import annotations
+
+import math
+import platform
+import sys
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+import ram_trl
+from ram_trl.planner import MergePlan, format_bytes
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ram_trl.config import ResolvedConfig
+    from ram_trl.engine import MergeState
+
+
+def _finite(value: float) -> float | str:
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict[str, Any]:
+    """Per-agent lambda_t: one number (global scope) or its spread over tensors (tensor scope)."""
+    if not resolved.method.needs_statistics:
+        return {"lambda": None}
+    if resolved.params.get("rho_scope") != "tensor":
+        assert state.lambdas is not None
+        return {"lambda": state.lambdas[t]}
+    from ram_trl.engine import _lambdas
+
+    values, weights = [], []
+    for stats in state.tensor_stats.values():
+        if stats.unique(t) == 0:
+            continue
+        values.append(_lambdas(resolved, stats)[t])
+        weights.append(stats.unique(t))
+    if not values:
+        return {"lambda": None, "lambda_scope": "tensor"}
+    mean = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+    return {
+        "lambda": mean,
+        "lambda_scope": "tensor",
+        "lambda_min": min(values),
+        "lambda_max": max(values),
+        "lambda_note": "tensor-local: lambda_t varies per tensor; 'lambda' is the mean over unique elements",
+    }
+
+
+def build_report(
+    resolved: ResolvedConfig,
+    plan: MergePlan,
+    state: MergeState,
+    timings: dict[str, float],
+    output_dir: Path,
+) -> dict[str, Any]:
+    """Assemble the merge report (the content of ``ram_merge_report.json``)."""
+    agents = []
+    for t, agent in enumerate(resolved.agents):
+        entry: dict[str, Any] = {
+            "index": agent.index,
+            "name": agent.name,
+            "path": str(agent.path),
+            "kind": "full",
+            "parameters": agent.parameters,
+        }
+        stats = state.stats.as_dict(t)
+        stats["rho"] = _finite(stats["rho"])
+        entry.update(stats)
+        entry.update(_lambda_summary(resolved, state, t))
+        agents.append(entry)
+    params = dict(resolved.params)
+    return {
+        "ram_trl_version": ram_trl.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "merge_method": resolved.method.name,
+        "merge_method_as_written": resolved.method_alias,
+        "method_pretty_name": resolved.method.pretty_name,
+        "reference": resolved.method.reference,
+        "parameters": params,
+        "base_model": str(resolved.base_path),
+        "output_dir": str(output_dir),
+        "num_agents": len(agents),
+        "total_elements": state.stats.numel,
+        "agents": agents,
+        "output": {
+            "dtype": str(resolved.out_dtype).removeprefix("torch.") if resolved.out_dtype else "base",
+            "files": [s.file_name for s in plan.shards],
+            "bytes": plan.output_bytes,
+            "tensors": len(plan.tasks),
+            "resized_tensors": plan.resized,
+        },
+        "arithmetic_dtype": "float32",
+        "seed": resolved.seed,
+        "timings": timings,
+        "bytes_read": state.bytes_read,
+        "warnings": list(state.warnings) + list(resolved.notes),
+        "config": resolved.raw,
+        "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
+    }
+
+
+def model_card(report: dict[str, Any]) -> str:
+    """A Hugging Face model card (README.md) for a merged model."""
+    front = {
+        "base_model": report["base_model"],
+        "library_name": "transformers",
+        "tags": ["merge", "ram_trl", report["merge_method"]],
+    }
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
+    lines.append(f"# Merged model: {report['method_pretty_name']}")
+    lines.append("")
+    lines.append(
+        f"This model was merged with [ram_trl](https://pypi.org/project/ram-trl/) {report['ram_trl_version']} "
+        f"from the base model `{report['base_model']}` and {report['num_agents']} agents using "
+        f"**{report['merge_method']}**"
+        + (f" ([paper]({report['reference']}))" if report["reference"] else "")
+        + ". All arithmetic ran in float32 from the stored weights."
+    )
+    lines += ["", "## Parameters", ""]
+    for key, value in report["parameters"].items():
+        lines.append(f"- `{key}`: {value}")
+    lines += ["", "## Agents", ""]
+    lines.append("| # | agent | kind | density | active | unique | shared | rho | lambda_t |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for agent in report["agents"]:
+        lam = agent.get("lambda")
+        lam_text = "-" if lam is None else f"{lam:.4f}"
+        if agent.get("lambda_scope") == "tensor" and lam is not None:
+            lam_text += f" (per tensor, {agent['lambda_min']:.4f}-{agent['lambda_max']:.4f})"
+        rho = agent["rho"]
+        rho_text = rho if isinstance(rho, str) else f"{rho:.4f}"
+        lines.append(
+            f"| {agent['index']} | `{agent['name']}` | {agent['kind']} | {agent['density']:.4%} | "
+            f"{agent['active']:,} | {agent['unique']:,} | {agent['shared']:,} | {rho_text} | {lam_text} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Counts are over {report['total_elements']:,} elements of the floating-point tensors; an element is active "
+        f"when |tau| > eps = {report['parameters'].get('eps', 1e-5):g}. Unique: updated by this agent only; shared: "
+        "by two or more agents."
+    )
+    if report["warnings"]:
+        lines += ["", "## Warnings", ""]
+        lines += [f"- {w}" for w in report["warnings"]]
+    lines += ["", "## Configuration", "", "```yaml", yaml.safe_dump(report["config"], sort_keys=False).strip(), "```"]
+    lines += ["", f"Output: {len(report['output']['files'])} safetensors file(s), {format_bytes(report['output']['bytes'])}."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
+    """The dry-run result: what the merge would read, write and hold in memory."""
+    return {
+        "dry_run": True,
+        "merge_method": resolved.method.name,
+        "parameters": dict(resolved.params),
+        "agents": [{"name": a.name, "path": str(a.path), "parameters": a.parameters} for a in resolved.agents],
+        "tensors": len(plan.tasks),
+        "merged_tensors": sum(1 for t in plan.tasks if t.floating),
+        "chunked_tensors": sum(1 for t in plan.tasks if len(t.chunks()) > 1),
+        "passes": plan.passes,
+        "bytes_read": plan.bytes_read,
+        "bytes_written": plan.output_bytes,
+        "output_files": [s.file_name for s in plan.shards],
+        "chunk_budget": plan.chunk_budget,
+        "peak_memory_estimate": plan.peak_memory_estimate(),
+        "resized_tensors": plan.resized,
+        "notes": list(resolved.notes),
+    }
+
+
+def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
+    """Print the dry-run plan as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    summary = plan_summary(resolved, plan)
+    table = Table(title=f"Merge plan: {resolved.method.pretty_name} (dry run)", show_header=False)
+    table.add_column("item", style="bold")
+    table.add_column("value")
+    table.add_row("base model", str(resolved.base_path))
+    for agent in resolved.agents:
+        table.add_row(f"agent {agent.index}", f"{agent.name}  {agent.path}")
+    table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in resolved.params.items()) or "-")
+    table.add_row("tensors", f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)")
+    table.add_row("passes over inputs", str(plan.passes))
+    table.add_row("bytes to read", format_bytes(plan.bytes_read))
+    table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")
+    table.add_row("chunk budget", format_bytes(plan.chunk_budget))
+    table.add_row("peak memory estimate", format_bytes(plan.peak_memory_estimate()))
+    for note in resolved.notes:
+        table.add_row("note", note)
+    Console(stderr=True).print(table)
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """Print the per-agent summary table after a merge."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['method_pretty_name']} -> {report['output_dir']}")
+    for column in ("agent", "density", "unique", "shared", "rho", "lambda_t"):
+        table.add_column(column, justify="left" if column == "agent" else "right")
+    for agent in report["agents"]:
+        rho = agent["rho"]
+        lam = agent.get("lambda")
+        table.add_row(
+            agent["name"],
+            f"{agent['density']:.2%}",
+            f"{agent['unique']:,}",
+            f"{agent['shared']:,}",
+            rho if isinstance(rho, str) else f"{rho:.3f}",
+            "-" if lam is None else f"{lam:.4f}",
+        )
+    console = Console(stderr=True)
+    console.print(table)
+    seconds = report["timings"].get("total_seconds", 0.0)
+    console.print(
+        f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
+        f"in {seconds:.1f} s"
+    )
+    for warning in report["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
