@@ -18,17 +18,25 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("config", help="merge config (YAML)")
     parser.add_argument("output_dir", help="output model directory (must not exist unless --overwrite)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (tensors, bytes, peak memory) and stop")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the plan (tensors, bytes, peak memory) and stop"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output safetensors file (default: 5GB)")
-    parser.add_argument("--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest output safetensors file (default: 5GB)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)"
+    )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
         help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
     )
     parser.add_argument(
-        "--chunk-budget", default="256MB", help="memory for one chunk's buffers; bounds peak memory (default: 256MB)"
+        "--chunk-budget",
+        default="256MB",
+        help="memory for one chunk's buffers; bounds peak memory (default: 256MB)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -40,6 +48,7 @@ def _add_example(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("output_root", help="directory to create")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output_root")
 
 
 def _add_methods(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +58,9 @@ def _add_methods(subparsers: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from ram_trl import __version__
 
-    parser = argparse.ArgumentParser(prog="ram-trl", description="Reinforced Agent Merging for RL-trained LLM agents")
+    parser = argparse.ArgumentParser(
+        prog="ram-trl", description="Reinforced Agent Merging for RL-trained LLM agents"
+    )
     parser.add_argument("--version", action="version", version=f"ram-trl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -77,8 +88,16 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_example(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
     from ram_trl.synthetic import generate_example
 
+    root = Path(args.output_root)
+    if root.exists():
+        if not args.overwrite:
+            raise RamTrlError(f"{root} already exists; pass --overwrite to replace it")
+        shutil.rmtree(root)
     paths = generate_example(args.output_root, seed=args.seed)
     print(f"base model: {paths['base']}")
     for agent in paths["agents"]:
@@ -113,7 +132,9 @@ def _run_methods(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
+    )
     handlers = {"merge": _run_merge, "example": _run_example, "methods": _run_methods}
     try:
         return handlers[args.command](args)

@@ -143,7 +143,9 @@ class ResolvedConfig:
                 pattern = rule.get("filter")
                 if pattern is None or pattern in tensor_name:
                     return float(rule["value"])
-            raise ConfigError(f"agent {agent.name}: no rule of parameter {name!r} matches tensor {tensor_name!r}")
+            raise ConfigError(
+                f"agent {agent.name}: no rule of parameter {name!r} matches tensor {tensor_name!r}"
+            )
         return float(value)
 
 
@@ -170,7 +172,9 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models")
+            raise ConfigError(
+                f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"
+            )
     where = str(path) if path else "merge config"
     for key, why in _UNSUPPORTED_MERGEKIT_FIELDS.items():
         if key in data:
@@ -199,15 +203,21 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
         return value
     if parameter.kind is str:
         if not isinstance(value, str) or (parameter.choices and value not in parameter.choices):
-            raise ConfigError(f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}")
+            raise ConfigError(
+                f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}"
+            )
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: parameter {parameter.name!r} must be a number, got {value!r}")
     value = float(value)
     if parameter.minimum is not None and value < parameter.minimum:
-        raise ConfigError(f"{where}: parameter {parameter.name!r} must be >= {parameter.minimum}, got {value}")
+        raise ConfigError(
+            f"{where}: parameter {parameter.name!r} must be >= {parameter.minimum}, got {value}"
+        )
     if parameter.maximum is not None and value > parameter.maximum:
-        raise ConfigError(f"{where}: parameter {parameter.name!r} must be <= {parameter.maximum}, got {value}")
+        raise ConfigError(
+            f"{where}: parameter {parameter.name!r} must be <= {parameter.maximum}, got {value}"
+        )
     return value
 
 
@@ -221,7 +231,9 @@ def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
         for rule in value:
             extra = set(rule) - {"filter", "value"}
             if extra:
-                raise ConfigError(f"{where}: parameter {parameter.name!r}: unknown keys {sorted(extra)} in a filter rule")
+                raise ConfigError(
+                    f"{where}: parameter {parameter.name!r}: unknown keys {sorted(extra)} in a filter rule"
+                )
             _check_value(parameter, rule["value"], where)
         return value
     return _check_value(parameter, value, where)
@@ -252,7 +264,9 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
     config_dir = config_path.parent if config_path else None
     base_path = _resolve_path(config.base_model, config_dir)
     if not base_path.exists():
-        raise ConfigError(f"{where}: base_model {config.base_model!r} does not exist (resolved to {base_path})")
+        raise ConfigError(
+            f"{where}: base_model {config.base_model!r} does not exist (resolved to {base_path})"
+        )
 
     params: dict[str, Any] = {}
     agent_defaults: dict[str, Any] = {}
@@ -290,7 +304,9 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
                     f"{', '.join(p.name for p in method.parameters if p.scope == 'agent') or 'none'}"
                 )
             if parameter.scope == "global":
-                raise ConfigError(f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'")
+                raise ConfigError(
+                    f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'"
+                )
             values[parameter.name] = _check_agent_value(parameter, value, label)
         for parameter in method.parameters:
             if parameter.scope == "agent" and parameter.name not in values:

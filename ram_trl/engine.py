@@ -132,21 +132,30 @@ def open_inputs(resolved: ResolvedConfig, allow_pickle: bool) -> tuple[Checkpoin
     """Open the base and every agent (headers only)."""
     base = open_checkpoint(resolved.base_path, "base model", allow_pickle=allow_pickle)
     agents = [
-        open_checkpoint(agent.path, f"agent {agent.index} ({agent.name}, {agent.path})", allow_pickle=allow_pickle)
+        open_checkpoint(
+            agent.path, f"agent {agent.index} ({agent.name}, {agent.path})", allow_pickle=allow_pickle
+        )
         for agent in resolved.agents
     ]
     return base, agents
 
 
-def prepare(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
+def prepare(
+    resolved: ResolvedConfig, output_dir: Path, options: MergeOptions
+) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
     """Everything that can fail cheaply: output checks, input headers, the plan."""
     if output_dir.exists() and not options.overwrite and not options.dry_run:
-        raise RamTrlError(f"output directory {output_dir} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise RamTrlError(
+            f"output directory {output_dir} already exists; pass --overwrite (overwrite=True) to replace it"
+        )
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise RamTrlError(f"--device {options.device}: no CUDA device is available; use --device cpu")
     base, agents = open_inputs(resolved, options.allow_pickle)
     for agent in resolved.agents:
-        if output_dir.resolve() == agent.path.resolve() or output_dir.resolve() == resolved.base_path.resolve():
+        if (
+            output_dir.resolve() == agent.path.resolve()
+            or output_dir.resolve() == resolved.base_path.resolve()
+        ):
             raise RamTrlError(f"output directory {output_dir} is one of the inputs; choose another path")
     plan = build_plan(
         base,
@@ -188,7 +197,9 @@ def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions)
         temp_dir.mkdir()
         try:
             tick = time.perf_counter()
-            write_shards(resolved, base, agents, plan, plan.shards, temp_dir, reader, state, device, options.progress)
+            write_shards(
+                resolved, base, agents, plan, plan.shards, temp_dir, reader, state, device, options.progress
+            )
             timings["merge_seconds"] = time.perf_counter() - tick
             if not resolved.method.needs_statistics:
                 _check_densities(resolved, state)
@@ -238,7 +249,7 @@ def statistics_pass(
         if not task.floating:
             continue
         tensor_stats = OverlapStatistics.zeros(len(agents))
-        for start, stop, deltas, _ in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
+        for _start, _stop, deltas, _base in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
             tensor_stats.update(active_mask(deltas, eps))
         state.stats.add(tensor_stats)
         if per_tensor:
@@ -312,7 +323,9 @@ def _magnitude_cuts(
             cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
             continue
         rows = min(task.base_rows, task.agent_rows[t])
-        values = agent.read_rows(task.name, reader, 0, rows).to(device=device, dtype=torch.float32).reshape(-1)
+        values = (
+            agent.read_rows(task.name, reader, 0, rows).to(device=device, dtype=torch.float32).reshape(-1)
+        )
         magnitudes = torch.zeros_like(base_values)
         torch.sub(values, base_values[: values.numel()], out=magnitudes[: values.numel()])
         magnitudes.abs_()
@@ -348,9 +361,13 @@ def write_shards(
                     bar.set_postfix_str(task.name[-40:], refresh=False)
                 if not task.floating:
                     for start, stop in task.chunks():
-                        writer.write(task.name, base.read_rows(task.name, reader, start, stop).to(task.out_dtype))
+                        writer.write(
+                            task.name, base.read_rows(task.name, reader, start, stop).to(task.out_dtype)
+                        )
                 else:
-                    _merge_tensor(resolved, task, base, agents, reader, state, device, writer, eps, count_inline)
+                    _merge_tensor(
+                        resolved, task, base, agents, reader, state, device, writer, eps, count_inline
+                    )
                 if bar is not None:
                     bar.update(1)
             writer.close()
@@ -376,16 +393,24 @@ def _merge_tensor(
     method = resolved.method
     agent_params = {
         p.name: torch.tensor(
-            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents], dtype=torch.float32, device=device
+            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents],
+            dtype=torch.float32,
+            device=device,
         )
         for p in method.parameters
         if p.scope == "agent"
     }
     lambdas = _tensor_lambdas(resolved, task, state)
-    cuts = _magnitude_cuts(resolved, task, base, agents, reader, device, state) if method.trims_by_magnitude else None
+    cuts = (
+        _magnitude_cuts(resolved, task, base, agents, reader, device, state)
+        if method.trims_by_magnitude
+        else None
+    )
     equal_seen = [0] * len(agents)
     tensor_stats = OverlapStatistics.zeros(len(agents)) if count_inline else None
-    for start, stop, deltas, base_values in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
+    for start, stop, deltas, base_values in iter_delta_chunks(
+        resolved, task, base, agents, reader, device, state
+    ):
         if tensor_stats is not None:
             tensor_stats.update(active_mask(deltas, eps))
         inputs = ChunkInputs(
@@ -411,7 +436,9 @@ def _merge_tensor(
         state.stats.add(tensor_stats)
 
 
-def _write_extra_rows(task: TensorTask, agents: list[Checkpoint], reader: RowReader, writer: ShardWriter) -> None:
+def _write_extra_rows(
+    task: TensorTask, agents: list[Checkpoint], reader: RowReader, writer: ShardWriter
+) -> None:
     """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
     for start, stop in task.chunks():
         if start < task.base_rows:
@@ -501,7 +528,9 @@ def finalize_output(
 def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
     """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
     if base.config_path is None:
-        warnings.warn(f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2)
+        warnings.warn(
+            f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2
+        )
         return
     config = json.loads(base.config_path.read_text())
     if resolved.out_dtype is not None:

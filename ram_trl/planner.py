@@ -34,7 +34,9 @@ PROCESS_BASELINE_BYTES = 450 * 1024**2
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
-_UNITS.update({"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3})
+_UNITS.update(
+    {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
+)
 
 
 def parse_size(value: str | int) -> int:
@@ -168,7 +170,9 @@ class MergePlan:
         total = self.input_bytes * self.passes
         if self.trims_by_magnitude:
             total += sum(
-                t.base.numel * dtype_itemsize(t.base.dtype) * (self.num_agents + 1) for t in self.tasks if t.floating
+                t.base.numel * dtype_itemsize(t.base.dtype) * (self.num_agents + 1)
+                for t in self.tasks
+                if t.floating
             )
         return total
 
@@ -182,7 +186,9 @@ class MergePlan:
         for task in self.tasks:
             rows = min(task.rows_per_chunk, max(task.out_rows, 1))
             elements = rows * task.row_numel
-            per = bytes_per_element(self.num_agents, dtype_itemsize(task.base.dtype), dtype_itemsize(task.out_dtype))
+            per = bytes_per_element(
+                self.num_agents, dtype_itemsize(task.base.dtype), dtype_itemsize(task.out_dtype)
+            )
             worst = max(worst, elements * per)
         return worst
 
@@ -317,7 +323,9 @@ def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]
     if len(groups) == 1:
         return [ShardPlan("model.safetensors", groups[0])]
     total = len(groups)
-    return [ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)]
+    return [
+        ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)
+    ]
 
 
 def _storage_order(checkpoint: Checkpoint, name: str) -> tuple[str, int, str]:

@@ -147,8 +147,18 @@ def model_card(report: dict[str, Any]) -> str:
     if report["warnings"]:
         lines += ["", "## Warnings", ""]
         lines += [f"- {w}" for w in report["warnings"]]
-    lines += ["", "## Configuration", "", "```yaml", yaml.safe_dump(report["config"], sort_keys=False).strip(), "```"]
-    lines += ["", f"Output: {len(report['output']['files'])} safetensors file(s), {format_bytes(report['output']['bytes'])}."]
+    lines += [
+        "",
+        "## Configuration",
+        "",
+        "```yaml",
+        yaml.safe_dump(report["config"], sort_keys=False).strip(),
+        "```",
+    ]
+    lines += [
+        "",
+        f"Output: {len(report['output']['files'])} safetensors file(s), {format_bytes(report['output']['bytes'])}.",
+    ]
     lines.append("")
     return "\n".join(lines)
 
@@ -159,7 +169,9 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "dry_run": True,
         "merge_method": resolved.method.name,
         "parameters": dict(resolved.params),
-        "agents": [{"name": a.name, "path": str(a.path), "parameters": a.parameters} for a in resolved.agents],
+        "agents": [
+            {"name": a.name, "path": str(a.path), "parameters": a.parameters} for a in resolved.agents
+        ],
         "tensors": len(plan.tasks),
         "merged_tensors": sum(1 for t in plan.tasks if t.floating),
         "chunked_tensors": sum(1 for t in plan.tasks if len(t.chunks()) > 1),
@@ -187,7 +199,10 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     for agent in resolved.agents:
         table.add_row(f"agent {agent.index}", f"{agent.name}  {agent.path}")
     table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in resolved.params.items()) or "-")
-    table.add_row("tensors", f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)")
+    table.add_row(
+        "tensors",
+        f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)",
+    )
     table.add_row("passes over inputs", str(plan.passes))
     table.add_row("bytes to read", format_bytes(plan.bytes_read))
     table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")

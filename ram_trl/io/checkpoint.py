@@ -113,7 +113,9 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise CheckpointError(f"{role}: {path} does not exist (ram_trl reads local checkpoints; download it first)")
+        raise CheckpointError(
+            f"{role}: {path} does not exist (ram_trl reads local checkpoints; download it first)"
+        )
     if path.is_file():
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{role}: {path} is a file but not a .safetensors file")
@@ -162,7 +164,9 @@ def _from_index(path: Path, role: str, index: Path) -> Checkpoint:
     for name, file_name in weight_map.items():
         file = path / file_name
         if name not in headers[file]:
-            raise CheckpointError(f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it")
+            raise CheckpointError(
+                f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it"
+            )
         infos[name] = headers[file][name]
     return _checkpoint(path, role, infos, files)
 
@@ -172,7 +176,9 @@ def _from_safetensors_files(path: Path, role: str, files: list[Path]) -> Checkpo
     for file in files:
         for name, info in _read_header(file, role).items():
             if name in infos:
-                raise CheckpointError(f"{role}: tensor {name!r} appears in both {infos[name].file} and {file}")
+                raise CheckpointError(
+                    f"{role}: tensor {name!r} appears in both {infos[name].file} and {file}"
+                )
             infos[name] = info
     return _checkpoint(path, role, infos, files)
 
@@ -187,14 +193,18 @@ def _read_header(file: Path, role: str) -> dict[str, TensorInfo]:
 
 def _checkpoint(path: Path, role: str, infos: dict[str, TensorInfo], files: list[Path]) -> Checkpoint:
     metas = {n: TensorMeta(n, i.dtype, i.shape) for n, i in infos.items()}
-    return Checkpoint(path=path, role=role, tensors=metas, format="safetensors", files=files, _safetensors=infos)
+    return Checkpoint(
+        path=path, role=role, tensors=metas, format="safetensors", files=files, _safetensors=infos
+    )
 
 
 def _load_pickle(file: Path, role: str) -> dict[str, torch.Tensor]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
-        raise CheckpointError(f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})") from exc
+        raise CheckpointError(
+            f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})"
+        ) from exc
 
 
 def _from_pickle(path: Path, role: str) -> Checkpoint:
@@ -218,4 +228,6 @@ def _from_pickle(path: Path, role: str) -> Checkpoint:
             metas[name] = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
             pickle_files[name] = file
         del state
-    return Checkpoint(path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files)
+    return Checkpoint(
+        path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files
+    )

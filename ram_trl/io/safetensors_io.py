@@ -190,7 +190,9 @@ class RowReader:
         while done < nbytes:
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
-                raise CheckpointError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}")
+                raise CheckpointError(
+                    f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
+                )
             done += got
         shape = info.shape[1:] if info.shape else ()
         rows = (stop - start,) if info.shape else ()
@@ -236,7 +238,9 @@ class ShardWriter:
         metadata: The ``__metadata__`` string map (``{"format": "pt"}`` is what transformers expects).
     """
 
-    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
+    ):
         self.path = Path(path)
         self._tensors = tensors
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
@@ -252,7 +256,7 @@ class ShardWriter:
             self._ends.append(offset)
         encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
         encoded += b" " * (-len(encoded) % 8)
-        self._handle = open(self.path, "wb")
+        self._handle = open(self.path, "wb")  # noqa: SIM115 - closed by close() / abort()
         self._handle.write(struct.pack("<Q", len(encoded)))
         self._handle.write(encoded)
         self._written = 0
@@ -266,7 +270,9 @@ class ShardWriter:
             raise RuntimeError(f"{self.path}: wrote {name!r} out of order (expected {expected!r})")
         planned = self._tensors[self._index]
         if chunk.dtype != planned.dtype:
-            raise RuntimeError(f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}")
+            raise RuntimeError(
+                f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}"
+            )
         data = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
         if data.device.type != "cpu":
             data = data.cpu()

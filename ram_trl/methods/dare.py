@@ -31,7 +31,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_uniform(key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def hashed_uniform(
+    key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Uniform floats in ``[0, 1)`` for flat element indices ``start .. start + count - 1`` of one key's stream.
 
     Args:

@@ -66,7 +66,9 @@ def soft_rescale_factor(rho: float, r: float) -> float:
     return 1.0 + r * saturation
 
 
-def ram_merge(deltas: torch.Tensor, lambdas: torch.Tensor | list[float], eps: float = DEFAULT_EPS) -> torch.Tensor:
+def ram_merge(
+    deltas: torch.Tensor, lambdas: torch.Tensor | list[float], eps: float = DEFAULT_EPS
+) -> torch.Tensor:
     """Selective merging (eq. 7) of one chunk of task vectors.
 
     Args:

@@ -156,11 +156,19 @@ def alias_names() -> dict[str, Alias]:
 # Parameters shared by several methods
 
 _EPS = Parameter(
-    "eps", float, ram.DEFAULT_EPS, "global", "activity threshold: |tau| > eps (strict)", minimum=0.0,
+    "eps",
+    float,
+    ram.DEFAULT_EPS,
+    "global",
+    "activity threshold: |tau| > eps (strict)",
+    minimum=0.0,
     aliases=("epsilon",),
 )
 _RHO_SCOPE = Parameter(
-    "rho_scope", str, "global", "global",
+    "rho_scope",
+    str,
+    "global",
+    "global",
     "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
     choices=("global", "tensor"),
 )
@@ -169,10 +177,17 @@ _ALPHA = Parameter("alpha", float, 2.0, "global", "clip bound alpha of rho_t", m
 _LAMBDA = Parameter("lambda", float, 1.0, "global", "global scaling term applied to the merged task vector")
 _WEIGHT = Parameter("weight", float, 1.0, "agent", "per-agent weight w_t")
 _DENSITY = Parameter(
-    "density", float, 1.0, "agent", "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)",
-    minimum=0.0, maximum=1.0,
+    "density",
+    float,
+    1.0,
+    "agent",
+    "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)",
+    minimum=0.0,
+    maximum=1.0,
 )
-_INT8_MASK = Parameter("int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect")
+_INT8_MASK = Parameter(
+    "int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect"
+)
 
 
 def _ram_lambdas(inputs: ChunkInputs) -> list[float]:
@@ -192,7 +207,9 @@ def _merge_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor:
 
 
 def _merge_linear(inputs: ChunkInputs) -> torch.Tensor:
-    return linear.linear(inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"])
+    return linear.linear(
+        inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"]
+    )
 
 
 def _trim(inputs: ChunkInputs) -> None:
@@ -236,7 +253,9 @@ register(
         pretty_name="Reinforced Agent Merging (RAM)",
         description="mean of shared elements, unique elements kept at full magnitude",
         parameters=(_EPS, _RHO_SCOPE),
-        merge=lambda inputs: ram.ram_merge(inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"]),
+        merge=lambda inputs: ram.ram_merge(
+            inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"]
+        ),
         reference=RAM_REFERENCE,
     )
 )
@@ -270,7 +289,11 @@ register(
         needs_statistics=True,
         reference=RAM_REFERENCE,
     ),
-    aliases={"ramplus_soft": Alias("ram_plus_soft"), "ram+s": Alias("ram_plus_soft"), "rams": Alias("ram_plus_soft")},
+    aliases={
+        "ramplus_soft": Alias("ram_plus_soft"),
+        "ram+s": Alias("ram_plus_soft"),
+        "rams": Alias("ram_plus_soft"),
+    },
 )
 register(
     MergeMethod(

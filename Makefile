@@ -1,0 +1,29 @@
+# Two commands for a fresh machine: `make demo` runs the main job on the CPU demo, `make test` runs the tests.
+# Both create the virtualenv .venv on first use (torch is pinned to the CPU wheel).
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test,mergekit]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/ram-trl example example_out --overwrite
+	$(BIN)/ram-trl merge example_out/merge.yaml example_out/merged --overwrite
+
+test: $(VENV)/.installed
+	$(BIN)/ruff check ram_trl tests benchmarks examples
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check ram_trl tests benchmarks examples
+	$(BIN)/ruff format --check ram_trl tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) example_out

@@ -1,0 +1,130 @@
+"""Hand-computed golden cases for RAM, RAM+ and RAM+s (Algorithm 1 and appendix E of the RAM paper)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ram_trl.methods.ram import (
+    active_mask,
+    overlap_counts,
+    overlap_unique_ratio,
+    ram_merge,
+    rescale_factor,
+    soft_rescale_factor,
+)
+from ram_trl.statistics import OverlapStatistics
+
+F = torch.float32
+
+# Seven elements, three agents. Per element: e0 no agent; e1 only agent 0; e2 agents 0 and 1; e3 all three;
+# e4 agent 0 at exactly eps (inactive: the threshold is strict); e5 only agent 1 (2e-5 > eps); e6 only agent 0.
+TAUS = torch.tensor(
+    [
+        [0.0, 0.5, 0.2, 0.3, 1e-5, 0.0, 0.1],
+        [0.0, 0.0, 0.4, -0.3, 0.0, 2e-5, 0.0],
+        [0.0, 0.0, 0.0, 0.6, 0.0, 0.0, 0.0],
+    ],
+    dtype=F,
+)
+
+
+def test_mask_is_strict_and_counts_agents():
+    mask = active_mask(TAUS, 1e-5)
+    assert mask[0].tolist() == [False, True, True, True, False, False, True]
+    assert overlap_counts(mask).tolist() == [0, 1, 2, 3, 0, 1, 1]
+
+
+def test_mask_threshold_in_float32():
+    # 1e-5 in float32 is 9.99999974738e-06; a float32 delta of exactly that value is not active.
+    eps32 = torch.tensor(1e-5, dtype=F)
+    assert not bool(active_mask(eps32.reshape(1, 1), 1e-5))
+    assert bool(active_mask(torch.nextafter(eps32, torch.tensor(1.0)).reshape(1, 1), 1e-5))
+
+
+def test_statistics_histogram():
+    stats = OverlapStatistics.zeros(3)
+    stats.update(active_mask(TAUS, 1e-5))
+    # agent 0: e1, e6 unique; e2 (c=2), e3 (c=3) shared
+    assert stats.histogram.tolist() == [[0, 2, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1]]
+    assert [stats.unique(t) for t in range(3)] == [2, 1, 0]
+    assert [stats.shared(t) for t in range(3)] == [2, 2, 1]
+    assert [stats.active(t) for t in range(3)] == [4, 3, 1]
+    assert stats.numel == 7
+    assert stats.density(0) == pytest.approx(4 / 7)
+    assert [stats.rho(t) for t in range(3)] == [1.0, 2.0, math.inf]
+
+
+def test_statistics_accumulate_over_chunks_like_one_pass():
+    whole = OverlapStatistics.zeros(3)
+    whole.update(active_mask(TAUS, 1e-5))
+    parts = OverlapStatistics.zeros(3)
+    for chunk in (TAUS[:, :3], TAUS[:, 3:5], TAUS[:, 5:]):
+        parts.update(active_mask(chunk, 1e-5))
+    assert torch.equal(whole.histogram, parts.histogram)
+    assert whole.numel == parts.numel
+
+
+def test_rho_edge_cases():
+    assert overlap_unique_ratio(4, 2) == 2.0
+    assert overlap_unique_ratio(3, 0) == math.inf  # shared but no unique element
+    assert overlap_unique_ratio(0, 0) == 0.0  # no active element at all
+    assert overlap_unique_ratio(0, 5) == 0.0
+
+
+def test_rescale_factor_clips_at_alpha():
+    assert rescale_factor(1.0, 0.1, 1.5) == pytest.approx(1.1)
+    assert rescale_factor(2.0, 0.1, 1.5) == pytest.approx(1.15)  # clipped
+    assert rescale_factor(math.inf, 0.1, 2.0) == pytest.approx(1.2)  # no unique element -> alpha
+    assert rescale_factor(5.0, 0.0, 2.0) == 1.0  # RAM
+
+
+def test_soft_rescale_factor():
+    assert soft_rescale_factor(1.0, 0.1) == pytest.approx(1.05)
+    assert soft_rescale_factor(2.0, 0.1) == pytest.approx(1 + 0.1 * 2 / 3)
+    assert soft_rescale_factor(math.inf, 0.1) == pytest.approx(1.1)
+    assert soft_rescale_factor(0.0, 0.1) == 1.0
+
+
+def _expected(lambdas):
+    t = TAUS
+    expected = torch.zeros(7, dtype=F)
+    expected[1] = torch.tensor(lambdas[0], dtype=F) * t[0, 1]  # c = 1 (agent 0)
+    expected[2] = (t[0, 2] + t[1, 2]) / 2  # c = 2: mean
+    expected[3] = (t[0, 3] + t[1, 3] + t[2, 3]) / 3  # c = 3: mean
+    expected[5] = torch.tensor(lambdas[1], dtype=F) * t[1, 5]  # c = 1 (agent 1)
+    expected[6] = torch.tensor(lambdas[0], dtype=F) * t[0, 6]
+    return expected  # e0 (c = 0) and e4 (|tau| == eps) stay 0
+
+
+@pytest.mark.parametrize(
+    "lambdas",
+    [
+        [1.0, 1.0, 1.0],  # RAM
+        [1.1, 1.15, 1.15],  # RAM+ r=0.1 alpha=1.5: rho = 1, 2 (clipped), inf (clipped)
+        [1.05, 1 + 0.1 * 2 / 3, 1.1],  # RAM+s r=0.1
+    ],
+)
+def test_ram_merge_every_branch(lambdas):
+    merged = ram_merge(TAUS.clone(), lambdas, 1e-5)
+    assert torch.equal(merged, _expected(lambdas))
+    # spot-check the hand values
+    assert merged[0] == 0 and merged[4] == 0
+    assert merged[2].item() == pytest.approx(0.3)
+    assert merged[3].item() == pytest.approx(0.2)
+    assert merged[1].item() == pytest.approx(0.5 * lambdas[0])
+
+
+def test_ram_merge_single_agent_keeps_its_vector_scaled():
+    tau = torch.tensor([[0.0, 0.3, -2e-5, 1e-6]], dtype=F)
+    merged = ram_merge(tau.clone(), [1.2], 1e-5)
+    assert torch.equal(merged, torch.tensor([0.0, 0.3 * 1.2, -2e-5 * 1.2, 0.0], dtype=F))
+
+
+def test_lambdas_from_statistics():
+    stats = OverlapStatistics.zeros(3)
+    stats.update(active_mask(TAUS, 1e-5))
+    assert stats.lambdas(0.1, 1.5) == pytest.approx([1.1, 1.15, 1.15])
+    assert stats.lambdas(0.1, None, soft=True) == pytest.approx([1.05, 1 + 0.1 * 2 / 3, 1.1])
