@@ -1,0 +1,109 @@
+"""Our positioned safetensors reader and streaming shard writer against the safetensors library."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ram_trl.errors import CheckpointError
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardWriter, read_safetensors_header
+
+TENSORS = {
+    "matrix": torch.randn(7, 5).to(torch.bfloat16),
+    "bias": torch.randn(5),
+    "scalar": torch.tensor(3.5, dtype=torch.float16),
+    "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    "cube": torch.randn(3, 2, 4, dtype=torch.float64),
+    "empty": torch.zeros(0, 4),
+}
+
+
+@pytest.fixture
+def file(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file(TENSORS, str(path), metadata={"format": "pt"})
+    return path
+
+
+def test_header_and_rows_match_safetensors(file):
+    infos, metadata = read_safetensors_header(file)
+    assert metadata == {"format": "pt"}
+    assert set(infos) == set(TENSORS)
+    with RowReader() as reader:
+        for name, value in TENSORS.items():
+            info = infos[name]
+            assert info.dtype == value.dtype and info.shape == tuple(value.shape)
+            assert torch.equal(reader.read_rows(info), value)
+        assert torch.equal(reader.read_rows(infos["matrix"], 2, 5), TENSORS["matrix"][2:5])
+        assert torch.equal(reader.read_rows(infos["cube"], 1, 2), TENSORS["cube"][1:2])
+        assert torch.equal(reader.read_rows(infos["bias"], 4, 5), TENSORS["bias"][4:5])
+
+
+def test_writer_output_reads_back_with_safetensors(tmp_path):
+    planned = [PlannedTensor(n, v.dtype, tuple(v.shape)) for n, v in TENSORS.items()]
+    path = tmp_path / "out.safetensors"
+    writer = ShardWriter(path, planned)
+    for name, value in TENSORS.items():
+        if value.dim() >= 1 and value.shape[0] > 2:
+            writer.write(name, value[:2])
+            writer.write(name, value[2:])
+        else:
+            writer.write(name, value)
+    writer.close()
+    loaded = load_file(str(path))
+    assert set(loaded) == set(TENSORS)
+    for name, value in TENSORS.items():
+        assert torch.equal(loaded[name], value)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+    assert (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 8 == 0  # header aligned
+
+
+def test_writer_refuses_out_of_order_and_incomplete(tmp_path):
+    planned = [PlannedTensor("a", torch.float32, (2,)), PlannedTensor("b", torch.float32, (1,))]
+    writer = ShardWriter(tmp_path / "w.safetensors", planned)
+    with pytest.raises(RuntimeError, match="out of order"):
+        writer.write("b", torch.zeros(1))
+    writer.write("a", torch.zeros(2))
+    with pytest.raises(RuntimeError, match="incomplete shard"):
+        writer.close()
+
+
+def test_truncated_file_is_named(file, tmp_path):
+    data = file.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-3])
+    with pytest.raises(
+        CheckpointError, match=r"cut\.safetensors: truncated.*'(matrix|bias|scalar|ids|cube|empty)'"
+    ):
+        read_safetensors_header(cut)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\x00" * 4,
+        struct.pack("<Q", 10**12) + b"{}",
+        struct.pack("<Q", 4) + b"{{{{",
+        struct.pack("<Q", 2) + b"[]",
+    ],
+)
+def test_corrupt_headers(tmp_path, payload):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(payload)
+    with pytest.raises(CheckpointError, match="bad.safetensors"):
+        read_safetensors_header(path)
+
+
+def test_inconsistent_offsets(tmp_path):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x00" * 16)
+    with pytest.raises(CheckpointError, match="tensor 'w' spans 8 bytes"):
+        read_safetensors_header(path)
