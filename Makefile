@@ -18,12 +18,13 @@ demo: $(VENV)/.installed
 	$(BIN)/ram-trl merge example_out/merge.yaml example_out/merged --overwrite
 
 test: $(VENV)/.installed
-	$(BIN)/ruff check ram_trl tests benchmarks examples
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check ram_trl tests benchmarks examples
-	$(BIN)/ruff format --check ram_trl tests benchmarks examples
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) example_out
