@@ -249,7 +249,9 @@ def statistics_pass(
         if not task.floating:
             continue
         tensor_stats = OverlapStatistics.zeros(len(agents))
-        for _start, _stop, deltas, _base in iter_delta_chunks(resolved, task, base, agents, reader, device, state):
+        for _start, _stop, deltas, _base in iter_delta_chunks(
+            resolved, task, base, agents, reader, device, state
+        ):
             tensor_stats.update(active_mask(deltas, eps))
         state.stats.add(tensor_stats)
         if per_tensor:
