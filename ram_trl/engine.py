@@ -130,7 +130,9 @@ def merge(
 
 def open_inputs(resolved: ResolvedConfig, allow_pickle: bool) -> tuple[Checkpoint, list[Checkpoint]]:
     """Open the base and every agent (headers only)."""
-    base = open_checkpoint(resolved.base_path, "base model", allow_pickle=allow_pickle)
+    base = open_checkpoint(
+        resolved.base_path, f"base model ({resolved.base_path})", allow_pickle=allow_pickle
+    )
     agents = [
         open_checkpoint(
             agent.path, f"agent {agent.index} ({agent.name}, {agent.path})", allow_pickle=allow_pickle
@@ -278,11 +280,6 @@ def iter_delta_chunks(
         raw_base = base.read_rows(task.name, reader, start, stop)
         state.bytes_read += raw_base.numel() * raw_base.element_size()
         base_values = raw_base.to(device=device, dtype=torch.float32).reshape(-1)
-        if not resolved.allow_nonfinite and not bool(torch.isfinite(base_values).all()):
-            raise NonFiniteError(
-                f"base model ({base.path}): tensor {task.name!r} holds NaN or Inf values (rows {start}:{stop}); "
-                "set allow_nonfinite: true in the config to merge anyway"
-            )
         deltas = torch.empty((len(agents), base_values.numel()), dtype=torch.float32, device=device)
         for t, agent in enumerate(agents):
             have = min(stop, task.agent_rows[t])
@@ -291,19 +288,35 @@ def iter_delta_chunks(
                 continue
             raw = agent.read_rows(task.name, reader, start, have)
             state.bytes_read += raw.numel() * raw.element_size()
-            values = raw.to(device=device, dtype=torch.float32).reshape(-1)
-            n = values.numel()
-            torch.sub(values, base_values[:n], out=deltas[t, :n])
+            n = raw.numel()
+            row = deltas[t, :n]
+            row.copy_(raw.reshape(-1))
+            row.sub_(base_values[:n])
             if n < base_values.numel():
                 deltas[t, n:].zero_()
-            if not resolved.allow_nonfinite and not bool(torch.isfinite(values).all()):
-                bad = int((~torch.isfinite(values)).sum())
-                raise NonFiniteError(
-                    f"{agent.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{have}); "
-                    "set allow_nonfinite: true in the config to merge anyway"
-                )
-            del raw, values
+        if not resolved.allow_nonfinite and not math.isfinite(float(deltas.sum())):
+            _raise_nonfinite(task, base, agents, reader, start, stop)
         yield start, stop, deltas, base_values
+
+
+def _raise_nonfinite(
+    task: TensorTask, base: Checkpoint, agents: list[Checkpoint], reader: RowReader, start: int, stop: int
+) -> None:
+    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so."""
+    hint = "set allow_nonfinite: true in the config to merge anyway"
+    for checkpoint, rows in [
+        (base, stop),
+        *((a, min(stop, r)) for a, r in zip(agents, task.agent_rows, strict=True)),
+    ]:
+        if rows <= start:
+            continue
+        values = checkpoint.read_rows(task.name, reader, start, rows).to(torch.float32)
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            raise NonFiniteError(
+                f"{checkpoint.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{rows}); {hint}"
+            )
+    # every input is finite: a difference overflowed float32 (values near 3e38); nothing to refuse
 
 
 def _magnitude_cuts(

@@ -52,7 +52,8 @@ def ram_reference(
     """Algorithm 1 of the RAM paper. Returns (merged float32 weights, statistics)."""
     taus = task_vectors(base, agents)
     n_agents = len(agents)
-    masks = {name: [tau.abs() > eps for tau in tv] for name, tv in taus.items()}
+    # |tau| > eps compared exactly (in float64, where every float32 value and eps are represented exactly)
+    masks = {name: [tau.double().abs() > eps for tau in tv] for name, tv in taus.items()}
     counts = {name: sum(m.to(torch.int64) for m in ms) for name, ms in masks.items()}
 
     def lambdas_for(names: list[str]) -> tuple[list[float], list[int], list[int]]:

@@ -183,23 +183,21 @@ class RowReader:
         row_bytes = info.row_numel * dtype_itemsize(info.dtype)
         offset = info.begin + start * row_bytes
         nbytes = (stop - start) * row_bytes
-        buffer = bytearray(nbytes)
-        fd = self._fd(info.file)
-        view = memoryview(buffer)
-        done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointError(
-                    f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
-                )
-            done += got
         shape = info.shape[1:] if info.shape else ()
         rows = (stop - start,) if info.shape else ()
-        if nbytes == 0:
-            return torch.empty(rows + shape, dtype=info.dtype)
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-        return flat.view(info.dtype).reshape(rows + shape)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            view = memoryview(buffer.numpy())
+            fd = self._fd(info.file)
+            done = 0
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise CheckpointError(
+                        f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
+                    )
+                done += got
+        return buffer.view(info.dtype).reshape(rows + shape)
 
     def close(self) -> None:
         for fd in self._handles.values():

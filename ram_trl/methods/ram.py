@@ -14,22 +14,43 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 DEFAULT_EPS = 1e-5
 
 
+def float32_threshold(eps: float) -> float:
+    """The largest float32 value not above ``eps``.
+
+    For a float32 ``x``, ``|x| > eps`` (compared exactly, as real numbers) holds exactly when
+    ``|x| > float32_threshold(eps)`` in float32. Comparing against ``eps`` rounded to nearest would be wrong whenever
+    ``eps`` rounds up (e.g. ``0.1``): a task vector element equal to ``float32(0.1)`` exceeds 0.1 but not itself.
+    """
+    value = np.float32(eps)
+    if float(value) > eps:
+        value = np.nextafter(value, np.float32(-np.inf))
+    return float(value)
+
+
 def active_mask(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Mask of active task-vector elements, ``|tau| > eps`` (strict).
+    """Mask of active task-vector elements, ``|tau| > eps`` (strict; NaN is inactive).
 
     Args:
-        deltas: Task vectors, any shape (usually ``(num_agents, n)``), float32.
+        deltas: Float32 task vectors, any shape (usually ``(num_agents, n)``).
         eps: Threshold; an element equal to ``eps`` in magnitude is inactive.
 
     Returns:
         A bool tensor of the same shape.
     """
-    return deltas.abs() > eps
+    threshold = float32_threshold(eps)
+    return (deltas > threshold) | (deltas < -threshold)
+
+
+def masked_deltas(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor."""
+    return F.hardshrink(deltas, float32_threshold(eps))
 
 
 def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
@@ -39,9 +60,14 @@ def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
         mask: Bool tensor of shape ``(num_agents, n)``.
 
     Returns:
-        An int64 tensor of shape ``(n,)``.
+        An integer tensor of shape ``(n,)`` (uint8 for up to 255 agents, int32 beyond).
     """
-    return mask.sum(dim=0)
+    dtype = torch.uint8 if mask.shape[0] < 256 else torch.int32
+    rows = mask.view(torch.uint8) if dtype == torch.uint8 else mask.to(dtype)
+    counts = rows[0].to(dtype, copy=True)
+    for row in rows[1:]:
+        counts += row
+    return counts
 
 
 def overlap_unique_ratio(shared: int, unique: int) -> float:
@@ -72,7 +98,7 @@ def ram_merge(
     """Selective merging (eq. 7) of one chunk of task vectors.
 
     Args:
-        deltas: Float32 task vectors of shape ``(num_agents, n)``. Modified in place (inactive entries zeroed).
+        deltas: Float32 task vectors of shape ``(num_agents, n)`` (not modified).
         lambdas: Per-agent rescale factors for unique elements, shape ``(num_agents,)``.
         eps: Activity threshold (strict).
 
@@ -80,12 +106,13 @@ def ram_merge(
         The merged task vector of shape ``(n,)``: 0 where no agent is active, ``lambda_t * tau_t`` where only agent
         ``t`` is, and the mean of the active values elsewhere.
     """
-    mask = active_mask(deltas, eps)
-    counts = overlap_counts(mask)
-    deltas.mul_(mask)
-    total = deltas.sum(dim=0)
-    unique = torch.zeros_like(total)
-    for t, lam in enumerate(lambdas.tolist() if isinstance(lambdas, torch.Tensor) else lambdas):
-        unique.add_(deltas[t], alpha=float(lam))
-    shared_mean = total.div_(counts.clamp(min=1))
+    active = masked_deltas(deltas, eps)
+    counts = overlap_counts(active != 0)
+    factors = lambdas.tolist() if isinstance(lambdas, torch.Tensor) else list(lambdas)
+    total = active[0].clone()
+    unique = active[0] * factors[0]
+    for t in range(1, active.shape[0]):
+        total += active[t]
+        unique.add_(active[t], alpha=float(factors[t]))
+    shared_mean = total.div_(counts.clamp(min=1).to(total.dtype))
     return torch.where(counts == 1, unique, shared_mean)

@@ -9,6 +9,7 @@ import torch
 
 from ram_trl.methods.ram import (
     active_mask,
+    float32_threshold,
     overlap_counts,
     overlap_unique_ratio,
     ram_merge,
@@ -55,6 +56,36 @@ def test_statistics_histogram():
     assert stats.numel == 7
     assert stats.density(0) == pytest.approx(4 / 7)
     assert [stats.rho(t) for t in range(3)] == [1.0, 2.0, math.inf]
+
+
+def test_threshold_is_exact_when_eps_rounds_up_in_float32():
+    # float32(0.1) = 0.100000001490116... > 0.1: that element IS active at eps = 0.1, although it is not greater
+    # than float32(0.1), which a naive float32 comparison would use.
+    x = torch.tensor([[0.1, -0.1, 0.099999994]], dtype=F)
+    assert float32_threshold(0.1) < 0.1
+    assert active_mask(x, 0.1).tolist() == [[True, True, False]]
+    assert ram_merge(x.clone(), [1.0], 0.1).tolist() == pytest.approx([0.1, -0.1, 0.0])
+
+
+def test_statistics_subset_encoding_equals_direct_counts(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(5, 4000, generator=generator) < torch.tensor([[0.05], [0.3], [0.5], [0.7], [0.9]])
+    fast = OverlapStatistics.zeros(5)
+    fast.update(mask)
+    monkeypatch.setattr("ram_trl.statistics.MAX_SUBSET_AGENTS", 0)
+    slow = OverlapStatistics.zeros(5)
+    slow.update(mask)
+    assert torch.equal(fast.histogram, slow.histogram)
+    assert torch.equal(fast.pairwise, slow.pairwise)
+    counts = mask.sum(0)
+    for t in range(5):
+        for k in range(1, 6):
+            assert fast.histogram[t, k] == int((mask[t] & (counts == k)).sum())
+        for s in range(5):
+            assert fast.pairwise[s, t] == int((mask[s] & mask[t]).sum())
+    assert fast.jaccard(1, 2) == pytest.approx(
+        int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum())
+    )
 
 
 def test_statistics_accumulate_over_chunks_like_one_pass():
