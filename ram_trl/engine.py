@@ -26,6 +26,7 @@ import torch
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
+from ram_trl.io.prefetch import BackgroundWriter, read_ahead
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardWriter
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
@@ -232,6 +233,78 @@ def _eps(resolved: ResolvedConfig) -> float:
     return float(resolved.params.get("eps", DEFAULT_EPS))
 
 
+@dataclass
+class RawChunk:
+    """The stored values of one row range of one tensor: the base's and each agent's (``None``: rows it lacks)."""
+
+    task: TensorTask
+    start: int
+    stop: int
+    base: torch.Tensor | None
+    agents: list[torch.Tensor | None]
+
+    @property
+    def extra_rows(self) -> bool:
+        """Rows past the base's (a resized vocabulary)."""
+        return self.start >= self.task.base_rows
+
+
+def _chunk_refs(tasks: list[TensorTask], floating_only: bool) -> Iterator[tuple[TensorTask, int, int]]:
+    for task in tasks:
+        if floating_only and not task.floating:
+            continue
+        for start, stop in task.chunks():
+            if floating_only and start >= task.base_rows:
+                continue
+            yield task, start, stop
+
+
+def _reader(base: Checkpoint, agents: list[Checkpoint], reader: RowReader, state: MergeState):
+    def read(ref: tuple[TensorTask, int, int]) -> RawChunk:
+        task, start, stop = ref
+        extra = start >= task.base_rows
+        raw_base = None if extra else base.read_rows(task.name, reader, start, stop)
+        raws: list[torch.Tensor | None] = []
+        if task.floating:
+            for t, agent in enumerate(agents):
+                have = min(stop, task.agent_rows[t])
+                raws.append(agent.read_rows(task.name, reader, start, have) if have > start else None)
+        state.bytes_read += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
+        return RawChunk(task, start, stop, raw_base, raws)
+
+    return read
+
+
+def to_deltas(
+    resolved: ResolvedConfig,
+    chunk: RawChunk,
+    device: torch.device,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
+
+    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
+    """
+    assert chunk.base is not None
+    base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
+    deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
+    for t, raw in enumerate(chunk.agents):
+        if raw is None:
+            deltas[t].zero_()
+            continue
+        n = raw.numel()
+        row = deltas[t, :n]
+        row.copy_(raw.reshape(-1))
+        row.sub_(base_values[:n])
+        if n < base_values.numel():
+            deltas[t, n:].zero_()
+    if not resolved.allow_nonfinite and not math.isfinite(float(deltas.sum())):
+        _raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop)
+    return deltas, base_values
+
+
 def statistics_pass(
     resolved: ResolvedConfig,
     base: Checkpoint,
@@ -247,56 +320,30 @@ def statistics_pass(
     eps = _eps(resolved)
     per_tensor = resolved.params.get("rho_scope") == "tensor"
     tasks = plan.tasks if tasks is None else tasks
-    for task in _progress(tasks, len(tasks), "statistics", progress):
-        if not task.floating:
-            continue
-        tensor_stats = OverlapStatistics.zeros(len(agents))
-        for _start, _stop, deltas, _base in iter_delta_chunks(
-            resolved, task, base, agents, reader, device, state
-        ):
-            tensor_stats.update(active_mask(deltas, eps))
-        state.stats.add(tensor_stats)
-        if per_tensor:
-            state.tensor_stats[task.name] = tensor_stats
+    floating = [t for t in tasks if t.floating]
+    bar = _progress(None, len(floating), "statistics", progress) if progress else None
+    current: OverlapStatistics | None = None
+    current_task: TensorTask | None = None
 
+    def finish() -> None:
+        if current is not None and current_task is not None:
+            state.stats.add(current)
+            if per_tensor:
+                state.tensor_stats[current_task.name] = current
+            if bar is not None:
+                bar.update(1)
 
-def iter_delta_chunks(
-    resolved: ResolvedConfig,
-    task: TensorTask,
-    base: Checkpoint,
-    agents: list[Checkpoint],
-    reader: RowReader,
-    device: torch.device,
-    state: MergeState,
-) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    """Yield ``(start_row, stop_row, deltas, base_values)`` for the base's rows of one tensor, chunk by chunk.
-
-    ``deltas`` is float32 of shape ``(num_agents, n)``; ``base_values`` float32 of shape ``(n,)``. An agent with
-    fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
-    """
-    for start, stop in task.chunks():
-        if start >= task.base_rows:
-            continue  # extra rows of a resized vocabulary have no base: see _write_extra_rows
-        raw_base = base.read_rows(task.name, reader, start, stop)
-        state.bytes_read += raw_base.numel() * raw_base.element_size()
-        base_values = raw_base.to(device=device, dtype=torch.float32).reshape(-1)
-        deltas = torch.empty((len(agents), base_values.numel()), dtype=torch.float32, device=device)
-        for t, agent in enumerate(agents):
-            have = min(stop, task.agent_rows[t])
-            if have <= start:
-                deltas[t].zero_()
-                continue
-            raw = agent.read_rows(task.name, reader, start, have)
-            state.bytes_read += raw.numel() * raw.element_size()
-            n = raw.numel()
-            row = deltas[t, :n]
-            row.copy_(raw.reshape(-1))
-            row.sub_(base_values[:n])
-            if n < base_values.numel():
-                deltas[t, n:].zero_()
-        if not resolved.allow_nonfinite and not math.isfinite(float(deltas.sum())):
-            _raise_nonfinite(task, base, agents, reader, start, stop)
-        yield start, stop, deltas, base_values
+    for chunk in read_ahead(_chunk_refs(floating, True), _reader(base, agents, reader, state)):
+        if chunk.task is not current_task:
+            finish()
+            current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
+        deltas, _ = to_deltas(resolved, chunk, device, base, agents, reader)
+        assert current is not None
+        current.update(active_mask(deltas, eps))
+        del deltas
+    finish()
+    if bar is not None:
+        bar.close()
 
 
 def _raise_nonfinite(
@@ -326,7 +373,6 @@ def _magnitude_cuts(
     agents: list[Checkpoint],
     reader: RowReader,
     device: torch.device,
-    state: MergeState,
 ) -> list[MagnitudeCut]:
     """Per-agent TIES cut of one tensor (one whole float32 task vector in memory at a time)."""
     base_values = base.read_rows(task.name, reader).to(device=device, dtype=torch.float32).reshape(-1)
@@ -350,6 +396,51 @@ def _magnitude_cuts(
     return cuts
 
 
+@dataclass
+class _TensorContext:
+    """Per-tensor inputs of the merge pass."""
+
+    agent_params: dict[str, torch.Tensor]
+    lambdas: list[float] | None
+    cuts: list[MagnitudeCut] | None
+    equal_seen: list[int]
+    stats: OverlapStatistics | None
+
+
+def _tensor_context(
+    resolved: ResolvedConfig,
+    task: TensorTask,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    state: MergeState,
+    device: torch.device,
+) -> _TensorContext:
+    method = resolved.method
+    agent_params = {
+        p.name: torch.tensor(
+            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents],
+            dtype=torch.float32,
+            device=device,
+        )
+        for p in method.parameters
+        if p.scope == "agent"
+    }
+    cuts = (
+        _magnitude_cuts(resolved, task, base, agents, reader, device)
+        if method.trims_by_magnitude and task.floating
+        else None
+    )
+    count_inline = task.floating and not method.needs_statistics
+    return _TensorContext(
+        agent_params=agent_params,
+        lambdas=_tensor_lambdas(resolved, task, state),
+        cuts=cuts,
+        equal_seen=[0] * len(agents),
+        stats=OverlapStatistics.zeros(len(agents)) if count_inline else None,
+    )
+
+
 def write_shards(
     resolved: ResolvedConfig,
     base: Checkpoint,
@@ -362,112 +453,103 @@ def write_shards(
     device: torch.device,
     progress: bool,
 ) -> None:
-    """Merge and write the given shards into ``out_dir``."""
+    """Merge the given shards' tensors and write them into ``out_dir``."""
     eps = _eps(resolved)
-    count_inline = not resolved.method.needs_statistics
     total = sum(len(s.tasks) for s in shards)
     bar = _progress(None, total, "merge", progress) if progress else None
-    for shard in shards:
-        planned = [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
-        writer = ShardWriter(out_dir / shard.file_name, planned)
-        try:
-            for task in shard.tasks:
-                if bar is not None:
-                    bar.set_postfix_str(task.name[-40:], refresh=False)
-                if not task.floating:
-                    for start, stop in task.chunks():
-                        writer.write(
-                            task.name, base.read_rows(task.name, reader, start, stop).to(task.out_dtype)
-                        )
-                else:
-                    _merge_tensor(
-                        resolved, task, base, agents, reader, state, device, writer, eps, count_inline
+    background = BackgroundWriter(depth=2)
+    writers: list[ShardWriter] = []
+    try:
+        for shard in shards:
+            planned = [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
+            writer = ShardWriter(out_dir / shard.file_name, planned)
+            writers.append(writer)
+            current: TensorTask | None = None
+            context: _TensorContext | None = None
+            for chunk in read_ahead(_chunk_refs(shard.tasks, False), _reader(base, agents, reader, state)):
+                task = chunk.task
+                if task is not current:
+                    _finish_tensor(state, context, bar)
+                    current, context = (
+                        task,
+                        _tensor_context(resolved, task, base, agents, reader, state, device),
                     )
-                if bar is not None:
-                    bar.update(1)
-            writer.close()
-        except BaseException:
+                    if bar is not None:
+                        bar.set_postfix_str(task.name[-40:], refresh=False)
+                assert context is not None
+                out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps)
+                background.submit(writer.write, task.name, out)
+            _finish_tensor(state, context, bar)
+            background.submit(writer.close)
+        background.close()
+    except BaseException:
+        background.abort()
+        for writer in writers:
             writer.abort()
-            raise
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _finish_tensor(state: MergeState, context: _TensorContext | None, bar) -> None:
+    if context is None:
+        return
+    if context.stats is not None:
+        state.stats.add(context.stats)
     if bar is not None:
-        bar.close()
+        bar.update(1)
 
 
-def _merge_tensor(
+def _merge_chunk(
     resolved: ResolvedConfig,
-    task: TensorTask,
+    chunk: RawChunk,
+    context: _TensorContext,
     base: Checkpoint,
     agents: list[Checkpoint],
     reader: RowReader,
-    state: MergeState,
     device: torch.device,
-    writer: ShardWriter,
     eps: float,
-    count_inline: bool,
-) -> None:
-    method = resolved.method
-    agent_params = {
-        p.name: torch.tensor(
-            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents],
-            dtype=torch.float32,
-            device=device,
-        )
-        for p in method.parameters
-        if p.scope == "agent"
-    }
-    lambdas = _tensor_lambdas(resolved, task, state)
-    cuts = (
-        _magnitude_cuts(resolved, task, base, agents, reader, device, state)
-        if method.trims_by_magnitude
-        else None
+) -> torch.Tensor:
+    """The output values of one chunk, in the output dtype, on the CPU."""
+    task = chunk.task
+    shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
+    if not task.floating:
+        assert chunk.base is not None
+        return chunk.base.to(task.out_dtype)
+    if chunk.extra_rows:
+        return _extra_rows(chunk, shape)
+    deltas, base_values = to_deltas(resolved, chunk, device, base, agents, reader)
+    if context.stats is not None:
+        context.stats.update(active_mask(deltas, eps))
+    inputs = ChunkInputs(
+        name=task.name,
+        start=chunk.start * task.row_numel,
+        deltas=deltas,
+        base=base_values,
+        params=resolved.params,
+        agent_params=context.agent_params,
+        lambdas=context.lambdas,
+        cuts=context.cuts,
+        equal_seen=context.equal_seen,
+        seed=resolved.seed,
     )
-    equal_seen = [0] * len(agents)
-    tensor_stats = OverlapStatistics.zeros(len(agents)) if count_inline else None
-    for start, stop, deltas, base_values in iter_delta_chunks(
-        resolved, task, base, agents, reader, device, state
-    ):
-        if tensor_stats is not None:
-            tensor_stats.update(active_mask(deltas, eps))
-        inputs = ChunkInputs(
-            name=task.name,
-            start=start * task.row_numel,
-            deltas=deltas,
-            base=base_values,
-            params=resolved.params,
-            agent_params=agent_params,
-            lambdas=lambdas,
-            cuts=cuts,
-            equal_seen=equal_seen,
-            seed=resolved.seed,
-        )
-        merged = method.merge(inputs)
-        merged.add_(base_values)
-        out_shape = (stop - start, *task.base.shape[1:]) if task.base.shape else ()
-        writer.write(task.name, merged.to(task.out_dtype).reshape(out_shape).cpu())
-        del deltas, merged, inputs
-    if task.out_rows > task.base_rows:
-        _write_extra_rows(task, agents, reader, writer)
-    if tensor_stats is not None:
-        state.stats.add(tensor_stats)
+    merged = resolved.method.merge(inputs)
+    merged.add_(base_values)
+    return merged.to(task.out_dtype).reshape(shape).cpu()
 
 
-def _write_extra_rows(
-    task: TensorTask, agents: list[Checkpoint], reader: RowReader, writer: ShardWriter
-) -> None:
+def _extra_rows(chunk: RawChunk, shape: tuple[int, ...]) -> torch.Tensor:
     """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
-    for start, stop in task.chunks():
-        if start < task.base_rows:
+    total = torch.zeros(shape, dtype=torch.float32)
+    count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)
+    for raw in chunk.agents:
+        if raw is None:
             continue
-        total = torch.zeros((stop - start, *task.base.shape[1:]), dtype=torch.float32)
-        count = torch.zeros((stop - start,) + (1,) * (len(task.base.shape) - 1), dtype=torch.float32)
-        for t, agent in enumerate(agents):
-            have = min(stop, task.agent_rows[t])
-            if have <= start:
-                continue
-            rows = agent.read_rows(task.name, reader, start, have).to(torch.float32)
-            total[: have - start] += rows
-            count[: have - start] += 1
-        writer.write(task.name, (total / count).to(task.out_dtype))
+        rows = raw.shape[0]
+        total[:rows] += raw.to(torch.float32)
+        count[:rows] += 1
+    return (total / count).to(chunk.task.out_dtype)
 
 
 def _lambdas(resolved: ResolvedConfig, stats: OverlapStatistics) -> list[float]:

@@ -61,11 +61,12 @@ def format_bytes(num: float) -> str:
 def bytes_per_element(num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:
     """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents.
 
-    Counts: float32 task vectors (``4N``), one temporary of the same size for weighted products (``4N``), masks
-    (``2N``), the float32 base and one float32 agent row being converted (8), raw reads of the base and one agent
-    (``2 * in_itemsize``), float32 result and two float32 accumulators (12), and the cast output (``out_itemsize``).
+    Counts: float32 task vectors (``4N``), one temporary of the same size (masked or weighted task vectors,
+    ``4N``), masks (``2N``), the float32 base (4), float32 result and accumulators (16), the raw stored values of
+    the chunk being merged and of the chunk read ahead (``2 (N + 1) in_itemsize``), and the cast output of this chunk
+    and of two chunks queued for writing (``3 out_itemsize``).
     """
-    return 10 * num_agents + 20 + 2 * in_itemsize + out_itemsize
+    return 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
 
 
 def chunk_elements(budget: int, num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,17 +154,19 @@ class RowReader:
     def __init__(self, max_open_files: int = 64) -> None:
         self._handles: dict[Path, int] = {}
         self._max_open = max_open_files
+        self._lock = threading.Lock()
 
     def _fd(self, path: Path) -> int:
-        fd = self._handles.get(path)
-        if fd is None:
-            if len(self._handles) >= self._max_open:
-                old_path, old_fd = next(iter(self._handles.items()))
-                os.close(old_fd)
-                del self._handles[old_path]
-            fd = os.open(path, os.O_RDONLY)
-            self._handles[path] = fd
-        return fd
+        with self._lock:
+            fd = self._handles.get(path)
+            if fd is None:
+                if len(self._handles) >= self._max_open:
+                    old_path, old_fd = next(iter(self._handles.items()))
+                    os.close(old_fd)
+                    del self._handles[old_path]
+                fd = os.open(path, os.O_RDONLY)
+                self._handles[path] = fd
+            return fd
 
     def read_rows(self, info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype.
@@ -200,9 +203,10 @@ class RowReader:
         return buffer.view(info.dtype).reshape(rows + shape)
 
     def close(self) -> None:
-        for fd in self._handles.values():
-            os.close(fd)
-        self._handles.clear()
+        with self._lock:
+            for fd in self._handles.values():
+                os.close(fd)
+            self._handles.clear()
 
     def __enter__(self) -> RowReader:
         return self
