@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
+from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from ram_trl.io.prefetch import BackgroundWriter, read_ahead
-from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardWriter
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
 from ram_trl.methods.ties import MagnitudeCut, keep_count, magnitude_cut
@@ -35,6 +36,7 @@ from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
     MergePlan,
+    ShardPlan,
     TensorTask,
     build_plan,
     parse_size,
@@ -79,6 +81,7 @@ class MergeState:
     lambdas: list[float] | None = None
     warnings: list[str] = field(default_factory=list)
     bytes_read: int = 0
+    bytes_written: int = 0
 
 
 def merge(
@@ -174,47 +177,117 @@ def prepare(
 
 
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
-    """Run a resolved merge (see :func:`merge`)."""
+    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun."""
+    ctx = DistContext.from_env(options.device)
+    try:
+        return _run_merge(resolved, output_dir, options, ctx)
+    finally:
+        ctx.close()
+
+
+def _run_merge(
+    resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, ctx: DistContext
+) -> dict[str, Any]:
     from ram_trl import report as reporting
 
     started = time.perf_counter()
-    base, agents, plan = prepare(resolved, output_dir, options)
+    base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
         summary = reporting.plan_summary(resolved, plan)
-        reporting.print_plan(resolved, plan)
+        if ctx.is_main:
+            reporting.print_plan(resolved, plan)
         return summary
 
+    owned = partition_by_bytes([_task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]
+    tasks = [plan.tasks[i] for i in owned]
+    progress = options.progress and ctx.is_main
     state = MergeState(stats=OverlapStatistics.zeros(len(agents)))
-    device = torch.device(options.device)
+    device = ctx.device(options.device)
     timings: dict[str, float] = {}
     with RowReader() as reader:
         if resolved.method.needs_statistics:
             tick = time.perf_counter()
-            statistics_pass(resolved, base, agents, plan, reader, state, device, options.progress)
+            ctx.guarded(
+                lambda: statistics_pass(resolved, base, agents, plan, reader, state, device, progress, tasks)
+            )
+            _reduce_statistics(ctx, state)
             timings["statistics_seconds"] = time.perf_counter() - tick
             state.lambdas = _lambdas(resolved, state.stats)
-            _check_densities(resolved, state)
+            _check_densities(resolved, state, ctx.is_main)
 
-        temp_dir = output_dir.parent / f".{output_dir.name}.ram-trl-tmp-{uuid.uuid4().hex[:8]}"
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-        temp_dir.mkdir()
+        temp_name = f".{output_dir.name}.ram-trl-tmp-{uuid.uuid4().hex[:8]}" if ctx.is_main else None
+        temp_dir = output_dir.parent / ctx.broadcast_object(temp_name)
+        report: dict[str, Any] | None = None
         try:
+            ctx.guarded(lambda: _create_output(plan, temp_dir) if ctx.is_main else None)
             tick = time.perf_counter()
-            write_shards(
-                resolved, base, agents, plan, plan.shards, temp_dir, reader, state, device, options.progress
+            ctx.guarded(
+                lambda: write_tensors(
+                    resolved, base, agents, plan, tasks, temp_dir, reader, state, device, progress
+                )
             )
+            written = ctx.all_reduce_int(state.bytes_written)
+            if written != plan.output_bytes:
+                raise RuntimeError(f"{temp_dir}: {written} of {plan.output_bytes} tensor bytes were written")
             timings["merge_seconds"] = time.perf_counter() - tick
             if not resolved.method.needs_statistics:
-                _check_densities(resolved, state)
+                _reduce_statistics(ctx, state)
+                _check_densities(resolved, state, ctx.is_main)
+            state.bytes_read = ctx.all_reduce_int(state.bytes_read)
             timings["total_seconds"] = time.perf_counter() - started
-            report = reporting.build_report(resolved, plan, state, timings, output_dir)
-            finalize_output(resolved, base, plan, temp_dir, report)
-            _swap_into_place(temp_dir, output_dir)
+
+            def finish() -> dict[str, Any] | None:
+                if not ctx.is_main:
+                    return None
+                built = reporting.build_report(resolved, plan, state, timings, output_dir)
+                built["processes"] = ctx.world_size
+                finalize_output(resolved, base, plan, temp_dir, built)
+                _swap_into_place(temp_dir, output_dir)
+                return built
+
+            report = ctx.broadcast_object(ctx.guarded(finish))
         except BaseException:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            if ctx.is_main:
+                shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-    reporting.print_summary(report)
+    if ctx.is_main:
+        reporting.print_summary(report)
+    assert report is not None
     return report
+
+
+def _task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
+    from ram_trl.io.safetensors_io import dtype_itemsize
+
+    total = task.base.numel * dtype_itemsize(task.base.dtype)
+    if task.floating:
+        total += sum(a.tensors[task.name].numel * dtype_itemsize(a.tensors[task.name].dtype) for a in agents)
+    return total
+
+
+def _reduce_statistics(ctx: DistContext, state: MergeState) -> None:
+    """Sum every rank's counts; gather per-tensor statistics (tensor-local rho) for the report."""
+    if not ctx.enabled:
+        return
+    ctx.all_reduce_sum(state.stats.histogram)
+    ctx.all_reduce_sum(state.stats.pairwise)
+    state.stats.numel = ctx.all_reduce_int(state.stats.numel)
+    if state.tensor_stats:
+        merged: dict[str, OverlapStatistics] = {}
+        for part in ctx.gather_objects(state.tensor_stats):
+            merged.update(part)
+        state.tensor_stats = merged
+
+
+def _create_output(plan: MergePlan, temp_dir: Path) -> None:
+    temp_dir.parent.mkdir(parents=True, exist_ok=True)
+    temp_dir.mkdir()
+    for shard in plan.shards:
+        ShardFile.create(temp_dir / shard.file_name, _planned(shard))
+
+
+def _planned(shard: ShardPlan) -> list[PlannedTensor]:
+    return [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -441,51 +514,49 @@ def _tensor_context(
     )
 
 
-def write_shards(
+def write_tensors(
     resolved: ResolvedConfig,
     base: Checkpoint,
     agents: list[Checkpoint],
     plan: MergePlan,
-    shards,
+    tasks: list[TensorTask],
     out_dir: Path,
     reader: RowReader,
     state: MergeState,
     device: torch.device,
     progress: bool,
 ) -> None:
-    """Merge the given shards' tensors and write them into ``out_dir``."""
+    """Merge ``tasks`` and write them into the output files already created in ``out_dir``."""
     eps = _eps(resolved)
-    total = sum(len(s.tasks) for s in shards)
-    bar = _progress(None, total, "merge", progress) if progress else None
+    shard_of = {t.name: shard for shard in plan.shards for t in shard.tasks}
+    files: dict[str, ShardFile] = {}
+    bar = _progress(None, len(tasks), "merge", progress) if progress else None
     background = BackgroundWriter(depth=2)
-    writers: list[ShardWriter] = []
     try:
-        for shard in shards:
-            planned = [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
-            writer = ShardWriter(out_dir / shard.file_name, planned)
-            writers.append(writer)
-            current: TensorTask | None = None
-            context: _TensorContext | None = None
-            for chunk in read_ahead(_chunk_refs(shard.tasks, False), _reader(base, agents, reader, state)):
-                task = chunk.task
-                if task is not current:
-                    _finish_tensor(state, context, bar)
-                    current, context = (
-                        task,
-                        _tensor_context(resolved, task, base, agents, reader, state, device),
-                    )
-                    if bar is not None:
-                        bar.set_postfix_str(task.name[-40:], refresh=False)
-                assert context is not None
-                out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps)
-                background.submit(writer.write, task.name, out)
-            _finish_tensor(state, context, bar)
-            background.submit(writer.close)
+        current: TensorTask | None = None
+        context: _TensorContext | None = None
+        for chunk in read_ahead(_chunk_refs(tasks, False), _reader(base, agents, reader, state)):
+            task = chunk.task
+            if task is not current:
+                _finish_tensor(state, context, bar)
+                current, context = task, _tensor_context(resolved, task, base, agents, reader, state, device)
+                if bar is not None:
+                    bar.set_postfix_str(task.name[-40:], refresh=False)
+            assert context is not None
+            shard = shard_of[task.name]
+            if shard.file_name not in files:
+                files[shard.file_name] = ShardFile(out_dir / shard.file_name, _planned(shard))
+            out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps)
+            background.submit(files[shard.file_name].write_rows, task.name, chunk.start, out)
+        _finish_tensor(state, context, bar)
         background.close()
+        for file in files.values():
+            file.close()
+            state.bytes_written += file.bytes_written
     except BaseException:
         background.abort()
-        for writer in writers:
-            writer.abort()
+        for file in files.values():
+            file.abort()
         raise
     finally:
         if bar is not None:
@@ -569,7 +640,7 @@ def _tensor_lambdas(resolved: ResolvedConfig, task: TensorTask, state: MergeStat
     return state.lambdas
 
 
-def _check_densities(resolved: ResolvedConfig, state: MergeState) -> None:
+def _check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
     for t, agent in enumerate(resolved.agents):
         density = state.stats.density(t)
         if state.stats.active(t) == 0:
@@ -585,8 +656,9 @@ def _check_densities(resolved: ResolvedConfig, state: MergeState) -> None:
         else:
             continue
         state.warnings.append(message)
-        warnings.warn(message, stacklevel=2)
-        logger.warning(message)
+        if emit:
+            warnings.warn(message, stacklevel=2)
+            logger.warning(message)
 
 
 # ---------------------------------------------------------------------------------------------------------------

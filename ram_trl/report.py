@@ -34,7 +34,7 @@ def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict
     from ram_trl.engine import _lambdas
 
     values, weights = [], []
-    for stats in state.tensor_stats.values():
+    for _, stats in sorted(state.tensor_stats.items()):  # a fixed order: the same sum on any number of ranks
         if stats.unique(t) == 0:
             continue
         values.append(_lambdas(resolved, stats)[t])

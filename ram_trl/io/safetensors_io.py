@@ -228,74 +228,101 @@ class PlannedTensor:
         return math.prod(self.shape) * dtype_itemsize(self.dtype)
 
 
-class ShardWriter:
-    """Write one safetensors file whose header is fixed up front, appending tensor data chunk by chunk.
-
-    Tensors must be written in the order given, each as one or more contiguous row chunks. :meth:`close` checks
-    that every byte promised by the header was written.
+def shard_layout(
+    tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]], int]:
+    """The header of a safetensors file holding ``tensors`` in order, and where each tensor's data goes.
 
     Args:
-        path: Output file path.
-        tensors: The tensors of this shard, in file order.
-        metadata: The ``__metadata__`` string map (``{"format": "pt"}`` is what transformers expects).
+        tensors: The file's tensors, in file order.
+        metadata: The ``__metadata__`` map (default ``{"format": "pt"}``, what transformers expects).
+
+    Returns:
+        ``(prefix, locations, file_size)``: the length-prefixed header padded to 8 bytes, each tensor's absolute
+        ``(begin, end)`` byte range, and the size of the complete file.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    relative: dict[str, tuple[int, int]] = {}
+    for tensor in tensors:
+        header[tensor.name] = {
+            "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        relative[tensor.name] = (offset, offset + tensor.nbytes)
+        offset += tensor.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    prefix = struct.pack("<Q", len(encoded)) + encoded
+    locations = {name: (len(prefix) + b, len(prefix) + e) for name, (b, e) in relative.items()}
+    return prefix, locations, len(prefix) + offset
+
+
+class ShardFile:
+    """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets.
+
+    One process creates the file (:meth:`create`: header plus a sparse file of the final size); any number of
+    processes then open it and write the row ranges they own, in any order, with positioned writes.
+
+    Args:
+        path: The file (created beforehand with :meth:`create`).
+        tensors: The file's tensors, in file order (the same list given to :meth:`create`).
+        metadata: The ``__metadata__`` map.
     """
 
     def __init__(
         self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
     ):
         self.path = Path(path)
-        self._tensors = tensors
-        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        offset = 0
-        self._ends: list[int] = []
-        for tensor in tensors:
-            header[tensor.name] = {
-                "dtype": TORCH_TO_SAFETENSORS[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + tensor.nbytes],
-            }
-            offset += tensor.nbytes
-            self._ends.append(offset)
-        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        encoded += b" " * (-len(encoded) % 8)
-        self._handle = open(self.path, "wb")  # noqa: SIM115 - closed by close() / abort()
-        self._handle.write(struct.pack("<Q", len(encoded)))
-        self._handle.write(encoded)
-        self._written = 0
-        self._index = 0
-        self.total_bytes = offset
+        self._planned = {t.name: t for t in tensors}
+        _, self._locations, self.file_size = shard_layout(tensors, metadata)
+        self._fd = os.open(self.path, os.O_WRONLY)
+        self.bytes_written = 0
 
-    def write(self, name: str, chunk: torch.Tensor) -> None:
-        """Append the next row chunk of tensor ``name`` (which must be the tensor currently being written)."""
-        if self._index >= len(self._tensors) or self._tensors[self._index].name != name:
-            expected = self._tensors[self._index].name if self._index < len(self._tensors) else "<none>"
-            raise RuntimeError(f"{self.path}: wrote {name!r} out of order (expected {expected!r})")
-        planned = self._tensors[self._index]
+    @staticmethod
+    def create(
+        path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
+    ) -> None:
+        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`."""
+        prefix, _, size = shard_layout(tensors, metadata)
+        with open(path, "wb") as handle:
+            handle.write(prefix)
+            handle.truncate(size)
+
+    def write_rows(self, name: str, row_start: int, chunk: torch.Tensor) -> None:
+        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype)."""
+        planned = self._planned.get(name)
+        if planned is None:
+            raise RuntimeError(f"{self.path}: tensor {name!r} is not planned in this file")
         if chunk.dtype != planned.dtype:
             raise RuntimeError(
                 f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}"
             )
+        begin, end = self._locations[name]
+        row_bytes = (math.prod(planned.shape[1:]) if len(planned.shape) > 1 else 1) * dtype_itemsize(
+            planned.dtype
+        )
+        offset = begin + row_start * row_bytes
         data = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
         if data.device.type != "cpu":
             data = data.cpu()
-        if data.numel():
-            self._handle.write(data.numpy())
-        self._written += data.numel()
-        if self._written > self._ends[self._index]:
-            raise RuntimeError(f"{self.path}: tensor {name!r} received more data than its shape holds")
-        if self._written == self._ends[self._index]:
-            self._index += 1
+        if offset + data.numel() > end:
+            raise RuntimeError(f"{self.path}: rows written past the end of tensor {name!r}")
+        view = memoryview(data.numpy())
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        self.bytes_written += len(view)
 
     def close(self) -> None:
-        """Flush and close; raises if any planned tensor is incomplete."""
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
-        if self._written != self.total_bytes:
-            raise RuntimeError(
-                f"{self.path}: incomplete shard ({self._written} of {self.total_bytes} data bytes written)"
-            )
+        """Flush to disk and close."""
+        if self._fd >= 0:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
 
     def abort(self) -> None:
-        if not self._handle.closed:
-            self._handle.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ram_trl.errors import CheckpointError
-from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardWriter, read_safetensors_header
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, read_safetensors_header
 
 TENSORS = {
     "matrix": torch.randn(7, 5).to(torch.bfloat16),
@@ -44,17 +44,19 @@ def test_header_and_rows_match_safetensors(file):
         assert torch.equal(reader.read_rows(infos["bias"], 4, 5), TENSORS["bias"][4:5])
 
 
-def test_writer_output_reads_back_with_safetensors(tmp_path):
+def test_shard_file_rows_in_any_order_read_back_with_safetensors(tmp_path):
     planned = [PlannedTensor(n, v.dtype, tuple(v.shape)) for n, v in TENSORS.items()]
     path = tmp_path / "out.safetensors"
-    writer = ShardWriter(path, planned)
-    for name, value in TENSORS.items():
+    ShardFile.create(path, planned)
+    shard = ShardFile(path, planned)
+    for name, value in reversed(list(TENSORS.items())):  # any order: writes go to planned offsets
         if value.dim() >= 1 and value.shape[0] > 2:
-            writer.write(name, value[:2])
-            writer.write(name, value[2:])
+            shard.write_rows(name, 2, value[2:])
+            shard.write_rows(name, 0, value[:2])
         else:
-            writer.write(name, value)
-    writer.close()
+            shard.write_rows(name, 0, value)
+    shard.close()
+    assert shard.bytes_written == sum(v.numel() * v.element_size() for v in TENSORS.values())
     loaded = load_file(str(path))
     assert set(loaded) == set(TENSORS)
     for name, value in TENSORS.items():
@@ -64,14 +66,18 @@ def test_writer_output_reads_back_with_safetensors(tmp_path):
     assert (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 8 == 0  # header aligned
 
 
-def test_writer_refuses_out_of_order_and_incomplete(tmp_path):
+def test_shard_file_refuses_wrong_tensor_dtype_and_overflow(tmp_path):
     planned = [PlannedTensor("a", torch.float32, (2,)), PlannedTensor("b", torch.float32, (1,))]
-    writer = ShardWriter(tmp_path / "w.safetensors", planned)
-    with pytest.raises(RuntimeError, match="out of order"):
-        writer.write("b", torch.zeros(1))
-    writer.write("a", torch.zeros(2))
-    with pytest.raises(RuntimeError, match="incomplete shard"):
-        writer.close()
+    path = tmp_path / "w.safetensors"
+    ShardFile.create(path, planned)
+    shard = ShardFile(path, planned)
+    with pytest.raises(RuntimeError, match="not planned"):
+        shard.write_rows("c", 0, torch.zeros(1))
+    with pytest.raises(RuntimeError, match="dtype"):
+        shard.write_rows("a", 0, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="past the end"):
+        shard.write_rows("a", 1, torch.zeros(2))
+    shard.abort()
 
 
 def test_truncated_file_is_named(file, tmp_path):
