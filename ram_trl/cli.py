@@ -115,7 +115,7 @@ def _run_methods(args: argparse.Namespace) -> int:
 
     table = Table(title="merge methods")
     for column in ("method", "parameters (global)", "parameters (per agent)", "aliases"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "method", overflow="fold")
     aliases = alias_names()
     for name in method_names():
         method, _ = resolve_method(name)

@@ -156,13 +156,18 @@ def prepare(
         )
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise RamTrlError(f"--device {options.device}: no CUDA device is available; use --device cpu")
+    out = output_dir.resolve()
+    for label, path in [
+        ("base model", resolved.base_path),
+        ("tokenizer_source", resolved.tokenizer_source),
+        *((f"agent {a.index} ({a.name})", a.path) for a in resolved.agents),
+    ]:
+        source = path.resolve()
+        if source == out or source.is_relative_to(out) or out.is_relative_to(source):
+            raise RamTrlError(
+                f"output directory {output_dir} overlaps the {label} at {path}; write the merge outside its inputs"
+            )
     base, agents = open_inputs(resolved, options.allow_pickle)
-    for agent in resolved.agents:
-        if (
-            output_dir.resolve() == agent.path.resolve()
-            or output_dir.resolve() == resolved.base_path.resolve()
-        ):
-            raise RamTrlError(f"output directory {output_dir} is one of the inputs; choose another path")
     plan = build_plan(
         base,
         agents,
@@ -589,7 +594,7 @@ def _merge_chunk(
         assert chunk.base is not None
         return chunk.base.to(task.out_dtype)
     if chunk.extra_rows:
-        return _extra_rows(chunk, shape)
+        return _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
     deltas, base_values = to_deltas(resolved, chunk, device, base, agents, reader)
     if context.stats is not None:
         context.stats.update(active_mask(deltas, eps))
@@ -610,15 +615,23 @@ def _merge_chunk(
     return merged.to(task.out_dtype).reshape(shape).cpu()
 
 
-def _extra_rows(chunk: RawChunk, shape: tuple[int, ...]) -> torch.Tensor:
+def _extra_rows(
+    chunk: RawChunk, shape: tuple[int, ...], agents: list[Checkpoint], allow_nonfinite: bool
+) -> torch.Tensor:
     """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
     total = torch.zeros(shape, dtype=torch.float32)
     count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)
-    for raw in chunk.agents:
+    for raw, agent in zip(chunk.agents, agents, strict=True):
         if raw is None:
             continue
         rows = raw.shape[0]
-        total[:rows] += raw.to(torch.float32)
+        values = raw.to(torch.float32)
+        if not allow_nonfinite and not bool(torch.isfinite(values).all()):
+            raise NonFiniteError(
+                f"{agent.role}: tensor {chunk.task.name!r} holds NaN/Inf values in the rows it adds past the base's "
+                f"(rows {chunk.start}:{chunk.start + rows}); set allow_nonfinite: true in the config to merge anyway"
+            )
+        total[:rows] += values
         count[:rows] += 1
     return (total / count).to(chunk.task.out_dtype)
 

@@ -8,11 +8,11 @@ class RamTrlError(Exception):
 
 
 class ConfigError(RamTrlError, ValueError):
-    """The merge config is invalid; raised before any tensor is read."""
+    """The merge config is invalid (including paths that do not exist); raised before any tensor is read."""
 
 
 class CheckpointError(RamTrlError):
-    """A checkpoint directory or file is missing, corrupt, or inconsistent with the base."""
+    """A checkpoint directory or file is not a checkpoint, is corrupt, or is inconsistent with the base."""
 
 
 class NonFiniteError(RamTrlError):

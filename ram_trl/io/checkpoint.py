@@ -215,7 +215,10 @@ def _from_pickle(path: Path, role: str) -> Checkpoint:
     )
     index = path / PICKLE_INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{role}: {index} is not a valid checkpoint index ({exc})") from exc
         file_of = {name: path / f for name, f in weight_map.items()}
     else:
         file_of = None
