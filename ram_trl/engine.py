@@ -16,7 +16,6 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_con
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
-from ram_trl.io.prefetch import BackgroundWriter, read_ahead
+from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
@@ -42,6 +41,7 @@ from ram_trl.planner import (
     parse_size,
 )
 from ram_trl.statistics import OverlapStatistics
+from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class MergeState:
     tensor_stats: dict[str, OverlapStatistics] = field(default_factory=dict)
     lambdas: list[float] | None = None
     warnings: list[str] = field(default_factory=list)
-    bytes_read: int = 0
+    read: ReadCounter = field(default_factory=ReadCounter)
     bytes_written: int = 0
 
 
@@ -238,7 +238,7 @@ def _run_merge(
             if not resolved.method.needs_statistics:
                 _reduce_statistics(ctx, state)
                 _check_densities(resolved, state, ctx.is_main)
-            state.bytes_read = ctx.all_reduce_int(state.bytes_read)
+            state.read.bytes = ctx.all_reduce_int(state.read.bytes)
             timings["total_seconds"] = time.perf_counter() - started
 
             def finish() -> dict[str, Any] | None:
@@ -311,78 +311,6 @@ def _eps(resolved: ResolvedConfig) -> float:
     return float(resolved.params.get("eps", DEFAULT_EPS))
 
 
-@dataclass
-class RawChunk:
-    """The stored values of one row range of one tensor: the base's and each agent's (``None``: rows it lacks)."""
-
-    task: TensorTask
-    start: int
-    stop: int
-    base: torch.Tensor | None
-    agents: list[torch.Tensor | None]
-
-    @property
-    def extra_rows(self) -> bool:
-        """Rows past the base's (a resized vocabulary)."""
-        return self.start >= self.task.base_rows
-
-
-def _chunk_refs(tasks: list[TensorTask], floating_only: bool) -> Iterator[tuple[TensorTask, int, int]]:
-    for task in tasks:
-        if floating_only and not task.floating:
-            continue
-        for start, stop in task.chunks():
-            if floating_only and start >= task.base_rows:
-                continue
-            yield task, start, stop
-
-
-def _reader(base: Checkpoint, agents: list[Checkpoint], reader: RowReader, state: MergeState):
-    def read(ref: tuple[TensorTask, int, int]) -> RawChunk:
-        task, start, stop = ref
-        extra = start >= task.base_rows
-        raw_base = None if extra else base.read_rows(task.name, reader, start, stop)
-        raws: list[torch.Tensor | None] = []
-        if task.floating:
-            for t, agent in enumerate(agents):
-                have = min(stop, task.agent_rows[t])
-                raws.append(agent.read_rows(task.name, reader, start, have) if have > start else None)
-        state.bytes_read += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
-        return RawChunk(task, start, stop, raw_base, raws)
-
-    return read
-
-
-def to_deltas(
-    resolved: ResolvedConfig,
-    chunk: RawChunk,
-    device: torch.device,
-    base: Checkpoint,
-    agents: list[Checkpoint],
-    reader: RowReader,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
-
-    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
-    """
-    assert chunk.base is not None
-    base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
-    deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
-    for t, raw in enumerate(chunk.agents):
-        if raw is None:
-            deltas[t].zero_()
-            continue
-        n = raw.numel()
-        row = deltas[t, :n]
-        row.copy_(raw.reshape(-1))
-        row.sub_(base_values[:n])
-        if n < base_values.numel():
-            deltas[t, n:].zero_()
-    if not resolved.allow_nonfinite and not math.isfinite(float(deltas.sum())):
-        _raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop)
-    return deltas, base_values
-
-
 def statistics_pass(
     resolved: ResolvedConfig,
     base: Checkpoint,
@@ -411,37 +339,17 @@ def statistics_pass(
             if bar is not None:
                 bar.update(1)
 
-    for chunk in read_ahead(_chunk_refs(floating, True), _reader(base, agents, reader, state)):
+    for chunk in iter_chunks(base, agents, floating, reader, counter=state.read):
         if chunk.task is not current_task:
             finish()
             current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
-        deltas, _ = to_deltas(resolved, chunk, device, base, agents, reader)
+        deltas, _ = to_deltas(chunk, device, base, agents, reader, resolved.allow_nonfinite)
         assert current is not None
         current.update(active_mask(deltas, eps))
         del deltas
     finish()
     if bar is not None:
         bar.close()
-
-
-def _raise_nonfinite(
-    task: TensorTask, base: Checkpoint, agents: list[Checkpoint], reader: RowReader, start: int, stop: int
-) -> None:
-    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so."""
-    hint = "set allow_nonfinite: true in the config to merge anyway"
-    for checkpoint, rows in [
-        (base, stop),
-        *((a, min(stop, r)) for a, r in zip(agents, task.agent_rows, strict=True)),
-    ]:
-        if rows <= start:
-            continue
-        values = checkpoint.read_rows(task.name, reader, start, rows).to(torch.float32)
-        bad = int((~torch.isfinite(values)).sum())
-        if bad:
-            raise NonFiniteError(
-                f"{checkpoint.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{rows}); {hint}"
-            )
-    # every input is finite: a difference overflowed float32 (values near 3e38); nothing to refuse
 
 
 def _magnitude_cuts(
@@ -540,7 +448,7 @@ def write_tensors(
     try:
         current: TensorTask | None = None
         context: _TensorContext | None = None
-        for chunk in read_ahead(_chunk_refs(tasks, False), _reader(base, agents, reader, state)):
+        for chunk in iter_chunks(base, agents, tasks, reader, floating_only=False, counter=state.read):
             task = chunk.task
             if task is not current:
                 _finish_tensor(state, context, bar)
@@ -595,7 +503,7 @@ def _merge_chunk(
         return chunk.base.to(task.out_dtype)
     if chunk.extra_rows:
         return _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
-    deltas, base_values = to_deltas(resolved, chunk, device, base, agents, reader)
+    deltas, base_values = to_deltas(chunk, device, base, agents, reader, resolved.allow_nonfinite)
     if context.stats is not None:
         context.stats.update(active_mask(deltas, eps))
     inputs = ChunkInputs(

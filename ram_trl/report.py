@@ -97,7 +97,7 @@ def build_report(
         "arithmetic_dtype": "float32",
         "seed": resolved.seed,
         "timings": timings,
-        "bytes_read": state.bytes_read,
+        "bytes_read": state.read.bytes,
         "warnings": list(state.warnings) + list(resolved.notes),
         "config": resolved.raw,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},

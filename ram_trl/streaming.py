@@ -1,0 +1,154 @@
+"""Streaming task vectors: the base's and every agent's stored values, one row chunk at a time, as float32 deltas.
+
+The merge's passes and the sparsity analysis read their inputs through this module: :func:`iter_chunks` yields
+:class:`RawChunk` objects (read ahead on a background thread) and :func:`to_deltas` turns one into float32 task
+vectors, refusing NaN/Inf inputs with an error that names the checkpoint and tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ram_trl.errors import NonFiniteError
+from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.prefetch import read_ahead
+from ram_trl.io.safetensors_io import RowReader
+from ram_trl.planner import TensorTask
+
+
+@dataclass
+class RawChunk:
+    """The stored values of one row range of one tensor: the base's and each agent's (``None``: rows it lacks).
+
+    Args:
+        task: The tensor.
+        start: First row.
+        stop: One past the last row.
+        base: The base's rows in their stored dtype (``None`` for rows past the base's: a resized vocabulary).
+        agents: Each agent's rows in their stored dtype; ``None`` where an agent has none of these rows, and fewer
+            rows than ``stop - start`` where its tensor is shorter than the base's.
+    """
+
+    task: TensorTask
+    start: int
+    stop: int
+    base: torch.Tensor | None
+    agents: list[torch.Tensor | None]
+
+    @property
+    def extra_rows(self) -> bool:
+        """Rows past the base's (a resized vocabulary)."""
+        return self.start >= self.task.base_rows
+
+
+@dataclass
+class ReadCounter:
+    """Bytes read so far."""
+
+    bytes: int = 0
+
+
+def chunk_refs(tasks: list[TensorTask], floating_only: bool) -> Iterator[tuple[TensorTask, int, int]]:
+    """Every ``(task, start, stop)`` row range to process, in order; ``floating_only`` skips copied tensors and rows
+    past the base's."""
+    for task in tasks:
+        if floating_only and not task.floating:
+            continue
+        for start, stop in task.chunks():
+            if floating_only and start >= task.base_rows:
+                continue
+            yield task, start, stop
+
+
+def iter_chunks(
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    tasks: list[TensorTask],
+    reader: RowReader,
+    *,
+    floating_only: bool = True,
+    counter: ReadCounter | None = None,
+    read_ahead_depth: int = 1,
+) -> Iterator[RawChunk]:
+    """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on a background thread.
+
+    Args:
+        base: The base checkpoint.
+        agents: The agents, in order.
+        tasks: Tensors to read (their ``chunks()`` fix the row ranges).
+        reader: The positioned reader.
+        floating_only: Skip non-floating tensors and rows past the base's.
+        counter: Accumulates the bytes read.
+        read_ahead_depth: Chunks read ahead (0: synchronous).
+    """
+    counter = counter if counter is not None else ReadCounter()
+
+    def read(ref: tuple[TensorTask, int, int]) -> RawChunk:
+        task, start, stop = ref
+        raw_base = None if start >= task.base_rows else base.read_rows(task.name, reader, start, stop)
+        raws: list[torch.Tensor | None] = []
+        if task.floating:
+            for t, agent in enumerate(agents):
+                have = min(stop, task.agent_rows[t])
+                raws.append(agent.read_rows(task.name, reader, start, have) if have > start else None)
+        counter.bytes += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
+        return RawChunk(task, start, stop, raw_base, raws)
+
+    return read_ahead(chunk_refs(tasks, floating_only), read, read_ahead_depth)
+
+
+def to_deltas(
+    chunk: RawChunk,
+    device: torch.device,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    allow_nonfinite: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
+
+    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
+
+    Raises:
+        NonFiniteError: naming the checkpoint and tensor, if an input holds NaN/Inf and ``allow_nonfinite`` is off.
+    """
+    assert chunk.base is not None
+    base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
+    deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
+    for t, raw in enumerate(chunk.agents):
+        if raw is None:
+            deltas[t].zero_()
+            continue
+        n = raw.numel()
+        row = deltas[t, :n]
+        row.copy_(raw.reshape(-1))
+        row.sub_(base_values[:n])
+        if n < base_values.numel():
+            deltas[t, n:].zero_()
+    if not allow_nonfinite and not math.isfinite(float(deltas.sum())):
+        raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop)
+    return deltas, base_values
+
+
+def raise_nonfinite(
+    task: TensorTask, base: Checkpoint, agents: list[Checkpoint], reader: RowReader, start: int, stop: int
+) -> None:
+    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so."""
+    hint = "set allow_nonfinite: true in the config to merge anyway"
+    for checkpoint, rows in [
+        (base, stop),
+        *((a, min(stop, r)) for a, r in zip(agents, task.agent_rows, strict=True)),
+    ]:
+        if rows <= start:
+            continue
+        values = checkpoint.read_rows(task.name, reader, start, rows).to(torch.float32)
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            raise NonFiniteError(
+                f"{checkpoint.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{rows}); {hint}"
+            )
+    # every input is finite: a difference overflowed float32 (values near 3e38); nothing to refuse
