@@ -60,11 +60,7 @@ class OverlapStatistics:
         """Add one chunk's activity mask (bool, shape ``(num_agents, n)``)."""
         n_agents = self.num_agents
         if n_agents <= MAX_SUBSET_AGENTS:
-            code_dtype = torch.uint8 if n_agents <= 8 else torch.int32
-            rows = mask.view(torch.uint8)
-            code = rows[0].to(code_dtype, copy=True)
-            for t in range(1, n_agents):
-                code |= rows[t].to(code_dtype) << t
+            code = ram.subset_codes(mask)
             subsets = torch.bincount(code.reshape(-1), minlength=2**n_agents).to(torch.int64)
             members, sizes = _subset_tables(n_agents)
             weighted = members * subsets.unsqueeze(1)

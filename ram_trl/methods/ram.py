@@ -104,15 +104,57 @@ def ram_merge(
 
     Returns:
         The merged task vector of shape ``(n,)``: 0 where no agent is active, ``lambda_t * tau_t`` where only agent
-        ``t`` is, and the mean of the active values elsewhere.
+        ``t`` is, and the mean of the active values elsewhere (their sum in agent order, divided by their count).
     """
+    factors = [float(f) for f in (lambdas.tolist() if isinstance(lambdas, torch.Tensor) else lambdas)]
     active = masked_deltas(deltas, eps)
-    counts = overlap_counts(active != 0)
-    factors = lambdas.tolist() if isinstance(lambdas, torch.Tensor) else list(lambdas)
     total = active[0].clone()
-    unique = active[0] * factors[0]
     for t in range(1, active.shape[0]):
         total += active[t]
-        unique.add_(active[t], alpha=float(factors[t]))
-    shared_mean = total.div_(counts.clamp(min=1).to(total.dtype))
-    return torch.where(counts == 1, unique, shared_mean)
+    num_agents = active.shape[0]
+    if num_agents > _MAX_TABLE_AGENTS:
+        counts = overlap_counts(active != 0)
+        unique = active[0] * factors[0]
+        for t in range(1, num_agents):
+            unique.add_(active[t], alpha=factors[t])
+        shared_mean = total.div_(counts.clamp(min=1).to(total.dtype))
+        return torch.where(counts == 1, unique, shared_mean)
+    # Encode each element's set of active agents as a small integer and look its divisor (the count, at least 1) and
+    # its factor (lambda_t when only agent t is active, else 1) up in tables. Where only t is active the sum is tau_t
+    # exactly, so (sum / 1) * lambda_t == lambda_t * tau_t; elsewhere (sum / c) * 1 == the mean: bit for bit eq. 7.
+    divisors, scales = _subset_tables(num_agents, tuple(factors), deltas.device)
+    code = subset_codes(active != 0).to(torch.int32)
+    return total.div_(divisors.index_select(0, code)).mul_(scales.index_select(0, code))
+
+
+_MAX_TABLE_AGENTS = 12
+
+
+def subset_codes(mask: torch.Tensor) -> torch.Tensor:
+    """Per element, the set of active agents as a bit field (bit ``t`` set when agent ``t`` is active).
+
+    Args:
+        mask: Bool tensor of shape ``(num_agents, n)``, at most 31 agents.
+
+    Returns:
+        Shape ``(n,)``; uint8 for up to 8 agents, int32 beyond.
+    """
+    num_agents = mask.shape[0]
+    dtype = torch.uint8 if num_agents <= 8 else torch.int32
+    rows = mask.view(torch.uint8)
+    code = rows[0].to(dtype, copy=True)
+    for t in range(1, num_agents):
+        code |= rows[t].to(dtype) << t
+    return code
+
+
+def _subset_tables(
+    num_agents: int, factors: tuple[float, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.arange(2**num_agents)
+    sizes = sum(((codes >> t) & 1) for t in range(num_agents))
+    divisors = sizes.clamp(min=1).to(torch.float32)
+    scales = torch.ones(2**num_agents, dtype=torch.float32)
+    for t, factor in enumerate(factors):
+        scales[1 << t] = factor
+    return divisors.to(device), scales.to(device)

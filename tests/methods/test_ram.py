@@ -159,3 +159,32 @@ def test_lambdas_from_statistics():
     stats.update(active_mask(TAUS, 1e-5))
     assert stats.lambdas(0.1, 1.5) == pytest.approx([1.1, 1.15, 1.15])
     assert stats.lambdas(0.1, None, soft=True) == pytest.approx([1.05, 1 + 0.1 * 2 / 3, 1.1])
+
+
+def _eq7(taus: torch.Tensor, lambdas: list[float], eps: float) -> torch.Tensor:
+    """Eq. 7 element by element, in plain Python loops over float32 scalars."""
+    out = torch.zeros(taus.shape[1], dtype=F)
+    for i in range(taus.shape[1]):
+        active = [t for t in range(taus.shape[0]) if abs(float(taus[t, i])) > eps]
+        if len(active) == 1:
+            out[i] = torch.tensor(lambdas[active[0]], dtype=F) * taus[active[0], i]
+        elif len(active) >= 2:
+            total = torch.tensor(0.0, dtype=F)
+            for t in active:
+                total = total + taus[t, i]
+            out[i] = total / len(active)
+    return out
+
+
+@pytest.mark.parametrize("num_agents", [2, 5, 13])  # 13 agents: past the lookup tables, the direct path
+def test_ram_merge_matches_elementwise_eq7(num_agents, monkeypatch):
+    generator = torch.Generator().manual_seed(num_agents)
+    density = torch.linspace(0.05, 0.6, num_agents).unsqueeze(1)
+    taus = torch.randn(num_agents, 300, generator=generator) * (
+        torch.rand(num_agents, 300, generator=generator) < density
+    )
+    lambdas = [1.0 + 0.05 * t for t in range(num_agents)]
+    expected = _eq7(taus, lambdas, 1e-5)
+    assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), expected)
+    monkeypatch.setattr("ram_trl.methods.ram._MAX_TABLE_AGENTS", 0)
+    assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), expected)
