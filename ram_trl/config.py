@@ -105,6 +105,7 @@ class AgentSpec:
     name: str
     path: Path
     parameters: dict[str, Any]
+    kind: str = "full"
 
 
 @dataclass
@@ -136,12 +137,16 @@ class ResolvedConfig:
     notes: list[str] = field(default_factory=list)
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
-        """The value of per-agent parameter ``name`` for one tensor (resolving mergekit filter lists)."""
+        """The value of per-agent parameter ``name`` for one tensor.
+
+        Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
+        or absent) gives the value.
+        """
         value = agent.parameters[name]
         if isinstance(value, list):
             for rule in value:
                 pattern = rule.get("filter")
-                if pattern is None or pattern in tensor_name:
+                if pattern is None or pattern == "*" or pattern in tensor_name:
                     return float(rule["value"])
             raise ConfigError(
                 f"agent {agent.name}: no rule of parameter {name!r} matches tensor {tensor_name!r}"

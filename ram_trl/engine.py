@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
+from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
@@ -41,7 +41,7 @@ from ram_trl.planner import (
     parse_size,
 )
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
+from ram_trl.streaming import RawChunk, ReadCounter, fill_delta, iter_chunks, read_agent_rows, to_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,10 @@ def prepare(
                 f"output directory {output_dir} overlaps the {label} at {path}; write the merge outside its inputs"
             )
     base, agents = open_inputs(resolved, options.allow_pickle)
+    for spec, agent in zip(resolved.agents, agents, strict=True):
+        spec.kind = agent.kind
+        if agent.adapter is not None:
+            _check_adapter_base(resolved, spec, agent)
     plan = build_plan(
         base,
         agents,
@@ -179,6 +183,25 @@ def prepare(
         max_shard_size=parse_size(options.max_shard_size),
     )
     return base, agents, plan
+
+
+def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkpoint) -> None:
+    """Warn when an adapter says it was trained on another base than the merge's."""
+    assert agent.adapter is not None
+    claimed = agent.adapter.config.get("base_model_name_or_path")
+    if not claimed:
+        return
+    base = resolved.base_path
+    same = claimed == str(base) or Path(claimed).name == base.name
+    if not same and Path(claimed).exists():
+        same = Path(claimed).resolve() == base.resolve()
+    if not same:
+        message = (
+            f"agent {spec.index} ({spec.name}): the adapter's base_model_name_or_path is {claimed!r}, the merge's "
+            f"base is {base}; merging it onto another base is only meaningful if the weights are the same"
+        )
+        resolved.notes.append(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
@@ -266,7 +289,11 @@ def _task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
 
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
-        total += sum(a.tensors[task.name].numel * dtype_itemsize(a.tensors[task.name].dtype) for a in agents)
+        total += sum(
+            a.tensors[task.name].numel * dtype_itemsize(a.tensors[task.name].dtype)
+            for a in agents
+            if task.name in a.tensors
+        )
     return total
 
 
@@ -369,14 +396,11 @@ def _magnitude_cuts(
         if k >= base_values.numel():
             cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
             continue
-        rows = min(task.base_rows, task.agent_rows[t])
-        values = (
-            agent.read_rows(task.name, reader, 0, rows).to(device=device, dtype=torch.float32).reshape(-1)
-        )
-        magnitudes = torch.zeros_like(base_values)
-        torch.sub(values, base_values[: values.numel()], out=magnitudes[: values.numel()])
+        values, lora = read_agent_rows(agent, task, t, reader, 0, task.base_rows)
+        magnitudes = torch.empty_like(base_values)
+        fill_delta(magnitudes, values, lora, base_values)
         magnitudes.abs_()
-        del values
+        del values, lora
         cuts.append(magnitude_cut(magnitudes, k))
         del magnitudes
     return cuts
@@ -503,7 +527,9 @@ def _merge_chunk(
         return chunk.base.to(task.out_dtype)
     if chunk.extra_rows:
         return _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
-    deltas, base_values = to_deltas(chunk, device, base, agents, reader, resolved.allow_nonfinite)
+    # the statistics pass has already refused non-finite inputs
+    checked = resolved.allow_nonfinite or resolved.method.needs_statistics
+    deltas, base_values = to_deltas(chunk, device, base, agents, reader, checked)
     if context.stats is not None:
         context.stats.update(active_mask(deltas, eps))
     inputs = ChunkInputs(
@@ -529,11 +555,13 @@ def _extra_rows(
     """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
     total = torch.zeros(shape, dtype=torch.float32)
     count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)
-    for raw, agent in zip(chunk.agents, agents, strict=True):
+    for raw, lora, agent in zip(chunk.agents, chunk.lora, agents, strict=True):
         if raw is None:
             continue
         rows = raw.shape[0]
         values = raw.to(torch.float32)
+        if lora is not None:
+            values += lora.reshape(values.shape)
         if not allow_nonfinite and not bool(torch.isfinite(values).all()):
             raise NonFiniteError(
                 f"{agent.role}: tensor {chunk.task.name!r} holds NaN/Inf values in the rows it adds past the base's "

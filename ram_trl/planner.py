@@ -236,9 +236,10 @@ def build_plan(
         extra = sorted(set(agent.tensors) - set(base.tensors))
         if extra:
             more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+            what = "the adapter targets tensor" if agent.kind == "lora" else "tensor"
             raise CheckpointError(
-                f"{agent.role}: tensor {extra[0]!r}{more} is not in the base model ({base.path}); is this agent "
-                "derived from this base (same architecture and vocabulary)?"
+                f"{agent.role}: {what} {extra[0]!r}{more}, which is not in the base model ({base.path}); is this "
+                "agent derived from this base (same architecture and vocabulary)?"
             )
     tasks: list[TensorTask] = []
     resized: list[str] = []
@@ -250,6 +251,9 @@ def build_plan(
         for agent in agents:
             other = agent.tensors.get(name)
             if other is None:
+                if agent.kind == "lora":  # a tensor the adapter does not touch: zero task vector
+                    rows.append(0)
+                    continue
                 raise CheckpointError(
                     f"{agent.role}: tensor {name!r} of the base model is missing in {agent.path}"
                 )
@@ -281,7 +285,10 @@ def build_plan(
             resized.append(name)
         dtype = out_dtype if (out_dtype is not None and floating) else meta.dtype
         row_numel = math.prod(meta.shape[1:]) if len(meta.shape) > 1 else 1
-        in_size = max([dtype_itemsize(meta.dtype)] + [dtype_itemsize(a.tensors[name].dtype) for a in agents])
+        in_size = max(
+            [dtype_itemsize(meta.dtype)]
+            + [dtype_itemsize(a.tensors[name].dtype) for a in agents if name in a.tensors]
+        )
         elements = chunk_elements(chunk_budget, num_agents, in_size, dtype_itemsize(dtype))
         rows_per_chunk = max(1, elements // max(row_numel, 1))
         tasks.append(

@@ -65,7 +65,7 @@ def build_report(
             "index": agent.index,
             "name": agent.name,
             "path": str(agent.path),
-            "kind": "full",
+            "kind": agent.kind,
             "parameters": agent.parameters,
         }
         stats = state.stats.as_dict(t)
@@ -144,6 +144,13 @@ def model_card(report: dict[str, Any]) -> str:
         f"when |tau| > eps = {report['parameters'].get('eps', 1e-5):g}. Unique: updated by this agent only; shared: "
         "by two or more agents."
     )
+    if any(agent["kind"] == "lora" for agent in report["agents"]):
+        lines.append("")
+        lines.append(
+            "LoRA agents contribute the dense delta B @ A * scaling of their target modules (plus any modules they "
+            "save in full): their density is close to 100% on those modules and 0 elsewhere, so for them 'unique' "
+            "means 'in a module no other agent touches' rather than 'an element RL changed alone'."
+        )
     if report["warnings"]:
         lines += ["", "## Warnings", ""]
         lines += [f"- {w}" for w in report["warnings"]]

@@ -8,11 +8,18 @@ analysis all use it.
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ram_trl.methods import ram
+from ram_trl.methods.ties import keep_count
+
+if TYPE_CHECKING:
+    from ram_trl.distributed import DistContext
 
 #: Up to this many agents, a chunk's masks are encoded as one subset code per element and counted with one bincount.
 MAX_SUBSET_AGENTS = 12
@@ -112,6 +119,37 @@ class OverlapStatistics:
             return [ram.soft_rescale_factor(self.rho(t), r) for t in range(self.num_agents)]
         assert alpha is not None
         return [ram.rescale_factor(self.rho(t), r, alpha) for t in range(self.num_agents)]
+
+    def overlap_shares(self, t: int) -> list[float]:
+        """Share of agent ``t``'s active elements that exactly ``0, 1, ..., num_agents - 1`` OTHER agents also update
+        (the RAM paper's figure 2, right); all zeros for an agent with no active element."""
+        active = self.active(t)
+        return [int(c) / active if active else 0.0 for c in self.histogram[t, 1:].tolist()]
+
+    def element_counts(self) -> list[int]:
+        """Elements updated by exactly ``k`` agents, for ``k = 0 .. num_agents`` (they sum to ``numel``).
+
+        An element updated by ``k >= 1`` agents appears in ``k`` rows of column ``k`` of the histogram.
+        """
+        per_k = [int(self.histogram[:, k].sum()) // k for k in range(1, self.num_agents + 1)]
+        return [self.numel - sum(per_k), *per_k]
+
+    def union(self) -> int:
+        """Elements updated by at least one agent."""
+        return self.numel - self.element_counts()[0]
+
+    def jaccard_matrix(self) -> list[list[float]]:
+        """Pairwise Jaccard indices of the active sets (:meth:`jaccard`); the diagonal is 1 for an agent with any
+        active element."""
+        return [[self.jaccard(s, t) for t in range(self.num_agents)] for s in range(self.num_agents)]
+
+    def all_reduce(self, ctx: DistContext) -> None:
+        """Sum the counts of every rank of a distributed run into this object (no-op in a single process)."""
+        if not ctx.enabled:
+            return
+        ctx.all_reduce_sum(self.histogram)
+        ctx.all_reduce_sum(self.pairwise)
+        self.numel = ctx.all_reduce_int(self.numel)
 
     def as_dict(self, t: int) -> dict[str, float | int | list[int]]:
         return {

@@ -29,8 +29,10 @@ class RawChunk:
         start: First row.
         stop: One past the last row.
         base: The base's rows in their stored dtype (``None`` for rows past the base's: a resized vocabulary).
-        agents: Each agent's rows in their stored dtype; ``None`` where an agent has none of these rows, and fewer
-            rows than ``stop - start`` where its tensor is shorter than the base's.
+        agents: Each agent's rows in their stored dtype; ``None`` where an agent stores none of these rows (a LoRA
+            adapter that does not save the tensor, or a shorter tensor), fewer rows than ``stop - start`` where its
+            tensor is shorter than the base's.
+        lora: Each agent's float32 LoRA delta of these rows, or ``None`` (full checkpoints, untouched tensors).
     """
 
     task: TensorTask
@@ -38,6 +40,7 @@ class RawChunk:
     stop: int
     base: torch.Tensor | None
     agents: list[torch.Tensor | None]
+    lora: list[torch.Tensor | None]
 
     @property
     def extra_rows(self) -> bool:
@@ -91,14 +94,51 @@ def iter_chunks(
         task, start, stop = ref
         raw_base = None if start >= task.base_rows else base.read_rows(task.name, reader, start, stop)
         raws: list[torch.Tensor | None] = []
+        loras: list[torch.Tensor | None] = []
         if task.floating:
             for t, agent in enumerate(agents):
-                have = min(stop, task.agent_rows[t])
-                raws.append(agent.read_rows(task.name, reader, start, have) if have > start else None)
+                values, lora = read_agent_rows(agent, task, t, reader, start, stop)
+                raws.append(values)
+                loras.append(lora)
         counter.bytes += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
-        return RawChunk(task, start, stop, raw_base, raws)
+        return RawChunk(task, start, stop, raw_base, raws, loras)
 
     return read_ahead(chunk_refs(tasks, floating_only), read, read_ahead_depth)
+
+
+def read_agent_rows(
+    agent: Checkpoint, task: TensorTask, index: int, reader: RowReader, start: int, stop: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One agent's stored values and LoRA delta (either may be ``None``) for rows ``start:stop`` of a tensor."""
+    have = min(stop, task.agent_rows[index])
+    if have <= start:
+        return None, None
+    values = agent.read_rows(task.name, reader, start, have) if agent.has_values(task.name) else None
+    return values, agent.lora_delta_rows(task.name, reader, start, have)
+
+
+def fill_delta(
+    out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
+) -> None:
+    """Write one agent's float32 task vector for a chunk into ``out`` (flat, the chunk's length).
+
+    The stored values minus the base (where the agent stores values), plus the LoRA delta (where it has one); zero
+    where it has neither (rows or tensors the agent does not touch).
+    """
+    n = 0
+    if values is not None:
+        n = values.numel()
+        out[:n].copy_(values.reshape(-1))
+        out[:n].sub_(base_values[:n])
+    if lora is not None:
+        m = lora.numel()
+        if values is None:
+            out[:m].copy_(lora.reshape(-1))
+        else:
+            out[:m].add_(lora.reshape(-1).to(out.device))
+        n = max(n, m)
+    if n < out.numel():
+        out[n:].zero_()
 
 
 def to_deltas(
@@ -119,16 +159,8 @@ def to_deltas(
     assert chunk.base is not None
     base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
     deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
-    for t, raw in enumerate(chunk.agents):
-        if raw is None:
-            deltas[t].zero_()
-            continue
-        n = raw.numel()
-        row = deltas[t, :n]
-        row.copy_(raw.reshape(-1))
-        row.sub_(base_values[:n])
-        if n < base_values.numel():
-            deltas[t, n:].zero_()
+    for t, (values, lora) in enumerate(zip(chunk.agents, chunk.lora, strict=True)):
+        fill_delta(deltas[t], values, lora, base_values)
     if not allow_nonfinite and not math.isfinite(float(deltas.sum())):
         raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop)
     return deltas, base_values

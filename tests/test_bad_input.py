@@ -222,7 +222,7 @@ def test_directory_that_is_not_a_checkpoint(ckpts, out, role):
     assert_fails(config, out, CheckpointError, *needles, inputs=ckpts.root)
 
 
-def test_peft_adapter_dir(ckpts, out):
+def test_lora_adapter_with_only_one_factor(ckpts, out):
     adapter = ckpts.root / "lora_agent"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
@@ -233,7 +233,14 @@ def test_peft_adapter_dir(ckpts, out):
     )
     config = config_for(ckpts, agents=[adapter])
     assert_fails(
-        config, out, CheckpointError, "agent 0", adapter, "adapter_config.json", "PEFT", inputs=ckpts.root
+        config,
+        out,
+        CheckpointError,
+        "agent 0",
+        adapter,
+        "model.layers.0.mlp.up_proj",
+        "both LoRA factors",
+        inputs=ckpts.root,
     )
 
 

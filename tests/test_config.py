@@ -101,6 +101,13 @@ models:
     assert resolved.agent_value(agent, "density", "model.layers.0.self_attn.q_proj.weight") == 0.2
     assert resolved.agent_value(agent, "density", "model.layers.0.mlp.up_proj.weight") == 0.4
     assert resolved.agent_value(agent, "density", "model.norm.weight") == 0.9
+    star = _resolve(
+        dirs,
+        "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: [{filter: '*', value: 0.3}]}}]\n",
+    )
+    assert (
+        star.agent_value(star.agents[0], "density", "lm_head.weight") == 0.3
+    )  # mergekit: '*' matches everything
 
 
 def test_gradient_lists_are_refused(dirs):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -68,6 +69,30 @@ class Checkpoint:
     _safetensors: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
     _pickle_files: dict[str, Path] = field(default_factory=dict, repr=False)
     _pickle_cache: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+    adapter: AdapterContent | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        """``"full"`` for model checkpoints, ``"lora"`` for PEFT LoRA adapters."""
+        return "lora" if self.adapter is not None else "full"
+
+    def has_values(self, name: str) -> bool:
+        """Whether the checkpoint stores values of ``name`` (an adapter stores only modules_to_save and biases)."""
+        if self.adapter is not None:
+            return name in self.adapter.full
+        return name in self.tensors
+
+    def lora_delta_rows(self, name: str, reader: RowReader, start: int, stop: int) -> torch.Tensor | None:
+        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it."""
+        if self.adapter is None:
+            return None
+        factors = self.adapter.factors.get(name)
+        if factors is not None:
+            return factors.delta_rows(reader, start, stop)
+        bias = self.adapter.bias_deltas.get(name)
+        if bias is not None:
+            return reader.read_rows(bias[0], start, stop).to(torch.float32).mul_(bias[1])
+        return None
 
     @property
     def config_path(self) -> Path | None:
@@ -84,6 +109,8 @@ class Checkpoint:
 
     def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
         """Read rows ``start:stop`` of tensor ``name`` in its stored dtype."""
+        if self.adapter is not None:
+            return reader.read_rows(self.adapter.full[name], start, stop)
         if self.format == "safetensors":
             return reader.read_rows(self._safetensors[name], start, stop)
         file = self._pickle_files[name]
@@ -126,11 +153,8 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
     single = path / SAFE_SINGLE
     if single.is_file():
         return _from_safetensors_files(path, role, [single])
-    if (path / "adapter_config.json").is_file():
-        raise CheckpointError(
-            f"{role}: {path} is a PEFT adapter directory (adapter_config.json); LoRA agents are not supported "
-            "by this version: merge the adapter into its base first (PeftModel.merge_and_unload) and save it"
-        )
+    if is_adapter_dir(path):
+        return _from_adapter(path, role)
     pickles = [path / PICKLE_INDEX, path / PICKLE_SINGLE]
     if any(p.is_file() for p in pickles):
         if not allow_pickle:
@@ -147,6 +171,25 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
     raise CheckpointError(
         f"{role}: {path} is not a checkpoint directory (no {SAFE_SINGLE}, {SAFE_INDEX} or *.safetensors files)"
     )
+
+
+def _from_adapter(path: Path, role: str) -> Checkpoint:
+    content = read_adapter(path, role)
+    metas: dict[str, TensorMeta] = {}
+    for name, info in content.full.items():
+        metas[name] = TensorMeta(name, info.dtype, info.shape)
+    for name, factors in content.factors.items():
+        existing = metas.get(name)
+        if existing is not None and existing.shape != factors.shape:
+            raise CheckpointError(
+                f"{role}: {path}: the LoRA delta of {name!r} has shape {list(factors.shape)}, the stored "
+                f"{name!r} has {list(existing.shape)}"
+            )
+        metas[name] = TensorMeta(name, existing.dtype if existing else torch.float32, factors.shape)
+    for name, (info, _) in content.bias_deltas.items():
+        metas.setdefault(name, TensorMeta(name, torch.float32, info.shape))
+    files = [path / "adapter_model.safetensors"]
+    return Checkpoint(path=path, role=role, tensors=metas, format="safetensors", files=files, adapter=content)
 
 
 def _from_index(path: Path, role: str, index: Path) -> Checkpoint:

@@ -1,0 +1,194 @@
+"""PEFT LoRA adapters as merge inputs: each target module's task vector is the dense delta ``B @ A * scaling``.
+
+An adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) is opened as an
+:class:`AdapterCheckpoint` whose tensor names are the BASE model's: PEFT prefixes (``base_model.model.``), the
+``base_layer`` component and adapter names are stripped. Per base tensor the adapter contributes
+
+- a LoRA delta (``lora_A``/``lora_B``; ``lora_embedding_A``/``lora_embedding_B`` for embeddings; transposed for
+  ``fan_in_fan_out`` layouts) with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), ``rank_pattern``
+  and ``alpha_pattern`` honoured, and ``lora_B.bias * scaling`` for ``lora_bias`` adapters;
+- and/or full values (``modules_to_save``, biases trained with ``bias="all"``/``"lora_only"``, embedding layers PEFT
+  saves beside embedding LoRA), whose task vector is their difference from the base, as for a full checkpoint.
+
+Tensors the adapter does not touch have a zero task vector. Deltas are computed one row chunk at a time, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ram_trl.errors import CheckpointError
+from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class LoraFactors:
+    """The LoRA factors of one target module.
+
+    Args:
+        target: The base tensor the delta applies to (e.g. ``model.layers.0.self_attn.q_proj.weight``).
+        a: ``lora_A`` (``r x in``) or ``lora_embedding_A`` (``r x num_embeddings``).
+        b: ``lora_B`` (``out x r``) or ``lora_embedding_B`` (``dim x r``).
+        scaling: ``lora_alpha / r`` (or ``/ sqrt(r)``).
+        layout: ``"linear"``: delta = B @ A; ``"transposed"`` (fan_in_fan_out, embeddings): delta = (B @ A).T.
+    """
+
+    target: str
+    a: TensorInfo
+    b: TensorInfo
+    scaling: float
+    layout: Literal["linear", "transposed"]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.b.shape[0], self.a.shape[1]
+        return (rows, cols) if self.layout == "linear" else (cols, rows)
+
+    def delta_rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout)."""
+        if self.layout == "linear":
+            b = reader.read_rows(self.b, start, stop).to(torch.float32)
+            a = reader.read_rows(self.a).to(torch.float32)
+            return (b @ a).mul_(self.scaling)
+        a = reader.read_rows(self.a).to(torch.float32)[:, start:stop]
+        b = reader.read_rows(self.b).to(torch.float32)
+        return (b @ a).T.mul_(self.scaling)
+
+
+@dataclass
+class AdapterContent:
+    """What an adapter holds, mapped onto base tensor names.
+
+    Args:
+        config: ``adapter_config.json``.
+        factors: Base tensor name to its LoRA factors.
+        full: Base tensor name to a tensor stored with full values (modules_to_save, trained biases).
+        bias_deltas: Base bias name to ``(lora_B.bias, scaling)`` for ``lora_bias`` adapters.
+    """
+
+    config: dict
+    factors: dict[str, LoraFactors] = field(default_factory=dict)
+    full: dict[str, TensorInfo] = field(default_factory=dict)
+    bias_deltas: dict[str, tuple[TensorInfo, float]] = field(default_factory=dict)
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return path.is_dir() and (path / ADAPTER_CONFIG).is_file()
+
+
+def _pattern_value(patterns: dict, module: str, default: float) -> float:
+    # PEFT's rule: the first pattern that matches the end of the module name (at a dot boundary).
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def read_adapter(path: Path, role: str) -> AdapterContent:
+    """Read and validate a PEFT adapter directory.
+
+    Raises:
+        CheckpointError: for a missing or corrupt file, a PEFT method other than LoRA, DoRA, or an unsupported
+            LoRA feature, naming the adapter.
+    """
+    config_path = path / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{role}: {config_path} is not a valid adapter config ({exc})") from exc
+    method = str(config.get("peft_type", "LORA")).upper()
+    if method != "LORA":
+        raise CheckpointError(
+            f"{role}: {path} is a PEFT {method} adapter; only LoRA adapters can be merged (their task vector is "
+            "B @ A * scaling). Merge it into its base (PeftModel.merge_and_unload) and pass the full model instead"
+        )
+    if config.get("use_dora"):
+        raise CheckpointError(
+            f"{role}: {path} is a DoRA adapter (use_dora: true); its task vector is not B @ A * scaling and ram_trl "
+            "does not merge DoRA adapters directly. Merge it into its base (PeftModel.merge_and_unload) and pass "
+            "the full model instead"
+        )
+    for feature in ("layer_replication", "trainable_token_indices", "target_parameters"):
+        if config.get(feature):
+            raise CheckpointError(
+                f"{role}: {path} uses the LoRA option {feature!r}, which ram_trl does not support"
+            )
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        if (path / "adapter_model.bin").is_file():
+            raise CheckpointError(
+                f"{role}: {path} stores its adapter as a pickle (adapter_model.bin); save it with safetensors "
+                "(save_pretrained(..., safe_serialization=True))"
+            )
+        raise CheckpointError(f"{role}: {path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    try:
+        tensors, _ = read_safetensors_header(weights)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{role}: {exc}") from exc
+
+    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rslora, fan_in_fan_out = bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
+    content = AdapterContent(config=config)
+    pairs: dict[str, dict[str, TensorInfo]] = {}
+    for key, info in tensors.items():
+        name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        name = name.replace(".base_layer.", ".")
+        match = re.match(
+            r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?(?:\.weight)?$", name
+        )
+        if match:
+            pairs.setdefault(match.group(1), {})[match.group(2)] = info
+            continue
+        bias = re.match(r"^(.*)\.lora_B(?:\.[^.]+)?\.bias$", name)
+        if bias:
+            pairs.setdefault(bias.group(1), {})["lora_B.bias"] = info
+            continue
+        if "lora_magnitude_vector" in name:
+            raise CheckpointError(
+                f"{role}: {path} holds DoRA magnitude vectors ({key}); DoRA is not supported"
+            )
+        if re.search(r"\.lora_[A-Za-z_]+", name):
+            raise CheckpointError(
+                f"{role}: {path}: tensor {key!r} is a LoRA variant ram_trl does not understand"
+            )
+        name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
+        content.full[name] = info
+    for module, parts in pairs.items():
+        r = int(_pattern_value(rank_pattern, module, rank))
+        module_alpha = _pattern_value(alpha_pattern, module, alpha)
+        scaling = module_alpha / math.sqrt(r) if rslora else module_alpha / r
+        if "lora_A" in parts and "lora_B" in parts:
+            a, b = parts["lora_A"], parts["lora_B"]
+            layout: Literal["linear", "transposed"] = "transposed" if fan_in_fan_out else "linear"
+        elif "lora_embedding_A" in parts and "lora_embedding_B" in parts:
+            a, b = parts["lora_embedding_A"], parts["lora_embedding_B"]
+            layout = "transposed"
+        else:
+            raise CheckpointError(
+                f"{role}: {path}: module {module!r} has {sorted(parts)} but not both LoRA factors"
+            )
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(
+                f"{role}: {path}: module {module!r} has LoRA factors of shapes {list(a.shape)} and {list(b.shape)}, "
+                "which do not multiply (conv and other non-2-D LoRA layers are not supported)"
+            )
+        if a.shape[0] != r:
+            raise CheckpointError(
+                f"{role}: {path}: module {module!r} has rank {a.shape[0]} but the config (r / rank_pattern) says {r}"
+            )
+        content.factors[f"{module}.weight"] = LoraFactors(f"{module}.weight", a, b, scaling, layout)
+        if "lora_B.bias" in parts:
+            content.bias_deltas[f"{module}.bias"] = (parts["lora_B.bias"], scaling)
+    return content
