@@ -50,8 +50,23 @@ def ram_reference(
     scope: str = "global",
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Algorithm 1 of the RAM paper. Returns (merged float32 weights, statistics)."""
-    taus = task_vectors(base, agents)
-    n_agents = len(agents)
+    return ram_from_task_vectors(
+        base, task_vectors(base, agents), eps=eps, r=r, alpha=alpha, soft=soft, scope=scope
+    )
+
+
+def ram_from_task_vectors(
+    base: dict,
+    taus: dict[str, list[torch.Tensor]],
+    *,
+    eps: float = 1e-5,
+    r: float = 0.0,
+    alpha: float = 2.0,
+    soft: bool = False,
+    scope: str = "global",
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Algorithm 1 on given float32 task vectors (``name -> [tau_agent_0, ...]``)."""
+    n_agents = len(next(iter(taus.values())))
     # |tau| > eps compared exactly (in float64, where every float32 value and eps are represented exactly)
     masks = {name: [tau.double().abs() > eps for tau in tv] for name, tv in taus.items()}
     counts = {name: sum(m.to(torch.int64) for m in ms) for name, ms in masks.items()}

@@ -1,0 +1,210 @@
+"""LoRA adapters as merge inputs, against PEFT itself (real adapters made with peft in the tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+import ram_trl
+from ram_trl.errors import CheckpointError
+from tests import reference
+
+peft = pytest.importorskip("peft", reason="peft is needed to build real LoRA adapters")
+
+
+def _qwen(seed=0, **overrides):
+    settings = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 96,
+        "tie_word_embeddings": False,
+    }
+    config = Qwen2Config(**{**settings, **overrides})
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float()
+
+
+def _save_base(model, path):
+    model.save_pretrained(path)
+    return path
+
+
+def _adapter(model, path, seed=1, **lora):
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(init_lora_weights=False, **lora)  # random B: a non-zero delta
+    peft_model = peft.get_peft_model(model, config)
+    peft_model.save_pretrained(path)
+    return peft_model
+
+
+def _merge_config(base, agents, method="task_arithmetic", agent_params=None, **params):
+    return {
+        "merge_method": method,
+        "base_model": str(base),
+        "models": [{"model": str(a), "parameters": agent_params or {}} for a in agents],
+        "parameters": params,
+        "out_dtype": "float32",
+    }
+
+
+LORA_VARIANTS = {
+    "plain": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+    "rslora_patterns": {
+        "r": 4,
+        "lora_alpha": 16,
+        "use_rslora": True,
+        "target_modules": ["q_proj", "o_proj", "up_proj"],
+        "rank_pattern": {"o_proj": 2},
+        "alpha_pattern": {"up_proj": 3},
+    },
+    "embedding_and_modules_to_save": {
+        "r": 3,
+        "lora_alpha": 6,
+        "target_modules": ["embed_tokens", "k_proj"],
+        "modules_to_save": ["lm_head"],
+        "bias": "lora_only",
+    },
+}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+def test_single_lora_agent_equals_peft_merge_and_unload(tmp_path, variant):
+    base = _save_base(_qwen(), tmp_path / "base")
+    peft_model = _adapter(_qwen(), tmp_path / "adapter", **LORA_VARIANTS[variant])
+    if variant == "embedding_and_modules_to_save":  # make the saved full tensors differ from the base
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "modules_to_save" in name or name.endswith("base_layer.bias"):
+                    param.add_(0.01)
+        peft_model.save_pretrained(tmp_path / "adapter")
+    merged_reference = peft_model.merge_and_unload().state_dict()
+    report = ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    assert report["agents"][0]["kind"] == "lora"
+    ours = reference.load_state_dict(tmp_path / "out")
+    assert set(ours) == set(merged_reference)
+    changed = 0
+    for name, value in merged_reference.items():
+        torch.testing.assert_close(ours[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)
+        changed += int(not torch.equal(ours[name], load_file(str(base / "model.safetensors"))[name]))
+    assert changed >= 3  # several tensors really moved
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| lora |" in card and "B @ A * scaling" in card
+
+
+def test_fan_in_fan_out_gpt2_conv1d(tmp_path):
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    peft_model = _adapter(
+        model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True
+    )
+    merged_reference = peft_model.merge_and_unload().state_dict()
+    ram_trl.merge(_merge_config(tmp_path / "base", [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    ours = reference.load_state_dict(tmp_path / "out")
+    for name, value in ours.items():
+        torch.testing.assert_close(value, merged_reference[name].float(), rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(
+        ours["transformer.h.0.attn.c_attn.weight"],
+        load_file(str(tmp_path / "base" / "model.safetensors"))["transformer.h.0.attn.c_attn.weight"],
+    )
+
+
+def _dense_lora_deltas(peft_model) -> dict[str, torch.Tensor]:
+    """PEFT's own dense delta per base tensor name (get_delta_weight), plus modules_to_save values."""
+    deltas = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
+            deltas[f"{name}.weight"] = module.get_delta_weight("default").detach().float()
+    return deltas
+
+
+def test_mixed_full_and_lora_ram_merge_equals_reference(tmp_path):
+    base_model = _qwen()
+    base = _save_base(base_model, tmp_path / "base")
+    base_state = load_file(str(base / "model.safetensors"))
+    # a full agent: a sparse RL-like update of the base
+    full_state = {}
+    generator = torch.Generator().manual_seed(5)
+    for name, value in base_state.items():
+        keep = torch.rand(value.shape, generator=generator) < 0.3
+        full_state[name] = value + keep * torch.randn(value.shape, generator=generator) * 0.02
+    (tmp_path / "full").mkdir()
+    save_file(full_state, str(tmp_path / "full" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "full" / "config.json").write_text((base / "config.json").read_text())
+    peft_model = _adapter(_qwen(), tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    lora_deltas = _dense_lora_deltas(peft_model)
+    report = ram_trl.merge(
+        _merge_config(base, [tmp_path / "full", tmp_path / "lora"], "ram_plus", r=0.1, alpha=2.0),
+        tmp_path / "out",
+        progress=False,
+    )
+    assert [a["kind"] for a in report["agents"]] == ["full", "lora"]
+    taus = {
+        name: [full_state[name] - value, lora_deltas.get(name, torch.zeros_like(value))]
+        for name, value in base_state.items()
+    }
+    expected, stats = reference.ram_from_task_vectors(base_state, taus, r=0.1, alpha=2.0)
+    ours = reference.load_state_dict(tmp_path / "out")
+    for name, value in expected.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    assert [a["unique"] for a in report["agents"]] == stats["unique"]
+    assert [a["shared"] for a in report["agents"]] == stats["shared"]
+    # the LoRA delta is dense on its target modules and absent elsewhere
+    lora_active = report["agents"][1]["active"]
+    assert lora_active == sum(int((d.abs() > 1e-5).sum()) for d in lora_deltas.values())
+
+
+def test_dora_is_refused(tmp_path):
+    base = _save_base(_qwen(), tmp_path / "base")
+    _adapter(_qwen(), tmp_path / "dora", r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    with pytest.raises(CheckpointError, match="DoRA"):
+        ram_trl.merge(_merge_config(base, [tmp_path / "dora"]), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_other_peft_method_is_named(tmp_path):
+    base = _save_base(_qwen(), tmp_path / "base")
+    model = peft.get_peft_model(
+        _qwen(), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    )
+    model.save_pretrained(tmp_path / "ia3")
+    with pytest.raises(CheckpointError, match="PEFT IA3 adapter"):
+        ram_trl.merge(_merge_config(base, [tmp_path / "ia3"]), tmp_path / "out", progress=False)
+
+
+def test_adapter_for_another_shape_names_module_and_shapes(tmp_path):
+    base = _save_base(_qwen(), tmp_path / "base")
+    _adapter(_qwen(hidden_size=48, intermediate_size=64), tmp_path / "wide", r=4, target_modules=["q_proj"])
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*\[48, 48\].*\[32, 32\]"
+    ):
+        ram_trl.merge(_merge_config(base, [tmp_path / "wide"]), tmp_path / "out", progress=False)
+
+
+def test_missing_adapter_weights(tmp_path):
+    base = _save_base(_qwen(), tmp_path / "base")
+    _adapter(_qwen(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
+    (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no adapter_model.safetensors"):
+        ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+
+
+def test_adapter_base_name_mismatch_warns(tmp_path):
+    base = _save_base(_qwen(), tmp_path / "base")
+    _adapter(_qwen(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = "Org/Some-Other-Model"
+    config_path.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="Some-Other-Model"):
+        report = ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    assert any("Some-Other-Model" in w for w in report["warnings"])
