@@ -7,7 +7,6 @@ whole merge can be validated before its first tensor is read.
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
-from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
+from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta, read_safetensors_header
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -35,19 +34,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Name, dtype and shape of a tensor in a checkpoint."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass

@@ -216,16 +216,24 @@ class RowReader:
 
 
 @dataclass(frozen=True)
-class PlannedTensor:
-    """An output tensor whose name, dtype and shape are known before its data is computed."""
+class TensorMeta:
+    """Name, dtype and shape of a tensor: one stored in a checkpoint, or an output planned before it is computed."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+#: The writer's name for an output tensor's metadata.
+PlannedTensor = TensorMeta
 
 
 def shard_layout(
