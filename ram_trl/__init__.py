@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ram_trl.analysis import analyze
 from ram_trl.config import MergeConfig
 from ram_trl.engine import merge
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
@@ -19,5 +20,6 @@ __all__ = [
     "NonFiniteError",
     "RamTrlError",
     "__version__",
+    "analyze",
     "merge",
 ]

@@ -39,6 +39,22 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
         help="memory for one chunk's buffers; bounds peak memory (default: 256MB)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--output-format",
+        choices=("full", "lora"),
+        default="full",
+        help="full: a model directory (default); lora: a PEFT LoRA adapter on the base (SVD of each merged delta)",
+    )
+    parser.add_argument("--rank", type=int, help="with --output-format lora: the rank of every LoRA module")
+    parser.add_argument(
+        "--max-rank", type=int, help="with --output-format lora and --energy: the largest rank of a module"
+    )
+    parser.add_argument(
+        "--energy",
+        type=float,
+        help="with --output-format lora: per module, the smallest rank keeping this share (0, 1] of the delta's "
+        "squared singular values (at most --max-rank)",
+    )
 
 
 def _add_example(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +71,48 @@ def _add_methods(subparsers: argparse._SubParsersAction) -> None:
     subparsers.add_parser("methods", help="list the merge methods, their parameters and aliases")
 
 
+def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "analyze",
+        help="measure the sparsity, overlap, anatomy and magnitudes of the agents' task vectors",
+        description=(
+            "Measure the task vectors of N agents against their base in one streaming pass: density (at eps, exact, "
+            "bf16 view), overlap histogram, unique/shared counts, rho_t and lambda_t, Jaccard indices, density by "
+            "module type and layer, magnitude statistics. Writes analysis.json, analysis.md and PNG figures."
+        ),
+        usage=(
+            "ram-trl analyze --base BASE AGENT [AGENT ...] --out DIR [--eps EPS] [--r R] [--alpha ALPHA] ...\n"
+            "       ram-trl analyze --config merge.yaml --out DIR ..."
+        ),
+    )
+    parser.add_argument(
+        "agents", nargs="*", metavar="AGENT", help="agent checkpoint directories (with --base)"
+    )
+    parser.add_argument("--base", help="base checkpoint directory")
+    parser.add_argument(
+        "--config", help="merge config (YAML): take the base, agents, eps, r and alpha from it"
+    )
+    parser.add_argument(
+        "--out", required=True, help="output directory for analysis.json, analysis.md, figures"
+    )
+    parser.add_argument(
+        "--eps", type=float, help="activity threshold |tau| > eps (default: config's, else 1e-5)"
+    )
+    parser.add_argument("--r", type=float, help="rescale strength r for the implied lambda_t (default 0.1)")
+    parser.add_argument("--alpha", type=float, help="RAM+ clip bound alpha of rho_t (default 2.0)")
+    parser.add_argument("--names", nargs="+", metavar="NAME", help="agent labels (default: directory names)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
+    )
+    parser.add_argument(
+        "--chunk-budget", default="256MB", help="memory for one chunk's buffers (default: 256MB)"
+    )
+    parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ram_trl import __version__
 
@@ -67,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_merge(subparsers)
     _add_example(subparsers)
     _add_methods(subparsers)
+    _add_analyze(subparsers)
     return parser
 
 
@@ -83,6 +142,10 @@ def _run_merge(args: argparse.Namespace) -> int:
         allow_pickle=args.allow_pickle,
         chunk_budget=args.chunk_budget,
         progress=not args.no_progress,
+        output_format=args.output_format,
+        lora_rank=args.rank,
+        lora_max_rank=args.max_rank,
+        lora_energy=args.energy,
     )
     return 0
 
@@ -129,13 +192,39 @@ def _run_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_analyze(args: argparse.Namespace) -> int:
+    from ram_trl.analysis import analyze
+
+    analyze(
+        args.base,
+        args.agents,
+        args.out,
+        eps=args.eps,
+        r=args.r,
+        alpha=args.alpha,
+        config=args.config,
+        names=args.names,
+        allow_pickle=args.allow_pickle,
+        chunk_budget=args.chunk_budget,
+        figures=not args.no_figures,
+        progress=not args.no_progress,
+        print_summary=True,
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
-    handlers = {"merge": _run_merge, "example": _run_example, "methods": _run_methods}
+    handlers = {
+        "merge": _run_merge,
+        "example": _run_example,
+        "methods": _run_methods,
+        "analyze": _run_analyze,
+    }
     try:
         return handlers[args.command](args)
     except RamTrlError as exc:

@@ -95,6 +95,10 @@ def merge(
     allow_pickle: bool = False,
     chunk_budget: str | int = DEFAULT_CHUNK_BUDGET,
     progress: bool = True,
+    output_format: str = "full",
+    lora_rank: int | None = None,
+    lora_max_rank: int | None = None,
+    lora_energy: float | None = None,
 ) -> dict[str, Any]:
     """Merge a base model and N agents into one model directory.
 
@@ -108,16 +112,26 @@ def merge(
         allow_pickle: Accept pickle checkpoints (loaded with ``torch.load(weights_only=True)``).
         chunk_budget: Bytes allowed for one chunk's buffers; bounds peak memory (see :mod:`ram_trl.planner`).
         progress: Show progress bars.
+        output_format: ``"full"`` (a model directory) or ``"lora"`` (a PEFT LoRA adapter on the base: the SVD of
+            each merged delta, see :mod:`ram_trl.lora_export`).
+        lora_rank: With ``"lora"``: the rank of every LoRA module.
+        lora_max_rank: With ``"lora"`` and ``lora_energy``: the largest rank of a module.
+        lora_energy: With ``"lora"``: per module, the smallest rank keeping this share (0, 1] of the squared
+            singular values of its delta (at most ``lora_max_rank``).
 
     Returns:
         The merge report (also written to ``output_dir/ram_merge_report.json``): method, parameters, per-agent
-        statistics and lambda_t, output files, timings. With ``dry_run``, the plan.
+        statistics and lambda_t, output files, timings (with ``"lora"``, also a ``lora_export`` section). With
+        ``dry_run``, the plan.
 
     Raises:
         ConfigError: for an invalid config (before any tensor is read).
         CheckpointError: for missing, corrupt or mismatched inputs (before any tensor is written where possible).
         NonFiniteError: for NaN/Inf values in an input, unless the config allows them.
     """
+    from ram_trl.lora_export import lora_options, run_lora_merge
+
+    lora = lora_options(output_format, lora_rank, lora_max_rank, lora_energy)
     options = MergeOptions(
         overwrite=overwrite,
         dry_run=dry_run,
@@ -129,6 +143,8 @@ def merge(
     )
     parsed, config_path = load_config(config)
     resolved = resolve_config(parsed, config_path)
+    if lora is not None:
+        return run_lora_merge(resolved, Path(output_dir), options, lora)
     return run_merge(resolved, Path(output_dir), options)
 
 

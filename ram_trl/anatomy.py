@@ -1,0 +1,121 @@
+"""Layer anatomy of a checkpoint: which module type and which decoder layer each tensor belongs to.
+
+Decoder checkpoints of the Hugging Face stack name their tensors ``<prefix>.layers.<i>.<block>.<module>.weight``
+(Llama, Qwen2, Mistral, Gemma, Phi-3 ...) or ``<prefix>.h.<i>....`` (GPT-2 style). :func:`classify` maps a name to
+a module type and a layer index from those names alone; :func:`aggregate` sums per-tensor statistics by bucket.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+#: Module types, in report order, and the family each belongs to.
+MODULE_FAMILIES: dict[str, str] = {
+    "attn_q": "attention",
+    "attn_k": "attention",
+    "attn_v": "attention",
+    "attn_o": "attention",
+    "attn_qkv": "attention",
+    "mlp_gate": "mlp",
+    "mlp_up": "mlp",
+    "mlp_down": "mlp",
+    "mlp_gate_up": "mlp",
+    "norm": "norm",
+    "embedding": "embedding",
+    "lm_head": "lm_head",
+    "other": "other",
+}
+
+#: Families, in report order.
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(MODULE_FAMILIES.values()))
+
+#: Module names (one component of a tensor name) and their module type.
+MODULE_ALIASES: dict[str, str] = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_o",
+    "out_proj": "attn_o",
+    "qkv_proj": "attn_qkv",
+    "query_key_value": "attn_qkv",
+    "W_pack": "attn_qkv",
+    "gate_proj": "mlp_gate",
+    "up_proj": "mlp_up",
+    "down_proj": "mlp_down",
+    "gate_up_proj": "mlp_gate_up",
+    "embed_tokens": "embedding",
+    "wte": "embedding",
+    "wpe": "embedding",
+    "word_embeddings": "embedding",
+    "lm_head": "lm_head",
+}
+
+_NORM = re.compile(r"(norm|^ln_(\d+|f)$)", re.IGNORECASE)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where a tensor sits in the architecture.
+
+    Args:
+        module: Module type (a key of :data:`MODULE_FAMILIES`).
+        layer: Decoder layer index, or ``None`` outside the layers (embeddings, final norm, lm_head).
+    """
+
+    module: str
+    layer: int | None
+
+    @property
+    def family(self) -> str:
+        return MODULE_FAMILIES[self.module]
+
+
+def module_type(name: str) -> str:
+    """The module type of a tensor name: the last name component that is a known module (:data:`MODULE_ALIASES`) or
+    a normalisation layer (a component containing ``norm``, or GPT-2's ``ln_1`` / ``ln_f``); else ``"other"``."""
+    for part in reversed(name.split(".")):
+        if part in MODULE_ALIASES:
+            return MODULE_ALIASES[part]
+        if _NORM.search(part):
+            return "norm"
+    return "other"
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer of a tensor name (``...layers.<i>...`` or ``...h.<i>...``), or ``None``."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def classify(name: str) -> TensorPlace:
+    """Module type and layer of a tensor name, e.g. ``model.layers.3.self_attn.q_proj.weight`` -> ``(attn_q, 3)``."""
+    return TensorPlace(module_type(name), layer_index(name))
+
+
+def aggregate(
+    items: Iterable[tuple[str, T]], key: Callable[[str], K], add: Callable[[T, T], T]
+) -> dict[K, T]:
+    """Combine per-tensor values by bucket.
+
+    Args:
+        items: ``(tensor name, value)`` pairs; summed in the order given.
+        key: The bucket of a tensor name (e.g. ``lambda n: classify(n).module``); ``None`` buckets are skipped.
+        add: Combines two values into a new one (must not modify its arguments).
+
+    Returns:
+        Bucket to combined value, buckets in order of first appearance.
+    """
+    buckets: dict[K, T] = {}
+    for name, value in items:
+        bucket = key(name)
+        if bucket is None:
+            continue
+        buckets[bucket] = add(buckets[bucket], value) if bucket in buckets else value
+    return buckets

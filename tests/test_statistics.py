@@ -1,0 +1,232 @@
+"""Golden values for the statistics library: overlap summaries, and magnitude metrics exact and streamed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ram_trl.methods.ram import active_mask
+from ram_trl.statistics import (
+    MagnitudeStatistics,
+    OverlapStatistics,
+    excess_kurtosis,
+    gini_coefficient,
+    histogram_gini,
+    histogram_top_mass,
+    magnitude_bin,
+    magnitude_bin_edges,
+    top_mass_share,
+)
+from tests.test_engine_golden import TAUS
+
+# TAUS: the seven elements of tests/methods/test_ram.py with dyadic values: e0 no agent; e1 agent 0; e2 agents 0, 1;
+# e3 all three; e4 agent 0 at exactly eps (inactive); e5 agent 1 (2e-5); e6 agent 0.
+F = torch.float32
+
+
+def _stats(taus: torch.Tensor = TAUS, eps: float = 1e-5) -> OverlapStatistics:
+    stats = OverlapStatistics.zeros(taus.shape[0])
+    stats.update(active_mask(taus, eps))
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Overlap summaries
+
+
+def test_overlap_shares_element_counts_union_and_jaccard():
+    stats = _stats()
+    # agent 0: e1, e6 unique; e2 with one other; e3 with two others
+    assert stats.overlap_shares(0) == [0.5, 0.25, 0.25]
+    assert stats.overlap_shares(1) == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    assert stats.overlap_shares(2) == [0.0, 0.0, 1.0]
+    assert stats.element_counts() == [2, 3, 1, 1]  # e0, e4 | e1, e5, e6 | e2 | e3
+    assert stats.union() == 5
+    expected = [[1.0, 2 / 5, 1 / 4], [2 / 5, 1.0, 1 / 3], [1 / 4, 1 / 3, 1.0]]
+    assert torch.allclose(torch.tensor(stats.jaccard_matrix()), torch.tensor(expected))
+
+
+def test_exact_threshold_counts_every_changed_value():
+    stats = _stats(eps=0.0)
+    assert [stats.active(t) for t in range(3)] == [5, 3, 1]
+    assert stats.element_counts() == [1, 4, 1, 1]
+
+
+def test_agent_without_active_elements_has_zero_shares():
+    stats = _stats(torch.zeros(2, 4))
+    assert stats.overlap_shares(0) == [0.0, 0.0]
+    assert stats.element_counts() == [4, 0, 0]
+    assert stats.jaccard_matrix() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_sum_of_parts_equals_whole_and_leaves_parts_unchanged():
+    first, second = _stats(TAUS[:, :4]), _stats(TAUS[:, 4:])
+    before = first.histogram.clone()
+    total = first + second
+    whole = _stats()
+    assert torch.equal(total.histogram, whole.histogram)
+    assert torch.equal(total.pairwise, whole.pairwise)
+    assert total.numel == 7
+    assert torch.equal(first.histogram, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact magnitude metrics
+
+
+def test_gini_golden_values():
+    assert gini_coefficient(torch.full((10,), 3.0)) == 0.0
+    for n in (2, 10, 1000):
+        one_hot = torch.zeros(n)
+        one_hot[n // 2] = -5.0
+        assert gini_coefficient(one_hot) == pytest.approx(1 - 1 / n)
+    # sorted 1, 2, 3, 4: sum (2i - 5) x_i = -3 - 2 + 3 + 12 = 10; G = 10 / (4 * 10)
+    assert gini_coefficient(torch.tensor([4.0, -1.0, 3.0, 2.0])) == pytest.approx(0.25)
+    assert math.isnan(gini_coefficient(torch.zeros(3)))
+
+
+def test_top_mass_golden_values():
+    values = torch.arange(1, 101, dtype=F)  # sum 5050
+    assert top_mass_share(values, 0.01) == pytest.approx(100 / 5050)
+    assert top_mass_share(-values, 0.05) == pytest.approx((100 + 99 + 98 + 97 + 96) / 5050)
+    # k = max(1, floor(0.01 * 20)) = 1
+    assert top_mass_share(torch.tensor([1.0] * 19 + [21.0]), 0.01) == pytest.approx(21 / 40)
+    assert math.isnan(top_mass_share(torch.zeros(0), 0.01))
+
+
+def test_excess_kurtosis_golden_values():
+    def from_values(x: torch.Tensor) -> float:
+        x = x.to(torch.float64)
+        return excess_kurtosis(x.numel(), [float((x**p).sum()) for p in range(1, 5)])
+
+    assert from_values(torch.tensor([1.0, -1.0] * 50)) == pytest.approx(-2.0)
+    # mean 0.3125; deviations +-0.1875, +-0.0625: m2 = 0.01953125, m4 = 0.0006256103515625, m4 / m2**2 = 1.64
+    assert from_values(torch.tensor([0.5, 0.25, 0.375, 0.125])) == pytest.approx(-1.36)
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(1_000_000, generator=g, dtype=torch.float64) - 0.5
+    laplace = -torch.sign(u) * torch.log1p(-2 * u.abs())  # inverse CDF of Laplace(0, 1)
+    normal = torch.randn(1_000_000, generator=g, dtype=torch.float64)
+    assert from_values(laplace) == pytest.approx(3.0, abs=0.2)
+    assert from_values(normal) == pytest.approx(0.0, abs=0.05)
+    assert math.isnan(excess_kurtosis(0, [0, 0, 0, 0]))
+    assert math.isnan(from_values(torch.full((5,), 2.0)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Histogram estimates and their error bounds
+
+
+def test_bins_are_ordered_and_relative_width_bounded():
+    values = torch.tensor([1.0, 1.0 + 2**-7 - 2**-20, 1.0 + 2**-7, -1.5, 2.0**-126, 3e38], dtype=F)
+    bins = magnitude_bin(values)
+    assert bins[0] == bins[1] and bins[2] == bins[0] + 1
+    assert bins[3] == magnitude_bin(torch.tensor([1.5]))[0]
+    edges = magnitude_bin_edges(int(bins[0]), int(bins[0]) + 2)
+    assert edges.tolist() == [1.0, 1.0 + 2**-7, 1.0 + 2**-6]
+    normal_bins = torch.arange(2**7, 254 * 2**7)
+    lo = magnitude_bin_edges(int(normal_bins[0]), int(normal_bins[-1]) + 1)
+    assert float((lo[1:] / lo[:-1]).max()) <= 1 + 2**-7
+
+
+def _lognormal(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 2.0 - 9.0).exp() * torch.where(
+        torch.rand(n, generator=g) < 0.5, -1, 1
+    )
+
+
+def _histogram(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    stats = MagnitudeStatistics.zeros(1)
+    stats.update(values.reshape(1, -1), torch.ones(1, values.numel(), dtype=torch.bool))
+    return stats.counts[0], stats.sums[0]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_histogram_estimates_within_documented_bounds(seed):
+    values = _lognormal(50_000, seed)
+    counts, sums = _histogram(values)
+    d = 2.0**-7
+    exact = gini_coefficient(values)
+    estimate = histogram_gini(counts, sums)
+    assert 0.0 <= exact - estimate <= d / 4
+    masked = torch.cat([values, torch.zeros(150_000)])
+    assert 0.0 <= gini_coefficient(masked) - histogram_gini(counts, sums, zeros=150_000) <= d / 4
+    for fraction in (0.01, 0.05, 0.5):
+        exact_top = top_mass_share(values, fraction)
+        assert abs(histogram_top_mass(counts, sums, fraction) - exact_top) <= d * exact_top
+
+
+def test_histogram_bounds_are_nearly_attained():
+    # Half of the values at the bottom of one bin, half at its top: Gini is about d / 4, the estimate 0.
+    d = 2.0**-7
+    top = torch.nextafter(torch.tensor(1.0 + d), torch.tensor(0.0))
+    values = torch.cat([torch.ones(500), top.repeat(500)])
+    counts, sums = _histogram(values)
+    assert histogram_gini(counts, sums) == pytest.approx(0.0, abs=1e-12)
+    assert 0.9 * d / 4 < gini_coefficient(values) <= d / 4
+    # the top 50% are all at the top of the bin; the estimate takes them at the bin's mean
+    exact_top = top_mass_share(values, 0.5)
+    error = abs(histogram_top_mass(counts, sums, 0.5) - exact_top)
+    assert 0.4 * d * exact_top < error <= d * exact_top
+
+
+def test_histogram_is_exact_when_every_value_has_its_own_bin():
+    values = torch.tensor([0.5, 0.25, 0.375, 0.125])
+    counts, sums = _histogram(values)
+    assert histogram_gini(counts, sums) == pytest.approx(0.25)  # sorted 1, 2, 3, 4 (x 0.125)
+    assert histogram_top_mass(counts, sums, 0.01) == pytest.approx(0.4)  # 0.5 / 1.25
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The accumulator
+
+
+def test_streamed_in_chunks_equals_one_shot_and_masks_inactive_elements():
+    g = torch.Generator().manual_seed(3)
+    deltas = torch.randn(2, 10_000, generator=g) * 1e-4
+    mask = active_mask(deltas, 1e-5)
+    whole = MagnitudeStatistics.zeros(2)
+    whole.update(deltas, mask)
+    parts = MagnitudeStatistics.zeros(2)
+    for start in range(0, 10_000, 777):
+        piece = MagnitudeStatistics.zeros(2)
+        piece.update(deltas[:, start : start + 777], mask[:, start : start + 777])
+        parts.add(piece)
+    assert torch.equal(parts.counts, whole.counts)
+    assert torch.allclose(parts.sums, whole.sums, rtol=1e-12)
+    assert torch.allclose(parts.power_sums, whole.power_sums, rtol=1e-12)
+    for t in range(2):
+        active = deltas[t][mask[t]].to(torch.float64)
+        summary = whole.summary(t, numel=10_000)
+        assert summary["count"] == active.numel() == int(mask[t].sum())
+        assert summary["mean_abs"] == pytest.approx(float(active.abs().mean()), rel=1e-12)
+        assert summary["mean"] == pytest.approx(float(active.mean()), rel=1e-9)
+        assert summary["std"] == pytest.approx(float(active.std(unbiased=False)), rel=1e-9)
+        centred = active - active.mean()
+        kurtosis = float((centred**4).mean() / (centred**2).mean() ** 2 - 3)
+        assert summary["excess_kurtosis"] == pytest.approx(kurtosis, rel=1e-9)
+        assert 0 <= gini_coefficient(active) - summary["gini"] <= 2.0**-9
+        assert 0 <= gini_coefficient(torch.where(mask[t], deltas[t], 0.0)) - summary["gini_masked"] <= 2.0**-9
+        top = top_mass_share(active, 0.05)
+        assert summary["top_5pct_mass"] == pytest.approx(top, rel=2.0**-7)
+
+
+def test_summary_of_agent_without_active_elements_is_undefined():
+    stats = MagnitudeStatistics.zeros(1)
+    stats.update(torch.zeros(1, 5), torch.zeros(1, 5, dtype=torch.bool))
+    summary = stats.summary(0)
+    assert summary["count"] == 0
+    assert all(math.isnan(v) for k, v in summary.items() if k != "count")
+
+
+def test_coarse_histogram_merges_bins_per_octave():
+    values = torch.tensor([[1.0, 1.1, 1.3, 1.9, 2.0, 4.5]])
+    stats = MagnitudeStatistics.zeros(1)
+    stats.update(values, torch.ones_like(values, dtype=torch.bool))
+    edges, counts = stats.coarse_histogram(bins_per_octave=2)
+    assert edges.tolist() == [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert counts.tolist() == [[3, 1, 1, 0, 1]]
+    with pytest.raises(ValueError, match="power of two"):
+        stats.coarse_histogram(bins_per_octave=3)
