@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
@@ -41,13 +41,24 @@ _UNSUPPORTED_MERGEKIT_FIELDS = {
 
 
 class ModelEntry(BaseModel):
-    """One entry of ``models``: an agent checkpoint and its per-agent parameters."""
+    """One entry of ``models``: an agent checkpoint (or the stage manifest of an RL run) and its parameters."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Path to the agent's checkpoint directory")
+    model: str | None = Field(default=None, description="Path to the agent's checkpoint directory")
+    stage: str | None = Field(
+        default=None, description="Path to a stage manifest (ram_stage.json, or the directory holding it)"
+    )
     parameters: dict[str, Any] = Field(default_factory=dict)
-    name: str | None = Field(default=None, description="Label for reports (default: the directory name)")
+    name: str | None = Field(
+        default=None, description="Label for reports (default: the stage name, else the directory name)"
+    )
+
+    @model_validator(mode="after")
+    def _model_or_stage(self) -> ModelEntry:
+        if (self.model is None) == (self.stage is None):
+            raise ValueError("give exactly one of 'model: CHECKPOINT_DIR' and 'stage: MANIFEST'")
+        return self
 
 
 class MergeConfig(BaseModel):
@@ -106,6 +117,7 @@ class AgentSpec:
     path: Path
     parameters: dict[str, Any]
     kind: str = "full"
+    stage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -201,6 +213,30 @@ def _resolve_path(value: str, config_dir: Path | None) -> Path:
     return beside if beside.exists() else path
 
 
+def _resolve_stage(manifest_file: Path, base_path: Path, label: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a stage manifest points to, after checking it was trained from ``base_path``."""
+    from ram_trl.stage import check_base, checkpoint_path, manifest_path, read_manifest
+
+    try:
+        manifest = read_manifest(manifest_file)
+        check_base(manifest, manifest_file, base_path)
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    info = {
+        "stage": manifest.stage,
+        "domain": manifest.domain,
+        "manifest": str(manifest_path(manifest_file)),
+        "trainer": manifest.trainer,
+        "steps": manifest.steps,
+        "kind": manifest.kind,
+        "save_dtype": manifest.save_dtype,
+        "base_model": manifest.base_model,
+        "rewards": manifest.rewards,
+        "telemetry": manifest.telemetry,
+    }
+    return checkpoint_path(manifest, manifest_file), info
+
+
 def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
     if parameter.kind is bool:
         if not isinstance(value, bool):
@@ -293,8 +329,13 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
     agents: list[AgentSpec] = []
     notes: list[str] = []
     for position, entry in enumerate(config.models):
-        path = _resolve_path(entry.model, config_dir)
-        label = f"{where}: models[{position}] ({entry.model})"
+        stage_info: dict[str, Any] | None = None
+        if entry.stage is not None:
+            label = f"{where}: models[{position}] (stage {entry.stage})"
+            path, stage_info = _resolve_stage(_resolve_path(entry.stage, config_dir), base_path, label)
+        else:
+            path = _resolve_path(entry.model, config_dir)
+            label = f"{where}: models[{position}] ({entry.model})"
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
         if method.name != "linear" and path.resolve() == base_path.resolve():
@@ -316,8 +357,8 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         for parameter in method.parameters:
             if parameter.scope == "agent" and parameter.name not in values:
                 values[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
-        name = entry.name or path.name
-        agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values))
+        name = entry.name or (stage_info["stage"] if stage_info else path.name)
+        agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
     if not agents:
         raise ConfigError(f"{where}: no agent left to merge (every entry of 'models' is the base model)")
     names = [a.name for a in agents]

@@ -68,6 +68,8 @@ def build_report(
             "kind": agent.kind,
             "parameters": agent.parameters,
         }
+        if agent.stage is not None:
+            entry["stage"] = agent.stage
         stats = state.stats.as_dict(t)
         stats["rho"] = _finite(stats["rho"])
         entry.update(stats)
@@ -151,6 +153,18 @@ def model_card(report: dict[str, Any]) -> str:
             "save in full): their density is close to 100% on those modules and 0 elsewhere, so for them 'unique' "
             "means 'in a module no other agent touches' rather than 'an element RL changed alone'."
         )
+    staged = [agent for agent in report["agents"] if agent.get("stage")]
+    if staged:
+        lines += ["", "## Stages", ""]
+        lines.append("| agent | domain | trainer | steps | saved as | final rewards | manifest |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for agent in staged:
+            stage = agent["stage"]
+            rewards = ", ".join(f"{k} {v:.4g}" for k, v in stage.get("rewards", {}).items()) or "-"
+            lines.append(
+                f"| `{agent['name']}` | {stage.get('domain') or '-'} | {stage.get('trainer') or '-'} | "
+                f"{stage.get('steps', 0)} | {stage.get('save_dtype') or '-'} | {rewards} | `{stage['manifest']}` |"
+            )
     if report["warnings"]:
         lines += ["", "## Warnings", ""]
         lines += [f"- {w}" for w in report["warnings"]]

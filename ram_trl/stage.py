@@ -1,0 +1,242 @@
+"""Stage manifests: what an RL run leaves behind for the merge (``ram_stage.json``).
+
+A *stage* is one vertical's RL run (coding, tool use, memory, ...). When it ends, the telemetry callback writes a
+manifest beside the saved agent: which base it started from (with a fingerprint of a few base tensors, so a merge
+against another base is caught before any work), where the agent's checkpoint is and what kind it is (full model or
+LoRA adapter), how it was trained and its final telemetry and rewards. A merge config accepts
+``models: [{stage: PATH}]`` in place of ``model:``; the recipes detect finished stages from their manifests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ram_trl.errors import ConfigError
+
+MANIFEST_NAME = "ram_stage.json"
+SCHEMA_VERSION = 1
+#: Tensors hashed into a base fingerprint (spread evenly over the sorted floating tensor names).
+FINGERPRINT_TENSORS = 4
+#: Leading elements of each fingerprinted tensor that are hashed.
+FINGERPRINT_ELEMENTS = 4096
+
+
+class BaseFingerprint(BaseModel):
+    """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values.
+
+    Values are hashed as float32 (exact for bf16, fp16 and fp32 storage), so a base loaded in float32 for training
+    and the same base saved in bf16 have the same fingerprint.
+
+    Args:
+        tensors: Names of the hashed tensors.
+        sha256: Hex digest.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensors: list[str]
+    sha256: str
+
+
+class StageManifest(BaseModel):
+    """The manifest of one finished RL stage (``ram_stage.json``).
+
+    Args:
+        schema_version: Manifest schema version.
+        stage: Stage name (the agent's label in merges and reports).
+        domain: The vertical it specialises in (free text, e.g. ``"coding"``).
+        base_model: The base model's id or path as the run was given it.
+        base_fingerprint: Fingerprint of the base (see :func:`fingerprint`).
+        checkpoint: The agent's checkpoint: a full model directory or a PEFT adapter directory. Relative paths are
+            relative to the manifest's directory.
+        kind: ``"full"`` or ``"lora"``.
+        trainer: Trainer class name (e.g. ``"GRPOTrainer"``).
+        steps: Optimizer steps trained.
+        save_dtype: The dtype the checkpoint was saved in (what the merge sees).
+        telemetry: The final task-vector telemetry (metric name to value).
+        rewards: The last logged reward metrics.
+        versions: Library versions (torch, transformers, trl, peft, ram_trl, ...).
+        created: ISO 8601 UTC timestamp.
+        extra: Anything else a recipe wants to keep (prompts file, config, ...).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    stage: str
+    domain: str | None = None
+    base_model: str
+    base_fingerprint: BaseFingerprint | None = None
+    checkpoint: str
+    kind: Literal["full", "lora"] = "full"
+    trainer: str | None = None
+    steps: int = 0
+    save_dtype: str | None = None
+    telemetry: dict[str, float] = Field(default_factory=dict)
+    rewards: dict[str, float] = Field(default_factory=dict)
+    versions: dict[str, str] = Field(default_factory=dict)
+    created: str = Field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def manifest_path(path: str | os.PathLike) -> Path:
+    """The manifest file for ``path``: the path itself if it is a file, else ``path/ram_stage.json``."""
+    path = Path(path).expanduser()
+    return path / MANIFEST_NAME if path.is_dir() else path
+
+
+def read_manifest(path: str | os.PathLike) -> StageManifest:
+    """Read and validate a stage manifest.
+
+    Args:
+        path: The manifest file, or the directory holding ``ram_stage.json``.
+
+    Returns:
+        The :class:`StageManifest`.
+
+    Raises:
+        ConfigError: naming the file, if it is missing, not JSON, of a newer schema or invalid.
+    """
+    file = manifest_path(path)
+    if not file.is_file():
+        raise ConfigError(f"stage manifest {file} does not exist (a finished stage writes {MANIFEST_NAME})")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"stage manifest {file}: not valid JSON ({exc})") from exc
+    if isinstance(data, dict) and int(data.get("schema_version", SCHEMA_VERSION)) > SCHEMA_VERSION:
+        raise ConfigError(
+            f"stage manifest {file}: schema_version {data['schema_version']} is newer than this ram_trl "
+            f"understands ({SCHEMA_VERSION}); upgrade ram_trl"
+        )
+    try:
+        return StageManifest.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"stage manifest {file}: {problems}") from exc
+
+
+def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path:
+    """The agent checkpoint a manifest points to (relative paths resolved against the manifest's directory)."""
+    path = Path(manifest.checkpoint).expanduser()
+    return path if path.is_absolute() else manifest_path(manifest_file).parent / path
+
+
+def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:
+    """Write ``directory/ram_stage.json`` atomically (temporary sibling, then rename).
+
+    Returns:
+        The manifest's path.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / MANIFEST_NAME
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(manifest.model_dump_json(indent=2) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def fingerprint_names(names: Iterable[str], count: int = FINGERPRINT_TENSORS) -> list[str]:
+    """Choose the tensors of a fingerprint: ``count`` names spread evenly over the sorted ``names``."""
+    ordered = sorted(set(names))
+    if len(ordered) <= count:
+        return ordered
+    step = (len(ordered) - 1) / (count - 1)
+    return sorted({ordered[round(i * step)] for i in range(count)})
+
+
+def fingerprint(get_tensor: Callable[[str], torch.Tensor], names: Iterable[str]) -> BaseFingerprint:
+    """Fingerprint a base from a few tensors.
+
+    Args:
+        get_tensor: Returns the full tensor stored under a name (any floating dtype, any device).
+        names: The tensors to hash, e.g. from :func:`fingerprint_names`.
+
+    Returns:
+        The :class:`BaseFingerprint`.
+    """
+    digest = hashlib.sha256()
+    chosen = list(names)
+    for name in chosen:
+        tensor = get_tensor(name).detach()
+        head = tensor.reshape(-1)[:FINGERPRINT_ELEMENTS].to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(name.encode())
+        digest.update(json.dumps(list(tensor.shape)).encode())
+        digest.update(head.numpy().tobytes())
+    return BaseFingerprint(tensors=chosen, sha256=digest.hexdigest())
+
+
+def fingerprint_state(
+    tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
+) -> BaseFingerprint:
+    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
+    if names is None:
+        names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
+    return fingerprint(lambda name: tensors[name], names)
+
+
+def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None = None) -> BaseFingerprint:
+    """Fingerprint a base checkpoint directory on disk (safetensors, single or sharded).
+
+    Args:
+        path: The base model directory.
+        names: The tensors to hash (default: :func:`fingerprint_names` of its floating tensors).
+
+    Raises:
+        ConfigError: if a named tensor is not in the checkpoint.
+    """
+    from ram_trl.io.checkpoint import open_checkpoint
+    from ram_trl.io.safetensors_io import RowReader
+
+    checkpoint = open_checkpoint(path, "base model")
+    if names is None:
+        names = fingerprint_names(n for n, meta in checkpoint.tensors.items() if meta.dtype.is_floating_point)
+    names = list(names)
+    missing = [n for n in names if n not in checkpoint.tensors]
+    if missing:
+        raise ConfigError(f"base model {path}: has no tensor {missing[0]!r} of the stage's base fingerprint")
+    with RowReader() as reader:
+        return fingerprint(lambda name: checkpoint.read_rows(name, reader), names)
+
+
+def check_base(
+    manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike
+) -> None:
+    """Check that a stage was trained from ``base_path``.
+
+    Raises:
+        ConfigError: naming the manifest, its base and the merge's base, when the fingerprints differ.
+    """
+    if manifest.base_fingerprint is None:
+        return
+    try:
+        found = fingerprint_checkpoint(base_path, manifest.base_fingerprint.tensors)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"stage {manifest.stage!r} ({manifest_path(manifest_file)}) was trained from {manifest.base_model!r}, "
+            f"not from the merge's base {base_path}: {exc}"
+        ) from None
+    if found.sha256 != manifest.base_fingerprint.sha256:
+        raise ConfigError(
+            f"stage {manifest.stage!r} ({manifest_path(manifest_file)}) was trained from {manifest.base_model!r}, "
+            f"not from the merge's base {base_path}: the base fingerprints differ "
+            f"(tensors {', '.join(manifest.base_fingerprint.tensors)}). Use the stage's base model as base_model."
+        )
