@@ -16,6 +16,7 @@ PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` bes
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import math
 import os
 import shutil
@@ -280,6 +281,11 @@ def save_agent(trainer: Any, out_dir: Path, dtype: torch.dtype) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".ram_agent.", dir=out_dir))
     try:
         unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
+        config_file = tmp / "config.json"
+        if config_file.is_file():  # say what the weights hold (save_pretrained writes the training dtype)
+            config = json.loads(config_file.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         processing = getattr(trainer, "processing_class", None)
         if processing is not None and hasattr(processing, "save_pretrained"):
             processing.save_pretrained(str(tmp))

@@ -295,10 +295,6 @@ def _dist_context() -> DistContext:
     return DistContext()
 
 
-def _clean(value: float) -> float:
-    return float(value) if math.isfinite(value) else (math.inf if value > 0 else -math.inf)
-
-
 class TaskVectorTracker:
     """Measures a training model's task vector (trained weights minus base) while it trains.
 
@@ -485,7 +481,9 @@ class TaskVectorTracker:
             step: The training step, recorded with the result.
 
         Returns:
-            Metric name (with the prefix) to value; see the module docstring.
+            Metric name (with the prefix) to value; see the module docstring. Undefined values (the magnitude
+            statistics of a task vector without active elements) are left out; rho is ``inf`` for a run whose
+            active elements all overlap the priors'.
         """
         started = time.perf_counter()
         if not self._ready:
@@ -528,7 +526,7 @@ class TaskVectorTracker:
         metrics = self._metrics(names, counts, magnitudes, overlap)
         metrics["measure_seconds"] = time.perf_counter() - started
         metrics["state_mb"] = self.state_bytes / 2**20
-        out = {f"{self.prefix}{k}": _clean(v) for k, v in metrics.items()}
+        out = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
         self.last = out
         self.last_step = step
         self.history.append((step, out))
