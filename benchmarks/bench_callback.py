@@ -105,10 +105,15 @@ def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
     )
     for cb in callbacks:
         cb.bind(trainer)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     trainer.train()
-    wall = time.perf_counter() - started
-    result = {"wall": wall, "logging_steps": args.logging_steps, "steps": trainer.state.global_step}
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    result = {
+        "wall": wall,
+        "cpu": cpu,
+        "logging_steps": args.logging_steps,
+        "steps": trainer.state.global_step,
+    }
     if with_callback:
         tracker = callbacks[0].tracker
         measures = [m["task_vector/measure_seconds"] for _, m in tracker.history]
@@ -138,6 +143,8 @@ def bench(size: str, workdir: Path, steps: int, repeats: int) -> dict:
 
 
 def summarise(result: dict) -> dict:
+    cpu_without = statistics.median(r["cpu"] for r in result["runs"]["without"])
+    cpu_with = statistics.median(r["cpu"] for r in result["runs"]["with"])
     without = statistics.median(r["wall"] for r in result["runs"]["without"])
     with_cb = statistics.median(r["wall"] for r in result["runs"]["with"])
     measures = [m for r in result["runs"]["with"] for m in r["measures"]]
@@ -153,6 +160,9 @@ def summarise(result: dict) -> dict:
         "without": without,
         "with": with_cb,
         "overhead_pct": 100 * (with_cb - without) / without,
+        "cpu_without": cpu_without,
+        "cpu_with": cpu_with,
+        "cpu_overhead_pct": 100 * (cpu_with - cpu_without) / cpu_without,
         "step_seconds": without / result["steps"],
         "measure_median": statistics.median(measures),
         "measure_max": max(measures),
@@ -181,20 +191,22 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         "lr 1e-5, default `logging_steps` (10); the callback with `base_model` = the bf16 base on disk (memory-mapped), "
         "default interval (= logging_steps, plus the final step), magnitude statistics on. Without / with runs "
         "interleaved; medians over the repeats. Base: random init from a Qwen2 config, bf16, character tokenizer.",
-        "- *overhead*: (median train() wall with the callback - without) / without. *accounted*: the callback's own "
+        "- *overhead (wall)*: (median train() wall with the callback - without) / without; *overhead (CPU "
+        "time)*: the same with the process's CPU time (all threads), less sensitive to other processes. *accounted*: the callback's own "
         "time (its measurements' `task_vector/measure_seconds` + the end-of-run bf16 save and manifest) / the "
         "wall without; unlike the wall difference it is not blurred by other processes. *extra memory*: what the "
         "tracker keeps between measurements (0: the base is memory-mapped, no snapshot).",
         "",
         "| model | elements | steps | s/step | measured at | measure s (median / max) | train() without | "
-        "train() with | overhead | measurements | end save | accounted | extra memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "train() with | overhead (wall) | overhead (CPU time) | measurements | end save | accounted | extra memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['size']} | {r['numel']:,} | {r['steps']} | {r['step_seconds']:.2f} | "
             f"{', '.join(map(str, r['measured_steps']))} | {r['measure_median']:.3f} / {r['measure_max']:.3f} | "
-            f"{r['without']:.1f} s | {r['with']:.1f} s | {r['overhead_pct']:+.1f}% | {r['measure_pct']:.1f}% | "
+            f"{r['without']:.1f} s | {r['with']:.1f} s | {r['overhead_pct']:+.1f}% | {r['cpu_overhead_pct']:+.1f}% | "
+            f"{r['measure_pct']:.1f}% | "
             f"{r['end_seconds']:.1f} s | {r['accounted_pct']:.1f}% | {r['state_mb']:.0f} MB |"
         )
     lines += [
@@ -223,7 +235,7 @@ def write_section(report: Path, text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,0.5b")
-    parser.add_argument("--steps", default="tiny=30,0.5b=20", help="steps per size, e.g. tiny=30,0.5b=20")
+    parser.add_argument("--steps", default="tiny=20,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10")
     parser.add_argument("--repeats", default="tiny=3,0.5b=1")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_callback"))
     parser.add_argument("--report", type=Path, default=None, help="Markdown file to write the section into")

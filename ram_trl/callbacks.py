@@ -154,9 +154,12 @@ class TaskVectorSparsityCallback(TrainerCallback):
                 "before trainer.train() (the metrics go through the trainer's logging)"
             )
         model = policy_of(kwargs.get("model") or self.trainer.model)
+        reference = getattr(self.trainer, "ref_model", None)
+        if getattr(self.trainer.args, "sync_ref_model", False):
+            reference = None  # the reference model follows the policy: it is not the base
         self.tracker = TaskVectorTracker(
             self.base_model,
-            reference_model=getattr(self.trainer, "ref_model", None),
+            reference_model=reference,
             eps=self.eps,
             save_dtype=self.save_dtype,
             prior_stages=self.prior_stages,
@@ -166,6 +169,11 @@ class TaskVectorSparsityCallback(TrainerCallback):
             magnitudes=self.magnitudes,
         )
         self.tracker.setup(model)
+        if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
+            raise ConfigError(
+                f"training resumes at step {state.global_step}, so the weights at train begin are not the base; "
+                "pass base_model=PATH to TaskVectorSparsityCallback (or train with a reference model)"
+            )
 
     def interval(self, args: TrainingArguments, state: TrainerState) -> int:
         """Steps between measurements: ``every_n_steps``, else the trainer's logging steps."""
