@@ -368,6 +368,11 @@ class TaskVectorTracker:
     # -- setup ---------------------------------------------------------------------------------------------------
 
     @property
+    def ready(self) -> bool:
+        """Whether :meth:`setup` has run."""
+        return self._ready
+
+    @property
     def base_description(self) -> str:
         """Where the base weights come from (for logs and the manifest)."""
         return "none" if self.source is None else self.source.description
