@@ -130,9 +130,14 @@ def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
     return result
 
 
-def bench(size: str, workdir: Path, steps: int, repeats: int) -> dict:
+def bench(size: str, workdir: Path, steps: int, repeats: int, warmup: bool) -> dict:
     base = make_base(workdir, size)
     runs: dict[str, list[dict]] = {"without": [], "with": []}
+    if warmup:  # the first run in a process pays one-off costs (imports, kernels, page cache): discarded
+        print(
+            f"{size} warm-up: {json.dumps(run(base, workdir / size / 'out_warmup', steps, False))}",
+            flush=True,
+        )
     for r in range(repeats):
         for variant in ("without", "with"):
             out = workdir / size / f"out_{variant}_{r}"
@@ -190,7 +195,7 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         "- Each run: TRL GRPOTrainer, fp32 on the CPU, batch 4 (1 prompt x 4 generations), 8 new tokens, beta 0, "
         "lr 1e-5, default `logging_steps` (10); the callback with `base_model` = the bf16 base on disk (memory-mapped), "
         "default interval (= logging_steps, plus the final step), magnitude statistics on. Without / with runs "
-        "interleaved; medians over the repeats. Base: random init from a Qwen2 config, bf16, character tokenizer.",
+        "interleaved after a discarded warm-up run (sizes in `--warmup`); medians over the repeats. Base: random init from a Qwen2 config, bf16, character tokenizer.",
         "- *overhead (wall)*: (median train() wall with the callback - without) / without; *overhead (CPU "
         "time)*: the same with the process's CPU time (all threads), less sensitive to other processes. *accounted*: the callback's own "
         "time (its measurements' `task_vector/measure_seconds` + the end-of-run bf16 save and manifest) / the "
@@ -237,6 +242,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,0.5b")
     parser.add_argument("--steps", default="tiny=20,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10")
     parser.add_argument("--repeats", default="tiny=3,0.5b=1")
+    parser.add_argument("--warmup", default="tiny", help="sizes that get a discarded warm-up run first")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_callback"))
     parser.add_argument("--report", type=Path, default=None, help="Markdown file to write the section into")
     parsed = parser.parse_args()
@@ -247,7 +253,8 @@ def main() -> None:
     rows = []
     results = []
     for size in parsed.sizes.split(","):
-        result = bench(size, parsed.workdir, int(steps[size]), int(repeats[size]))
+        warmup = size in parsed.warmup.split(",")
+        result = bench(size, parsed.workdir, int(steps[size]), int(repeats[size]), warmup)
         results.append(result)
         rows.append(summarise(result))
         print(json.dumps(rows[-1]), flush=True)

@@ -3,6 +3,13 @@
 The counting reuses :mod:`ram_trl.statistics` (the code behind the merge's statistics pass and ``ram-trl analyze``).
 :mod:`ram_trl.telemetry.shards` yields the locally held elements of every parameter (plain, DDP, DeepSpeed ZeRO-3,
 FSDP2), so measurements run on each rank's own partition and only counts are all-reduced.
+
+- :class:`TaskVectorTracker` (:mod:`ram_trl.telemetry.tracker`): ``setup(model)`` / ``measure(model, step)`` for
+  any training loop; :class:`ram_trl.callbacks.TaskVectorSparsityCallback` drives it from a TRL / transformers
+  trainer.
+- :mod:`ram_trl.telemetry.base`: where base weights come from (reference model, memory-mapped checkpoint, snapshot)
+  and how parameter names map to checkpoint names.
+- :mod:`ram_trl.telemetry.priors`: the activity masks of agents trained before (prior stages).
 """
 
 from ram_trl.telemetry.base import MappedCheckpointBase, ModelBase, SnapshotBase, base_name
