@@ -7,6 +7,7 @@ non-negative float32 Fishers with exact zeros (so the zero-denominator branch ru
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import pytest
@@ -278,3 +279,35 @@ def test_negative_weight_is_a_config_error(copies, tmp_path):
 
 def test_plan_budgets_the_fisher_buffers():
     assert bytes_per_element(3, 2, 2, fisher_itemsize=4) == bytes_per_element(3, 2, 2) + 3 * (8 + 4)
+
+
+def test_fisher_file_is_not_taken_for_weights(inputs, tmp_path):
+    """A directory with non-standard weight file names: the *.safetensors fallback skips fisher.safetensors."""
+    _, base, agents, state = inputs
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file(state["agents"][0], str(odd / "weights.safetensors"))
+    shutil.copy(agents[0] / FISHER_FILE, odd / FISHER_FILE)
+    config = _config(base, [odd, *agents[1:]])
+    ram_trl.merge(config, tmp_path / "out", progress=False)
+    expected = reference.fisher_reference(state["base"], state["agents"], state["fishers"], [1.0] * 3)
+    _assert_equal(tmp_path / "out", expected, state["base"])
+
+
+def test_dry_run_plans_the_fisher_reads(inputs, tmp_path):
+    _, base, agents, state = inputs
+    summary = ram_trl.merge(_config(base, agents), tmp_path / "out", dry_run=True, progress=False)
+    assert not (tmp_path / "out").exists()
+    fisher_bytes = sum(v.numel() * v.element_size() for f in state["fishers"] for v in f.values())
+    assert json.dumps(summary, default=str)  # serialisable
+    without = ram_trl.merge(
+        {
+            **_config(base, agents),
+            "merge_method": "task_arithmetic",
+            "models": [{"model": str(a)} for a in agents],
+        },
+        tmp_path / "out",
+        dry_run=True,
+        progress=False,
+    )
+    assert summary["bytes_read"] - without["bytes_read"] == fisher_bytes

@@ -15,11 +15,19 @@ from pathlib import Path
 import torch
 
 from ram_trl.errors import CheckpointError, NonFiniteError
-from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
+from ram_trl.io.checkpoint import FISHER_FILE, Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 
-#: File name of an agent's diagonal Fisher, beside its weights.
-FISHER_FILE = "fisher.safetensors"
+__all__ = [
+    "FISHER_FILE",
+    "check_fisher_headers",
+    "default_fisher_path",
+    "fill_fisher",
+    "fisher_itemsize",
+    "fisher_nbytes",
+    "open_fisher",
+    "read_fisher_rows",
+]
 
 
 def default_fisher_path(agent_path: str | Path) -> Path:
