@@ -315,6 +315,9 @@ class TaskVectorTracker:
         prefix: Prefix of every metric name.
         magnitudes: Also accumulate the magnitude statistics (the costliest part of a measurement).
         chunk_elements: Elements compared at once.
+        threads: torch intra-op threads during a measurement (restored afterwards); ``None`` keeps the process's
+            setting. The default 1 keeps the chunked loop predictable: on a CPU shared with training (and other
+            jobs), two threads made it 10-20x slower than one (BENCHMARKS.md).
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -334,11 +337,14 @@ class TaskVectorTracker:
         prefix: str = DEFAULT_PREFIX,
         magnitudes: bool = True,
         chunk_elements: int = CHUNK_ELEMENTS,
+        threads: int | None = 1,
     ) -> None:
         if not eps >= 0:
             raise ConfigError(f"eps={eps} must be a number >= 0")
         if not r >= 0 or not alpha >= 0:
             raise ConfigError(f"r={r} and alpha={alpha} must be numbers >= 0")
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads={threads} must be a positive integer (or None)")
         if chunk_elements < 8 or chunk_elements % 8:
             raise ConfigError(f"chunk_elements={chunk_elements} must be a positive multiple of 8")
         if base_model is not None and not os.path.exists(base_model):
@@ -354,6 +360,7 @@ class TaskVectorTracker:
         self.prefix = prefix
         self.magnitudes = magnitudes
         self.chunk_elements = chunk_elements
+        self.threads = threads
         self.source: BaseSource | None = None
         self.kind: Literal["full", "lora"] = "full"
         self.base_fingerprint: BaseFingerprint | None = None
@@ -499,6 +506,20 @@ class TaskVectorTracker:
         started = time.perf_counter()
         if not self._ready:
             self.setup(model)
+        previous = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            out = self._measure(model)
+        finally:
+            torch.set_num_threads(previous)
+        out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
+        self.last = out
+        self.last_step = step
+        self.history.append((step, out))
+        return out
+
+    def _measure(self, model: torch.nn.Module) -> dict[str, float]:
         layout = model_layout(model)
         ctx = _dist_context()
         num_priors = 0 if self.priors is None else self.priors.num_priors
@@ -552,14 +573,9 @@ class TaskVectorTracker:
             magnitudes.all_reduce(ctx)
             overlap.all_reduce(ctx)
         metrics = self._metrics(names, counts, magnitudes, overlap)
-        metrics["measure_seconds"] = time.perf_counter() - started
         metrics["state_mb"] = self.state_bytes / 2**20
         metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces.values()) / 2**20
-        out = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
-        self.last = out
-        self.last_step = step
-        self.history.append((step, out))
-        return out
+        return {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
 
     def _update_overlap(
         self, overlap: OverlapStatistics, region: Region, start: int, saved_mask: torch.Tensor

@@ -162,6 +162,13 @@ def test_chunking_does_not_change_counts(tmp_path):
         assert whole[f"{P}{key}"] == pieces[f"{P}{key}"]
 
 
+def test_measurement_threads_are_restored(tmp_path):
+    before = torch.get_num_threads()
+    tracker = TaskVectorTracker(base_model=write_base(tmp_path / "base"), threads=1)
+    assert tracker.measure(train(tiny_model()))[f"{P}active"] == 8
+    assert torch.get_num_threads() == before
+
+
 def test_eps_is_strict(tmp_path):
     tracker = TaskVectorTracker(
         base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32"
@@ -397,6 +404,7 @@ def test_layout_regions_of_a_peft_model():
         ({"chunk_elements": 12}, "chunk_elements"),
         ({"base_model": "/no/such/base"}, "does not exist"),
         ({"r": -0.1}, "r="),
+        ({"threads": 0}, "threads"),
     ],
 )
 def test_bad_tracker_arguments(kwargs, match):
