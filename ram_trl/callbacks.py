@@ -88,6 +88,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
         alpha: RAM+ clip bound of rho_t.
         magnitudes: Also report the magnitude statistics.
+        threads: torch intra-op threads during a measurement (see :class:`~ram_trl.telemetry.TaskVectorTracker`).
         save_agent: Save the agent in ``save_dtype`` to the output directory at train end.
         write_stage: Write ``ram_stage.json`` at train end.
 
@@ -111,6 +112,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: float = 0.1,
         alpha: float = 2.0,
         magnitudes: bool = True,
+        threads: int | None = 1,
         save_agent: bool = True,
         write_stage: bool = True,
     ) -> None:
@@ -126,6 +128,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
             alpha=alpha,
             prefix=prefix,
             magnitudes=magnitudes,
+            threads=threads,
         )
         self.trainer = trainer
         self.base_model = self.tracker.base_model
