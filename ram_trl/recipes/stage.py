@@ -1,0 +1,241 @@
+"""One stage of a recipe, run as its own process: ``python -m ram_trl.recipes.stage --recipe R --stage S ...``.
+
+The runner launches this module (directly, or through ``accelerate launch`` when the stage names an accelerate
+config). It loads the base, the stage's training prompts (written by the runner) and reward functions, builds the
+TRL trainer (GRPOTrainer or RLOOTrainer, full or LoRA), wires the task-vector telemetry callback with the earlier
+stages' manifests as ``prior_stages``, trains, and leaves in ``--out`` the agent saved in the stage's
+``save_dtype`` and its stage manifest (``ram_stage.json``). The manifest is written last: its presence marks the
+stage as complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ram_trl.errors import ConfigError
+from ram_trl.recipes.schema import StageSpec, import_object, load_recipe, trainer_settings
+
+__all__ = ["StageFailure", "build_trainer", "main", "run_stage", "save_agent", "wrap_reward"]
+
+
+class StageFailure(RuntimeError):
+    """A stage's user code (reward function, generator) failed; the message names the stage and the function."""
+
+
+def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
+    """Wrap a reward function so that its exceptions and malformed outputs name the stage and the function."""
+
+    @functools.wraps(fn)
+    def reward(*args: Any, **kwargs: Any) -> list[float]:
+        try:
+            values = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the stage and function named
+            raise StageFailure(f"stage {stage!r}: reward function {path} raised {exc!r}") from exc
+        if values is None or len(values) != len(kwargs.get("completions", values)):
+            raise StageFailure(
+                f"stage {stage!r}: reward function {path} must return one float per completion"
+            )
+        return values
+
+    if not hasattr(reward, "__name__"):
+        reward.__name__ = path.rpartition(":")[2] or path
+    return reward
+
+
+def _trainer_classes(trainer: str) -> tuple[type, type]:
+    if trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        return GRPOConfig, GRPOTrainer
+    from trl import RLOOConfig, RLOOTrainer
+
+    return RLOOConfig, RLOOTrainer
+
+
+def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out: Path, seed: int) -> Any:
+    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_cls, trainer_cls = _trainer_classes(stage.trainer)
+    args = config_cls(output_dir=str(out), **trainer_settings(stage, seed))
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    rewards = [
+        wrap_reward(import_object(p, f"stage {stage.name!r}: reward function"), p, stage.name)
+        for p in stage.rewards
+    ]
+    peft_config = None
+    if stage.peft is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**stage.peft)
+    return trainer_cls(
+        model=model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+def _cast_safetensors(directory: Path, dtype: torch.dtype) -> None:
+    """Rewrite every safetensors file of ``directory`` with its floating tensors cast to ``dtype``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            metadata = handle.metadata() or {"format": "pt"}
+            tensors = {
+                name: (t.to(dtype) if t.is_floating_point() else t)
+                for name in handle.keys()
+                for t in [handle.get_tensor(name)]
+            }
+        tmp = file.with_name(f".{file.name}.tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, file)
+    config = directory / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text(encoding="utf-8"))
+        for key in ("dtype", "torch_dtype"):
+            if key in data:
+                data[key] = str(dtype).removeprefix("torch.")
+        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def save_agent(trainer: Any, out: Path, save_dtype: str) -> None:
+    """Save the trained agent (full model, or the PEFT adapter) into ``out`` in ``save_dtype`` (main process)."""
+    trainer.save_model(str(out))
+    if trainer.accelerator.is_main_process:
+        _cast_safetensors(out, getattr(torch, save_dtype))
+        trainer.processing_class.save_pretrained(str(out))
+
+
+def _telemetry_callback(trainer: Any, base: Path, stage: StageSpec, prior: Sequence[Path]) -> Any | None:
+    """The task-vector sparsity callback (:mod:`ram_trl.callbacks`) bound to ``trainer``, or ``None`` when this
+    ram_trl build has none (then the stage saves the agent and writes the manifest itself)."""
+    try:
+        from ram_trl.callbacks import TaskVectorSparsityCallback
+    except ImportError:
+        return None
+    callback = TaskVectorSparsityCallback(
+        trainer=trainer,
+        base_model=str(base),
+        save_dtype=stage.save_dtype,
+        prior_stages=tuple(str(p) for p in prior),
+        stage_name=stage.name,
+        domain=stage.domain,
+    )
+    trainer.add_callback(callback)
+    callback.bind(trainer)
+    return callback
+
+
+def _last_rewards(trainer: Any) -> dict[str, float]:
+    for entry in reversed(trainer.state.log_history):
+        rewards = {}
+        for key, value in entry.items():
+            if "reward" in key:
+                try:
+                    rewards[key] = float(value)
+                except (TypeError, ValueError):
+                    continue
+        if rewards:
+            return rewards
+    return {}
+
+
+def _write_manifest(trainer: Any, stage: StageSpec, base: Path, base_label: str, out: Path) -> None:
+    import transformers
+    import trl
+
+    import ram_trl
+    from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
+
+    manifest = StageManifest(
+        stage=stage.name,
+        domain=stage.domain,
+        base_model=base_label,
+        base_fingerprint=fingerprint_checkpoint(base),
+        checkpoint=".",
+        kind="lora" if stage.peft is not None else "full",
+        trainer=type(trainer).__name__,
+        steps=int(trainer.state.global_step),
+        save_dtype=stage.save_dtype,
+        rewards=_last_rewards(trainer),
+        versions={
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "ram_trl": ram_trl.__version__,
+        },
+        extra={"config": stage.config, "peft": stage.peft},
+    )
+    write_manifest(manifest, out)
+
+
+def run_stage(
+    recipe_path: Path, stage_name: str, base: Path, train_file: Path, out: Path, prior: Sequence[Path]
+) -> None:
+    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
+    from ram_trl.recipes.data import read_jsonl
+    from ram_trl.stage import MANIFEST_NAME
+
+    recipe, _ = load_recipe(recipe_path)
+    stage = recipe.stage(stage_name)
+    if not stage.trained:
+        raise ConfigError(f"stage {stage.name!r} has an existing checkpoint; there is nothing to train")
+    rows = read_jsonl(train_file, f"stage {stage.name!r}: training prompts")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    seed = int(stage.config.get("seed", recipe.seed))
+    trainer = build_trainer(stage, base, rows, out, seed)
+    callback = _telemetry_callback(trainer, base, stage, prior)
+    trainer.train()
+    if callback is None:
+        save_agent(trainer, out, stage.save_dtype)
+        if trainer.accelerator.is_main_process:
+            _write_manifest(trainer, stage, base, str(base), out)
+    trainer.accelerator.wait_for_everyone()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the stage process; exit code 0 on success, 1 with the reason on stderr otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ram_trl.recipes.stage", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--recipe", required=True, type=Path)
+    parser.add_argument("--stage", required=True)
+    parser.add_argument("--base", required=True, type=Path, help="the base checkpoint the stage starts from")
+    parser.add_argument("--train-file", required=True, type=Path, help="training prompts (JSON Lines)")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="the stage directory (agent + ram_stage.json)"
+    )
+    parser.add_argument("--prior", nargs="*", type=Path, default=[], help="earlier stages' manifests")
+    args = parser.parse_args(argv)
+    try:
+        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior)
+    except Exception as exc:  # noqa: BLE001 - the runner reports it with the stage's log
+        traceback.print_exc()
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, StageFailure | ConfigError):
+            cause = cause.__cause__
+        print(f"ram-trl stage {args.stage}: error: {cause}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
