@@ -99,11 +99,10 @@ def _cast_safetensors(directory: Path, dtype: torch.dtype) -> None:
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             metadata = handle.metadata() or {"format": "pt"}
-            tensors = {
-                name: (t.to(dtype) if t.is_floating_point() else t)
-                for name in handle.keys()
-                for t in [handle.get_tensor(name)]
-            }
+            tensors = {}
+            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                tensor = handle.get_tensor(name)
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         tmp = file.with_name(f".{file.name}.tmp")
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, file)
