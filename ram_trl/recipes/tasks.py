@@ -10,7 +10,7 @@ is read up to its first newline, surrounding spaces ignored.
   signal so a tiny model's GRPO groups are not all zero).
 - ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"weather in Oslo?"`` ->
   ``"weather(city=Oslo)"``. 0.2 for a well-formed call ``name(key=value,...)``, plus 0.3 for the right tool
-  name, plus 0.5 for exactly the right arguments.
+  name, plus 0.5 for exactly the right arguments (with the right tool).
 - ``recall`` (memory: recall a key's value from a longer context): ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for
   the exact value, else 0.
 """
@@ -169,7 +169,8 @@ def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
 
 
 def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """0.2 for a well-formed call, + 0.3 for the right tool, + 0.5 for exactly the right arguments."""
+    """0.2 for a well-formed call, 0.5 for a call of the right tool, 1.0 for the right tool with exactly the right
+    arguments (the arguments count only with the right tool)."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         got = parse_call(completion_text(completion))
@@ -177,12 +178,10 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
         if got is None or expected is None:
             rewards.append(0.0)
             continue
-        reward = 0.2
-        if got[0] == expected[0]:
-            reward += 0.3
-        if got[1] == expected[1]:
-            reward += 0.5
-        rewards.append(round(reward, 10))
+        if got[0] != expected[0]:
+            rewards.append(0.2)
+        else:
+            rewards.append(1.0 if got[1] == expected[1] else 0.5)
     return rewards
 
 

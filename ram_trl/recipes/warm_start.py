@@ -98,7 +98,7 @@ def warm_start(
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(loss.detach().item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     record = {
         "steps": spec.steps,
