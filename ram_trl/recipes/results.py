@@ -74,8 +74,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _rho(value: float | None) -> str:
-    return "-" if value is None else ("inf" if value == float("inf") else f"{value:.3g}")
+def _rho(value: float | str | None) -> str:
+    if value is None:
+        return "-"
+    value = float(value)
+    return "inf" if value == float("inf") else f"{value:.3g}"
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -184,7 +187,9 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
         written.append(out_dir / "scores.png")
     for row in results["rows"]:
         row["average"] = row_average(row, results["stages"])
-    _atomic_write(out_dir / "results.json", json.dumps(results, indent=2, sort_keys=False) + "\n")
+    from ram_trl.analysis import clean
+
+    _atomic_write(out_dir / "results.json", json.dumps(clean(results), indent=2, sort_keys=False) + "\n")
     _atomic_write(out_dir / "results.md", markdown(results))
     return [out_dir / "results.json", out_dir / "results.md", *written]
 
@@ -221,4 +226,7 @@ def print_table(results: dict[str, Any]) -> None:
             [_pct(info["density"]), _pct(info["unique_share"]), _rho(info["rho"])] if info else ["", "", ""]
         )
         table.add_row(row["name"], row["kind"], *cells)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 160)
+    console.print(table)

@@ -258,6 +258,8 @@ class Run:
         log.parent.mkdir(parents=True, exist_ok=True)
         command = self.stage_command(stage)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.recipe.torch_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
         env.setdefault("ACCELERATE_USE_CPU", "1") if not _has_cuda() else None
         start = time.perf_counter()
         tail: deque[str] = deque(maxlen=40)
@@ -513,6 +515,10 @@ def run_recipe(
     out = options.out or (
         _resolve(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name
     )
+    if recipe.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(recipe.torch_threads)
     run = Run(recipe, root, Path(out).resolve(), options)
     run.notes.extend(notes)
     run.prepare()

@@ -300,6 +300,9 @@ class Recipe(_Strict):
         description: Free text.
         output_dir: Default run directory (relative to the recipe file; ``--out`` overrides it).
         seed: Seed of the stages' trainers (``config.seed`` overrides it per stage).
+        torch_threads: CPU threads of torch in every step (``torch.set_num_threads``; ``null`` keeps torch's default).
+            One thread makes CPU runs reproducible whatever the core count and is faster for tiny models on a busy
+            machine.
         base: The base model.
         warm_start: Optional supervised warm start of the base.
         stages: The verticals.
@@ -312,6 +315,7 @@ class Recipe(_Strict):
     description: str | None = None
     output_dir: str | None = None
     seed: int = 0
+    torch_threads: int | None = Field(None, ge=1)
     base: BaseSpec
     warm_start: WarmStartSpec | None = None
     stages: list[StageSpec]

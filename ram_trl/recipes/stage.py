@@ -194,6 +194,8 @@ def run_stage(
     from ram_trl.stage import MANIFEST_NAME
 
     recipe, _ = load_recipe(recipe_path)
+    if recipe.torch_threads is not None:
+        torch.set_num_threads(recipe.torch_threads)
     stage = recipe.stage(stage_name)
     if not stage.trained:
         raise ConfigError(f"stage {stage.name!r} has an existing checkpoint; there is nothing to train")
