@@ -6,7 +6,6 @@ completion's score is the sum of the stage's rewards; the stage score is the mea
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import EvaluationSpec, import_object
 
 __all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_completions"]
@@ -34,7 +32,8 @@ class EvalTask:
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
-    """Load a causal LM for evaluation: a model directory, or a PEFT adapter merged into its base.
+    """Load a causal LM for evaluation (:func:`ram_trl.fisher.load_agent`: a model directory, or a PEFT adapter
+    merged into its base), in eval mode with left padding for batched generation.
 
     Args:
         path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
@@ -45,28 +44,14 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
         ``(model, tokenizer)``; the tokenizer comes from ``path`` when it has one, else from the base.
 
     Raises:
-        ConfigError: naming the path when it is neither.
+        RamTrlError: naming the path when it is missing, or an adapter whose base cannot be found.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    path = Path(path)
-    torch_dtype = getattr(torch, dtype)
-    if (path / "adapter_config.json").is_file():
-        from peft import PeftModel
+    from ram_trl.fisher import load_agent
 
-        if base is None:
-            base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch_dtype)
-        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
-        token_source = path if (path / "tokenizer_config.json").is_file() else Path(base)
-    elif (path / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-        token_source = path if (path / "tokenizer_config.json").is_file() or base is None else Path(base)
-    else:
-        raise ConfigError(f"{path} is neither a model directory (config.json) nor a PEFT adapter")
-    tokenizer = AutoTokenizer.from_pretrained(str(token_source))
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_agent(path, base, getattr(torch, dtype))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -332,33 +332,33 @@ class Run:
         return {"model": str(self.agent_path(stage)), "name": stage.name}
 
     def fisher(self, rows: list[MergeRow]) -> None:
-        """Estimate each agent's diagonal Fisher on its own stage's training prompts, when a merge needs it."""
+        """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
+        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method."""
         if not any(r.method == "fisher" for r in rows):
             return
-        try:
-            from ram_trl.fisher import estimate_fisher, save_fisher
-        except ImportError:
-            raise ConfigError(
-                "merge method 'fisher' needs ram_trl.fisher, which this build does not have"
-            ) from None
-        from ram_trl.recipes.evaluate import load_model
+        import torch
 
-        settings = next(r.fisher for r in rows if r.method == "fisher")
+        from ram_trl.fisher import estimate_fisher, load_agent, save_fisher
+
+        settings = dict(next(r.fisher for r in rows if r.method == "fisher"))
         start = time.perf_counter()
         for stage in self.recipe.stages:
             agent = self.agent_path(stage)
-            if (agent / "fisher.safetensors").is_file():
-                continue
             if not stage.trained:
-                raise ConfigError(
-                    f"stage {stage.name!r}: the fisher merge needs {agent}/fisher.safetensors; ram_trl does not write "
-                    "into an existing agent's checkpoint: estimate it there with ram_trl.fisher first"
-                )
-            model, tokenizer = load_model(agent, "float32", self.base)
+                if not (agent / "fisher.safetensors").is_file():
+                    raise ConfigError(
+                        f"stage {stage.name!r}: the fisher merge needs {agent}/fisher.safetensors and ram_trl does not "
+                        f"write into an existing agent's checkpoint; estimate it first: ram-trl fisher {agent} ..."
+                    )
+                continue
             prompts = [r["prompt"] for r in read_jsonl(self.dir / "data" / stage.name / "train.jsonl")]
+            wanted = dict(settings)
+            if not wanted.get("sample") and wanted.get("num_samples", len(prompts)) > len(prompts):
+                wanted["num_samples"] = len(prompts)
+            model, tokenizer = load_agent(agent, self.base, torch.float32)
             with self.console.status(f"fisher {stage.name}"):
-                fisher = estimate_fisher(model, tokenizer, prompts, **settings)
-            save_fisher(fisher, agent)
+                fisher = estimate_fisher(model, tokenizer, prompts, **wanted)
+            save_fisher(fisher, agent, {"stage": stage.name, "settings": repr(wanted)})
         self._timed("fisher", start)
 
     def merges(self) -> list[tuple[MergeRow, Path]]:

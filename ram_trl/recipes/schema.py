@@ -61,6 +61,9 @@ __all__ = [
 #: Merge methods compared when a recipe gives no ``merges``.
 DEFAULT_METHODS: tuple[str, ...] = ("ram", "ram_plus", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 
+#: Keyword arguments of :func:`ram_trl.fisher.estimate_fisher` a ``fisher`` merge entry may set.
+FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
+
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
@@ -231,7 +234,9 @@ class MergeSpec(_Strict):
         method: A merge method of :mod:`ram_trl.methods` (``ram-trl methods`` lists them), or ``fisher``.
         parameters: The method's global parameters.
         name: Row label (default: the method, plus the swept values).
-        fisher: For ``fisher``: ``num_samples`` prompts per agent and ``max_new_tokens`` sampled per prompt.
+        fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
+            (:func:`ram_trl.fisher.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
+            ``seed``); written as ``fisher.safetensors`` beside each trained agent.
     """
 
     method: str
@@ -600,6 +605,14 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
             if stage.accelerate_config is not None:
                 _check_accelerate(stage, root, problems)
     for row in expand_merges(recipe):
+        unknown = sorted(set(row.fisher) - FISHER_SETTINGS)
+        if unknown:
+            problems.append(
+                f"merge {row.name!r}: unknown fisher setting {', '.join(map(repr, unknown))}; "
+                f"use some of {', '.join(sorted(FISHER_SETTINGS))}"
+            )
+        if row.fisher and row.method != "fisher":
+            problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
         if row.method == "fisher" and "fisher" not in method_names():
             problems.append(f"merge {row.name!r}: method 'fisher' is not available in this ram_trl build")
             continue

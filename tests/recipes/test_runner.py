@@ -30,6 +30,7 @@ MERGES = [
     "ties",
     "dare_linear",
     "dare_ties",
+    "fisher",
 ]
 
 pytestmark = pytest.mark.slow
