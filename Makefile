@@ -14,8 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/ram-trl example example_out --overwrite
-	$(BIN)/ram-trl merge example_out/merge.yaml example_out/merged --overwrite
+	$(BIN)/ram-trl demo --out demo_out
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -27,4 +26,4 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) example_out
+	rm -rf $(VENV) example_out demo_out

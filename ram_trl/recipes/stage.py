@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -25,7 +23,7 @@ import torch
 from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import StageSpec, import_object, load_recipe, trainer_settings
 
-__all__ = ["StageFailure", "build_trainer", "main", "run_stage", "save_agent", "wrap_reward"]
+__all__ = ["StageFailure", "attach_telemetry", "build_trainer", "main", "run_stage", "wrap_reward"]
 
 
 class StageFailure(RuntimeError):
@@ -91,45 +89,12 @@ def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out:
     )
 
 
-def _cast_safetensors(directory: Path, dtype: torch.dtype) -> None:
-    """Rewrite every safetensors file of ``directory`` with its floating tensors cast to ``dtype``."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def attach_telemetry(trainer: Any, base: Path, stage: StageSpec, prior: Sequence[Path]) -> Any:
+    """Bind the task-vector sparsity callback to ``trainer``: it logs the telemetry while the stage trains and, at
+    train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
+    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them)."""
+    from ram_trl.callbacks import TaskVectorSparsityCallback
 
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            metadata = handle.metadata() or {"format": "pt"}
-            tensors = {}
-            for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                tensor = handle.get_tensor(name)
-                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-        tmp = file.with_name(f".{file.name}.tmp")
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, file)
-    config = directory / "config.json"
-    if config.is_file():
-        data = json.loads(config.read_text(encoding="utf-8"))
-        for key in ("dtype", "torch_dtype"):
-            if key in data:
-                data[key] = str(dtype).removeprefix("torch.")
-        config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def save_agent(trainer: Any, out: Path, save_dtype: str) -> None:
-    """Save the trained agent (full model, or the PEFT adapter) into ``out`` in ``save_dtype`` (main process)."""
-    trainer.save_model(str(out))
-    if trainer.accelerator.is_main_process:
-        _cast_safetensors(out, getattr(torch, save_dtype))
-        trainer.processing_class.save_pretrained(str(out))
-
-
-def _telemetry_callback(trainer: Any, base: Path, stage: StageSpec, prior: Sequence[Path]) -> Any | None:
-    """The task-vector sparsity callback (:mod:`ram_trl.callbacks`) bound to ``trainer``, or ``None`` when this
-    ram_trl build has none (then the stage saves the agent and writes the manifest itself)."""
-    try:
-        from ram_trl.callbacks import TaskVectorSparsityCallback
-    except ImportError:
-        return None
     callback = TaskVectorSparsityCallback(
         trainer=trainer,
         base_model=str(base),
@@ -141,49 +106,6 @@ def _telemetry_callback(trainer: Any, base: Path, stage: StageSpec, prior: Seque
     trainer.add_callback(callback)
     callback.bind(trainer)
     return callback
-
-
-def _last_rewards(trainer: Any) -> dict[str, float]:
-    for entry in reversed(trainer.state.log_history):
-        rewards = {}
-        for key, value in entry.items():
-            if "reward" in key:
-                try:
-                    rewards[key] = float(value)
-                except (TypeError, ValueError):
-                    continue
-        if rewards:
-            return rewards
-    return {}
-
-
-def _write_manifest(trainer: Any, stage: StageSpec, base: Path, base_label: str, out: Path) -> None:
-    import transformers
-    import trl
-
-    import ram_trl
-    from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
-
-    manifest = StageManifest(
-        stage=stage.name,
-        domain=stage.domain,
-        base_model=base_label,
-        base_fingerprint=fingerprint_checkpoint(base),
-        checkpoint=".",
-        kind="lora" if stage.peft is not None else "full",
-        trainer=type(trainer).__name__,
-        steps=int(trainer.state.global_step),
-        save_dtype=stage.save_dtype,
-        rewards=_last_rewards(trainer),
-        versions={
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "ram_trl": ram_trl.__version__,
-        },
-        extra={"config": stage.config, "peft": stage.peft},
-    )
-    write_manifest(manifest, out)
 
 
 def run_stage(
@@ -203,12 +125,8 @@ def run_stage(
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     seed = int(stage.config.get("seed", recipe.seed))
     trainer = build_trainer(stage, base, rows, out, seed)
-    callback = _telemetry_callback(trainer, base, stage, prior)
+    attach_telemetry(trainer, base, stage, prior)
     trainer.train()
-    if callback is None:
-        save_agent(trainer, out, stage.save_dtype)
-        if trainer.accelerator.is_main_process:
-            _write_manifest(trainer, stage, base, str(base), out)
     trainer.accelerator.wait_for_everyone()
 
 
