@@ -397,6 +397,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             overrides=QUICK_OVERRIDES if args.quick else {},
         ),
     )
+    return 0
 
 
 def _run_fisher(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ run with a :class:`StageError` naming the stage and its log; finished stages are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -370,6 +371,8 @@ class Run:
         self.fisher(rows)
         done = []
         start = time.perf_counter()
+        (self.dir / "logs").mkdir(exist_ok=True)
+        log = open(self.dir / "logs" / "merges.log", "w", encoding="utf-8")  # noqa: SIM115 - closed below
         for row in tqdm(rows, desc="merges", disable=not self.options.progress):
             out = self.dir / "merges" / safe_name(row.name)
             config = {
@@ -380,12 +383,18 @@ class Run:
                 "seed": self.recipe.seed,
                 "name": row.name,
             }
+            log.write(f"\n# merge {row.name}\n")
             try:
-                merge(config, out, overwrite=True, progress=False)
+                with contextlib.redirect_stdout(log):
+                    merge(config, out, overwrite=True, progress=False)
             except RamTrlError as exc:
-                raise RamTrlError(f"merge {row.name!r} failed: {exc}") from exc
+                raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log.name})") from exc
             done.append((row, out))
+        log.close()
         self._timed("merges", start)
+        self.console.print(
+            f"[green]merges[/]: {len(done)} in {self.timings['merges']:.0f}s (log: {log.name})"
+        )
         return done
 
     def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
