@@ -372,25 +372,25 @@ class Run:
         done = []
         start = time.perf_counter()
         (self.dir / "logs").mkdir(exist_ok=True)
-        log = open(self.dir / "logs" / "merges.log", "w", encoding="utf-8")  # noqa: SIM115 - closed below
-        for row in tqdm(rows, desc="merges", disable=not self.options.progress):
-            out = self.dir / "merges" / safe_name(row.name)
-            config = {
-                "merge_method": row.method,
-                "base_model": str(self.base),
-                "models": [self._model_entry(s) for s in self.recipe.stages],
-                "parameters": row.parameters,
-                "seed": self.recipe.seed,
-                "name": row.name,
-            }
-            log.write(f"\n# merge {row.name}\n")
-            try:
-                with contextlib.redirect_stdout(log):
-                    merge(config, out, overwrite=True, progress=False)
-            except RamTrlError as exc:
-                raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log.name})") from exc
-            done.append((row, out))
-        log.close()
+        log_path = self.dir / "logs" / "merges.log"
+        with open(log_path, "w", encoding="utf-8") as log:
+            for row in tqdm(rows, desc="merges", disable=not self.options.progress):
+                out = self.dir / "merges" / safe_name(row.name)
+                config = {
+                    "merge_method": row.method,
+                    "base_model": str(self.base),
+                    "models": [self._model_entry(s) for s in self.recipe.stages],
+                    "parameters": row.parameters,
+                    "seed": self.recipe.seed,
+                    "name": row.name,
+                }
+                log.write(f"\n# merge {row.name}\n")
+                try:
+                    with contextlib.redirect_stdout(log):
+                        merge(config, out, overwrite=True, progress=False)
+                except RamTrlError as exc:
+                    raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
+                done.append((row, out))
         self._timed("merges", start)
         self.console.print(
             f"[green]merges[/]: {len(done)} in {self.timings['merges']:.0f}s (log: {log.name})"

@@ -93,7 +93,8 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
         model = AutoModelForCausalLM.from_pretrained(row["path"], dtype=torch.float32)
         assert model.config.vocab_size == 100
         report = json.loads((Path(row["path"]) / "ram_merge_report.json").read_text())
-        assert report["method"] == row["method"]
+        assert report["merge_method"] == row["method"]
+        assert [a["name"] for a in report["agents"]] == STAGES
     # `ram-trl eval` on the run's recipe reproduces the scores of the table exactly (same prompts, greedy, seeded).
     for row in (results["rows"][0], results["rows"][5]):
         json_out = out / f"eval_{row['kind']}.json"
@@ -119,7 +120,13 @@ def _recipe(reward: str) -> dict:
         "base": {"build": {"hidden_size": 16, "num_layers": 1, "intermediate_size": 32}},
         "warm_start": {"steps": 2, "batch_size": 4},
         "stages": [
-            {"name": "good", **stage, "rewards": ["ram_trl.recipes.tasks:recall_reward"]},
+            # launched through `accelerate launch` (one CPU process): the path a recipe's accelerate config takes
+            {
+                "name": "good",
+                **stage,
+                "rewards": ["ram_trl.recipes.tasks:recall_reward"],
+                "accelerate_config": "accelerate_cpu.yaml",
+            },
             {"name": "bad", **stage, "rewards": [reward]},
         ],
         "merges": ["ram"],
@@ -131,6 +138,19 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe("tests.recipes.failing:raising_reward")))
+    (tmp_path / "accelerate_cpu.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "NO",
+                "num_processes": 1,
+                "num_machines": 1,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": True,
+            }
+        )
+    )
     out = tmp_path / "run"
     with pytest.raises(StageError) as info:
         run_recipe(recipe, RunOptions(out=out, progress=False))
@@ -140,6 +160,7 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert f"log: {out / 'logs' / 'bad.log'}" in message
     assert "finished stages kept: good" in message
     assert stage_complete(out / "stages" / "good")
+    assert "-m accelerate.commands.launch --config_file " in (out / "logs" / "good.log").read_text()
     assert not stage_complete(out / "stages" / "bad")
     assert not (out / "results.json").exists()
     good_manifest = (out / "stages" / "good" / "ram_stage.json").stat().st_mtime_ns
