@@ -261,7 +261,8 @@ class Run:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.recipe.torch_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
-        env.setdefault("ACCELERATE_USE_CPU", "1") if not _has_cuda() else None
+        if not _has_cuda():
+            env.setdefault("ACCELERATE_USE_CPU", "1")
         start = time.perf_counter()
         tail: deque[str] = deque(maxlen=40)
         with (
