@@ -184,3 +184,20 @@ def test_paper_recipe_uses_the_papers_agents_and_ram_plus_defaults():
     rows = {r.name: r for r in expand_merges(parsed)}
     assert rows["ram_plus"].parameters == {"r": 0.1, "alpha": 2.0}
     assert not any(s.trained for s in parsed.stages)
+
+
+def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
+    from ram_trl.cli import main
+
+    assert (
+        main(["run", str(REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml"), "--dry-run", "--skip-paths"])
+        == 0
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe(merges=["ram", "ram_minus"])))
+    assert main(["run", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "ram-trl run: error: recipe is invalid:" in err and "merge 'ram_minus'" in err
+    assert main(["run", str(bad), "--skip-paths"]) == 2
+    assert "--skip-paths only applies to --dry-run" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
