@@ -12,7 +12,7 @@ from typing import Any
 from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import StageSpec, import_object
 
-__all__ = ["draw_rows", "read_jsonl", "write_jsonl"]
+__all__ = ["draw_rows", "draw_warm_rows", "read_jsonl", "write_jsonl"]
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
@@ -95,3 +95,25 @@ def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[
     seen = {row["prompt"] for row in train}
     held = [row for row in pool if row["prompt"] not in seen][: spec.eval_size]
     return train, held
+
+
+def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stage's warm-start rows: ``prompts.warm_size`` rows from its generator (seed ``seed + 2``), none of
+    them a held-out prompt (``[]`` without a generator or with ``warm_size: 0``).
+
+    Raises:
+        ConfigError: naming the stage when the generator fails.
+    """
+    spec = stage.prompts
+    if spec is None or spec.generator is None or spec.warm_size == 0:
+        return []
+    where = f"stage {stage.name!r}"
+    generate = import_object(spec.generator, f"{where}: prompt generator")
+    try:
+        pool = list(generate(spec.warm_size + len(held), spec.seed + 2, **spec.kwargs))
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported with the stage's name
+        raise ConfigError(
+            f"{where}: prompt generator {spec.generator!r} failed drawing warm-start rows: {exc!r}"
+        ) from exc
+    excluded = {row["prompt"] for row in held}
+    return [row for row in pool if row["prompt"] not in excluded][: spec.warm_size]

@@ -71,15 +71,15 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
             padding=True,
             add_special_tokens=False,
         )
+        sampling = (
+            {"do_sample": True, "temperature": spec.temperature} if spec.do_sample else {"do_sample": False}
+        )
         output = model.generate(
             **batch,
             max_new_tokens=spec.max_new_tokens,
-            do_sample=spec.do_sample,
-            temperature=spec.temperature if spec.do_sample else None,
-            top_p=None,
-            top_k=None,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            **sampling,
         )
         new = output[:, batch["input_ids"].shape[1] :]
         completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.recipes.data import draw_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.data import draw_rows, draw_warm_rows, read_jsonl, write_jsonl
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, expand_merges, load_recipe, validate_recipe
 
 __all__ = ["RunOptions", "StageError", "run_recipe", "stage_complete"]
@@ -124,6 +124,8 @@ class Run:
             train, held = draw_rows(stage, self.root)
             write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
             write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
+            if self.recipe.warm_start is not None:
+                write_jsonl(draw_warm_rows(stage, held), self.dir / "data" / stage.name / "warm.jsonl")
         self._timed("data", start)
         if self.recipe.base.build is not None:
             self.build_base()
@@ -171,10 +173,7 @@ class Run:
                 return
         from ram_trl.recipes.tasks import mixture
 
-        rows = mixture(
-            [read_jsonl(self.dir / "data" / s.name / "train.jsonl") for s in self.recipe.stages if s.trained],
-            seed=spec.seed,
-        )
+        rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
         start = time.perf_counter()
         with self.console.status("warm start"):
             result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
@@ -186,12 +185,20 @@ class Run:
             f"({result['seconds']:.0f}s)"
         )
 
+    def _warm_files(self) -> list[Path]:
+        """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
+        draws warm-start rows."""
+        warm = [self.dir / "data" / s.name / "warm.jsonl" for s in self.recipe.stages]
+        if any(f.is_file() and f.stat().st_size for f in warm):
+            return [f for f in warm if f.is_file()]
+        return [self.dir / "data" / s.name / "train.jsonl" for s in self.recipe.stages if s.trained]
+
     def _rows_digest(self) -> str:
         import hashlib
 
         digest = hashlib.sha256()
-        for stage in self.recipe.stages:
-            digest.update((self.dir / "data" / stage.name / "train.jsonl").read_bytes())
+        for file in self._warm_files():
+            digest.update(file.read_bytes())
         return digest.hexdigest()
 
     def train_stages(self) -> None:

@@ -121,8 +121,9 @@ class BaseSpec(_Strict):
 
 
 class WarmStartSpec(_Strict):
-    """A short supervised warm start of the base on the mixture of every stage's training prompts (prompt, then
-    the reference answer and end of sequence; loss on the answer). The warm-started model, saved in ``save_dtype``,
+    """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
+    and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
+    rows when no stage draws any. The warm-started model, saved in ``save_dtype``,
     is the base of every stage and of the merges.
 
     Args:
@@ -152,7 +153,10 @@ class PromptSpec(_Strict):
         kwargs: Extra keyword arguments of the generator.
         train_size: Training prompts drawn from the generator.
         eval_size: Held-out prompts drawn from the generator (never one of the training prompts).
-        seed: Seed of the training draw (the held-out draw uses ``seed + 1``).
+        seed: Seed of the training draw (the held-out draw uses ``seed + 1``, the warm-start draw ``seed + 2``).
+        warm_size: Rows drawn from the generator for the recipe's supervised warm start (never a held-out prompt).
+            ``0`` warm-starts on the training rows instead, which a small model can memorise: its held-out scores
+            then say little.
         train_file: JSON Lines file of training rows (instead of a generator).
         eval_file: JSON Lines file of held-out rows.
     """
@@ -162,6 +166,7 @@ class PromptSpec(_Strict):
     train_size: int = Field(256, ge=1)
     eval_size: int = Field(64, ge=0)
     seed: int = 0
+    warm_size: int = Field(0, ge=0)
     train_file: str | None = None
     eval_file: str | None = None
 
