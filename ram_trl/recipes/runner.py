@@ -114,10 +114,25 @@ class Run:
     def _timed(self, key: str, start: float) -> None:
         self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
 
+    def resolved_recipe(self) -> dict[str, Any]:
+        """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
+        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere."""
+        data = self.recipe.model_dump(mode="json", exclude_none=True)
+        if "path" in data["base"]:
+            data["base"]["path"] = str(_resolve(data["base"]["path"], self.root))
+        for stage in data["stages"]:
+            for key in ("checkpoint", "accelerate_config"):
+                if key in stage:
+                    stage[key] = str(_resolve(stage[key], self.root))
+            for key in ("train_file", "eval_file"):
+                if key in stage.get("prompts", {}):
+                    stage["prompts"][key] = str(_resolve(stage["prompts"][key], self.root))
+        return data
+
     # -- phases ----------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.recipe.model_dump(mode="json", exclude_none=True), sort_keys=False)
+        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
         (self.dir / "recipe.yaml").write_text(text, encoding="utf-8")
         start = time.perf_counter()
         for stage in self.recipe.stages:
