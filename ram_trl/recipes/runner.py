@@ -190,8 +190,8 @@ class Run:
 
         rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
         start = time.perf_counter()
-        with self.console.status("warm start"):
-            result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
+        self.console.print(f"warm start: {spec.steps} steps on {len(rows)} rows ...")
+        result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
         result["rows_digest"] = self._rows_digest()
         (self.base / WARM_START_RECORD).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         self._timed("warm_start", start)
