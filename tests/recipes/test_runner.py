@@ -127,7 +127,13 @@ def _recipe(reward: str) -> dict:
                 "rewards": ["ram_trl.recipes.tasks:recall_reward"],
                 "accelerate_config": "accelerate_cpu.yaml",
             },
-            {"name": "bad", **stage, "rewards": [reward]},
+            # a LoRA stage: the callback saves the adapter, the merge and the evaluation read it on the base
+            {
+                "name": "bad",
+                **stage,
+                "rewards": [reward],
+                "peft": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+            },
         ],
         "merges": ["ram"],
         "evaluation": {"max_new_tokens": 2},
@@ -172,7 +178,11 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert (out / "stages" / "good" / "model.safetensors").read_bytes() == good_weights
     assert "stage:good" not in results["timings"] and "stage:bad" in results["timings"]
     assert stage_complete(out / "stages" / "bad")
+    assert read_manifest(out / "stages" / "bad").kind == "lora"
+    assert (out / "stages" / "bad" / "adapter_config.json").is_file()
     assert [r["name"] for r in results["rows"]] == ["base", "good", "bad", "ram"]
+    assert [r["kind"] for r in results["rows"]] == ["base", "agent", "agent", "merge"]
+    assert all(sorted(r["scores"]) == ["bad", "good"] for r in results["rows"])
     # the second stage was told about the first: its prior_stages (the callback's input) is good's manifest
     assert (
         "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
