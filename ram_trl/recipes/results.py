@@ -149,7 +149,7 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
     rows = results["rows"]
     columns = [*stages, "average"]
     width = 0.8 / max(len(rows), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + 0.35 * len(rows) * len(columns)), 4.2))
+    fig, ax = plt.subplots(figsize=(min(13.0, 4.0 + 0.12 * len(rows) * len(columns)), 4.8))
     colors = {"base": "#7f7f7f", "agent": "#1f77b4", "merge": "#d62728"}
     cmap = plt.get_cmap("tab20")
     for i, row in enumerate(rows):
