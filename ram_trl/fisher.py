@@ -177,6 +177,8 @@ def fisher_from_completions(
 
         iterator = tqdm(completions, desc="fisher", unit="sample", dynamic_ncols=True)
     device = params[0][1].device if params else torch.device("cpu")
+    # transformers models: no KV cache in the scoring pass
+    extra = {"use_cache": False} if hasattr(model, "config") else {}
     try:
         for _, p in params:
             p.requires_grad_(True)
@@ -188,7 +190,7 @@ def fisher_from_completions(
                     )
                 ids = torch.cat([item.prompt_ids, item.completion_ids]).unsqueeze(0).to(device)
                 start = item.prompt_ids.numel()
-                logits = model(input_ids=ids).logits[0, start - 1 : -1].float()
+                logits = model(input_ids=ids, **extra).logits[0, start - 1 : -1].float()
                 log_likelihood = (
                     torch.log_softmax(logits, dim=-1)
                     .gather(-1, item.completion_ids.to(device).unsqueeze(-1))
