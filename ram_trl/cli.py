@@ -86,9 +86,14 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "agents", nargs="*", metavar="AGENT", help="agent checkpoint directories (with --base)"
+        "agents",
+        nargs="*",
+        metavar="AGENT",
+        help="agent checkpoints (full or LoRA adapter directories) or stage manifests (ram_stage.json or its directory)",
     )
-    parser.add_argument("--base", help="base checkpoint directory")
+    parser.add_argument(
+        "--base", help="base checkpoint directory (default: the stages' base when every agent is a stage)"
+    )
     parser.add_argument(
         "--config", help="merge config (YAML): take the base, agents, eps, r and alpha from it"
     )
