@@ -110,14 +110,10 @@ def generate_completions(
         eos = tokenizer.eos_token_id
     pad = getattr(defaults, "pad_token_id", None)
     pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    # sampling draws from the full distribution: set explicitly, so a checkpoint's own defaults cannot narrow it
+    warpers = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=eos,
-        pad_token_id=pad,
+        max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad, **warpers
     )
     device = next(model.parameters()).device
     completions = []
