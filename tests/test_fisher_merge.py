@@ -105,6 +105,8 @@ def test_streaming_equals_reference(inputs, tmp_path, params, weights, floor):
     assert report["merge_method"] == "fisher"
     assert [a["parameters"]["fisher"] for a in report["agents"]] == [str(a / FISHER_FILE) for a in agents]
     assert report["bytes_read"] > sum((a / FISHER_FILE).stat().st_size for a in agents)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert all(f"- `{a.name}`: `{a / FISHER_FILE}`" in card for a in agents)
 
 
 def test_zero_denominator_branch_is_exercised(inputs):
