@@ -173,13 +173,41 @@ def fingerprint(get_tensor: Callable[[str], torch.Tensor], names: Iterable[str])
     Returns:
         The :class:`BaseFingerprint`.
     """
+
+    def head(name: str) -> tuple[tuple[int, ...], torch.Tensor]:
+        tensor = get_tensor(name).detach()
+        return tuple(tensor.shape), tensor.reshape(-1)[:FINGERPRINT_ELEMENTS]
+
+    return fingerprint_heads(head, names)
+
+
+def fingerprint_heads(
+    get_head: Callable[[str], tuple[tuple[int, ...], torch.Tensor]], names: Iterable[str]
+) -> BaseFingerprint:
+    """Fingerprint a base from each tensor's shape and leading elements, without the full tensors.
+
+    For sources that hold tensors in pieces (a training run's parameters, a memory-mapped range): only the first
+    :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed.
+
+    Args:
+        get_head: Returns a tensor's full shape and its first ``min(numel, FINGERPRINT_ELEMENTS)`` flat elements.
+        names: The tensors to hash.
+
+    Returns:
+        The :class:`BaseFingerprint` (equal to :func:`fingerprint` of the full tensors).
+    """
     digest = hashlib.sha256()
     chosen = list(names)
     for name in chosen:
-        tensor = get_tensor(name).detach()
-        head = tensor.reshape(-1)[:FINGERPRINT_ELEMENTS].to(device="cpu", dtype=torch.float32).contiguous()
+        shape, head = get_head(name)
+        head = (
+            head.detach()
+            .reshape(-1)[:FINGERPRINT_ELEMENTS]
+            .to(device="cpu", dtype=torch.float32)
+            .contiguous()
+        )
         digest.update(name.encode())
-        digest.update(json.dumps(list(tensor.shape)).encode())
+        digest.update(json.dumps(list(shape)).encode())
         digest.update(head.numpy().tobytes())
     return BaseFingerprint(tensors=chosen, sha256=digest.hexdigest())
 

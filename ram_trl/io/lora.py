@@ -58,12 +58,36 @@ class LoraFactors:
     def delta_rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout)."""
         if self.layout == "linear":
-            b = reader.read_rows(self.b, start, stop).to(torch.float32)
-            a = reader.read_rows(self.a).to(torch.float32)
-            return (b @ a).mul_(self.scaling)
-        a = reader.read_rows(self.a).to(torch.float32)[:, start:stop]
-        b = reader.read_rows(self.b).to(torch.float32)
-        return (b @ a).T.mul_(self.scaling)
+            return lora_delta_rows(
+                reader.read_rows(self.a), reader.read_rows(self.b, start, stop), self.scaling, self.layout
+            )
+        return lora_delta_rows(
+            reader.read_rows(self.a)[:, start:stop], reader.read_rows(self.b), self.scaling, self.layout
+        )
+
+
+def lora_delta_rows(
+    a: torch.Tensor, b: torch.Tensor, scaling: float, layout: Literal["linear", "transposed"]
+) -> torch.Tensor:
+    """The dense float32 delta of LoRA factors, ``B @ A * scaling`` (``(B @ A).T * scaling`` when transposed).
+
+    The one implementation of a LoRA task vector: the merge and the analysis read the factors from an adapter file,
+    the training telemetry takes them from the live PEFT layers, and both get the same bits for the same factors.
+
+    Args:
+        a: ``lora_A`` (``r x in``), or the columns of ``lora_A`` / ``lora_embedding_A`` for the wanted output rows of a
+            transposed layout; any floating dtype (computed in float32).
+        b: ``lora_B`` (``out x r``), or its wanted rows for the linear layout.
+        scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)``).
+        layout: ``"linear"`` or ``"transposed"`` (``fan_in_fan_out`` layers and embeddings).
+
+    Returns:
+        A new float32 tensor.
+    """
+    product = b.to(torch.float32) @ a.to(torch.float32)
+    if layout == "transposed":
+        product = product.T
+    return product.mul_(scaling)
 
 
 @dataclass

@@ -1,0 +1,298 @@
+"""Live task-vector telemetry for TRL and transformers training runs, ending each run as a merge stage.
+
+:class:`TaskVectorSparsityCallback` measures the run's task vector every ``every_n_steps`` optimizer steps with a
+:class:`~ram_trl.telemetry.tracker.TaskVectorTracker` and sends the metrics through the trainer's own logging path,
+so they reach ``trainer.state.log_history`` and every reporting integration (TensorBoard, W&B, ...) next to the
+reward curve. When training ends it saves the agent in ``save_dtype`` to ``args.output_dir`` (the full model, or the
+PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` beside it (:mod:`ram_trl.stage`)::
+
+    cb = TaskVectorSparsityCallback(base_model="models/base", stage_name="coding", domain="coding")
+    trainer = GRPOTrainer(model="models/base", reward_funcs=..., args=..., train_dataset=..., callbacks=[cb])
+    cb.bind(trainer)
+    trainer.train()
+    # args.output_dir now holds the bf16 agent and ram_stage.json; a merge config takes {stage: args.output_dir}
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+import ram_trl
+from ram_trl.errors import ConfigError
+from ram_trl.stage import StageManifest, write_manifest
+from ram_trl.telemetry.tracker import DEFAULT_PREFIX, TaskVectorTracker, resolve_save_dtype
+
+#: Libraries whose versions a manifest records (those installed).
+VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of :data:`VERSIONED_PACKAGES` and of ram_trl."""
+    versions = {"ram_trl": ram_trl.__version__}
+    for package in VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The most recent value of every logged metric whose name mentions ``reward`` (e.g. GRPO's ``reward``,
+    ``reward_std``, ``rewards/<func>/mean``), skipping non-finite values."""
+    out: dict[str, float] = {}
+    for entry in reversed(log_history):
+        for key, value in entry.items():
+            numeric = isinstance(value, int | float) and math.isfinite(float(value))
+            if "reward" in key and key not in out and numeric:
+                out[key] = float(value)
+    return dict(sorted(out.items()))
+
+
+def policy_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The policy inside a trainer's model: TRL's PPO wraps policy and value model in one module with ``.policy``."""
+    policy = getattr(model, "policy", None)
+    return policy if isinstance(policy, torch.nn.Module) else model
+
+
+class TaskVectorSparsityCallback(TrainerCallback):
+    """Measure the task vector while a TRL / transformers trainer trains, and end the run as a merge stage.
+
+    Args:
+        trainer: The trainer (or set it later with :meth:`bind`): the metrics go through its logging path, and its
+            reference model (GRPO / RLOO with ``beta > 0``) is the cheapest base.
+        base_model: The base checkpoint on disk, read through memory maps when the trainer holds no reference
+            model. Also recorded in the manifest. Without it (and without a reference model or PEFT) the callback
+            snapshots the parameters at train begin.
+        every_n_steps: Measure every this many optimizer steps (default: the trainer's logging steps); the final
+            step is always measured.
+        eps: Activity threshold, ``|tau| > eps`` (strict), as RAM masks.
+        save_dtype: The dtype the agent is saved in at train end and the ``density_saved`` view (``"bfloat16"``,
+            ``"float16"``, ``"float32"``).
+        prior_stages: Stage manifests (or their directories) of agents trained before this one from the same
+            base: the overlap and RAM+ rho_t / lambda_t metrics are reported against them.
+        stage_name: The stage's name in the manifest (default: the output directory's name).
+        domain: The vertical the stage specialises in (free text).
+        prefix: Prefix of every metric name.
+        r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
+        alpha: RAM+ clip bound of rho_t.
+        magnitudes: Also report the magnitude statistics.
+        save_agent: Save the agent in ``save_dtype`` to the output directory at train end.
+        write_stage: Write ``ram_stage.json`` at train end.
+
+    Raises:
+        ConfigError: for invalid arguments (at construction) and, at train begin, for a missing trainer, an
+            unsupported model layout or prior stages of another base.
+    """
+
+    def __init__(
+        self,
+        trainer: Any = None,
+        base_model: str | os.PathLike | None = None,
+        every_n_steps: int | None = None,
+        eps: float = 1e-5,
+        save_dtype: str = "bfloat16",
+        prior_stages: Sequence[str | os.PathLike] = (),
+        stage_name: str | None = None,
+        domain: str | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        r: float = 0.1,
+        alpha: float = 2.0,
+        magnitudes: bool = True,
+        save_agent: bool = True,
+        write_stage: bool = True,
+    ) -> None:
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer (or None)")
+        if not eps >= 0:
+            raise ConfigError(f"eps={eps} must be a number >= 0")
+        if base_model is not None and not os.path.exists(base_model):
+            raise ConfigError(
+                f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)"
+            )
+        self.save_dtype = resolve_save_dtype(save_dtype)
+        self.trainer = trainer
+        self.base_model = None if base_model is None else os.fspath(base_model)
+        self.every_n_steps = every_n_steps
+        self.eps = float(eps)
+        self.prior_stages = [os.fspath(p) for p in prior_stages]
+        self.stage_name = stage_name
+        self.domain = domain
+        self.prefix = prefix
+        self.r, self.alpha = float(r), float(alpha)
+        self.magnitudes = magnitudes
+        self.save_agent = save_agent
+        self.write_stage = write_stage
+        self.tracker: TaskVectorTracker | None = None
+        self.manifest_file: Path | None = None
+
+    def bind(self, trainer: Any) -> TaskVectorSparsityCallback:
+        """Attach the trainer (callbacks receive the model but never the trainer); returns ``self``."""
+        self.trainer = trainer
+        return self
+
+    # -- events --------------------------------------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.trainer is None:
+            raise ConfigError(
+                "TaskVectorSparsityCallback has no trainer: pass trainer=... or call callback.bind(trainer) "
+                "before trainer.train() (the metrics go through the trainer's logging)"
+            )
+        model = policy_of(kwargs.get("model") or self.trainer.model)
+        self.tracker = TaskVectorTracker(
+            self.base_model,
+            reference_model=getattr(self.trainer, "ref_model", None),
+            eps=self.eps,
+            save_dtype=self.save_dtype,
+            prior_stages=self.prior_stages,
+            r=self.r,
+            alpha=self.alpha,
+            prefix=self.prefix,
+            magnitudes=self.magnitudes,
+        )
+        self.tracker.setup(model)
+
+    def interval(self, args: TrainingArguments, state: TrainerState) -> int:
+        """Steps between measurements: ``every_n_steps``, else the trainer's logging steps."""
+        if self.every_n_steps is not None:
+            return self.every_n_steps
+        steps = getattr(state, "logging_steps", None) or args.logging_steps
+        return max(1, math.ceil(steps)) if steps >= 1 else max(1, math.ceil(steps * state.max_steps))
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        assert self.tracker is not None
+        step = state.global_step
+        final = step >= state.max_steps or control.should_training_stop
+        if step % self.interval(args, state) == 0 or final:
+            model = policy_of(kwargs.get("model") or self.trainer.model)
+            metrics = self.tracker.measure(model, step)
+            self.emit(metrics, control)
+        return control
+
+    def emit(self, metrics: dict[str, float], control: TrainerControl) -> None:
+        """Send metrics through the trainer's logging path.
+
+        TRL trainers with a metric store (GRPO, RLOO: ``_metrics["train"]``) get the values there and the step is
+        logged now (``control.should_log``), so the metrics share one ``log_history`` entry with the rewards; other
+        trainers get a ``trainer.log`` call. Either way every reporting integration sees them.
+        """
+        store = getattr(self.trainer, "_metrics", None)
+        if isinstance(store, dict) and isinstance(store.get("train"), dict):
+            for key, value in metrics.items():
+                store["train"][key] = [value]
+            control.should_log = True
+        else:
+            self.trainer.log(dict(metrics))
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.tracker is None:
+            return
+        out_dir = Path(args.output_dir)
+        if self.save_agent:
+            save_agent(self.trainer, out_dir, self.save_dtype)
+        if self.write_stage and state.is_world_process_zero:
+            self.manifest_file = write_manifest(self.manifest(args, state), out_dir)
+
+    # -- the stage -----------------------------------------------------------------------------------------------
+
+    def manifest(self, args: TrainingArguments, state: TrainerState) -> StageManifest:
+        """The stage manifest of the finished run."""
+        assert self.tracker is not None
+        unwrapped = policy_of(self.trainer.accelerator.unwrap_model(self.trainer.model))
+        config = getattr(unwrapped, "config", None)
+        base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
+        telemetry = {k: v for k, v in self.tracker.last.items() if math.isfinite(v)}
+        return StageManifest(
+            stage=self.stage_name or Path(args.output_dir).resolve().name,
+            domain=self.domain,
+            base_model=str(base_id),
+            base_fingerprint=self.tracker.base_fingerprint,
+            checkpoint=".",
+            kind=self.tracker.kind,
+            trainer=type(self.trainer).__name__,
+            steps=state.global_step,
+            save_dtype=str(self.save_dtype).removeprefix("torch."),
+            telemetry=telemetry,
+            rewards=last_reward_metrics(state.log_history),
+            versions=library_versions(),
+            extra={
+                "telemetry": {
+                    **self.tracker.summary(),
+                    "prefix": self.prefix,
+                    "every_n_steps": self.interval(args, state),
+                    "measured_step": self.tracker.last_step,
+                }
+            },
+        )
+
+
+def _cast_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to ``dtype`` on the CPU; tensors sharing storage (tied weights) stay shared."""
+    out: dict[str, torch.Tensor] = {}
+    memo: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach()
+        if not torch.is_floating_point(tensor):
+            out[name] = tensor.cpu()
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in memo:
+            memo[key] = tensor.to(device="cpu", dtype=dtype).contiguous()
+        out[name] = memo[key]
+    return out
+
+
+def save_agent(trainer: Any, out_dir: Path, dtype: torch.dtype) -> None:
+    """Save the trainer's model in ``dtype`` to ``out_dir``: the full model (with the tokenizer), or the adapter of
+    a PEFT model. Files are written to a temporary directory first and moved into place.
+
+    Every process must call this (a sharded model is gathered); the main process writes.
+    """
+    accelerator = trainer.accelerator
+    model = trainer.model_wrapped if getattr(trainer, "model_wrapped", None) is not None else trainer.model
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    unwrapped = policy_of(accelerator.unwrap_model(trainer.model))
+    if unwrapped is not accelerator.unwrap_model(trainer.model):
+        prefix = "policy."
+        state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    cast = _cast_state(state_dict, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ram_agent.", dir=out_dir))
+    try:
+        unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
+        config_file = tmp / "config.json"
+        if config_file.is_file():  # say what the weights hold (save_pretrained writes the training dtype)
+            config = json.loads(config_file.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        processing = getattr(trainer, "processing_class", None)
+        if processing is not None and hasattr(processing, "save_pretrained"):
+            processing.save_pretrained(str(tmp))
+        for file in tmp.iterdir():
+            os.replace(file, out_dir / file.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["TaskVectorSparsityCallback", "last_reward_metrics", "library_versions", "save_agent"]

@@ -1,0 +1,644 @@
+"""The task-vector tracker: measures a training model's task vector against its base, framework-agnostic.
+
+:class:`TaskVectorTracker` works with any ``torch.nn.Module`` whose parameter names map to the base checkpoint's
+(:func:`~ram_trl.telemetry.base.base_name`): a TRL / transformers trainer's model (through
+:class:`ram_trl.callbacks.TaskVectorSparsityCallback`), or the policy of a custom PPO loop (verl, OpenRLHF style)::
+
+    tracker = TaskVectorTracker(base_model="path/to/base", prior_stages=["runs/coding"])
+    tracker.setup(policy)                    # before the first optimizer step
+    for step in range(steps):
+        ...
+        if step % 10 == 0:
+            metrics = tracker.measure(policy, step)   # {"task_vector/density": ..., ...}
+
+Every measurement walks the parameters this process holds (:func:`~ram_trl.telemetry.shards.iter_local_shards`) in
+bounded chunks, compares each flat range with the same range of the base, and counts. Counts of partitioned
+parameters are summed over processes (``torch.distributed``), replicated parameters are split between processes
+and summed too; full parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the merge's and
+``ram-trl analyze``'s code); the anatomy buckets are :func:`ram_trl.analysis.anatomy`.
+
+What one measurement reports (names under ``prefix``, default ``task_vector/``):
+
+- ``density``, ``active``: share / count of elements with ``|tau| > eps`` (strict), ``tau = float32(trained) -
+  float32(base)``; ``density_exact``, ``changed``: elements whose value differs at all;
+- ``density_saved``, ``active_saved``: the same at eps after rounding trained weights and base to ``save_dtype``
+  (what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to ``save_dtype``);
+- ``module/<type>/density`` and ``layer/<i>/density`` (saved view; :mod:`ram_trl.anatomy` buckets);
+- ``magnitude/<stat>``: :class:`~ram_trl.statistics.MagnitudeStatistics` of the active float32 task vector
+  (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``);
+- with prior stages (saved view against the priors' saved checkpoints, as the merge will count):
+  ``prior/overlap`` (share of this run's active elements that some prior also updates), ``prior/<stage>/overlap``,
+  ``prior/rho``, ``prior/lambda_ram_plus``, ``prior/lambda_ram_plus_soft`` (this agent's rho_t / lambda_t in a
+  merge with the priors);
+- ``measure_seconds``, ``state_mb`` (memory the tracker keeps between measurements: a snapshot of the base if one
+  was needed, the priors' bit masks, the magnitude histogram) and ``numel``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ram_trl.analysis import TensorAnalysis, anatomy
+from ram_trl.distributed import DistContext
+from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.io.lora import lora_delta_rows
+from ram_trl.methods.ram import DEFAULT_EPS, active_mask
+from ram_trl.stage import BaseFingerprint, fingerprint_checkpoint
+from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics
+from ram_trl.telemetry.base import (
+    BaseSource,
+    MappedCheckpointBase,
+    ModelBase,
+    SnapshotBase,
+    base_name,
+    source_fingerprint,
+)
+from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
+from ram_trl.telemetry.shards import LocalShard, iter_local_shards
+
+#: Elements compared at once (a multiple of 8; bounds the measurement's working memory to ~100 MB).
+CHUNK_ELEMENTS = 1 << 22
+DEFAULT_PREFIX = "task_vector/"
+SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a ``save_dtype`` argument.
+
+    Raises:
+        ConfigError: for anything but bfloat16, float16 and float32.
+    """
+    if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
+        return save_dtype
+    key = str(save_dtype).removeprefix("torch.")
+    if key not in SAVE_DTYPES:
+        raise ConfigError(f"save_dtype={save_dtype!r}: use one of {', '.join(SAVE_DTYPES)}")
+    return SAVE_DTYPES[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What to measure: the model's layout
+
+
+@dataclass(frozen=True)
+class LoraFactorsRef:
+    """A live PEFT LoRA layer's factors for one adapter (the base weight's task vector is ``B @ A * scaling``)."""
+
+    module: str
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    layout: Literal["linear", "transposed"]
+
+    def delta_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first."""
+        a, b = self.a.detach(), self.b.detach()
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        if self.layout == "linear":
+            return lora_delta_rows(a.cpu(), b[start:stop].cpu(), self.scaling, self.layout)
+        return lora_delta_rows(a[:, start:stop].cpu(), b.cpu(), self.scaling, self.layout)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One flat range of one base tensor that this process measures.
+
+    Args:
+        name: The base tensor's name.
+        shard: The local values: the trained parameter (``dense``) or the frozen base weight (``lora``, ``frozen``).
+        kind: ``dense``: ``tau = trained - base``; ``lora``: ``tau`` = the LoRA delta; ``frozen``: ``tau = 0``.
+        lora: The factors of a ``lora`` region.
+    """
+
+    name: str
+    shard: LocalShard
+    kind: Literal["dense", "lora", "frozen"]
+    lora: LoraFactorsRef | None = None
+
+
+@dataclass
+class ModelLayout:
+    """The regions of a model and where its base comes from.
+
+    Args:
+        regions: Every floating parameter's local range, as a region.
+        peft: Whether the model is a PEFT LoRA model.
+        frozen_base: For PEFT models, the frozen base weights (the adapter-disabled model).
+    """
+
+    regions: list[Region]
+    peft: bool
+    frozen_base: ModelBase | None = None
+
+
+def _peft_classes() -> tuple[type, type] | None:
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return None
+    return LoraLayer, BaseTunerLayer
+
+
+def _lora_ref(name: str, module: torch.nn.Module) -> LoraFactorsRef | None:
+    """The factors of a PEFT LoRA layer's active adapter (``None`` when no adapter is active on it).
+
+    Raises:
+        ConfigError: for LoRA variants whose delta is not ``B @ A * scaling`` (DoRA, lora_bias, merged adapters,
+            several active adapters, conv layers).
+    """
+    active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+    if not active:
+        return None
+    if len(active) > 1:
+        raise ConfigError(
+            f"LoRA layer {name!r}: {len(active)} active adapters {active}; the telemetry measures one adapter"
+        )
+    adapter = active[0]
+    if getattr(module, "merged_adapters", None):
+        raise ConfigError(
+            f"LoRA layer {name!r}: adapters {module.merged_adapters} are merged into the base weight; "
+            "unmerge them (model.unmerge_adapter()) before measuring"
+        )
+    if module.use_dora.get(adapter, False):
+        raise ConfigError(f"LoRA layer {name!r}: DoRA (use_dora) is not supported; its delta is not B @ A")
+    if getattr(module, "lora_bias", {}).get(adapter, False):
+        raise ConfigError(f"LoRA layer {name!r}: lora_bias adapters are not supported")
+    scaling = float(module.scaling[adapter])
+    if adapter in module.lora_embedding_A:
+        return LoraFactorsRef(
+            name, module.lora_embedding_A[adapter], module.lora_embedding_B[adapter], scaling, "transposed"
+        )
+    a, b = module.lora_A[adapter], module.lora_B[adapter]
+    if not isinstance(a, torch.nn.Linear) or not isinstance(b, torch.nn.Linear):
+        raise ConfigError(
+            f"LoRA layer {name!r}: factors of type {type(a).__name__} (conv or other non-linear LoRA layers) "
+            "are not supported"
+        )
+    layout: Literal["linear", "transposed"] = "transposed" if module.fan_in_fan_out else "linear"
+    return LoraFactorsRef(name, a.weight, b.weight, scaling, layout)
+
+
+def model_layout(model: torch.nn.Module) -> ModelLayout:
+    """Describe what to measure in ``model``: one region per locally held floating parameter range.
+
+    A PEFT LoRA model contributes ``lora`` regions (its targets' base weights, with the live factors),
+    ``dense`` regions for ``modules_to_save`` copies (measured against their ``original_module``) and ``frozen``
+    regions for everything else; any other model contributes ``dense`` regions only.
+
+    Raises:
+        ConfigError: for a PEFT method other than LoRA, an unsupported LoRA variant, or trainable parameters of a
+            PEFT model outside its adapters and modules_to_save.
+    """
+    classes = _peft_classes()
+    lora_refs: dict[str, LoraFactorsRef] = {}
+    peft = False
+    if classes is not None:
+        lora_cls, tuner_cls = classes
+        for name, module in model.named_modules():
+            if isinstance(module, tuner_cls):
+                if not isinstance(module, lora_cls):
+                    raise ConfigError(
+                        f"PEFT layer {name!r} is a {type(module).__name__}; the telemetry supports LoRA adapters "
+                        "(for other PEFT methods, merge the adapter and measure the full model)"
+                    )
+                peft = True
+                ref = _lora_ref(name, module)
+                if ref is not None:
+                    lora_refs[base_name(f"{name}.weight")] = ref
+        if not peft and any(".modules_to_save." in n for n, _ in model.named_parameters()):
+            peft = True
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    regions: list[Region] = []
+    base_shards: dict[str, LocalShard] = {}
+    for shard in iter_local_shards(model):
+        if not torch.is_floating_point(shard.values):
+            continue
+        name = base_name(shard.name)
+        components = shard.name.split(".")
+        if not peft:
+            regions.append(Region(name, shard, "dense"))
+            continue
+        if any(c.startswith("lora_") for c in components):
+            continue
+        if "modules_to_save" in components:
+            regions.append(Region(name, shard, "dense"))
+            continue
+        base_shards[name] = shard
+        if "original_module" in components:
+            continue
+        if name in lora_refs:
+            regions.append(Region(name, shard, "lora", lora_refs[name]))
+        elif shard.name in trainable:
+            raise ConfigError(
+                f"PEFT model: parameter {shard.name!r} is trained but is neither a LoRA factor nor in "
+                "modules_to_save; the telemetry cannot measure it without a base (add its module to "
+                "modules_to_save, or freeze it)"
+            )
+        else:
+            regions.append(Region(name, shard, "frozen"))
+    seen: dict[str, str] = {}
+    for region in regions:
+        if region.shard.offset == 0 and region.name in seen:
+            raise ConfigError(
+                f"parameters {seen[region.name]!r} and {region.shard.name!r} both map to the base tensor "
+                f"{region.name!r}; unsupported model layout"
+            )
+        seen[region.name] = region.shard.name
+    frozen = ModelBase(base_shards, "frozen base weights of the PEFT model") if peft else None
+    return ModelLayout(regions, peft, frozen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counting
+
+
+def _lora_chunks(region: Region, size: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(start, count, row_start, row_stop)``: pieces of a LoRA region aligned to rows of the delta."""
+    shape = region.shard.shape
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows_per = max(1, size // row)
+    first = region.shard.offset
+    last = first + region.shard.numel
+    row_start = first // row
+    while row_start * row < last:
+        row_stop = min(row_start + rows_per, math.ceil(last / row))
+        lo, hi = max(first, row_start * row), min(last, row_stop * row)
+        yield lo - first, hi - lo, row_start, row_stop
+        row_start = row_stop
+
+
+def _single(active: int, numel: int) -> OverlapStatistics:
+    """One agent's overlap statistics from its active count (all its active elements are unique)."""
+    return OverlapStatistics(
+        1,
+        torch.tensor([[0, active]], dtype=torch.int64),
+        torch.tensor([[active]], dtype=torch.int64),
+        numel,
+    )
+
+
+def _dist_context() -> DistContext:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            return DistContext(rank=torch.distributed.get_rank(), world_size=world)
+    return DistContext()
+
+
+class TaskVectorTracker:
+    """Measures a training model's task vector (trained weights minus base) while it trains.
+
+    Args:
+        base_model: The base checkpoint on disk (read through memory maps), or ``None``.
+        reference_model: A model in memory holding the base weights (e.g. a trainer's reference model), or
+            ``None``. Preferred over ``base_model`` (nothing is read from disk).
+        eps: Activity threshold, ``|tau| > eps`` (strict), as RAM masks.
+        save_dtype: The dtype the agent is saved in (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        prior_stages: Stage manifests (``ram_stage.json`` files or their directories) of agents trained before
+            this one from the same base.
+        r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
+        alpha: RAM+ clip bound of rho_t.
+        prefix: Prefix of every metric name.
+        magnitudes: Also accumulate the magnitude statistics (the costliest part of a measurement).
+        chunk_elements: Elements compared at once.
+
+    Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
+    with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
+    parameters taken by :meth:`setup` (which must then run before training changes them).
+    """
+
+    def __init__(
+        self,
+        base_model: str | os.PathLike | None = None,
+        *,
+        reference_model: torch.nn.Module | None = None,
+        eps: float = DEFAULT_EPS,
+        save_dtype: str | torch.dtype = "bfloat16",
+        prior_stages: Sequence[str | os.PathLike] = (),
+        r: float = 0.1,
+        alpha: float = 2.0,
+        prefix: str = DEFAULT_PREFIX,
+        magnitudes: bool = True,
+        chunk_elements: int = CHUNK_ELEMENTS,
+    ) -> None:
+        if not eps >= 0:
+            raise ConfigError(f"eps={eps} must be a number >= 0")
+        if not r >= 0 or not alpha >= 0:
+            raise ConfigError(f"r={r} and alpha={alpha} must be numbers >= 0")
+        if chunk_elements < 8 or chunk_elements % 8:
+            raise ConfigError(f"chunk_elements={chunk_elements} must be a positive multiple of 8")
+        if base_model is not None and not os.path.exists(base_model):
+            raise ConfigError(
+                f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)"
+            )
+        self.base_model = None if base_model is None else os.fspath(base_model)
+        self.reference_model = reference_model
+        self.eps = float(eps)
+        self.save_dtype = resolve_save_dtype(save_dtype)
+        self.prior_paths = [os.fspath(p) for p in prior_stages]
+        self.r, self.alpha = float(r), float(alpha)
+        self.prefix = prefix
+        self.magnitudes = magnitudes
+        self.chunk_elements = chunk_elements
+        self.source: BaseSource | None = None
+        self.kind: Literal["full", "lora"] = "full"
+        self.base_fingerprint: BaseFingerprint | None = None
+        self.priors: PriorMasks | None = None
+        self.last: dict[str, float] = {}
+        self.last_step: int | None = None
+        self.history: list[tuple[int | None, dict[str, float]]] = []
+        self._ready = False
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    @property
+    def base_description(self) -> str:
+        """Where the base weights come from (for logs and the manifest)."""
+        return "none" if self.source is None else self.source.description
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """Choose the base, check the model against it, fingerprint it and load the prior stages' masks.
+
+        Call before the first optimizer step when the base is a snapshot (no reference model, no ``base_model``,
+        not a PEFT model); otherwise :meth:`measure` calls it on first use.
+
+        Raises:
+            ConfigError: for an unsupported model layout, prior stages of another base, or prior stages without a
+                base checkpoint on disk.
+            CheckpointError: when the model's parameters do not match the base checkpoint (names, shapes).
+        """
+        layout = model_layout(model)
+        self.kind = "lora" if layout.peft else "full"
+        if layout.peft:
+            self.source = layout.frozen_base
+        elif self.reference_model is not None:
+            self.source = ModelBase.from_model(self.reference_model, "reference model")
+        elif self.base_model is not None:
+            self.source = MappedCheckpointBase(self.base_model)
+        else:
+            self.source = SnapshotBase({r.name: r.shard for r in layout.regions})
+        assert self.source is not None
+        self._check_layout(layout)
+        if isinstance(self.source, MappedCheckpointBase):
+            self.base_fingerprint = fingerprint_checkpoint(self.source.path)
+        else:
+            self.base_fingerprint = source_fingerprint(self.source)
+        if self.prior_paths:
+            self.priors = self._load_priors(layout)
+        self._ready = True
+
+    def _check_layout(self, layout: ModelLayout) -> None:
+        assert self.source is not None
+        available = set(self.source.names())
+        for region in layout.regions:
+            if region.kind == "dense":
+                if region.name not in available:
+                    raise CheckpointError(
+                        f"{self.source.description}: has no tensor {region.name!r} for the trained parameter "
+                        f"{region.shard.name!r} (unsupported model layout, or not this model's base)"
+                    )
+                shape = tuple(self.source.shape(region.name))
+                if shape != tuple(region.shard.shape):
+                    raise CheckpointError(
+                        f"{self.source.description}: tensor {region.name!r} has shape {list(shape)}, the trained "
+                        f"parameter {region.shard.name!r} has {list(region.shard.shape)}"
+                    )
+            if region.kind == "lora":
+                assert region.lora is not None
+                expected = tuple(region.shard.shape)
+                rows, cols = region.lora.b.shape[0], region.lora.a.shape[1]
+                got = (rows, cols) if region.lora.layout == "linear" else (cols, rows)
+                if got != expected:
+                    raise ConfigError(
+                        f"LoRA layer {region.lora.module!r}: factors give a delta of shape {list(got)}, its base "
+                        f"weight has {list(expected)} (partitioned LoRA factors are not supported yet)"
+                    )
+
+    def _load_priors(self, layout: ModelLayout) -> PriorMasks:
+        stages = read_prior_stages(self.prior_paths)
+        assert self.base_fingerprint is not None and self.source is not None
+        for stage in stages:
+            theirs = stage.manifest.base_fingerprint
+            if theirs is None:
+                continue
+            try:
+                ours = (
+                    fingerprint_checkpoint(self.source.path, theirs.tensors)
+                    if isinstance(self.source, MappedCheckpointBase)
+                    else source_fingerprint(self.source, theirs.tensors)
+                )
+            except (CheckpointError, ConfigError, KeyError):
+                ours = None
+            if ours is None or ours.sha256 != theirs.sha256:
+                raise ConfigError(
+                    f"prior stage {stage.name!r} ({stage.manifest_file}) was trained from base "
+                    f"{stage.manifest.base_model!r}, whose fingerprint differs from this run's base "
+                    f"({self.base_description}); prior stages must share this run's base model"
+                )
+        base_path = self.base_model
+        if base_path is None:
+            for stage in stages:
+                candidate = stage.manifest.base_model
+                if os.path.isdir(candidate) or os.path.isfile(candidate):
+                    base_path = candidate
+                    break
+        if base_path is None:
+            raise ConfigError(
+                "prior_stages need the base checkpoint on disk to compute the priors' task vectors: pass "
+                "base_model=PATH (the priors' manifests name no existing base path)"
+            )
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for region in layout.regions:
+            ranges.setdefault(region.name, []).append((region.shard.offset, region.shard.numel))
+        return compute_prior_masks(stages, base_path, ranges, self.eps)
+
+    # -- measuring -----------------------------------------------------------------------------------------------
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes the tracker holds between measurements."""
+        held = 0 if self.source is None else self.source.nbytes
+        held += 0 if self.priors is None else self.priors.nbytes
+        return held
+
+    def measure(self, model: torch.nn.Module, step: int | None = None) -> dict[str, float]:
+        """Measure the task vector of ``model`` now.
+
+        Every process of a distributed run must call this at the same time (it all-reduces counts).
+
+        Args:
+            model: The training model (wrapped or not).
+            step: The training step, recorded with the result.
+
+        Returns:
+            Metric name (with the prefix) to value; see the module docstring. Undefined values (the magnitude
+            statistics of a task vector without active elements) are left out; rho is ``inf`` for a run whose
+            active elements all overlap the priors'.
+        """
+        started = time.perf_counter()
+        if not self._ready:
+            self.setup(model)
+        layout = model_layout(model)
+        ctx = _dist_context()
+        num_priors = 0 if self.priors is None else self.priors.num_priors
+        names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
+        counts = torch.zeros(len(names), 4, dtype=torch.int64)  # active, changed, active_saved, numel
+        index = {n: i for i, n in enumerate(names)}
+        magnitudes = MagnitudeStatistics.zeros(1)
+        overlap = OverlapStatistics.zeros(num_priors + 1)
+        replicated = 0
+        with torch.no_grad():
+            for region in layout.regions:
+                if ctx.enabled and not region.shard.partitioned:
+                    replicated += 1
+                    if (replicated - 1) % ctx.world_size != ctx.rank:
+                        continue
+                row = counts[index[region.name]]
+                for start, count, tau, saved in self._deltas(region):
+                    row[3] += count
+                    if tau is None:
+                        if self.priors is not None:
+                            self._update_overlap(overlap, region, start, torch.zeros(count, dtype=torch.bool))
+                        continue
+                    mask = active_mask(tau, self.eps)
+                    row[0] += int(mask.count_nonzero())
+                    row[1] += int(active_mask(tau, 0.0).count_nonzero())
+                    saved_mask = mask if saved is None else active_mask(saved, self.eps)
+                    row[2] += int(saved_mask.count_nonzero())
+                    if self.magnitudes:
+                        magnitudes.update(tau.unsqueeze(0), mask.unsqueeze(0))
+                    if self.priors is not None:
+                        self._update_overlap(overlap, region, start, saved_mask)
+        if ctx.enabled:
+            ctx.all_reduce_sum(counts)
+            magnitudes.all_reduce(ctx)
+            overlap.all_reduce(ctx)
+        metrics = self._metrics(names, counts, magnitudes, overlap)
+        metrics["measure_seconds"] = time.perf_counter() - started
+        metrics["state_mb"] = self.state_bytes / 2**20
+        out = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
+        self.last = out
+        self.last_step = step
+        self.history.append((step, out))
+        return out
+
+    def _update_overlap(
+        self, overlap: OverlapStatistics, region: Region, start: int, saved_mask: torch.Tensor
+    ) -> None:
+        assert self.priors is not None
+        prior_rows = self.priors.rows(region.name, region.shard.offset, start, saved_mask.numel())
+        overlap.update(torch.cat([prior_rows, saved_mask.unsqueeze(0)]))
+
+    def _deltas(self, region: Region) -> Iterator[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
+        """``(start, count, tau, tau_saved)`` per chunk of a region (``start`` relative to the region).
+
+        ``tau`` is the float32 task vector on the CPU, ``None`` for frozen regions (all zero); ``tau_saved`` the
+        task vector after rounding to ``save_dtype``, ``None`` when rounding changes nothing.
+        """
+        shard = region.shard
+        if region.kind == "frozen":
+            for start in range(0, shard.numel, self.chunk_elements):
+                yield start, min(self.chunk_elements, shard.numel - start), None, None
+            return
+        if region.kind == "lora":
+            assert region.lora is not None
+            lora = region.lora
+            round_factors = not (self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT)
+            for start, count, row_start, row_stop in _lora_chunks(region, self.chunk_elements):
+                skip = shard.offset + start - row_start * _row_numel(shard.shape)
+                tau = lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count]
+                saved = None
+                if round_factors:
+                    saved = lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[
+                        skip : skip + count
+                    ]
+                yield start, count, tau, saved
+            return
+        assert self.source is not None
+        for start in range(0, shard.numel, self.chunk_elements):
+            count = min(self.chunk_elements, shard.numel - start)
+            trained = shard.values[start : start + count]
+            base = self.source.read(region.name, shard.offset + start, count)
+            if base.device != trained.device:
+                base = base.to(trained.device)
+            tau = (trained.to(torch.float32) - base.to(torch.float32)).cpu()
+            saved = None
+            if not self._saving_is_exact(trained.dtype, base.dtype):
+                rounded = trained.to(self.save_dtype).to(torch.float32) - base.to(self.save_dtype).to(
+                    torch.float32
+                )
+                saved = rounded.cpu()
+            yield start, count, tau, saved
+
+    def _saving_is_exact(self, trained: torch.dtype, base: torch.dtype) -> bool:
+        """Whether rounding both sides to ``save_dtype`` leaves the task vector unchanged."""
+        if self.save_dtype == torch.float32:
+            return trained in _FLOAT32_EXACT and base in _FLOAT32_EXACT
+        return trained == self.save_dtype and base == self.save_dtype
+
+    def _metrics(
+        self,
+        names: list[str],
+        counts: torch.Tensor,
+        magnitudes: MagnitudeStatistics,
+        overlap: OverlapStatistics,
+    ) -> dict[str, float]:
+        totals = counts.sum(dim=0).tolist()
+        active, changed, active_saved, numel = (int(v) for v in totals)
+        out: dict[str, float] = {
+            "density": active / numel if numel else 0.0,
+            "density_exact": changed / numel if numel else 0.0,
+            "density_saved": active_saved / numel if numel else 0.0,
+            "active": float(active),
+            "changed": float(changed),
+            "active_saved": float(active_saved),
+            "numel": float(numel),
+        }
+        records = {
+            name: TensorAnalysis(
+                _single(int(c[0]), int(c[3])), _single(int(c[1]), int(c[3])), _single(int(c[2]), int(c[3]))
+            )
+            for name, c in zip(names, counts, strict=True)
+        }
+        buckets = anatomy(records, 1)
+        for bucket in buckets["modules"]:
+            out[f"module/{bucket['module']}/density"] = bucket["density_bf16"][0]
+        for bucket in buckets["layers"]:
+            out[f"layer/{bucket['layer']}/density"] = bucket["density_bf16"][0]
+        if self.magnitudes:
+            summary = magnitudes.summary(0)
+            for key in ("mean_abs", "std", "excess_kurtosis", "gini", "top_1pct_mass", "top_5pct_mass"):
+                out[f"magnitude/{key}"] = summary[key]
+        if self.priors is not None:
+            t = self.priors.num_priors
+            mine = overlap.active(t)
+            out["prior/overlap"] = overlap.shared(t) / mine if mine else 0.0
+            for p, stage in enumerate(self.priors.stages):
+                out[f"prior/{stage.name}/overlap"] = int(overlap.pairwise[t, p]) / mine if mine else 0.0
+            out["prior/rho"] = overlap.rho(t)
+            out["prior/lambda_ram_plus"] = overlap.lambdas(self.r, self.alpha)[t]
+            out["prior/lambda_ram_plus_soft"] = overlap.lambdas(self.r, None, soft=True)[t]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """What the manifest records about the measurement (besides the last metrics)."""
+        return {
+            "eps": self.eps,
+            "base_source": self.base_description,
+            "prior_stages": [] if self.priors is None else [s.name for s in self.priors.stages],
+            "measured_steps": [s for s, _ in self.history],
+        }
+
+
+def _row_numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:]) if len(shape) > 1 else 1

@@ -1,0 +1,423 @@
+"""Golden tests of TaskVectorTracker on hand-built tiny models whose task vectors are known element by element.
+
+The base is all ones. Each trained element moves by one of four hand-picked amounts:
+
+- ``S = 2**-20``: changed, but ``|tau| <= eps`` (inactive);
+- ``M = 2**-10``: active in float32, but rounds back to 1.0 in bfloat16 (one bf16 step at 1.0 is ``2**-7``);
+- ``L = 2**-6``: active in float32 and in bfloat16 (``1 + 2**-6`` is a bfloat16 value).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
+from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker, base_name
+from ram_trl.telemetry.tracker import model_layout
+
+S, M, L = 2.0**-20, 2.0**-10, 2.0**-6
+P = "task_vector/"
+
+#: tau per tensor (flattened), and the expected counts: (active at eps, changed, active in bf16).
+TAU = {
+    "model.embed_tokens.weight": [L, 0, M, S, 0, 0],
+    "model.layers.0.self_attn.q_proj.weight": [L, L, M, 0],
+    "model.layers.1.mlp.up_proj.weight": [0, 0, 0, 0],
+    "model.norm.weight": [S, M],
+    "lm_head.weight": [L, 0, 0, 0, 0, -L],
+}
+SHAPES = {
+    "model.embed_tokens.weight": (3, 2),
+    "model.layers.0.self_attn.q_proj.weight": (2, 2),
+    "model.layers.1.mlp.up_proj.weight": (2, 2),
+    "model.norm.weight": (2,),
+    "lm_head.weight": (3, 2),
+}
+NUMEL = 22
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+
+def tiny_model() -> nn.Module:
+    """A decoder-shaped module with the parameter names of :data:`TAU`, all weights 1.0 (the base)."""
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Embedding(3, 2)
+    model.model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    model.model.layers[0].self_attn = nn.Module()
+    model.model.layers[0].self_attn.q_proj = nn.Linear(2, 2, bias=False)
+    model.model.layers[1].mlp = nn.Module()
+    model.model.layers[1].mlp.up_proj = nn.Linear(2, 2, bias=False)
+    model.model.norm = Norm()
+    model.lm_head = nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    assert dict((n, tuple(p.shape)) for n, p in model.named_parameters()) == SHAPES
+    return model
+
+
+def train(model: nn.Module, tau: dict[str, list[float]] = TAU) -> nn.Module:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.tensor(tau[name], dtype=torch.float32).reshape(p.shape))
+    return model
+
+
+def write_base(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {n: torch.ones(s, dtype=dtype) for n, s in SHAPES.items()}, str(directory / "model.safetensors")
+    )
+    return directory
+
+
+def write_stage(root: Path, name: str, checkpoint: Path, base: Path) -> Path:
+    directory = root / f"stage_{name}"
+    write_manifest(
+        StageManifest(
+            stage=name,
+            base_model=str(base),
+            base_fingerprint=fingerprint_checkpoint(base),
+            checkpoint=str(checkpoint),
+            save_dtype="bfloat16",
+        ),
+        directory,
+    )
+    return directory
+
+
+def expected_counts() -> tuple[int, int, int]:
+    flat = [v for values in TAU.values() for v in values]
+    active = sum(abs(v) > 1e-5 for v in flat)
+    changed = sum(v != 0 for v in flat)
+    saved = sum(abs(v) == L for v in flat)
+    return active, changed, saved
+
+
+def test_hand_counts_are_what_the_table_says():
+    assert expected_counts() == (8, 10, 5)
+
+
+@pytest.mark.parametrize("source", ["disk", "reference", "snapshot"])
+def test_golden_densities_buckets_and_magnitudes(tmp_path, source):
+    base = write_base(tmp_path / "base")
+    model = tiny_model()
+    if source == "disk":
+        tracker = TaskVectorTracker(base_model=base)
+    elif source == "reference":
+        tracker = TaskVectorTracker(reference_model=tiny_model())
+    else:
+        tracker = TaskVectorTracker()
+        tracker.setup(model)  # snapshot before training
+    train(model)
+    out = tracker.measure(model, step=7)
+    assert tracker.last_step == 7 and tracker.last == out
+    assert out[f"{P}numel"] == NUMEL
+    assert out[f"{P}active"] == 8 and out[f"{P}density"] == 8 / NUMEL
+    assert out[f"{P}changed"] == 10 and out[f"{P}density_exact"] == 10 / NUMEL
+    assert out[f"{P}active_saved"] == 5 and out[f"{P}density_saved"] == 5 / NUMEL
+    modules = {k.split("/")[2]: v for k, v in out.items() if k.startswith(f"{P}module/")}
+    assert modules == {"attn_q": 2 / 4, "mlp_up": 0.0, "norm": 0.0, "embedding": 1 / 6, "lm_head": 2 / 6}
+    layers = {k.split("/")[2]: v for k, v in out.items() if k.startswith(f"{P}layer/")}
+    assert layers == {"0": 2 / 4, "1": 0.0}
+    # active float32 deltas: L, M (embedding), L, L, M (q_proj), M (norm), L, -L (lm_head)
+    assert out[f"{P}magnitude/mean_abs"] == (5 * L + 3 * M) / 8
+    values = torch.tensor([L, M, L, L, M, M, L, -L], dtype=torch.float64)
+    assert out[f"{P}magnitude/std"] == pytest.approx(float(values.std(unbiased=False)), rel=1e-12)
+    assert out[f"{P}measure_seconds"] > 0
+    assert not any(k.startswith(f"{P}prior/") for k in out)
+    if source == "snapshot":
+        assert tracker.state_bytes == NUMEL * 4 and out[f"{P}state_mb"] == NUMEL * 4 / 2**20
+    else:
+        assert tracker.state_bytes == 0
+
+
+@pytest.mark.parametrize("save_dtype, saved", [("float32", 8), ("float16", 8), ("bfloat16", 5)])
+def test_saved_view_follows_save_dtype(tmp_path, save_dtype, saved):
+    # one float16 step at 1.0 is 2**-10, so M survives a float16 save; S rounds away in every 16-bit dtype
+    tracker = TaskVectorTracker(base_model=write_base(tmp_path / "base"), save_dtype=save_dtype)
+    out = tracker.measure(train(tiny_model()))
+    assert out[f"{P}active_saved"] == saved and out[f"{P}active"] == 8
+
+
+def test_chunking_does_not_change_counts(tmp_path):
+    base = write_base(tmp_path / "base")
+    whole = TaskVectorTracker(base_model=base).measure(train(tiny_model()))
+    pieces = TaskVectorTracker(base_model=base, chunk_elements=8).measure(train(tiny_model()))
+    for key in ("active", "changed", "active_saved", "magnitude/mean_abs", "module/embedding/density"):
+        assert whole[f"{P}{key}"] == pieces[f"{P}{key}"]
+
+
+def test_eps_is_strict(tmp_path):
+    tracker = TaskVectorTracker(
+        base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32"
+    )
+    out = tracker.measure(train(tiny_model()))
+    assert out[f"{P}active"] == 0 and out[f"{P}changed"] == 10
+    assert f"{P}magnitude/mean_abs" not in out  # undefined without active elements: left out
+
+
+def test_memory_mapped_base_is_not_copied(tmp_path):
+    base = MappedCheckpointBase(write_base(tmp_path / "base"))
+    values = base.read("model.layers.0.self_attn.q_proj.weight", 1, 3)
+    assert values.dtype == torch.bfloat16 and values.tolist() == [1.0, 1.0, 1.0]
+    mapped = base._maps[base.info("model.norm.weight").file]
+    start = mapped.ctypes.data
+    assert start <= values.data_ptr() < start + mapped.nbytes
+    assert base.nbytes == 0
+    with pytest.raises(CheckpointError, match="has 4 elements"):
+        base.read("model.layers.0.self_attn.q_proj.weight", 2, 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prior stages
+
+
+def write_lora_prior(directory: Path) -> Path:
+    """A LoRA adapter on q_proj with delta ``B @ A = [[L, L], [0, 0]]``."""
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]})
+    )
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.tensor([[1.0, 1.0]]),
+            f"{prefix}.lora_B.weight": torch.tensor([[L], [0.0]]),
+        },
+        str(directory / "adapter_model.safetensors"),
+    )
+    return directory
+
+
+def write_full_prior(directory: Path) -> Path:
+    """A full bf16 agent active on embed_tokens[0], q_proj[0] and up_proj[0]."""
+    directory.mkdir(parents=True)
+    tensors = {n: torch.ones(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        tensors[name].view(-1)[0] += L
+    tensors["model.layers.1.mlp.up_proj.weight"].view(-1)[0] -= L
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_prior_stage_overlap_rho_and_lambda(tmp_path):
+    base = write_base(tmp_path / "base")
+    stages = [
+        write_stage(tmp_path, "full", write_full_prior(tmp_path / "agent_full"), base),
+        write_stage(tmp_path, "lora", write_lora_prior(tmp_path / "agent_lora"), base),
+    ]
+    tracker = TaskVectorTracker(base_model=base, prior_stages=stages)
+    out = tracker.measure(train(tiny_model()))
+    # this run's bf16-active elements: embed[0], q[0], q[1], lm_head[0], lm_head[5]
+    # the full prior has embed[0], q[0]; the LoRA prior q[0], q[1]: shared 3, unique 2
+    assert out[f"{P}prior/overlap"] == 3 / 5
+    assert out[f"{P}prior/full/overlap"] == 2 / 5
+    assert out[f"{P}prior/lora/overlap"] == 2 / 5
+    assert out[f"{P}prior/rho"] == 1.5
+    assert out[f"{P}prior/lambda_ram_plus"] == 1 + 0.1 * 1.5
+    assert out[f"{P}prior/lambda_ram_plus_soft"] == 1 + 0.1 * 1.5 / 2.5
+    # one bit per element and prior kept
+    assert tracker.priors.nbytes == sum(2 * math.ceil(math.prod(s) / 8) for s in SHAPES.values())
+    assert tracker.summary()["prior_stages"] == ["full", "lora"]
+    alpha_capped = TaskVectorTracker(base_model=base, prior_stages=stages, r=0.5, alpha=1.0)
+    assert alpha_capped.measure(train(tiny_model()))[f"{P}prior/lambda_ram_plus"] == 1.5
+
+
+def test_prior_rho_is_inf_when_nothing_is_unique(tmp_path):
+    base = write_base(tmp_path / "base")
+    agent = tmp_path / "same"
+    agent.mkdir()
+    tensors = {
+        n: (torch.ones(s) + torch.tensor(TAU[n]).reshape(s)).to(torch.bfloat16) for n, s in SHAPES.items()
+    }
+    save_file(tensors, str(agent / "model.safetensors"))
+    tracker = TaskVectorTracker(base_model=base, prior_stages=[write_stage(tmp_path, "twin", agent, base)])
+    out = tracker.measure(train(tiny_model()))
+    assert out[f"{P}prior/overlap"] == 1.0 and out[f"{P}prior/rho"] == math.inf
+    assert out[f"{P}prior/lambda_ram_plus"] == 1 + 0.1 * 2.0
+
+
+def test_prior_stage_of_another_base_is_refused(tmp_path):
+    base = write_base(tmp_path / "base")
+    other = tmp_path / "other"
+    other.mkdir()
+    tensors = {n: torch.ones(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    for t in tensors.values():
+        t.view(-1)[0] = 2.0
+    save_file(tensors, str(other / "model.safetensors"))
+    stage = write_stage(tmp_path, "elsewhere", write_full_prior(tmp_path / "agent"), other)
+    with pytest.raises(ConfigError, match=r"prior stage 'elsewhere' .* fingerprint differs"):
+        TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
+
+
+def test_prior_stages_need_a_base_on_disk(tmp_path):
+    base = write_base(tmp_path / "base")
+    stage = write_stage(tmp_path, "p", write_full_prior(tmp_path / "agent"), base)
+    manifest = json.loads((stage / "ram_stage.json").read_text())
+    manifest["base_model"] = "hub-org/some-base"
+    (stage / "ram_stage.json").write_text(json.dumps(manifest))
+    tracker = TaskVectorTracker(reference_model=tiny_model(), prior_stages=[stage])
+    with pytest.raises(ConfigError, match="base_model=PATH"):
+        tracker.setup(tiny_model())
+
+
+def test_missing_prior_checkpoint_is_named(tmp_path):
+    base = write_base(tmp_path / "base")
+    stage = write_stage(tmp_path, "gone", tmp_path / "nowhere", base)
+    with pytest.raises(ConfigError, match=r"prior stage 'gone' .* does not exist"):
+        TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PEFT
+
+
+def peft_model(**config):
+    peft = pytest.importorskip("peft")
+    settings = dict(r=1, lora_alpha=1, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    settings.update(config)
+    return peft.get_peft_model(tiny_model(), peft.LoraConfig(**settings))
+
+
+def test_peft_lora_delta_and_modules_to_save(tmp_path):
+    model = peft_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        # float32 delta: [[L * 1.0035, L], [9.98e-6 * 1.0035, 9.98e-6]] -> 3 active (1.0015e-5 > eps), 4 changed;
+        # in bf16 the factors round to [1, 1] and [L, 167 * 2**-24 = 9.954e-6]: 2 active
+        layer.lora_A["default"].weight.copy_(torch.tensor([[1.0035, 1.0]]))
+        layer.lora_B["default"].weight.copy_(torch.tensor([[L], [9.98e-6]]))
+        model.base_model.model.lm_head.modules_to_save["default"].weight.view(-1)[0] += L
+    tracker = TaskVectorTracker()
+    out = tracker.measure(model)
+    assert tracker.kind == "lora" and tracker.base_description == "frozen base weights of the PEFT model"
+    assert out[f"{P}numel"] == NUMEL
+    assert (out[f"{P}active"], out[f"{P}changed"], out[f"{P}active_saved"]) == (4, 5, 3)
+    assert out[f"{P}module/attn_q/density"] == 2 / 4 and out[f"{P}module/lm_head/density"] == 1 / 6
+    # the base fingerprint is the adapter-disabled model's: equal to the base checkpoint's
+    assert tracker.base_fingerprint == fingerprint_checkpoint(write_base(tmp_path / "base"))
+
+
+def test_peft_layouts_that_are_refused():
+    with pytest.raises(ConfigError, match="DoRA"):
+        TaskVectorTracker().setup(peft_model(use_dora=True))
+    model = peft_model()
+    model.base_model.model.model.layers[1].mlp.up_proj.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"up_proj.weight' is trained but is neither a LoRA factor"):
+        TaskVectorTracker().setup(model)
+    peft = pytest.importorskip("peft")
+    ia3 = peft.get_peft_model(tiny_model(), peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+    with pytest.raises(ConfigError, match="supports LoRA adapters"):
+        TaskVectorTracker().setup(ia3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model layouts and names
+
+
+def test_base_names_of_wrapped_parameters():
+    cases = {
+        "module.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": (
+            "model.layers.0.self_attn.q_proj.weight"
+        ),
+        "base_model.model.lm_head.modules_to_save.default.weight": "lm_head.weight",
+        "base_model.model.lm_head.original_module.weight": "lm_head.weight",
+        "_orig_mod.model.layers.1._fsdp_wrapped_module.mlp.up_proj.weight": "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight": "model.norm.weight",
+        "model.module.weight": "model.module.weight",
+    }
+    for name, expected in cases.items():
+        assert base_name(name) == expected
+
+
+def test_wrapped_model_measures_like_the_plain_one(tmp_path):
+    base = write_base(tmp_path / "base")
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    out = TaskVectorTracker(base_model=base).measure(Wrapper(train(tiny_model())))
+    assert out[f"{P}active"] == 8 and out[f"{P}active_saved"] == 5
+
+
+def test_unsupported_layouts_are_named(tmp_path):
+    base = write_base(tmp_path / "base")
+    model = tiny_model()
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match=r"has no tensor 'extra.weight'"):
+        TaskVectorTracker(base_model=base).setup(model)
+    model = tiny_model()
+    model.lm_head = nn.Linear(2, 4, bias=False)
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' has shape \[3, 2\].*\[4, 2\]"):
+        TaskVectorTracker(base_model=base).setup(model)
+    adapter = write_lora_prior(tmp_path / "adapter")
+    with pytest.raises(CheckpointError, match="PEFT adapter"):
+        TaskVectorTracker(base_model=adapter).setup(tiny_model())
+    with pytest.raises(CheckpointError, match="reference model: has no tensor .lm_head.weight."):
+        reference = tiny_model()
+        del reference.lm_head
+        reference.head = nn.Linear(2, 3, bias=False)
+        TaskVectorTracker(reference_model=reference).measure(tiny_model())
+
+
+def test_layout_regions_of_a_peft_model():
+    regions = model_layout(peft_model()).regions
+    kinds = {r.name: r.kind for r in regions}
+    assert kinds == {
+        "model.embed_tokens.weight": "frozen",
+        "model.layers.0.self_attn.q_proj.weight": "lora",
+        "model.layers.1.mlp.up_proj.weight": "frozen",
+        "model.norm.weight": "frozen",
+        "lm_head.weight": "dense",
+    }
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"eps": -1}, "eps"),
+        ({"save_dtype": "int8"}, "save_dtype"),
+        ({"chunk_elements": 12}, "chunk_elements"),
+        ({"base_model": "/no/such/base"}, "does not exist"),
+        ({"r": -0.1}, "r="),
+    ],
+)
+def test_bad_tracker_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TaskVectorTracker(**kwargs)
+
+
+def test_model_base_refuses_a_range_it_does_not_hold():
+    from ram_trl.telemetry.shards import LocalShard
+
+    shard = LocalShard("w", torch.arange(4.0), (8,), 4, True)
+    base = ModelBase({"w": shard}, "reference model")
+    assert base.read("w", 5, 2).tolist() == [1.0, 2.0]
+    with pytest.raises(CheckpointError, match="partitioned differently"):
+        base.read("w", 2, 4)
+
+
+def test_prior_mask_bits_round_trip():
+    from ram_trl.telemetry.priors import PriorMasks
+
+    mask = torch.rand(2, 37) > 0.5
+    masks = PriorMasks([], {("w", 0): np.packbits(mask.numpy(), axis=1)})
+    assert torch.equal(masks.rows("w", 0, 8, 29), mask[:, 8:])
+    assert torch.equal(masks.rows("w", 0, 0, 37), mask)

@@ -1,0 +1,321 @@
+"""TaskVectorSparsityCallback in real training runs: TRL GRPO (full, beta > 0, LoRA), RLOO and a plain Trainer.
+
+Tiny Qwen2 models built from configs with a character tokenizer train a few steps on the CPU. Every run checks that
+the metrics reach ``log_history`` and the TensorBoard event file, that the last measurement equals ``ram-trl
+analyze`` of the saved checkpoint exactly (same dtype, same eps), and the stage manifest; two GRPO stages then merge
+from their manifests alone.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+pytest.importorskip("tensorboard")
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+
+import ram_trl  # noqa: E402
+from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  # noqa: E402
+from ram_trl.errors import ConfigError  # noqa: E402
+from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
+
+P = "task_vector/"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_base_checkpoint(
+        tmp_path_factory.mktemp("base") / "base", hidden_size=32, num_layers=2, intermediate_size=64
+    )
+
+
+def prompts() -> Dataset:
+    return Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 4})
+
+
+def distinct_chars(completions, **kwargs) -> list[float]:
+    return [float(len(set(c))) for c in completions]
+
+
+def rl_args(cls, out: Path, **overrides):
+    settings = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=STEPS,
+        logging_steps=2,
+        learning_rate=1e-3,
+        report_to=["tensorboard"],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+    )
+    settings.update(overrides)
+    return cls(**settings)
+
+
+def grpo_run(base: Path, out: Path, callback: TaskVectorSparsityCallback, **overrides) -> GRPOTrainer:
+    peft_config = overrides.pop("peft_config", None)
+    trainer = GRPOTrainer(
+        model=str(base),
+        reward_funcs=distinct_chars,
+        args=rl_args(GRPOConfig, out, **overrides),
+        train_dataset=prompts(),
+        callbacks=[callback],
+        peft_config=peft_config,
+    )
+    callback.bind(trainer)
+    trainer.train()
+    return trainer
+
+
+def logged(trainer) -> list[dict]:
+    """The log_history entries carrying telemetry."""
+    return [e for e in trainer.state.log_history if f"{P}density" in e]
+
+
+def tensorboard_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
+    """Steps and values of a logged metric in the TensorBoard event files (the integration adds ``train/``)."""
+    tag = f"train/{tag}"
+    files = sorted(out.rglob("events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {out}"
+    values = []
+    for file in files:
+        acc = EventAccumulator(str(file.parent))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return values
+
+
+def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Path, kind: str) -> dict:
+    """The assertions every run shares; returns the analysis of the saved agent."""
+    entries = logged(trainer)
+    # measured at the logging step (2) and at the final step (3)
+    assert [e["step"] for e in entries] == [2, STEPS]
+    last = entries[-1]
+    assert last == {**last, **callback.tracker.last}
+    for key in (
+        "density",
+        "density_exact",
+        "density_saved",
+        "measure_seconds",
+        "magnitude/gini",
+        "layer/1/density",
+    ):
+        assert f"{P}{key}" in last
+    assert 0.0 < last[f"{P}density_saved"] <= last[f"{P}density_exact"] <= 1.0
+    assert last[f"{P}measure_seconds"] > 0
+    # TensorBoard has every measurement of the density (float32 events)
+    for key in ("density_saved", "module/attn_q/density"):
+        events = tensorboard_scalars(out, f"{P}{key}")
+        assert [s for s, _ in events] == [2, STEPS]
+        for (_, value), entry in zip(events, entries, strict=True):
+            assert value == pytest.approx(entry[f"{P}{key}"], rel=1e-6)
+    # the last measurement is ram-trl analyze of the saved agent (bf16, eps 1e-5) to the element
+    result = ram_trl.analyze(base, [out], eps=1e-5, progress=False, figures=False)
+    agent = result["agents"][0]
+    assert agent["kind"] == kind
+    assert last[f"{P}active_saved"] == agent["active"]
+    assert last[f"{P}density_saved"] == agent["density"]
+    assert last[f"{P}numel"] == result["total_elements"]
+    for bucket in result["anatomy"]["modules"]:
+        assert last[f"{P}module/{bucket['module']}/density"] == bucket["density"][0]
+    for bucket in result["anatomy"]["layers"]:
+        assert last[f"{P}layer/{bucket['layer']}/density"] == bucket["density"][0]
+    # the manifest
+    manifest = read_manifest(out)
+    assert (out / MANIFEST_NAME).is_file()
+    assert manifest.kind == kind and manifest.steps == STEPS and manifest.save_dtype == "bfloat16"
+    assert manifest.trainer == type(trainer).__name__
+    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
+    check_base(manifest, out, base)
+    assert manifest.telemetry[f"{P}density_saved"] == agent["density"]
+    assert manifest.rewards == last_reward_metrics(trainer.state.log_history)
+    assert {"torch", "transformers", "ram_trl"} <= set(manifest.versions)
+    assert manifest.extra["telemetry"]["measured_step"] == STEPS
+    return result
+
+
+def test_grpo_full_finetune_base_from_disk(base, tmp_path):
+    out = tmp_path / "grpo"
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="coding", domain="code")
+    trainer = grpo_run(base, out, callback)
+    assert callback.tracker.base_description.startswith(f"base checkpoint {base}")
+    assert callback.tracker.state_bytes == 0
+    check_run(trainer, callback, base, out, "full")
+    manifest = read_manifest(out)
+    assert manifest.stage == "coding" and manifest.domain == "code" and manifest.base_model == str(base)
+    assert "reward" in manifest.rewards
+    last = logged(trainer)[-1]
+    assert last["reward"] == manifest.rewards["reward"]
+    # fp32 training: the live task vector is denser than the bf16 checkpoint
+    assert last[f"{P}density"] >= last[f"{P}density_saved"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    AutoTokenizer.from_pretrained(out)
+
+
+def test_grpo_reference_model_is_the_base(base, tmp_path):
+    out = tmp_path / "grpo_beta"
+    callback = TaskVectorSparsityCallback(base_model=base)
+    trainer = grpo_run(base, out, callback, beta=0.04)
+    assert trainer.ref_model is not None
+    assert callback.tracker.base_description == "reference model"
+    check_run(trainer, callback, base, out, "full")
+
+
+def test_grpo_lora_needs_no_base(base, tmp_path):
+    out = tmp_path / "grpo_lora"
+    callback = TaskVectorSparsityCallback()
+    peft_config = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"],
+        task_type="CAUSAL_LM",
+    )
+    trainer = grpo_run(base, out, callback, peft_config=peft_config)
+    assert callback.tracker.base_description == "frozen base weights of the PEFT model"
+    assert callback.tracker.state_bytes == 0
+    result = check_run(trainer, callback, base, out, "lora")
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    last = logged(trainer)[-1]
+    # only the adapted modules and lm_head move
+    assert last[f"{P}module/mlp_up/density"] == 0.0 and last[f"{P}module/attn_k/density"] == 0.0
+    assert last[f"{P}module/attn_q/density"] > 0.0 and last[f"{P}module/lm_head/density"] > 0.0
+    assert result["agents"][0]["kind"] == "lora"
+
+
+def test_rloo(base, tmp_path):
+    out = tmp_path / "rloo"
+    callback = TaskVectorSparsityCallback(base_model=base)
+    trainer = RLOOTrainer(
+        model=str(base),
+        reward_funcs=distinct_chars,
+        args=rl_args(RLOOConfig, out),
+        train_dataset=prompts(),
+        callbacks=[callback],
+    )
+    callback.bind(trainer)
+    trainer.train()
+    # RLOO's default beta > 0 loads a reference model
+    assert callback.tracker.base_description == "reference model"
+    check_run(trainer, callback, base, out, "full")
+
+
+def test_plain_trainer_snapshot_base(base, tmp_path):
+    out = tmp_path / "sft"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = [tokenizer("abcabcab")["input_ids"][:8] for _ in range(8)]
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    callback = TaskVectorSparsityCallback(every_n_steps=1)
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        report_to=["tensorboard"],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    callback.bind(trainer)
+    trainer.train()
+    assert callback.tracker.base_description == "in-memory snapshot taken at train begin"
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert callback.tracker.state_bytes == total
+    entries = logged(trainer)
+    assert [e["step"] for e in entries] == [1, 2]
+    assert entries[-1][f"{P}state_mb"] == total / 2**20
+    assert [s for s, _ in tensorboard_scalars(out, f"{P}density")] == [1, 2]
+    result = ram_trl.analyze(base, [out], progress=False, figures=False)
+    assert entries[-1][f"{P}density_saved"] == result["agents"][0]["density"]
+    manifest = read_manifest(out)
+    assert manifest.trainer == "Trainer" and manifest.rewards == {} and manifest.steps == 2
+    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
+
+
+def test_two_stages_then_merge_from_manifests(base, tmp_path):
+    first, second = tmp_path / "stage1", tmp_path / "stage2"
+    grpo_run(base, first, TaskVectorSparsityCallback(base_model=base, stage_name="first"))
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="second", prior_stages=[first])
+    trainer = grpo_run(base, second, callback, seed=1, learning_rate=5e-4)
+    last = logged(trainer)[-1]
+    # the overlap metrics are the counts of ram-trl analyze over [first, second] (agent 1 is this run)
+    result = ram_trl.analyze(base, [first, second], eps=1e-5, r=0.1, alpha=2.0, progress=False, figures=False)
+    agent = result["agents"][1]
+    assert last[f"{P}prior/overlap"] == agent["shared"] / agent["active"]
+    pairwise_share = agent["overlap_shares"][1]
+    assert last[f"{P}prior/first/overlap"] == pairwise_share
+    rho = agent["rho"]
+    assert last[f"{P}prior/rho"] == (math.inf if rho == "inf" else rho)
+    assert last[f"{P}prior/lambda_ram_plus"] == agent["lambda"]["ram_plus"]
+    assert last[f"{P}prior/lambda_ram_plus_soft"] == agent["lambda"]["ram_plus_soft"]
+    assert read_manifest(second).extra["telemetry"]["prior_stages"] == ["first"]
+    config = {
+        "merge_method": "ram_plus",
+        "base_model": str(base),
+        "models": [{"stage": str(first)}, {"stage": str(second)}],
+    }
+    merged = tmp_path / "merged"
+    report = ram_trl.merge(config, merged, progress=False)
+    assert [a["name"] for a in report["agents"]] == ["first", "second"]
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert sum(p.numel() for p in model.parameters()) == result["total_elements"]
+
+
+def test_callback_without_trainer_fails_clearly(base, tmp_path):
+    callback = TaskVectorSparsityCallback(base_model=base)
+    trainer = GRPOTrainer(
+        model=str(base),
+        reward_funcs=distinct_chars,
+        args=rl_args(GRPOConfig, tmp_path / "x"),
+        train_dataset=prompts(),
+        callbacks=[callback],
+    )
+    with pytest.raises(ConfigError, match="bind"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"save_dtype": "int8"}, "save_dtype"),
+        ({"eps": -1.0}, "eps"),
+        ({"base_model": "/nonexistent/base"}, "does not exist"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TaskVectorSparsityCallback(**kwargs)
