@@ -188,23 +188,6 @@ class RowReader:
         nbytes = (stop - start) * row_bytes
         shape = info.shape[1:] if info.shape else ()
         rows = (stop - start,) if info.shape else ()
-        return self._read_bytes(info, offset, nbytes).view(info.dtype).reshape(rows + shape)
-
-    def read_flat(self, info: TensorInfo, offset: int, numel: int) -> torch.Tensor:
-        """Read elements ``offset:offset + numel`` of the flattened tensor in its stored dtype (only those bytes).
-
-        Args:
-            info: The tensor's location.
-            offset: First flat element.
-            numel: Number of elements.
-
-        Returns:
-            A new 1-D tensor of ``numel`` elements.
-        """
-        itemsize = dtype_itemsize(info.dtype)
-        return self._read_bytes(info, info.begin + offset * itemsize, numel * itemsize).view(info.dtype)
-
-    def _read_bytes(self, info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             view = memoryview(buffer.numpy())
@@ -217,7 +200,7 @@ class RowReader:
                         f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
                     )
                 done += got
-        return buffer
+        return buffer.view(info.dtype).reshape(rows + shape)
 
     def close(self) -> None:
         with self._lock:

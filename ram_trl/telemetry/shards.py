@@ -15,31 +15,21 @@ Where the local range comes from:
   a contiguous flat range, found from the device mesh coordinate (uneven and empty last shards included). Mesh
   dimensions that replicate (HSDP) are counted by their first replica only, so a sum over all processes is exact.
 
-The base on the same flat range: :func:`read_flat_range` reads it from a safetensors checkpoint without reading
-the rest of the tensor, and :func:`matching_values` takes it from a reference model held by the trainer (under
-ZeRO-3 the reference is partitioned like the policy, so the ranges coincide).
-
-Reducing the counts: :func:`iter_counted_shards` yields what this process must count so that a plain sum over the
-processes is exact (partitioned ranges everywhere, each replicated parameter on one process, balanced by size), and
-:func:`training_context` gives the :class:`~ram_trl.distributed.DistContext` of the running job to all-reduce with
-(``OverlapStatistics.all_reduce`` / ``MagnitudeStatistics.all_reduce``).
+The base on the same flat range comes from :mod:`ram_trl.telemetry.base` (the checkpoint on disk through memory
+maps, or a reference model, which ZeRO-3 and FSDP2 partition like the policy, so the ranges coincide). The counts
+are summed over the processes with the :class:`~ram_trl.distributed.DistContext` of :func:`training_context`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ram_trl.distributed import DistContext, partition_by_bytes
+from ram_trl.distributed import DistContext
 from ram_trl.errors import RamTrlError
-
-if TYPE_CHECKING:
-    from ram_trl.io.checkpoint import Checkpoint
-    from ram_trl.io.safetensors_io import RowReader
 
 
 class ShardError(RamTrlError):
@@ -238,33 +228,6 @@ def iter_local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
             yield LocalShard(name, values.reshape(-1), tuple(values.shape), offset=0, partitioned=False)
 
 
-def iter_counted_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
-    """Yield what this process counts so that summing every process's counts gives the whole model's.
-
-    Partitioned shards are yielded as they are; every replicated parameter (DDP, ZeRO-1/2, small parameters) is
-    counted by one process only, the processes sharing them balanced by element count, so a DDP job measures
-    ``1 / world_size`` of the model per process. In a single process this is :func:`iter_local_shards`. The
-    yielded shards all have ``partitioned=True`` in a multi-process job: sum every count over the processes.
-
-    Args:
-        model: The model (see :func:`iter_local_shards`).
-
-    Yields:
-        The shards this process counts.
-    """
-    shards = list(iter_local_shards(model))
-    world = _world_size()
-    if world == 1:
-        yield from shards
-        return
-    replicated = [i for i, shard in enumerate(shards) if not shard.partitioned]
-    owners = partition_by_bytes([shards[i].numel for i in replicated], world)
-    mine = {replicated[j] for j in owners[dist.get_rank()]}
-    for index, shard in enumerate(shards):
-        if shard.partitioned or index in mine:
-            yield replace(shard, partitioned=True)
-
-
 def training_context() -> DistContext:
     """The running job's process group as a :class:`~ram_trl.distributed.DistContext` (never initialises one).
 
@@ -274,77 +237,3 @@ def training_context() -> DistContext:
     if not (dist.is_available() and dist.is_initialized()):
         return DistContext()
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), owns_group=False)
-
-
-def matching_values(shard: LocalShard, reference: LocalShard) -> torch.Tensor:
-    """The elements of a reference model's parameter on the flat range of ``shard``.
-
-    Args:
-        shard: The trained model's local shard.
-        reference: The same parameter of the reference model on this process (partitioned like ``shard``, e.g.
-            both ZeRO-3, or replicated).
-
-    Returns:
-        A 1-D view of ``shard.numel`` reference elements.
-
-    Raises:
-        ShardError: if the shapes differ or the reference does not hold the range locally.
-    """
-    if reference.shape != shard.shape:
-        raise ShardError(
-            f"parameter {shard.name!r}: the reference model's shape {list(reference.shape)} differs from the "
-            f"trained model's {list(shard.shape)}"
-        )
-    start = shard.offset - reference.offset
-    if start < 0 or start + shard.numel > reference.numel:
-        raise ShardError(
-            f"parameter {shard.name!r}: the reference model holds elements [{reference.offset}, "
-            f"{reference.offset + reference.numel}) on this process, the trained model "
-            f"[{shard.offset}, {shard.offset + shard.numel}): partition both models the same way"
-        )
-    return reference.values[start : start + shard.numel]
-
-
-def read_flat_range(
-    checkpoint: Checkpoint, name: str, offset: int, numel: int, reader: RowReader | None = None
-) -> torch.Tensor:
-    """Read elements ``[offset, offset + numel)`` of the flattened tensor ``name`` from a checkpoint on disk.
-
-    Safetensors checkpoints are read with one positioned read of exactly those bytes (nothing else of the tensor is
-    read into memory); pickle checkpoints load their file (they cannot be read partially).
-
-    Args:
-        checkpoint: The base checkpoint (:func:`ram_trl.io.checkpoint.open_checkpoint`).
-        name: The tensor's name in the checkpoint.
-        offset: First flat element.
-        numel: Number of elements.
-        reader: An open :class:`~ram_trl.io.safetensors_io.RowReader` to reuse its file handles (one is opened
-            and closed per call otherwise).
-
-    Returns:
-        A new 1-D tensor of ``numel`` elements in the stored dtype.
-
-    Raises:
-        CheckpointError: if the checkpoint has no tensor ``name`` or the range exceeds it.
-    """
-    from ram_trl.errors import CheckpointError
-    from ram_trl.io.safetensors_io import RowReader
-
-    meta = checkpoint.tensors.get(name)
-    if meta is None or not checkpoint.has_values(name):
-        raise CheckpointError(f"{checkpoint.role} ({checkpoint.path}): has no tensor {name!r}")
-    if offset < 0 or numel < 0 or offset + numel > meta.numel:
-        raise CheckpointError(
-            f"{checkpoint.role} ({checkpoint.path}): tensor {name!r} has {meta.numel} elements, cannot read "
-            f"[{offset}, {offset + numel})"
-        )
-    info = checkpoint.location(name)
-    own_reader = reader is None
-    reader = RowReader() if reader is None else reader
-    try:
-        if info is not None and checkpoint.adapter is None:
-            return reader.read_flat(info, offset, numel)
-        return checkpoint.read_rows(name, reader).reshape(-1)[offset : offset + numel].clone()
-    finally:
-        if own_reader:
-            reader.close()

@@ -1,10 +1,12 @@
 """One rank of a 2-process training job (DeepSpeed ZeRO-3, FSDP2 or DDP on CPU with gloo) that trains a tiny model a
-few steps, then measures its task vector on the local shards with every gathering collective forbidden.
+few steps, then measures its task vector on the local shards with every gathering collective forbidden: directly
+(shard by shard, against the base on disk) and through :class:`~ram_trl.telemetry.tracker.TaskVectorTracker` (base
+on disk; under ZeRO-3 also the partitioned reference model).
 
 Run by tests/telemetry/test_distributed_shards.py:
 ``python -m deepspeed.launcher.runner --num_gpus 2 _dist_worker.py zero3 BASE OUT`` or
 ``python -m torch.distributed.run --nproc_per_node 2 _dist_worker.py {fsdp2,ddp} BASE OUT``.
-Writes ``OUT/rank{R}.json`` (shards, partial and all-reduced counts, collectives used) and, on rank 0, the trained
+Writes ``OUT/rank{R}.json`` (shards, partial counts, the tracker's metrics, collectives used) and, on rank 0, the trained
 weights gathered after the measurement to ``OUT/trained.safetensors``.
 """
 
@@ -21,14 +23,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ram_trl.io.checkpoint import open_checkpoint  # noqa: E402
-from ram_trl.telemetry.shards import (  # noqa: E402
-    iter_counted_shards,
-    iter_local_shards,
-    matching_values,
-    read_flat_range,
-    training_context,
-)
+from ram_trl.telemetry.base import MappedCheckpointBase, ModelBase  # noqa: E402
+from ram_trl.telemetry.shards import iter_local_shards  # noqa: E402
+from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
 from tests.telemetry._counting import Counts  # noqa: E402
 
 STEPS = 3
@@ -192,30 +189,31 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
 
-    checkpoint = open_checkpoint(base_dir, "base model")
+    source = MappedCheckpointBase(base_dir)
+    trackers = {"disk": TaskVectorTracker(base_model=base_dir, save_dtype="bfloat16")}
+    if reference is not None:
+        trackers["reference"] = TaskVectorTracker(reference_model=reference, save_dtype="bfloat16")
     calls = {"all_reduce": 0, "all_reduce_bytes": 0}
+    metrics: dict[str, dict[str, float]] = {}
+    fingerprints: dict[str, str] = {}
     with no_gathers(net, calls):
         local = list(iter_local_shards(model))
-        partial = Counts().add_all(
-            (s.name, s.values, read_flat_range(checkpoint, s.name, s.offset, s.numel)) for s in local
-        )
+        partial = Counts().add_all((s.name, s.values, source.read(s.name, s.offset, s.numel)) for s in local)
         reference_equal = None
         if reference is not None:
-            by_name = {s.name: s for s in iter_local_shards(reference)}
+            held = ModelBase.from_model(reference)
             reference_equal = all(
-                torch.equal(
-                    matching_values(s, by_name[s.name]),
-                    read_flat_range(checkpoint, s.name, s.offset, s.numel),
-                )
+                torch.equal(held.read(s.name, s.offset, s.numel), source.read(s.name, s.offset, s.numel))
                 for s in local
             )
-        counted = Counts().add_all(
-            (s.name, s.values, read_flat_range(checkpoint, s.name, s.offset, s.numel))
-            for s in iter_counted_shards(model)
-        )
-        context = training_context()
-        counted.overlap.all_reduce(context)
-        counted.magnitude.all_reduce(context)
+        for key, tracker in trackers.items():
+            tracker.setup(model)
+            fingerprints[key] = tracker.base_fingerprint.sha256
+        for key, tracker in trackers.items():
+            before = dict(calls)
+            metrics[key] = tracker.measure(model, step=STEPS)
+            calls[f"{key}_measure_all_reduces"] = calls["all_reduce"] - before["all_reduce"]
+            calls[f"{key}_measure_bytes"] = calls["all_reduce_bytes"] - before["all_reduce_bytes"]
         # the guard is live: gathering now must fail
         gather_blocked = False
         try:
@@ -245,7 +243,8 @@ def main() -> None:
             for s in local
         ],
         "partial": partial.as_json(),
-        "reduced": counted.as_json(),
+        "metrics": metrics,
+        "fingerprints": fingerprints,
         "reference_equal": reference_equal,
         "gather_blocked": gather_blocked,
         "calls": calls,

@@ -1,9 +1,9 @@
 """Local shards in real 2-process jobs on CPU (gloo): DeepSpeed ZeRO-3, FSDP2 (``fully_shard``) and DDP.
 
 Each job trains a tiny model 3 steps, then every rank counts its task vector on its own shards against the same
-flat range of the base read from disk, with every gathering collective patched to raise (tests/telemetry/
-_dist_worker.py). Here, in one process, the same counts are computed on the full trained weights (gathered by the
-job after the measurement) and must be equal exactly.
+flat range of the base read from disk, and measures it with TaskVectorTracker, with every gathering collective
+patched to raise (tests/telemetry/_dist_worker.py). Here, in one process, the same counts and the tracker's metrics
+are computed on the full trained weights (gathered by the job after the measurement) and must be equal.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ram_trl.stage import fingerprint_checkpoint
+from ram_trl.telemetry.tracker import TaskVectorTracker
 from tests.telemetry._counting import Counts
 from tests.telemetry._dist_worker import USED_TOKENS, OddNet
 
@@ -77,12 +79,17 @@ def job(request, base_dir, tmp_path_factory) -> dict:
     trained = load_file(str(out / "trained.safetensors"))
     base = load_file(str(base_dir / "model.safetensors"))
     single = Counts().add_all((name, trained[name], base[name]) for name in base)
+    model = OddNet()
+    model.load_state_dict(trained)
+    single_metrics = TaskVectorTracker(base_model=base_dir, save_dtype="bfloat16").measure(model, step=3)
     return {
         "mode": request.param,
         "ranks": ranks,
         "single": single.as_json(),
+        "single_metrics": single_metrics,
         "trained": trained,
         "base": base,
+        "base_dir": base_dir,
     }
 
 
@@ -141,34 +148,45 @@ def test_partial_counts_sum_to_the_single_process_counts_per_parameter(job) -> N
     assert 0 < single["embed.weight"] <= USED_TOKENS * 12
 
 
-def test_all_reduced_statistics_equal_the_single_process_statistics(job) -> None:
-    single = job["single"]
+def test_tracker_on_every_rank_equals_the_tracker_in_one_process(job) -> None:
+    single = job["single_metrics"]
+    assert 0 < single["task_vector/density"] < 1
+    assert single["task_vector/numel"] == sum(FULL_NUMEL.values())
+    assert single["task_vector/active"] == sum(job["single"]["per_parameter"].values())
     for rank in job["ranks"]:
-        reduced = rank["reduced"]
-        assert reduced["numel"] == single["numel"] == sum(FULL_NUMEL.values())
-        assert reduced["histogram"] == single["histogram"]
-        assert reduced["pairwise"] == single["pairwise"]
-        assert {int(k) for k in reduced["magnitude_bins"]} == set(single["magnitude_bins"])
-        for key, (count, total) in single["magnitude_bins"].items():
-            got = reduced["magnitude_bins"][str(key)]
-            assert got[0] == count
-            assert got[1] == pytest.approx(total, rel=1e-12, abs=0)
-        assert reduced["power_sums"] == pytest.approx(single["power_sums"], rel=1e-12, abs=0)
-    assert 0 < single["histogram"][0][1] < single["numel"]
+        for key, metrics in rank["metrics"].items():
+            assert set(metrics) == set(single), key
+            for name, value in single.items():
+                if name.endswith(("measure_seconds", "state_mb")):
+                    continue
+                if "/magnitude/" in name:  # float64 sums added in another order
+                    assert metrics[name] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, name)
+                else:
+                    assert metrics[name] == value, (key, name)
 
 
 def test_no_gather_during_the_measurement_and_only_count_all_reduces(job) -> None:
+    bins = 2 ** (8 + 7)
+    per_tensor_counts = len(FULL_NUMEL) * 4 * 8  # active, changed, active_saved, numel per base tensor
+    magnitudes = bins * 8 * 2 + 4 * 8
+    overlap = 8 * 2 + 8 + 8  # histogram (1 x 2), pairwise (1 x 1), element count
     for rank in job["ranks"]:
-        # the guard was live (a deliberate gather inside it raised), yet the measurement completed
+        # the guard was live (a deliberate gather inside it raised), yet the measurements completed
         assert rank["gather_blocked"] is True
-        # 2 for the overlap counts + 1 element count, 3 for the magnitude statistics: counts only, never weights
-        assert rank["calls"]["all_reduce"] == 6
-        bins = 2 ** (8 + 7)
-        assert rank["calls"]["all_reduce_bytes"] == 8 * (2 + 1 + 1) + bins * 8 * 2 + 4 * 8
+        # one measurement: 7 all-reduces of counts (never of weights): 1 + 3 magnitude + 2 overlap + 1 count
+        assert rank["calls"]["disk_measure_all_reduces"] == 7
+        assert rank["calls"]["disk_measure_bytes"] == per_tensor_counts + magnitudes + overlap
 
 
 def test_zero3_reference_model_is_partitioned_like_the_policy(job) -> None:
     # under ZeRO-3 the trainer's reference model (deepspeed.initialize without optimizer) holds the same flat ranges
-    # as the policy, equal to the base on disk; the other jobs hold no reference model
+    # as the policy, equal to the base on disk, and fingerprints as the checkpoint does (heads all-reduced across
+    # partitions); the other jobs hold no reference model
     expected = True if job["mode"] == "zero3" else None
     assert [rank["reference_equal"] for rank in job["ranks"]] == [expected] * WORLD
+    disk = fingerprint_checkpoint(job["base_dir"]).sha256
+    for rank in job["ranks"]:
+        assert rank["fingerprints"]["disk"] == disk
+        if job["mode"] == "zero3":
+            assert rank["fingerprints"]["reference"] == disk
+            assert rank["calls"]["reference_measure_all_reduces"] == 7
