@@ -1,6 +1,7 @@
 """TaskVectorSparsityCallback in a real TRL GRPO run under DeepSpeed ZeRO-3, 2 CPU processes (gloo).
 
-The DeepSpeed launcher starts tests/_grpo_zero3_worker.py on 2 ranks; every parameter is a ZeRO-3 partition, every
+The DeepSpeed launcher (and ``accelerate launch --use_deepspeed --zero_stage 3``) starts tests/_grpo_zero3_worker.py
+on 2 ranks; every parameter is a ZeRO-3 partition, every
 measurement runs with gathering collectives patched to raise, and the numbers must equal ``ram-trl analyze`` of the
 agent the callback saved at the end (the trainer gathers it then) exactly. Once with the base read from disk
 (beta = 0), once with GRPO's reference model (beta > 0), which TRL partitions with ZeRO-3 like the policy.
@@ -37,18 +38,29 @@ def base(tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=[0.0, 0.04], ids=["base-on-disk", "reference-model"])
+@pytest.fixture(
+    scope="module",
+    params=[("deepspeed", 0.0), ("deepspeed", 0.04), ("accelerate", 0.0)],
+    ids=["deepspeed-base-on-disk", "deepspeed-reference-model", "accelerate-launch"],
+)
 def run(request, base, tmp_path_factory) -> dict:
+    launcher, beta = request.param
     out = tmp_path_factory.mktemp("grpo_zero3")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
-    command += ["--master_port", str(free_port()), str(WORKER), str(base), str(out), str(request.param)]
+    if launcher == "deepspeed":
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
+        command += ["--master_port", str(free_port())]
+    else:  # what users run: accelerate's DeepSpeed plugin, ZeRO stage 3
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(WORLD)]
+        command += ["--num_machines", "1", "--use_deepspeed", "--zero_stage", "3", "--mixed_precision", "no"]
+        command += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    command += [str(WORKER), str(base), str(out), str(beta)]
     result = subprocess.run(command, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (
         f"GRPO ZeRO-3 job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     )
     ranks = [json.loads((out / f"grpo_rank{r}.json").read_text()) for r in range(WORLD)]
-    return {"beta": request.param, "out": out, "ranks": ranks}
+    return {"beta": beta, "out": out, "ranks": ranks}
 
 
 def test_every_measurement_ran_on_zero3_partitions_without_gathering(run) -> None:
@@ -56,7 +68,8 @@ def test_every_measurement_ran_on_zero3_partitions_without_gathering(run) -> Non
         assert rank["world_size"] == WORLD
         calls = rank["calls"]
         assert calls["measurements"] == 2  # the logging step and the final step
-        assert calls["partitioned"] == 2 * 27  # all 27 parameters of the tiny Qwen2 model, at both measurements
+        # all 27 parameters of the tiny Qwen2 model are partitions, at both measurements
+        assert calls["partitioned"] == 2 * 27
         assert calls["all_reduce"] == 2 * 7  # counts only (see test_distributed_shards.py)
         if run["beta"] > 0:
             assert rank["base_source"] == "reference model"

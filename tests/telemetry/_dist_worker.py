@@ -1,10 +1,10 @@
-"""One rank of a 2-process training job (DeepSpeed ZeRO-3, FSDP2 or DDP on CPU with gloo) that trains a tiny model a
+"""One rank of a 2-process training job (DeepSpeed ZeRO-3 or ZeRO-2, FSDP2 or DDP on CPU with gloo) that trains a tiny model a
 few steps, then measures its task vector on the local shards with every gathering collective forbidden: directly
 (shard by shard, against the base on disk) and through :class:`~ram_trl.telemetry.tracker.TaskVectorTracker` (base
 on disk; under ZeRO-3 also the partitioned reference model).
 
 Run by tests/telemetry/test_distributed_shards.py:
-``python -m deepspeed.launcher.runner --num_gpus 2 _dist_worker.py zero3 BASE OUT`` or
+``python -m deepspeed.launcher.runner --num_gpus 2 _dist_worker.py {zero3,zero2} BASE OUT`` or
 ``python -m torch.distributed.run --nproc_per_node 2 _dist_worker.py {fsdp2,ddp} BASE OUT``.
 Writes ``OUT/rank{R}.json`` (shards, partial counts, the tracker's metrics, collectives used) and, on rank 0, the trained
 weights gathered after the measurement to ``OUT/trained.safetensors``.
@@ -131,7 +131,21 @@ def main() -> None:
     base = load_file(str(base_dir / "model.safetensors"))
     torch.manual_seed(0)
     reference = None
-    if mode == "zero3":
+    if mode == "zero2":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        net = OddNet()
+        load_base(net, base)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.0)
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": 2},
+        }
+        model, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    elif mode == "zero3":
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
@@ -181,7 +195,7 @@ def main() -> None:
     for step in range(STEPS):
         ids, target = batch(rank, step)
         loss = torch.nn.functional.mse_loss(model(ids), target)
-        if mode == "zero3":
+        if mode.startswith("zero"):
             model.backward(loss)
             model.step()
         else:
@@ -224,7 +238,7 @@ def main() -> None:
                     pass
             elif mode == "fsdp2":
                 net.hidden.weight.full_tensor()
-            else:
+            else:  # DDP, ZeRO-2: nothing to gather, the collectives are guarded
                 dist.all_gather_object([None, None], 1)
         except Forbidden:
             gather_blocked = True
