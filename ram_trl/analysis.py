@@ -42,6 +42,7 @@ from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, TensorTask, build_plan, parse_size
+from ram_trl.stage import is_stage, read_manifest
 from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics
 from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
 
@@ -184,14 +185,21 @@ def resolve_inputs(
         parsed, config_path = load_config(config)
         resolved = resolve_config(parsed, config_path)
     else:
+        if base is None and agents and all(is_stage(a) for a in agents):
+            bases = {read_manifest(a).base_model for a in agents}
+            if len(bases) == 1 and Path(next(iter(bases))).exists():
+                base = next(iter(bases))
         if base is None or not agents:
-            raise ConfigError("give a base model and at least one agent (or a merge config)")
+            raise ConfigError(
+                "give a base model and at least one agent (or a merge config); the base may be left out only "
+                "when every agent is a stage manifest of the same local base"
+            )
         for label, path in [("base model", base), *((f"agent {i}", a) for i, a in enumerate(agents))]:
             if not Path(path).exists():
                 raise ConfigError(f"{label}: {path} does not exist (ram_trl reads local checkpoints)")
         if all(Path(a).resolve() == Path(base).resolve() for a in agents):
             raise ConfigError(f"every agent is the base model {base}: there is no task vector to analyse")
-        entries = [{"model": str(path)} for path in agents]
+        entries = [{"stage" if is_stage(path) else "model": str(path)} for path in agents]
         parameters = {k: v for k, v in given.items() if v is not None}
         raw = {
             "merge_method": "ram_plus",

@@ -86,9 +86,14 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "agents", nargs="*", metavar="AGENT", help="agent checkpoint directories (with --base)"
+        "agents",
+        nargs="*",
+        metavar="AGENT",
+        help="agent checkpoints (full or LoRA adapter directories) or stage manifests (ram_stage.json or its directory)",
     )
-    parser.add_argument("--base", help="base checkpoint directory")
+    parser.add_argument(
+        "--base", help="base checkpoint directory (default: the stages' base when every agent is a stage)"
+    )
     parser.add_argument(
         "--config", help="merge config (YAML): take the base, agents, eps, r and alpha from it"
     )
@@ -113,6 +118,30 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "fisher",
+        help="estimate an agent's diagonal Fisher on its prompts and save it as AGENT_DIR/fisher.safetensors",
+        description=(
+            "Estimate the diagonal empirical Fisher of an agent (mean squared gradient of the log-likelihood of its "
+            "own completions) on its stage's prompts, for merge_method: fisher. A LoRA adapter is merged into its "
+            "base first. Only AGENT_DIR/fisher.safetensors is written."
+        ),
+    )
+    parser.add_argument("agent_dir", help="agent checkpoint directory (or LoRA adapter directory)")
+    parser.add_argument(
+        "--prompts", required=True, help="prompts file: one prompt per line, or JSONL with a 'prompt' field"
+    )
+    parser.add_argument("--num-samples", type=int, help="samples (default: one per prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="longest completion (default: 64)")
+    parser.add_argument(
+        "--sample", action="store_true", help="sample completions (temperature 1, seeded) instead of greedy"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
+    parser.add_argument("--base", help="base model of a LoRA adapter (default: its base_model_name_or_path)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ram_trl import __version__
 
@@ -126,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_example(subparsers)
     _add_methods(subparsers)
     _add_analyze(subparsers)
+    _add_fisher(subparsers)
     return parser
 
 
@@ -213,6 +243,36 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_fisher(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ram_trl.fisher import run_fisher
+
+    try:
+        summary = run_fisher(
+            args.agent_dir,
+            args.prompts,
+            num_samples=args.num_samples,
+            max_new_tokens=args.max_new_tokens,
+            sample=args.sample,
+            seed=args.seed,
+            base=args.base,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        raise RamTrlError(str(exc)) from exc
+    table = Table(title=f"diagonal Fisher -> {summary['file']}", show_header=False)
+    for key in ("num_samples", "decoding", "completion_tokens", "tensors", "elements"):
+        table.add_row(key, str(summary[key]))
+    table.add_row("sum of F", f"{summary['total']:.4g}")
+    table.add_row("largest F", f"{summary['largest']:.4g}")
+    table.add_row("share of F = 0", f"{summary['zero_share']:.2%}")
+    table.add_row("seconds", f"{summary['seconds']:.1f}")
+    Console().print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -224,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "example": _run_example,
         "methods": _run_methods,
         "analyze": _run_analyze,
+        "fisher": _run_fisher,
     }
     try:
         return handlers[args.command](args)

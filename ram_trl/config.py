@@ -238,6 +238,10 @@ def _resolve_stage(manifest_file: Path, base_path: Path, label: str) -> tuple[Pa
 
 
 def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
+    if parameter.kind is Path:
+        if not isinstance(value, str | os.PathLike) or not str(value):
+            raise ConfigError(f"{where}: parameter {parameter.name!r} must be a path, got {value!r}")
+        return str(value)
     if parameter.kind is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: parameter {parameter.name!r} must be true or false, got {value!r}")
@@ -263,7 +267,7 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
 
 
 def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
-    if isinstance(value, list):
+    if isinstance(value, list) and parameter.kind is not Path:
         if not value or not all(isinstance(rule, dict) and "value" in rule for rule in value):
             raise ConfigError(
                 f"{where}: parameter {parameter.name!r}: lists must be mergekit filter rules "
@@ -357,6 +361,8 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         for parameter in method.parameters:
             if parameter.scope == "agent" and parameter.name not in values:
                 values[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
+            if parameter.kind is Path and values[parameter.name]:
+                values[parameter.name] = str(_resolve_path(values[parameter.name], config_dir))
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
         agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
     if not agents:

@@ -26,6 +26,13 @@ from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, 
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
+from ram_trl.io.fisher import (
+    check_fisher_headers,
+    default_fisher_path,
+    fisher_itemsize,
+    fisher_nbytes,
+    open_fisher,
+)
 from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
@@ -188,6 +195,7 @@ def prepare(
         spec.kind = agent.kind
         if agent.adapter is not None:
             _check_adapter_base(resolved, spec, agent)
+    fishers = open_fishers(resolved) if resolved.method.needs_fisher else None
     plan = build_plan(
         base,
         agents,
@@ -197,8 +205,27 @@ def prepare(
         trims_by_magnitude=resolved.method.trims_by_magnitude,
         chunk_budget=parse_size(options.chunk_budget),
         max_shard_size=parse_size(options.max_shard_size),
+        fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
     )
+    if fishers is not None:
+        names = [t.name for t in plan.tasks if t.floating]
+        for fisher, agent in zip(fishers, agents, strict=True):
+            check_fisher_headers(fisher, agent, base, names)
+            plan.input_bytes += fisher_nbytes(fisher, names)
+        plan.fishers = fishers
     return base, agents, plan
+
+
+def open_fishers(resolved: ResolvedConfig) -> list[Checkpoint]:
+    """Open every agent's Fisher file (its ``fisher`` parameter, else ``fisher.safetensors`` beside it); the
+    report then names the file each agent's Fisher came from."""
+    fishers = []
+    for spec in resolved.agents:
+        where = spec.parameters.get("fisher") or default_fisher_path(spec.path)
+        fisher = open_fisher(where, f"agent {spec.index} ({spec.name})", spec.path)
+        spec.parameters["fisher"] = str(fisher.files[0])
+        fishers.append(fisher)
+    return fishers
 
 
 def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkpoint) -> None:
@@ -450,7 +477,7 @@ def _tensor_context(
             device=device,
         )
         for p in method.parameters
-        if p.scope == "agent"
+        if p.scope == "agent" and p.kind is float
     }
     cuts = (
         _magnitude_cuts(resolved, task, base, agents, reader, device)
@@ -488,7 +515,10 @@ def write_tensors(
     try:
         current: TensorTask | None = None
         context: _TensorContext | None = None
-        for chunk in iter_chunks(base, agents, tasks, reader, floating_only=False, counter=state.read):
+        chunks = iter_chunks(
+            base, agents, tasks, reader, floating_only=False, counter=state.read, fishers=plan.fishers
+        )
+        for chunk in chunks:
             task = chunk.task
             if task is not current:
                 _finish_tensor(state, context, bar)
@@ -559,6 +589,7 @@ def _merge_chunk(
         cuts=context.cuts,
         equal_seen=context.equal_seen,
         seed=resolved.seed,
+        fishers=None if chunk.fishers is None else chunk.fishers.to(device),
     )
     merged = resolved.method.merge(inputs)
     merged.add_(base_values)

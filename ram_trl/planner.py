@@ -13,6 +13,9 @@ of a merge is about::
     + chunk_budget
     + (TIES only) 12 bytes * largest tensor's element count
 
+Fisher merging streams each agent's diagonal Fisher in the same chunks; :func:`bytes_per_element` counts its
+buffers, so the same budget holds.
+
 and does not grow with the number of tensors or the model's size beyond its largest tensor.
 """
 
@@ -58,20 +61,29 @@ def format_bytes(num: float) -> str:
     raise AssertionError
 
 
-def bytes_per_element(num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:
+def bytes_per_element(
+    num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0
+) -> int:
     """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents.
 
     Counts: float32 task vectors (``4N``), one temporary of the same size (masked or weighted task vectors,
     ``4N``), masks (``2N``), the float32 base (4), float32 result and accumulators (16), the raw stored values of
     the chunk being merged and of the chunk read ahead (``2 (N + 1) in_itemsize``), and the cast output of this chunk
-    and of two chunks queued for writing (``3 out_itemsize``).
+    and of two chunks queued for writing (``3 out_itemsize``). With Fisher inputs (``fisher_itemsize`` > 0, the
+    stored Fisher's bytes per element): the float32 Fishers of the chunk being merged and of the one read ahead
+    (``8N``) and the stored rows being converted (``N fisher_itemsize``).
     """
-    return 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
+    total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
+    if fisher_itemsize:
+        total += num_agents * (8 + fisher_itemsize)
+    return total
 
 
-def chunk_elements(budget: int, num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4) -> int:
+def chunk_elements(
+    budget: int, num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0
+) -> int:
     """Largest chunk (in elements) whose buffers fit in ``budget`` bytes."""
-    return max(1, budget // bytes_per_element(num_agents, in_itemsize, out_itemsize))
+    return max(1, budget // bytes_per_element(num_agents, in_itemsize, out_itemsize, fisher_itemsize))
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,8 @@ class MergePlan:
         passes: Reads of every input (2 when global statistics precede the merge).
         input_bytes: Bytes of base and agents read per pass.
         trims_by_magnitude: Whether TIES cuts are computed (one extra read of each agent per tensor).
+        fisher_itemsize: Bytes per element of the stored Fisher inputs (0: no Fisher inputs).
+        fishers: Each agent's Fisher file (methods that need them), streamed beside its weights.
     """
 
     tasks: list[TensorTask]
@@ -161,6 +175,8 @@ class MergePlan:
     input_bytes: int
     trims_by_magnitude: bool
     resized: list[str] = field(default_factory=list)
+    fisher_itemsize: int = 0
+    fishers: list[Checkpoint] | None = None
 
     @property
     def output_bytes(self) -> int:
@@ -188,7 +204,10 @@ class MergePlan:
             rows = min(task.rows_per_chunk, max(task.out_rows, 1))
             elements = rows * task.row_numel
             per = bytes_per_element(
-                self.num_agents, dtype_itemsize(task.base.dtype), dtype_itemsize(task.out_dtype)
+                self.num_agents,
+                dtype_itemsize(task.base.dtype),
+                dtype_itemsize(task.out_dtype),
+                self.fisher_itemsize,
             )
             worst = max(worst, elements * per)
         return worst
@@ -211,6 +230,7 @@ def build_plan(
     trims_by_magnitude: bool,
     chunk_budget: int = DEFAULT_CHUNK_BUDGET,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    fisher_itemsize: int = 0,
 ) -> MergePlan:
     """Check all inputs against the base and plan the merge.
 
@@ -223,6 +243,7 @@ def build_plan(
         trims_by_magnitude: Whether the method computes per-tensor magnitude cuts.
         chunk_budget: Bytes allowed for one chunk's buffers.
         max_shard_size: Largest output file (a tensor larger than this gets a shard of its own).
+        fisher_itemsize: Bytes per element of the stored Fisher inputs streamed beside the agents (0: none).
 
     Returns:
         The :class:`MergePlan`.
@@ -289,7 +310,7 @@ def build_plan(
             [dtype_itemsize(meta.dtype)]
             + [dtype_itemsize(a.tensors[name].dtype) for a in agents if name in a.tensors]
         )
-        elements = chunk_elements(chunk_budget, num_agents, in_size, dtype_itemsize(dtype))
+        elements = chunk_elements(chunk_budget, num_agents, in_size, dtype_itemsize(dtype), fisher_itemsize)
         rows_per_chunk = max(1, elements // max(row_numel, 1))
         tasks.append(
             TensorTask(
@@ -315,6 +336,7 @@ def build_plan(
         input_bytes=input_bytes,
         trims_by_magnitude=trims_by_magnitude,
         resized=resized,
+        fisher_itemsize=fisher_itemsize,
     )
 
 

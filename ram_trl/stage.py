@@ -95,6 +95,12 @@ def manifest_path(path: str | os.PathLike) -> Path:
     return path / MANIFEST_NAME if path.is_dir() else path
 
 
+def is_stage(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a stage: a manifest file, or a directory holding ``ram_stage.json``."""
+    path = Path(path).expanduser()
+    return (path.is_file() and path.name.endswith(".json")) or (path / MANIFEST_NAME).is_file()
+
+
 def read_manifest(path: str | os.PathLike) -> StageManifest:
     """Read and validate a stage manifest.
 

@@ -15,6 +15,7 @@ import torch
 
 from ram_trl.errors import NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.fisher import fill_fisher, read_fisher_rows
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.planner import TensorTask
@@ -33,6 +34,8 @@ class RawChunk:
             adapter that does not save the tensor, or a shorter tensor), fewer rows than ``stop - start`` where its
             tensor is shorter than the base's.
         lora: Each agent's float32 LoRA delta of these rows, or ``None`` (full checkpoints, untouched tensors).
+        fishers: With Fisher inputs, the agents' float32 Fishers of these rows, shape ``(num_agents, n)``, checked
+            finite and non-negative (zero on rows a file lacks); else ``None``.
     """
 
     task: TensorTask
@@ -41,6 +44,7 @@ class RawChunk:
     base: torch.Tensor | None
     agents: list[torch.Tensor | None]
     lora: list[torch.Tensor | None]
+    fishers: torch.Tensor | None = None
 
     @property
     def extra_rows(self) -> bool:
@@ -76,6 +80,7 @@ def iter_chunks(
     floating_only: bool = True,
     counter: ReadCounter | None = None,
     read_ahead_depth: int = 1,
+    fishers: list[Checkpoint] | None = None,
 ) -> Iterator[RawChunk]:
     """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on a background thread.
 
@@ -87,6 +92,7 @@ def iter_chunks(
         floating_only: Skip non-floating tensors and rows past the base's.
         counter: Accumulates the bytes read.
         read_ahead_depth: Chunks read ahead (0: synchronous).
+        fishers: Each agent's Fisher file, read in the same row ranges as its weights (floating tensors, base rows).
     """
     counter = counter if counter is not None else ReadCounter()
 
@@ -101,7 +107,15 @@ def iter_chunks(
                 raws.append(values)
                 loras.append(lora)
         counter.bytes += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
-        return RawChunk(task, start, stop, raw_base, raws, loras)
+        fisher_values = None
+        if fishers is not None and task.floating and start < task.base_rows:
+            fisher_values = torch.empty((len(fishers), (stop - start) * task.row_numel), dtype=torch.float32)
+            for t, fisher in enumerate(fishers):
+                rows = read_fisher_rows(fisher, task.name, reader, start, stop)
+                if rows is not None:
+                    counter.bytes += rows.numel() * rows.element_size()
+                fill_fisher(fisher_values[t], rows, fisher, task.name, start)
+        return RawChunk(task, start, stop, raw_base, raws, loras, fisher_values)
 
     return read_ahead(chunk_refs(tasks, floating_only), read, read_ahead_depth)
 

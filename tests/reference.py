@@ -207,3 +207,32 @@ def linear_reference(base, agents, weights, normalize=True):
             total = total + agent[name].float() * w
         out[name] = total / sum(weights) if normalize else total
     return out
+
+
+def fisher_reference(
+    base: dict,
+    agents: list[dict],
+    fishers: list[dict],
+    weights: list[float],
+    lam: float = 1.0,
+    floor: float = 1e-6,
+) -> dict[str, torch.Tensor]:
+    """Fisher merging (Matena & Raffel): base + lambda * sum_t w_t F'_t tau_t / sum_t w_t F'_t, F' = max(F, floor);
+    where the denominator is zero, the weighted mean of the task vectors (0 if every weight is zero)."""
+    merged = {}
+    for name, tv in task_vectors(base, agents).items():
+        numerator = torch.zeros_like(tv[0])
+        denominator = torch.zeros_like(tv[0])
+        plain = torch.zeros_like(tv[0])
+        for tau, fisher, w in zip(tv, fishers, weights, strict=True):
+            f = fisher[name].float()
+            if floor > 0:
+                f = torch.maximum(f, torch.tensor(floor, dtype=torch.float32))
+            wf = f * torch.tensor(w, dtype=torch.float32)
+            numerator = numerator + wf * tau
+            denominator = denominator + wf
+            plain = plain + tau * torch.tensor(w, dtype=torch.float32)
+        fallback = plain / sum(weights) if sum(weights) > 0 else torch.zeros_like(plain)
+        out = torch.where(denominator == 0, fallback, numerator / denominator)
+        merged[name] = base[name].float() + (out * lam if lam != 1.0 else out)
+    return merged

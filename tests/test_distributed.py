@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.distributed import partition_by_bytes
+from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
+from tests.test_fisher_merge import random_fisher
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +51,9 @@ def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     base = make_base_checkpoint(root / "base", hidden_size=32, num_layers=3, intermediate_size=64)
     agents = make_agent_set(base, root, densities=(0.03, 0.46, 0.54), seed=3)
+    base_state = load_file(str(base / "model.safetensors"))
+    for i, agent in enumerate(agents):  # for merge_method: fisher
+        save_file(random_fisher(base_state, seed=i), str(agent / FISHER_FILE))
     return root, base, agents
 
 
@@ -76,6 +81,7 @@ def _files(out):
         ("ram_plus", None, {"rho_scope": "tensor"}),
         ("ties", {"density": 0.3}, {}),
         ("dare_ties", {"density": 0.5}, {}),
+        ("fisher", {"weight": 0.5}, {"fisher_floor": 0.0, "lambda": 0.9}),
     ],
 )
 def test_bit_identical_for_one_two_and_three_processes(inputs, tmp_path, method, agent_params, params):

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
 import ram_trl.streaming
+from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.planner import bytes_per_element, chunk_elements
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
+from tests.test_fisher_merge import random_fisher
 
 BUDGET = 256 * 1024
 
@@ -47,9 +50,13 @@ def model(tmp_path_factory):
     return base, make_agent_set(base, root, densities=(0.03, 0.46, 0.54), seed=2)
 
 
-@pytest.mark.parametrize("method", ["ram_plus", "task_arithmetic", "dare_ties"])
+@pytest.mark.parametrize("method", ["ram_plus", "task_arithmetic", "dare_ties", "fisher"])
 def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatch, method):
     base, agents = model
+    if method == "fisher":
+        base_state = load_file(str(base / "model.safetensors"))
+        for i, agent in enumerate(agents):
+            save_file(random_fisher(base_state, seed=i), str(agent / FISHER_FILE))
     # read in this thread so that the dispatch mode (thread-local) sees the reader's buffers too
     monkeypatch.setattr(
         ram_trl.streaming, "read_ahead", lambda items, read, depth=1: read_ahead(items, read, 0)
@@ -68,7 +75,8 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
     assert 3 * 2048 * 64 * 4 >= 4 * BUDGET  # noqa: SIM300 - the task vectors of one tensor exceed the budget
     assert probe.largest <= BUDGET, f"{probe.op} created a {probe.largest}-byte buffer"
     # and the budget is used: chunks are not needlessly tiny
-    assert probe.largest >= BUDGET // 8
+    # (Fisher inputs add 12 bytes per agent and element to the budget: its chunks are a little smaller)
+    assert probe.largest >= BUDGET // (10 if method == "fisher" else 8)
 
 
 def test_budget_formula_counts_every_agent():

@@ -134,3 +134,20 @@ def test_bad_manifests_name_the_file(tmp_path):
     (bad / MANIFEST_NAME).write_text(json.dumps({"schema_version": 99, "stage": "s"}))
     with pytest.raises(ConfigError, match="newer than this ram_trl"):
         read_manifest(bad)
+
+
+def test_analyze_accepts_stage_manifests_and_finds_their_base(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    stages = [stage_for(ckpts, t) for t in range(2)]
+    by_path = ram_trl.analyze(ckpts.base, ckpts.agents, None, progress=False)
+    by_stage = ram_trl.analyze(None, stages, None, progress=False)
+    assert [a["name"] for a in by_stage["agents"]] == ["vertical0", "vertical1"]
+    for a, b in zip(by_path["agents"], by_stage["agents"], strict=True):
+        assert (a["active"], a["unique"], a["shared"], a["density"]) == (
+            b["active"],
+            b["unique"],
+            b["shared"],
+            b["density"],
+        )
+    with pytest.raises(ConfigError, match="the base may be left out only"):
+        ram_trl.analyze(None, [ckpts.agents[0]], None, progress=False)

@@ -22,6 +22,9 @@ SAFE_SINGLE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 
+#: File name of an agent's diagonal Fisher beside its weights (:mod:`ram_trl.io.fisher`); never a weight file.
+FISHER_FILE = "fisher.safetensors"
+
 #: Files copied from the base (or ``tokenizer_source``) into a merged output directory when present.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -151,7 +154,7 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
                 "torch.load(weights_only=True)"
             )
         return _from_pickle(path, role)
-    others = sorted(path.glob("*.safetensors"))
+    others = [p for p in sorted(path.glob("*.safetensors")) if p.name != FISHER_FILE]
     if others:
         return _from_safetensors_files(path, role, others)
     raise CheckpointError(

@@ -2,18 +2,19 @@
 
 Each method is a thin adapter from a :class:`ChunkInputs` to the pure tensor functions of its family module
 (:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`, :mod:`~ram_trl.methods.ties`,
-:mod:`~ram_trl.methods.dare`).
+:mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from ram_trl.methods import dare, linear, ram, ties
+from ram_trl.methods import dare, fisher, linear, ram, ties
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class Parameter:
 
     Args:
         name: Name in the config.
-        kind: Python type of the value (``float``, ``bool`` or ``str``).
+        kind: Python type of the value (``float``, ``bool``, ``str``, or ``pathlib.Path`` for a file resolved
+            like the config's other paths and kept as a string).
         default: Value when the config omits it.
         scope: ``"global"`` (top-level ``parameters``) or ``"agent"`` (each entry of ``models``).
         help: One line for docs and errors.
@@ -58,6 +60,8 @@ class ChunkInputs:
         cuts: Per-agent magnitude cuts for this tensor (methods that trim by magnitude).
         equal_seen: Per-agent count of threshold-equal elements in earlier chunks of this tensor (updated in place).
         seed: The merge's random seed.
+        fishers: Float32 diagonal Fishers of the agents for this chunk, shape ``(num_agents, n)`` (methods that
+            need them); methods may modify them in place.
     """
 
     name: str
@@ -70,6 +74,7 @@ class ChunkInputs:
     cuts: list[ties.MagnitudeCut] | None = None
     equal_seen: list[int] = field(default_factory=list)
     seed: int = 0
+    fishers: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class MergeMethod:
         merge: Computes the merged task vector of one chunk.
         needs_statistics: Whether global overlap statistics (a full pass over the inputs) must precede merging.
         trims_by_magnitude: Whether each tensor needs a per-agent magnitude cut before merging.
+        needs_fisher: Whether each agent's diagonal Fisher is streamed beside its task vector.
         reference: Paper URL.
     """
 
@@ -94,6 +100,7 @@ class MergeMethod:
     merge: Callable[[ChunkInputs], torch.Tensor]
     needs_statistics: bool = False
     trims_by_magnitude: bool = False
+    needs_fisher: bool = False
     reference: str = ""
 
     def parameter(self, name: str) -> Parameter | None:
@@ -374,4 +381,48 @@ register(
         reference="https://arxiv.org/abs/2203.05482",
     ),
     aliases={"average": Alias("linear"), "model_soup": Alias("linear")},
+)
+
+
+def _merge_fisher(inputs: ChunkInputs) -> torch.Tensor:
+    if inputs.fishers is None:
+        raise RuntimeError(f"{inputs.name}: Fisher merging needs the agents' Fisher values")
+    return fisher.fisher_merge(
+        inputs.deltas,
+        inputs.fishers,
+        inputs.agent_params["weight"],
+        inputs.params["lambda"],
+        inputs.params["fisher_floor"],
+    )
+
+
+register(
+    MergeMethod(
+        name="fisher",
+        pretty_name="Fisher merging",
+        description="lambda * sum_t w_t F_t tau_t / sum_t w_t F_t with each agent's diagonal Fisher F_t",
+        parameters=(
+            _LAMBDA,
+            Parameter(
+                "fisher_floor",
+                float,
+                fisher.DEFAULT_FISHER_FLOOR,
+                "global",
+                "Fisher values below it are raised to it (Matena & Raffel's fisher_floor; 0: none)",
+                minimum=0.0,
+            ),
+            Parameter("weight", float, 1.0, "agent", "per-agent weight w_t", minimum=0.0),
+            Parameter(
+                "fisher",
+                Path,
+                "",
+                "agent",
+                "the agent's Fisher file (default: fisher.safetensors in the agent's directory)",
+            ),
+        ),
+        merge=_merge_fisher,
+        needs_fisher=True,
+        reference="https://arxiv.org/abs/2111.09832",
+    ),
+    aliases={"fisher_merging": Alias("fisher")},
 )

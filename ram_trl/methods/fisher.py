@@ -1,0 +1,64 @@
+"""Fisher merging: task vectors averaged element by element with diagonal Fisher weights (Matena & Raffel, 2022).
+
+For agents ``t`` with task vectors ``tau_t``, diagonal Fishers ``F_t`` and weights ``w_t >= 0``::
+
+    F'_t   = max(F_t, fisher_floor)                               (element-wise)
+    merged = lambda * sum_t w_t F'_t tau_t / sum_t w_t F'_t
+
+which, for ``lambda = 1``, equals Matena & Raffel's Fisher-weighted average of the models themselves
+(``sum_t w_t F'_t theta_t / sum_t w_t F'_t = base + merged``, because the ``F'`` weights of ``base`` sum to the
+denominator). The floor is their ``fisher_floor`` (a maximum, default 1e-6, applied to every model: their
+``favor_target_model=False``); DARE's MergeLM code adds its ``minimal_fisher_weight`` instead.
+
+Where the denominator is zero (only possible with ``fisher_floor = 0``: no agent has Fisher information there, or
+those that have are weighted zero) the merged element is the plain weighted mean ``sum_t w_t tau_t / sum_t w_t``:
+the limit of the floored rule as the floor goes to zero with all ``F_t = 0``, so the result does not jump when the
+floor is switched off; if every weight is zero too, the merged element is 0 (the base is kept).
+
+Products are taken element by element and summed in agent order (no matrix multiply), so chunked and whole-tensor
+results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Matena & Raffel's default ``fisher_floor``.
+DEFAULT_FISHER_FLOOR = 1e-6
+
+
+def fisher_merge(
+    deltas: torch.Tensor,
+    fishers: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float = 1.0,
+    floor: float = DEFAULT_FISHER_FLOOR,
+) -> torch.Tensor:
+    """Fisher-weighted average of task vectors.
+
+    Args:
+        deltas: Float32 task vectors ``tau_t``, shape ``(num_agents, n)``; left unchanged.
+        fishers: Float32 diagonal Fishers ``F_t`` (non-negative), shape ``(num_agents, n)``; overwritten (used as
+            the buffer of ``w_t F'_t``).
+        weights: Per-agent weights ``w_t >= 0``, shape ``(num_agents,)``.
+        scale: The global scaling term ``lambda`` applied to the merged task vector.
+        floor: ``fisher_floor``: Fisher values below it are raised to it (0 disables the floor).
+
+    Returns:
+        The merged task vector, shape ``(n,)``.
+    """
+    weighted = fishers.clamp_(min=floor) if floor > 0 else fishers
+    weighted.mul_(weights.to(weighted.dtype).unsqueeze(-1))
+    denominator = weighted.sum(dim=0)
+    merged = weighted.mul_(deltas).sum(dim=0).div_(denominator)
+    empty = denominator == 0
+    if bool(empty.any()):
+        total = float(weights.sum())
+        if total > 0:
+            mean = (deltas[:, empty] * weights.to(deltas.dtype).unsqueeze(-1)).sum(dim=0).div_(total)
+        else:
+            mean = torch.zeros(int(empty.sum()), dtype=deltas.dtype, device=deltas.device)
+        merged[empty] = mean
+    if scale != 1.0:
+        merged.mul_(scale)
+    return merged
