@@ -31,7 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl.errors import ConfigError
 from ram_trl.stage import StageManifest, write_manifest
-from ram_trl.telemetry.tracker import DEFAULT_PREFIX, TaskVectorTracker, resolve_save_dtype
+from ram_trl.telemetry.tracker import DEFAULT_PREFIX, TaskVectorTracker
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
@@ -116,26 +116,26 @@ class TaskVectorSparsityCallback(TrainerCallback):
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer (or None)")
-        if not eps >= 0:
-            raise ConfigError(f"eps={eps} must be a number >= 0")
-        if base_model is not None and not os.path.exists(base_model):
-            raise ConfigError(
-                f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)"
-            )
-        self.save_dtype = resolve_save_dtype(save_dtype)
+        # validates eps, save_dtype, base_model, r, alpha now; the reference model is known at train begin
+        self.tracker = TaskVectorTracker(
+            base_model,
+            eps=eps,
+            save_dtype=save_dtype,
+            prior_stages=prior_stages,
+            r=r,
+            alpha=alpha,
+            prefix=prefix,
+            magnitudes=magnitudes,
+        )
         self.trainer = trainer
-        self.base_model = None if base_model is None else os.fspath(base_model)
+        self.base_model = self.tracker.base_model
+        self.save_dtype = self.tracker.save_dtype
         self.every_n_steps = every_n_steps
-        self.eps = float(eps)
-        self.prior_stages = [os.fspath(p) for p in prior_stages]
+        self.prefix = prefix
         self.stage_name = stage_name
         self.domain = domain
-        self.prefix = prefix
-        self.r, self.alpha = float(r), float(alpha)
-        self.magnitudes = magnitudes
         self.save_agent = save_agent
         self.write_stage = write_stage
-        self.tracker: TaskVectorTracker | None = None
         self.manifest_file: Path | None = None
 
     def bind(self, trainer: Any) -> TaskVectorSparsityCallback:
@@ -154,18 +154,16 @@ class TaskVectorSparsityCallback(TrainerCallback):
                 "before trainer.train() (the metrics go through the trainer's logging)"
             )
         model = policy_of(kwargs.get("model") or self.trainer.model)
-        self.tracker = TaskVectorTracker(
-            self.base_model,
-            reference_model=getattr(self.trainer, "ref_model", None),
-            eps=self.eps,
-            save_dtype=self.save_dtype,
-            prior_stages=self.prior_stages,
-            r=self.r,
-            alpha=self.alpha,
-            prefix=self.prefix,
-            magnitudes=self.magnitudes,
-        )
+        reference = getattr(self.trainer, "ref_model", None)
+        if getattr(self.trainer.args, "sync_ref_model", False):
+            reference = None  # the reference model follows the policy: it is not the base
+        self.tracker.reference_model = reference
         self.tracker.setup(model)
+        if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
+            raise ConfigError(
+                f"training resumes at step {state.global_step}, so the weights at train begin are not the base; "
+                "pass base_model=PATH to TaskVectorSparsityCallback (or train with a reference model)"
+            )
 
     def interval(self, args: TrainingArguments, state: TrainerState) -> int:
         """Steps between measurements: ``every_n_steps``, else the trainer's logging steps."""
@@ -177,7 +175,6 @@ class TaskVectorSparsityCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        assert self.tracker is not None
         step = state.global_step
         final = step >= state.max_steps or control.should_training_stop
         if step % self.interval(args, state) == 0 or final:
@@ -204,7 +201,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.tracker is None:
+        if not self.tracker.ready:
             return
         out_dir = Path(args.output_dir)
         if self.save_agent:
@@ -216,7 +213,6 @@ class TaskVectorSparsityCallback(TrainerCallback):
 
     def manifest(self, args: TrainingArguments, state: TrainerState) -> StageManifest:
         """The stage manifest of the finished run."""
-        assert self.tracker is not None
         unwrapped = policy_of(self.trainer.accelerator.unwrap_model(self.trainer.model))
         config = getattr(unwrapped, "config", None)
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"

@@ -319,3 +319,18 @@ def test_callback_without_trainer_fails_clearly(base, tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         TaskVectorSparsityCallback(**kwargs)
+
+
+def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    args = TrainingArguments(output_dir=str(tmp_path / "resumed"), report_to=[], use_cpu=True)
+    trainer = Trainer(model=model, args=args)
+    callback = TaskVectorSparsityCallback(trainer=trainer)
+    with pytest.raises(ConfigError, match="resumes at step 5.*base_model=PATH"):
+        callback.on_train_begin(args, TrainerState(global_step=5), TrainerControl(), model=model)
+    # with the base on disk, resuming is fine
+    callback = TaskVectorSparsityCallback(trainer=trainer, base_model=base)
+    callback.on_train_begin(args, TrainerState(global_step=5), TrainerControl(), model=model)
+    assert callback.tracker.base_description.startswith("base checkpoint")

@@ -30,8 +30,12 @@ What one measurement reports (names under ``prefix``, default ``task_vector/``):
   ``prior/overlap`` (share of this run's active elements that some prior also updates), ``prior/<stage>/overlap``,
   ``prior/rho``, ``prior/lambda_ram_plus``, ``prior/lambda_ram_plus_soft`` (this agent's rho_t / lambda_t in a
   merge with the priors);
-- ``measure_seconds``, ``state_mb`` (memory the tracker keeps between measurements: a snapshot of the base if one
-  was needed, the priors' bit masks, the magnitude histogram) and ``numel``.
+- ``measure_seconds``, ``state_mb`` (memory the tracker keeps that grows with the model: a snapshot of the base if
+  one was needed, the priors' bit masks), ``work_mb`` (the fixed chunk buffers every measurement reuses) and
+  ``numel``.
+
+An element is active when ``|tau| > eps`` in float32 (strict; NaN is inactive): the test of
+:func:`ram_trl.methods.ram.active_mask`, written with preallocated buffers.
 """
 
 from __future__ import annotations
@@ -46,10 +50,9 @@ from typing import Any, Literal
 import torch
 
 from ram_trl.analysis import TensorAnalysis, anatomy
-from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
-from ram_trl.methods.ram import DEFAULT_EPS, active_mask
+from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold
 from ram_trl.stage import BaseFingerprint, fingerprint_checkpoint
 from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics
 from ram_trl.telemetry.base import (
@@ -61,10 +64,10 @@ from ram_trl.telemetry.base import (
     source_fingerprint,
 )
 from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
-from ram_trl.telemetry.shards import LocalShard, iter_local_shards
+from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
 
-#: Elements compared at once (a multiple of 8; bounds the measurement's working memory to ~100 MB).
-CHUNK_ELEMENTS = 1 << 22
+#: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
+CHUNK_ELEMENTS = 1 << 18
 DEFAULT_PREFIX = "task_vector/"
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -287,12 +290,7 @@ def _single(active: int, numel: int) -> OverlapStatistics:
     )
 
 
-def _dist_context() -> DistContext:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            return DistContext(rank=torch.distributed.get_rank(), world_size=world)
-    return DistContext()
+_dist_context = training_context
 
 
 class TaskVectorTracker:
@@ -358,8 +356,15 @@ class TaskVectorTracker:
         self.last_step: int | None = None
         self.history: list[tuple[int | None, dict[str, float]]] = []
         self._ready = False
+        self._threshold = float32_threshold(self.eps)
+        self._workspaces: dict[torch.device, _Workspace] = {}
 
     # -- setup ---------------------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`setup` has run."""
+        return self._ready
 
     @property
     def base_description(self) -> str:
@@ -497,6 +502,9 @@ class TaskVectorTracker:
         magnitudes = MagnitudeStatistics.zeros(1)
         overlap = OverlapStatistics.zeros(num_priors + 1)
         replicated = 0
+        # active deltas are batched into one MagnitudeStatistics update per ~chunk_elements of them
+        pending: list[torch.Tensor] = []
+        pending_numel = 0
         with torch.no_grad():
             for region in layout.regions:
                 if ctx.enabled and not region.shard.partitioned:
@@ -504,21 +512,35 @@ class TaskVectorTracker:
                     if (replicated - 1) % ctx.world_size != ctx.rank:
                         continue
                 row = counts[index[region.name]]
-                for start, count, tau, saved in self._deltas(region):
-                    row[3] += count
-                    if tau is None:
-                        if self.priors is not None:
-                            self._update_overlap(overlap, region, start, torch.zeros(count, dtype=torch.bool))
-                        continue
-                    mask = active_mask(tau, self.eps)
-                    row[0] += int(mask.count_nonzero())
-                    row[1] += int(active_mask(tau, 0.0).count_nonzero())
-                    saved_mask = mask if saved is None else active_mask(saved, self.eps)
-                    row[2] += int(saved_mask.count_nonzero())
-                    if self.magnitudes:
-                        magnitudes.update(tau.unsqueeze(0), mask.unsqueeze(0))
+                row[3] += region.shard.numel
+                if region.kind == "frozen":  # tau = 0: nothing active, nothing changed
                     if self.priors is not None:
-                        self._update_overlap(overlap, region, start, saved_mask)
+                        for start in range(0, region.shard.numel, self.chunk_elements):
+                            count = min(self.chunk_elements, region.shard.numel - start)
+                            self._update_overlap(overlap, region, start, torch.zeros(count, dtype=torch.bool))
+                    continue
+                for start, tau, saved in self._deltas(region):
+                    ws = self._workspace(tau.device)
+                    count = tau.numel()
+                    mask, scratch = ws.mask[:count], ws.scratch[:count]
+                    row[1] += int(torch.count_nonzero(tau))
+                    torch.gt(torch.abs(tau, out=scratch), self._threshold, out=mask)
+                    row[0] += int(torch.count_nonzero(mask))
+                    saved_mask = mask
+                    if saved is not None:
+                        saved_mask = ws.saved_mask[:count]
+                        torch.gt(torch.abs(saved, out=saved), self._threshold, out=saved_mask)
+                    row[2] += int(torch.count_nonzero(saved_mask))
+                    if self.magnitudes:
+                        values = tau[mask].cpu()
+                        pending.append(values)
+                        pending_numel += values.numel()
+                        if pending_numel >= self.chunk_elements:
+                            _flush_magnitudes(magnitudes, pending)
+                            pending_numel = 0
+                    if self.priors is not None:
+                        self._update_overlap(overlap, region, start, saved_mask.cpu())
+            _flush_magnitudes(magnitudes, pending)
         if ctx.enabled:
             ctx.all_reduce_sum(counts)
             magnitudes.all_reduce(ctx)
@@ -526,6 +548,7 @@ class TaskVectorTracker:
         metrics = self._metrics(names, counts, magnitudes, overlap)
         metrics["measure_seconds"] = time.perf_counter() - started
         metrics["state_mb"] = self.state_bytes / 2**20
+        metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces.values()) / 2**20
         out = {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
         self.last = out
         self.last_step = step
@@ -539,46 +562,57 @@ class TaskVectorTracker:
         prior_rows = self.priors.rows(region.name, region.shard.offset, start, saved_mask.numel())
         overlap.update(torch.cat([prior_rows, saved_mask.unsqueeze(0)]))
 
-    def _deltas(self, region: Region) -> Iterator[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]:
-        """``(start, count, tau, tau_saved)`` per chunk of a region (``start`` relative to the region).
+    def _workspace(self, device: torch.device) -> _Workspace:
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = _Workspace(self.chunk_elements, self.save_dtype, device)
+            self._workspaces[device] = ws
+        return ws
 
-        ``tau`` is the float32 task vector on the CPU, ``None`` for frozen regions (all zero); ``tau_saved`` the
-        task vector after rounding to ``save_dtype``, ``None`` when rounding changes nothing.
+    def _deltas(self, region: Region) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """``(start, tau, tau_saved)`` per chunk of a ``dense`` or ``lora`` region (``start`` relative to the region).
+
+        ``tau`` is the float32 task vector, ``tau_saved`` the task vector after rounding both sides (LoRA: both
+        factors) to ``save_dtype``, ``None`` when rounding changes nothing. Both are views into reused buffers,
+        valid until the next chunk.
         """
         shard = region.shard
-        if region.kind == "frozen":
-            for start in range(0, shard.numel, self.chunk_elements):
-                yield start, min(self.chunk_elements, shard.numel - start), None, None
-            return
         if region.kind == "lora":
             assert region.lora is not None
             lora = region.lora
             round_factors = not (self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT)
             for start, count, row_start, row_stop in _lora_chunks(region, self.chunk_elements):
                 skip = shard.offset + start - row_start * _row_numel(shard.shape)
-                tau = lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count]
+                ws = self._workspace(torch.device("cpu"))
+                tau = ws.tau[:count]
+                tau.copy_(lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count])
                 saved = None
                 if round_factors:
-                    saved = lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[
-                        skip : skip + count
-                    ]
-                yield start, count, tau, saved
+                    saved = ws.saved[:count]
+                    saved.copy_(
+                        lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[skip : skip + count]
+                    )
+                yield start, tau, saved
             return
         assert self.source is not None
         for start in range(0, shard.numel, self.chunk_elements):
             count = min(self.chunk_elements, shard.numel - start)
             trained = shard.values[start : start + count]
-            base = self.source.read(region.name, shard.offset + start, count)
-            if base.device != trained.device:
-                base = base.to(trained.device)
-            tau = (trained.to(torch.float32) - base.to(torch.float32)).cpu()
+            ws = self._workspace(trained.device)
+            stored = self.source.read(region.name, shard.offset + start, count)
+            base = ws.base[:count]
+            base.copy_(stored)
+            tau = torch.sub(trained, base, out=ws.tau[:count])
             saved = None
-            if not self._saving_is_exact(trained.dtype, base.dtype):
-                rounded = trained.to(self.save_dtype).to(torch.float32) - base.to(self.save_dtype).to(
-                    torch.float32
-                )
-                saved = rounded.cpu()
-            yield start, count, tau, saved
+            if not self._saving_is_exact(trained.dtype, stored.dtype):
+                rounded = ws.rounded[:count]
+                saved = ws.saved[:count]
+                saved.copy_(rounded.copy_(trained))
+                if stored.dtype != self.save_dtype:
+                    base = ws.base_saved[:count]
+                    base.copy_(rounded.copy_(stored))
+                torch.sub(saved, base, out=saved)
+            yield start, tau, saved
 
     def _saving_is_exact(self, trained: torch.dtype, base: torch.dtype) -> bool:
         """Whether rounding both sides to ``save_dtype`` leaves the task vector unchanged."""
@@ -638,6 +672,46 @@ class TaskVectorTracker:
             "prior_stages": [] if self.priors is None else [s.name for s in self.priors.stages],
             "measured_steps": [s for s, _ in self.history],
         }
+
+
+def _flush_magnitudes(magnitudes: MagnitudeStatistics, pending: list[torch.Tensor]) -> None:
+    """Add the pending active deltas to ``magnitudes`` in one update, and empty the list."""
+    if not pending:
+        return
+    values = pending[0] if len(pending) == 1 else torch.cat(pending)
+    magnitudes.update(values.unsqueeze(0), torch.ones(1, values.numel(), dtype=torch.bool))
+    pending.clear()
+
+
+class _Workspace:
+    """Buffers reused by every chunk of a measurement (no allocation, no page faults in the hot loop)."""
+
+    def __init__(self, numel: int, save_dtype: torch.dtype, device: torch.device) -> None:
+        def f32() -> torch.Tensor:
+            return torch.empty(numel, dtype=torch.float32, device=device)
+
+        self.base, self.tau, self.saved, self.base_saved, self.scratch = f32(), f32(), f32(), f32(), f32()
+        self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
+        self.mask = torch.empty(numel, dtype=torch.bool, device=device)
+        self.saved_mask = torch.empty(numel, dtype=torch.bool, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            sum(
+                t.numel() * t.element_size()
+                for t in (
+                    self.base,
+                    self.tau,
+                    self.saved,
+                    self.base_saved,
+                    self.scratch,
+                    self.rounded,
+                    self.mask,
+                )
+            )
+            + self.saved_mask.numel()
+        )
 
 
 def _row_numel(shape: tuple[int, ...]) -> int:
