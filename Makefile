@@ -10,12 +10,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,mergekit,telemetry]"
+	$(BIN)/python -m pip install --quiet -e ".[test,mergekit,telemetry,distributed]"
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/ram-trl example example_out --overwrite
-	$(BIN)/ram-trl merge example_out/merge.yaml example_out/merged --overwrite
+	$(BIN)/ram-trl demo --out demo_out
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -27,4 +26,4 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) example_out
+	rm -rf $(VENV) example_out demo_out

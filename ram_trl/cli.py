@@ -118,6 +118,71 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_run(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run a specialize-then-merge recipe: RL stages, analysis, merges, evaluation, results table",
+        description=(
+            "Run a recipe: build or load the base (optional warm start), train each stage in its own process "
+            "(accelerate launch when the stage names an accelerate config) with the sparsity callback, analyse the "
+            "agents, run every merge (list-valued parameters sweep), score every model on every stage's held-out "
+            "prompts, and write results.md, results.json and charts into the run directory."
+        ),
+    )
+    parser.add_argument("recipe", help="recipe (YAML)")
+    parser.add_argument("--out", help="run directory (default: the recipe's output_dir, else runs/NAME)")
+    parser.add_argument("--only", metavar="STAGE", help="train only this stage (no merges, no evaluation)")
+    parser.add_argument("--resume", action="store_true", help="skip stages whose ram_stage.json is complete")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the recipe offline (schema, imports, configs) and stop",
+    )
+    parser.add_argument(
+        "--skip-paths",
+        action="store_true",
+        help="with --dry-run: do not check that model checkpoints and prompt files exist (not downloaded yet)",
+    )
+    parser.add_argument("--no-figures", action="store_true", help="write no PNG charts")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="score a model (base, agent, merge, or PEFT adapter) on a recipe's held-out prompts",
+        description="Score any transformers-loadable model on each stage's held-out prompts with its rewards.",
+    )
+    parser.add_argument(
+        "model", help="model directory, or PEFT adapter directory (with --base or its config)"
+    )
+    parser.add_argument(
+        "--recipe", required=True, help="recipe (YAML) whose stages' prompts and rewards to use"
+    )
+    parser.add_argument("--stage", nargs="+", metavar="STAGE", help="score only these stages (default: all)")
+    parser.add_argument("--base", help="base model of an adapter (default: the adapter config's)")
+    parser.add_argument("--max-new-tokens", type=int, help="override the recipe's evaluation.max_new_tokens")
+    parser.add_argument("--json", dest="json_out", help="also write the scores and samples to this JSON file")
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="the embedded CPU demo: tiny base, warm start, three GRPO specialists, merges, evaluation table",
+        description=(
+            "Run recipes/demo-cpu.yaml on the CPU without downloads (about 10-15 minutes on 2 cores): a tiny "
+            "Qwen2 with a character tokenizer, a supervised warm start, three GRPO specialists (arithmetic, tool "
+            "calls, key-value recall) saved in bf16, the sparsity analysis, every merge and the score table."
+        ),
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a minutes-long smoke version (tiny sizes and steps)"
+    )
+    parser.add_argument("--out", default="demo_out", help="run directory (default: demo_out)")
+    parser.add_argument("--resume", action="store_true", help="skip stages already complete in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "fisher",
@@ -155,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_example(subparsers)
     _add_methods(subparsers)
     _add_analyze(subparsers)
+    _add_run(subparsers)
+    _add_eval(subparsers)
+    _add_demo(subparsers)
     _add_fisher(subparsers)
     return parser
 
@@ -243,6 +311,95 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ram_trl.recipes.runner import RunOptions, run_recipe
+
+    if args.skip_paths and not args.dry_run:
+        raise RamTrlError("--skip-paths only applies to --dry-run (a run needs its models)")
+    run_recipe(
+        args.recipe,
+        RunOptions(
+            out=Path(args.out) if args.out else None,
+            only=args.only,
+            resume=args.resume,
+            dry_run=args.dry_run,
+            check_paths=not args.skip_paths,
+            progress=not args.no_progress,
+            figures=not args.no_figures,
+        ),
+    )
+    return 0
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ram_trl.recipes.data import draw_rows
+    from ram_trl.recipes.evaluate import EvalTask, evaluate_model
+    from ram_trl.recipes.schema import load_recipe
+
+    recipe, root = load_recipe(args.recipe)
+    names = args.stage or recipe.names
+    tasks = []
+    for name in names:
+        stage = recipe.stage(name)
+        _, held = draw_rows(stage, root)
+        if held and stage.rewards:
+            tasks.append(EvalTask(stage.name, held, stage.rewards))
+    if not tasks:
+        raise RamTrlError(
+            f"recipe {args.recipe}: no stage among {', '.join(names)} has held-out prompts and rewards"
+        )
+    spec = recipe.evaluation
+    if args.max_new_tokens is not None:
+        spec = spec.model_copy(update={"max_new_tokens": args.max_new_tokens})
+    result = evaluate_model(args.model, tasks, spec, base=args.base)
+    table = Table(title=f"{args.model}: held-out scores ({recipe.name})")
+    for column in ("stage", "score", "prompts", "example completion"):
+        table.add_column(column, justify="right" if column in ("score", "prompts") else "left")
+    for task in tasks:
+        sample = result["samples"][task.stage][0] if result["samples"].get(task.stage) else None
+        example = f"{sample['prompt']!r} -> {sample['completion']!r}" if sample else ""
+        table.add_row(
+            task.stage, f"{result['scores'][task.stage]:.3f}", str(result["n"][task.stage]), example
+        )
+    scores = list(result["scores"].values())
+    table.add_row("average", f"{sum(scores) / len(scores):.3f}", "", "")
+    Console().print(table)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"model": args.model, **result}, indent=2) + "\n")
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
+    from ram_trl.recipes.runner import RunOptions, run_recipe
+
+    Console(stderr=True).print(
+        f"[bold]ram-trl demo[/]{' --quick' if args.quick else ''}: recipe {DEMO_RECIPE}, run directory {args.out}"
+    )
+    run_recipe(
+        DEMO_RECIPE,
+        RunOptions(
+            out=Path(args.out),
+            resume=args.resume,
+            progress=not args.no_progress,
+            overrides=QUICK_OVERRIDES if args.quick else {},
+        ),
+    )
+    return 0
+
+
 def _run_fisher(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -284,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "example": _run_example,
         "methods": _run_methods,
         "analyze": _run_analyze,
+        "run": _run_run,
+        "eval": _run_eval,
+        "demo": _run_demo,
         "fisher": _run_fisher,
     }
     try:

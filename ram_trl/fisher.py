@@ -110,14 +110,10 @@ def generate_completions(
         eos = tokenizer.eos_token_id
     pad = getattr(defaults, "pad_token_id", None)
     pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    # sampling draws from the full distribution: set explicitly, so a checkpoint's own defaults cannot narrow it
+    warpers = {"temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {}
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        eos_token_id=eos,
-        pad_token_id=pad,
+        max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos, pad_token_id=pad, **warpers
     )
     device = next(model.parameters()).device
     completions = []
@@ -177,6 +173,8 @@ def fisher_from_completions(
 
         iterator = tqdm(completions, desc="fisher", unit="sample", dynamic_ncols=True)
     device = params[0][1].device if params else torch.device("cpu")
+    # transformers models: no KV cache in the scoring pass
+    extra = {"use_cache": False} if hasattr(model, "config") else {}
     try:
         for _, p in params:
             p.requires_grad_(True)
@@ -188,7 +186,7 @@ def fisher_from_completions(
                     )
                 ids = torch.cat([item.prompt_ids, item.completion_ids]).unsqueeze(0).to(device)
                 start = item.prompt_ids.numel()
-                logits = model(input_ids=ids).logits[0, start - 1 : -1].float()
+                logits = model(input_ids=ids, **extra).logits[0, start - 1 : -1].float()
                 log_likelihood = (
                     torch.log_softmax(logits, dim=-1)
                     .gather(-1, item.completion_ids.to(device).unsqueeze(-1))

@@ -153,6 +153,9 @@ def model_card(report: dict[str, Any]) -> str:
             "save in full): their density is close to 100% on those modules and 0 elsewhere, so for them 'unique' "
             "means 'in a module no other agent touches' rather than 'an element RL changed alone'."
         )
+    if report["merge_method"] == "fisher":
+        lines += ["", "Each agent's task vector is weighted by its diagonal Fisher, read from:", ""]
+        lines += [f"- `{agent['name']}`: `{agent['parameters'].get('fisher')}`" for agent in report["agents"]]
     staged = [agent for agent in report["agents"] if agent.get("stage")]
     if staged:
         lines += ["", "## Stages", ""]

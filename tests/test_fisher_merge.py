@@ -105,6 +105,8 @@ def test_streaming_equals_reference(inputs, tmp_path, params, weights, floor):
     assert report["merge_method"] == "fisher"
     assert [a["parameters"]["fisher"] for a in report["agents"]] == [str(a / FISHER_FILE) for a in agents]
     assert report["bytes_read"] > sum((a / FISHER_FILE).stat().st_size for a in agents)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert all(f"- `{a.name}`: `{a / FISHER_FILE}`" in card for a in agents)
 
 
 def test_zero_denominator_branch_is_exercised(inputs):
@@ -311,3 +313,42 @@ def test_dry_run_plans_the_fisher_reads(inputs, tmp_path):
         progress=False,
     )
     assert summary["bytes_read"] - without["bytes_read"] == fisher_bytes
+
+
+@pytest.mark.filterwarnings("ignore:.*of its elements differ from the base")
+def test_resized_vocabulary_uses_the_agents_own_fisher_shape(tmp_path):
+    """An agent with 2 extra embedding rows may store its Fisher with its own shape; the base rows are Fisher-merged,
+    the extra rows are the agent's (as for every method), and a Fisher of a third shape is refused."""
+    g = torch.Generator().manual_seed(3)
+    base = {"embed": torch.randn(6, 4, generator=g), "w": torch.randn(3, 4, generator=g)}
+    grown = {"embed": torch.cat([base["embed"] + 0.1, torch.randn(2, 4, generator=g)]), "w": base["w"] - 0.2}
+    other = {"embed": base["embed"] - 0.3, "w": base["w"] + 0.4}
+    fishers = [
+        {"embed": torch.rand(8, 4, generator=g), "w": torch.rand(3, 4, generator=g)},
+        {"embed": torch.rand(6, 4, generator=g), "w": torch.rand(3, 4, generator=g)},
+    ]
+    for name, tensors, fisher in [
+        ("base", base, None),
+        ("grown", grown, fishers[0]),
+        ("other", other, fishers[1]),
+    ]:
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        if fisher is not None:
+            save_file(fisher, str(tmp_path / name / FISHER_FILE))
+    config = {
+        **_config(tmp_path / "base", [tmp_path / "grown", tmp_path / "other"]),
+        "shape_mismatch": "merge_common_rows",
+    }
+    with pytest.warns(UserWarning, match="config.json"):
+        ram_trl.merge(config, tmp_path / "out", progress=False)
+    merged = load_file(str(tmp_path / "out" / "model.safetensors"))
+    truncated = [{"embed": fishers[0]["embed"][:6], "w": fishers[0]["w"]}, fishers[1]]
+    grown_common = {"embed": grown["embed"][:6], "w": grown["w"]}
+    expected = reference.fisher_reference(base, [grown_common, other], truncated, [1.0, 1.0])
+    assert torch.equal(merged["embed"][:6], expected["embed"])
+    assert torch.equal(merged["w"], expected["w"])
+    assert torch.equal(merged["embed"][6:], grown["embed"][6:])
+    save_file({"embed": torch.rand(7, 4), "w": torch.rand(3, 4)}, str(tmp_path / "other" / FISHER_FILE))
+    with pytest.raises(CheckpointError, match=r"agent 1 \(other\).*'embed' has shape \[7, 4\]"):
+        ram_trl.merge(config, tmp_path / "out2", progress=False)

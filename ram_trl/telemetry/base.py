@@ -27,7 +27,7 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.safetensors_io import TensorInfo, dtype_itemsize
 from ram_trl.stage import FINGERPRINT_ELEMENTS, BaseFingerprint, fingerprint_heads, fingerprint_names
-from ram_trl.telemetry.shards import LocalShard, iter_local_shards
+from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
 
 #: Wrapper prefixes stripped from parameter names: DDP / DeepSpeed (``module.``), torch.compile (``_orig_mod.``),
 #: FSDP1 and activation checkpointing wrappers, PEFT (``base_model.model.``).
@@ -104,7 +104,10 @@ def source_fingerprint(source: BaseSource, names: Iterable[str] | None = None) -
 
     def head(name: str) -> tuple[tuple[int, ...], torch.Tensor]:
         shape = source.shape(name)
-        return shape, source.read(name, 0, min(math.prod(shape), FINGERPRINT_ELEMENTS))
+        numel = min(math.prod(shape), FINGERPRINT_ELEMENTS)
+        if isinstance(source, ModelBase):
+            return shape, source.head(name, numel)
+        return shape, source.read(name, 0, numel)
 
     return fingerprint_heads(head, chosen)
 
@@ -143,6 +146,26 @@ class ModelBase:
         if shard is None:
             raise CheckpointError(f"{self.description}: has no parameter {name!r}")
         return _slice(shard, name, offset, numel, self.description)
+
+    def head(self, name: str, numel: int) -> torch.Tensor:
+        """The first ``numel`` elements of base tensor ``name``, wherever they are held.
+
+        A partitioned parameter's head may lie on several processes (ZeRO-3 partitions or FSDP2 row blocks smaller
+        than ``numel``): every process contributes the elements it holds and the float64 buffer is all-reduced
+        (exact: every element is added to zeros once). Every process must call this for the same tensors in the
+        same order.
+        """
+        shard = self._shards.get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.description}: has no parameter {name!r}")
+        ctx = training_context()
+        if not (shard.partitioned and ctx.enabled):
+            return _slice(shard, name, 0, numel, self.description)
+        buffer = torch.zeros(numel, dtype=torch.float64)
+        stop = min(shard.offset + shard.numel, numel)
+        if stop > shard.offset:
+            buffer[shard.offset : stop] = shard.values[: stop - shard.offset].to("cpu", torch.float64)
+        return ctx.all_reduce_sum(buffer)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shards[name].shape

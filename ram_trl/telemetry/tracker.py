@@ -50,7 +50,6 @@ from typing import Any, Literal
 import torch
 
 from ram_trl.analysis import TensorAnalysis, anatomy
-from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold
@@ -65,7 +64,7 @@ from ram_trl.telemetry.base import (
     source_fingerprint,
 )
 from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
-from ram_trl.telemetry.shards import LocalShard, iter_local_shards
+from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
@@ -291,12 +290,7 @@ def _single(active: int, numel: int) -> OverlapStatistics:
     )
 
 
-def _dist_context() -> DistContext:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world > 1:
-            return DistContext(rank=torch.distributed.get_rank(), world_size=world)
-    return DistContext()
+_dist_context = training_context
 
 
 class TaskVectorTracker:

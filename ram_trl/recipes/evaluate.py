@@ -1,0 +1,132 @@
+"""Scoring a model on the stages' held-out prompts with each stage's own reward functions.
+
+Greedy decoding by default, the seed set before each stage's generation, prompts batched with left padding. A
+completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ram_trl.recipes.schema import EvaluationSpec, import_object
+
+__all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_completions"]
+
+
+@dataclass
+class EvalTask:
+    """One stage's held-out prompts and reward functions (``paths`` are the functions' import paths)."""
+
+    stage: str
+    rows: list[dict[str, Any]]
+    paths: list[str]
+
+    def functions(self) -> list[Any]:
+        return [import_object(p, f"stage {self.stage!r}: reward function") for p in self.paths]
+
+
+def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
+    """Load a causal LM for evaluation (:func:`ram_trl.fisher.load_agent`: a model directory, or a PEFT adapter
+    merged into its base), in eval mode with left padding for batched generation.
+
+    Args:
+        path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
+        dtype: Dtype to load in.
+        base: Base model of an adapter (default: the adapter config's ``base_model_name_or_path``).
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer comes from ``path`` when it has one, else from the base.
+
+    Raises:
+        RamTrlError: naming the path when it is missing, or an adapter whose base cannot be found.
+    """
+    from transformers.utils import logging as hf_logging
+
+    from ram_trl.fisher import load_agent
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_agent(path, base, getattr(torch, dtype))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+@torch.no_grad()
+def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpec) -> list[str]:
+    """Completions of ``prompts`` (new tokens only, special tokens dropped), batched, seeded."""
+    completions: list[str] = []
+    torch.manual_seed(spec.seed)
+    for start in range(0, len(prompts), spec.batch_size):
+        batch = tokenizer(
+            prompts[start : start + spec.batch_size],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
+        sampling = (
+            {"do_sample": True, "temperature": spec.temperature} if spec.do_sample else {"do_sample": False}
+        )
+        output = model.generate(
+            **batch,
+            max_new_tokens=spec.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **sampling,
+        )
+        new = output[:, batch["input_ids"].shape[1] :]
+        completions.extend(tokenizer.batch_decode(new, skip_special_tokens=True))
+    return completions
+
+
+def score_completions(
+    functions: list[Any], rows: list[dict[str, Any]], completions: list[str]
+) -> list[float]:
+    """Per completion, the sum of the reward functions (called TRL-style with the rows' columns)."""
+    columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
+    totals = [0.0] * len(completions)
+    for fn in functions:
+        values = fn(prompts=[r["prompt"] for r in rows], completions=completions, **columns)
+        for i, value in enumerate(values):
+            totals[i] += float(value) if value is not None else 0.0
+    return totals
+
+
+def evaluate_model(
+    path: str | Path,
+    tasks: list[EvalTask],
+    spec: EvaluationSpec,
+    *,
+    base: str | Path | None = None,
+    samples: int = 3,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score one model on every task.
+
+    Returns:
+        ``{"scores": {stage: mean}, "n": {stage: prompts}, "samples": {stage: [{prompt, completion, reward}]},
+        "seconds": float}``.
+    """
+    start = time.perf_counter()
+    model, tokenizer = load_model(path, spec.dtype, base)
+    result: dict[str, Any] = {"scores": {}, "n": {}, "samples": {}}
+    for task in tqdm(tasks, desc=f"eval {Path(path).name}", disable=not progress, leave=False):
+        if not task.rows:
+            continue
+        completions = generate(model, tokenizer, [r["prompt"] for r in task.rows], spec)
+        totals = score_completions(task.functions(), task.rows, completions)
+        result["scores"][task.stage] = sum(totals) / len(totals)
+        result["n"][task.stage] = len(totals)
+        result["samples"][task.stage] = [
+            {"prompt": r["prompt"], "completion": c, "reward": v}
+            for r, c, v in list(zip(task.rows, completions, totals, strict=True))[:samples]
+        ]
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result

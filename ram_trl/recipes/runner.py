@@ -1,0 +1,567 @@
+"""``ram-trl run``: base -> warm start -> one RL process per stage -> analysis -> merges -> evaluation -> results.
+
+Run directory layout (``--out``, else the recipe's ``output_dir``, else ``runs/NAME``)::
+
+    recipe.yaml              the validated recipe the stage processes read
+    base_init/               the built base (recipes with base.build)
+    base/                    the warm-started base (recipes with warm_start): base of every stage and merge
+    data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out prompts
+    stages/STAGE/            the agent (saved in the stage's save_dtype) and ram_stage.json
+    logs/STAGE.log           the stage process's output
+    analysis/                ram-trl analyze over the agents (analysis.json, analysis.md, figures)
+    merges/ROW/              one merged model per merge row
+    eval/MODEL.json          each model's held-out scores and sample completions
+    results.json, results.md, scores.png
+
+A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint; ``--resume`` skips
+complete stages (the base, warm start and prompt files are reused whenever complete). A failed stage stops the
+run with a :class:`StageError` naming the stage and its log; finished stages are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.recipes.data import draw_rows, draw_warm_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, expand_merges, load_recipe, validate_recipe
+
+__all__ = ["RunOptions", "StageError", "run_recipe", "stage_complete"]
+
+
+class StageError(RamTrlError):
+    """A stage process failed; the message names the stage, its exit code, its last error line and its log."""
+
+
+@dataclass
+class RunOptions:
+    """Options of :func:`run_recipe` (see ``ram-trl run --help``)."""
+
+    out: Path | None = None
+    only: str | None = None
+    resume: bool = False
+    dry_run: bool = False
+    check_paths: bool = True
+    progress: bool = True
+    figures: bool = True
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _resolve(path: str, root: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (root / p).resolve()
+
+
+def stage_complete(stage_dir: Path) -> bool:
+    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage)."""
+    from ram_trl.stage import MANIFEST_NAME, checkpoint_path, read_manifest
+
+    try:
+        manifest = read_manifest(stage_dir / MANIFEST_NAME)
+    except ConfigError:
+        return False
+    checkpoint = checkpoint_path(manifest, stage_dir / MANIFEST_NAME)
+    return (checkpoint / "config.json").is_file() or (checkpoint / "adapter_config.json").is_file()
+
+
+def safe_name(name: str) -> str:
+    """A directory name for a row label (``ram_plus(r=0.1)`` -> ``ram_plus_r=0.1_``)."""
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
+
+
+class Run:
+    """One execution of a recipe (use :func:`run_recipe`)."""
+
+    def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
+        self.recipe, self.root, self.dir, self.options = recipe, root, run_dir, options
+        self.console = _console()
+        self.timings: dict[str, float] = {}
+        self.notes: list[str] = []
+
+    # -- paths -----------------------------------------------------------------------------------------------
+    def stage_dir(self, stage: StageSpec) -> Path:
+        return self.dir / "stages" / stage.name
+
+    def agent_path(self, stage: StageSpec) -> Path:
+        return _resolve(stage.checkpoint, self.root) if stage.checkpoint else self.stage_dir(stage)
+
+    @property
+    def base(self) -> Path:
+        if self.recipe.warm_start is not None:
+            return self.dir / "base"
+        if self.recipe.base.build is not None:
+            return self.dir / "base_init"
+        return _resolve(self.recipe.base.path, self.root)
+
+    def _timed(self, key: str, start: float) -> None:
+        self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
+
+    def resolved_recipe(self) -> dict[str, Any]:
+        """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
+        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere."""
+        data = self.recipe.model_dump(mode="json", exclude_none=True)
+        if "path" in data["base"]:
+            data["base"]["path"] = str(_resolve(data["base"]["path"], self.root))
+        for stage in data["stages"]:
+            for key in ("checkpoint", "accelerate_config"):
+                if key in stage:
+                    stage[key] = str(_resolve(stage[key], self.root))
+            for key in ("train_file", "eval_file"):
+                if key in stage.get("prompts", {}):
+                    stage["prompts"][key] = str(_resolve(stage["prompts"][key], self.root))
+        return data
+
+    # -- phases ----------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
+        (self.dir / "recipe.yaml").write_text(text, encoding="utf-8")
+        start = time.perf_counter()
+        for stage in self.recipe.stages:
+            train, held = draw_rows(stage, self.root)
+            write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
+            write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
+            if self.recipe.warm_start is not None:
+                write_jsonl(draw_warm_rows(stage, held), self.dir / "data" / stage.name / "warm.jsonl")
+        self._timed("data", start)
+        if self.recipe.base.build is not None:
+            self.build_base()
+        if self.recipe.warm_start is not None:
+            self.warm_start()
+
+    def build_base(self) -> None:
+        from ram_trl.synthetic import make_base_checkpoint
+
+        target = self.dir / "base_init"
+        record = target / "ram_build.json"
+        spec = yaml.safe_dump(self.recipe.base.build, sort_keys=True)
+        if record.is_file() and record.read_text(encoding="utf-8") == spec:
+            return
+        start = time.perf_counter()
+        tmp = target.with_name(".base_init.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        import torch
+
+        build = dict(self.recipe.base.build)
+        if isinstance(build.get("dtype"), str):
+            build["dtype"] = getattr(torch, build["dtype"])
+        make_base_checkpoint(tmp, **build)
+        (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        self._timed("build_base", start)
+        self.console.print(f"[green]built[/] base model {target}")
+
+    def warm_start(self) -> None:
+        import json
+
+        from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
+
+        spec = self.recipe.warm_start
+        source = (
+            self.dir / "base_init"
+            if self.recipe.base.build is not None
+            else _resolve(self.recipe.base.path, self.root)
+        )
+        record = self.base / WARM_START_RECORD
+        if record.is_file():
+            done = json.loads(record.read_text(encoding="utf-8"))
+            if done.get("spec") == spec.model_dump() and done.get("rows_digest") == self._rows_digest():
+                return
+        from ram_trl.recipes.tasks import mixture
+
+        rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
+        start = time.perf_counter()
+        self.console.print(f"warm start: {spec.steps} steps on {len(rows)} rows ...")
+        result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
+        result["rows_digest"] = self._rows_digest()
+        (self.base / WARM_START_RECORD).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        self._timed("warm_start", start)
+        self.console.print(
+            f"[green]warm start[/] {spec.steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
+            f"({result['seconds']:.0f}s)"
+        )
+
+    def _warm_files(self) -> list[Path]:
+        """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
+        draws warm-start rows."""
+        warm = [self.dir / "data" / s.name / "warm.jsonl" for s in self.recipe.stages]
+        if any(f.is_file() and f.stat().st_size for f in warm):
+            return [f for f in warm if f.is_file()]
+        return [self.dir / "data" / s.name / "train.jsonl" for s in self.recipe.stages if s.trained]
+
+    def _rows_digest(self) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for file in self._warm_files():
+            digest.update(file.read_bytes())
+        return digest.hexdigest()
+
+    def train_stages(self) -> None:
+        stages = [s for s in self.recipe.stages if s.trained]
+        if self.options.only is not None:
+            self.recipe.stage(self.options.only)
+            stages = [s for s in stages if s.name == self.options.only]
+            if not stages:
+                raise ConfigError(
+                    f"stage {self.options.only!r} has an existing checkpoint; there is nothing to train"
+                )
+        for stage in stages:
+            if self.options.resume and stage_complete(self.stage_dir(stage)):
+                self.console.print(f"[cyan]skip[/] stage {stage.name}: complete ({self.stage_dir(stage)})")
+                continue
+            self.train_stage(stage)
+
+    def _prior(self, stage: StageSpec) -> list[Path]:
+        from ram_trl.stage import MANIFEST_NAME
+
+        prior = []
+        for other in self.recipe.stages:
+            if other.name == stage.name:
+                break
+            if other.trained and stage_complete(self.stage_dir(other)):
+                prior.append(self.stage_dir(other) / MANIFEST_NAME)
+        return prior
+
+    def stage_command(self, stage: StageSpec) -> list[str]:
+        args = [
+            "--recipe",
+            str(self.dir / "recipe.yaml"),
+            "--stage",
+            stage.name,
+            "--base",
+            str(self.base),
+            "--train-file",
+            str(self.dir / "data" / stage.name / "train.jsonl"),
+            "--out",
+            str(self.stage_dir(stage)),
+        ]
+        prior = self._prior(stage)
+        if prior:
+            args += ["--prior", *map(str, prior)]
+        if stage.accelerate_config is None:
+            return [sys.executable, "-m", "ram_trl.recipes.stage", *args]
+        config = _resolve(stage.accelerate_config, self.root)
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "-m",
+            "ram_trl.recipes.stage",
+            *args,
+        ]
+
+    def train_stage(self, stage: StageSpec) -> None:
+        out = self.stage_dir(stage)
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        log = self.dir / "logs" / f"{stage.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = self.stage_command(stage)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.recipe.torch_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
+        if not _has_cuda():
+            env.setdefault("ACCELERATE_USE_CPU", "1")
+        start = time.perf_counter()
+        tail: deque[str] = deque(maxlen=40)
+        with (
+            open(log, "w", encoding="utf-8") as handle,
+            self.console.status(f"stage {stage.name}: starting") as status,
+        ):
+            handle.write("$ " + " ".join(command) + "\n")
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=str(self.root),
+                env=env,
+                bufsize=1,
+            )
+            assert process.stdout is not None
+            for line in process.stdout:
+                handle.write(line)
+                text = line.strip()
+                if text:
+                    tail.append(text)
+                    status.update(f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}")
+            code = process.wait()
+        self._timed(f"stage:{stage.name}", start)
+        if code != 0 or not stage_complete(out):
+            errors = [t for t in tail if "error" in t.lower()]
+            reason = errors[-1] if errors else (tail[-1] if tail else "no output")
+            done = [
+                s.name
+                for s in self.recipe.stages
+                if s.trained and s.name != stage.name and stage_complete(self.stage_dir(s))
+            ]
+            raise StageError(
+                f"stage {stage.name!r} failed (exit code {code}): {reason}\n  log: {log}\n  "
+                + (f"finished stages kept: {', '.join(done)}; " if done else "")
+                + f"fix it and rerun with --resume to continue from stage {stage.name!r}"
+            )
+        self.console.print(
+            f"[green]stage[/] {stage.name}: done in {self.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+        )
+
+    def analyze(self) -> dict[str, Any] | None:
+        if not self.recipe.analysis.enabled:
+            return None
+        from ram_trl.analysis import analyze
+
+        spec = self.recipe.analysis
+        start = time.perf_counter()
+        result = analyze(
+            self.base,
+            [self.agent_path(s) for s in self.recipe.stages],
+            self.dir / "analysis",
+            eps=spec.eps,
+            r=spec.r,
+            alpha=spec.alpha,
+            names=self.recipe.names,
+            figures=self.options.figures,
+            progress=self.options.progress,
+        )
+        self._timed("analysis", start)
+        return result
+
+    def _model_entry(self, stage: StageSpec) -> dict[str, Any]:
+        from ram_trl.stage import MANIFEST_NAME
+
+        if stage.trained:
+            return {"stage": str(self.stage_dir(stage) / MANIFEST_NAME), "name": stage.name}
+        return {"model": str(self.agent_path(stage)), "name": stage.name}
+
+    def fisher(self, rows: list[MergeRow]) -> None:
+        """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
+        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method."""
+        if not any(r.method == "fisher" for r in rows):
+            return
+        import torch
+
+        from ram_trl.fisher import estimate_fisher, load_agent, save_fisher
+
+        settings = dict(next(r.fisher for r in rows if r.method == "fisher"))
+        start = time.perf_counter()
+        for stage in self.recipe.stages:
+            agent = self.agent_path(stage)
+            if not stage.trained:
+                if not (agent / "fisher.safetensors").is_file():
+                    raise ConfigError(
+                        f"stage {stage.name!r}: the fisher merge needs {agent}/fisher.safetensors and ram_trl does not "
+                        f"write into an existing agent's checkpoint; estimate it first: ram-trl fisher {agent} ..."
+                    )
+                continue
+            prompts = [r["prompt"] for r in read_jsonl(self.dir / "data" / stage.name / "train.jsonl")]
+            wanted = dict(settings)
+            if not wanted.get("sample") and wanted.get("num_samples", len(prompts)) > len(prompts):
+                wanted["num_samples"] = len(prompts)
+            model, tokenizer = load_agent(agent, self.base, torch.float32)
+            with self.console.status(f"fisher {stage.name}"):
+                fisher = estimate_fisher(model, tokenizer, prompts, **wanted)
+            save_fisher(fisher, agent, {"stage": stage.name, "settings": repr(wanted)})
+        self._timed("fisher", start)
+
+    def merges(self) -> list[tuple[MergeRow, Path]]:
+        from tqdm.auto import tqdm
+
+        from ram_trl.engine import merge
+
+        rows = expand_merges(self.recipe)
+        self.fisher(rows)
+        done = []
+        start = time.perf_counter()
+        (self.dir / "logs").mkdir(exist_ok=True)
+        log_path = self.dir / "logs" / "merges.log"
+        with open(log_path, "w", encoding="utf-8") as log:
+            for row in tqdm(rows, desc="merges", disable=not self.options.progress):
+                out = self.dir / "merges" / safe_name(row.name)
+                config = {
+                    "merge_method": row.method,
+                    "base_model": str(self.base),
+                    "models": [self._model_entry(s) for s in self.recipe.stages],
+                    "parameters": row.parameters,
+                    "seed": self.recipe.seed,
+                    "name": row.name,
+                }
+                log.write(f"\n# merge {row.name}\n")
+                try:
+                    with contextlib.redirect_stdout(log):
+                        merge(config, out, overwrite=True, progress=False)
+                except RamTrlError as exc:
+                    raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
+                done.append((row, out))
+        self._timed("merges", start)
+        self.console.print(
+            f"[green]merges[/]: {len(done)} in {self.timings['merges']:.0f}s (log: {log.name})"
+        )
+        return done
+
+    def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
+        import json
+
+        from ram_trl.recipes.evaluate import EvalTask, evaluate_model
+
+        if not self.recipe.evaluation.enabled:
+            return []
+        tasks = []
+        for stage in self.recipe.stages:
+            rows = read_jsonl(self.dir / "data" / stage.name / "eval.jsonl")
+            if rows and stage.rewards:
+                tasks.append(EvalTask(stage.name, rows, stage.rewards))
+        models: list[tuple[str, str, Path, str | None, dict[str, Any]]] = [
+            ("base", "base", self.base, None, {})
+        ]
+        models += [(s.name, "agent", self.agent_path(s), None, {}) for s in self.recipe.stages]
+        models += [(row.name, "merge", path, row.method, row.parameters) for row, path in merged]
+        results = []
+        start = time.perf_counter()
+        (self.dir / "eval").mkdir(exist_ok=True)
+        from tqdm.auto import tqdm
+
+        for name, kind, path, method, parameters in tqdm(
+            models, desc="evaluation", disable=not self.options.progress
+        ):
+            scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
+            (self.dir / "eval" / f"{safe_name(name)}.json").write_text(json.dumps(scored, indent=2) + "\n")
+            results.append(
+                {
+                    "name": name,
+                    "kind": kind,
+                    "method": method,
+                    "parameters": parameters,
+                    "path": str(path),
+                    "scores": scored["scores"],
+                    "n": scored["n"],
+                }
+            )
+        self._timed("evaluation", start)
+        return results
+
+    def results(self, rows: list[dict[str, Any]], analysis: dict[str, Any] | None) -> dict[str, Any]:
+        from ram_trl.recipes.results import print_table, regime_from_analysis, write_results
+
+        evaluation = self.recipe.evaluation
+        decoding = (
+            "greedy decoding"
+            if not evaluation.do_sample
+            else f"sampling at temperature {evaluation.temperature:g}"
+        )
+        results: dict[str, Any] = {
+            "recipe": self.recipe.name,
+            "description": self.recipe.description,
+            "stages": [
+                s.name for s in self.recipe.stages if read_jsonl(self.dir / "data" / s.name / "eval.jsonl")
+            ],
+            "decoding": f"{decoding}, max_new_tokens={evaluation.max_new_tokens}, seed {evaluation.seed}",
+            "eps": self.recipe.analysis.eps,
+            "rows": rows,
+            "regime": regime_from_analysis(analysis) if analysis else {},
+            "timings": self.timings,
+            "notes": self.notes,
+            "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
+        }
+        write_results(results, self.dir, figures=self.options.figures)
+        print_table(results)
+        self.console.print(f"results: {self.dir / 'results.md'}")
+        return results
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def run_recipe(
+    recipe_path: str | os.PathLike | dict[str, Any], options: RunOptions | None = None
+) -> dict[str, Any]:
+    """Run a recipe end to end (or validate it with ``options.dry_run``).
+
+    Args:
+        recipe_path: The recipe YAML (or a dict).
+        options: :class:`RunOptions`.
+
+    Returns:
+        The results (the content of ``results.json``); with ``dry_run``, the plan.
+
+    Raises:
+        ConfigError: for an invalid recipe (before any work).
+        StageError: when a stage process fails (finished stages are kept).
+    """
+    options = options or RunOptions()
+    recipe, root = load_recipe(recipe_path, options.overrides)
+    total = time.perf_counter()
+    notes = validate_recipe(recipe, root, check_paths=options.check_paths)
+    rows = expand_merges(recipe)
+    console = _console()
+    if options.dry_run:
+        plan = {
+            "recipe": recipe.name,
+            "stages": [
+                {
+                    "name": s.name,
+                    "trainer": s.trainer if s.trained else None,
+                    "kind": "lora" if s.peft else "full",
+                    "checkpoint": s.checkpoint,
+                    "accelerate_config": s.accelerate_config,
+                }
+                for s in recipe.stages
+            ],
+            "merges": [r.model_dump() for r in rows],
+            "notes": notes,
+        }
+        console.print(
+            f"[green]recipe {recipe.name!r} is valid[/]: {len(recipe.stages)} stages "
+            f"({', '.join(recipe.names)}), {len(rows)} merges ({', '.join(r.name for r in rows)})"
+        )
+        for note in notes:
+            console.print(f"  note: {note}")
+        return plan
+    out = options.out or (
+        _resolve(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name
+    )
+    if recipe.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(recipe.torch_threads)
+    run = Run(recipe, root, Path(out).resolve(), options)
+    run.notes.extend(notes)
+    run.prepare()
+    run.train_stages()
+    if options.only is not None:
+        console.print(
+            f"stage {options.only} done; run without --only (with --resume) for the merges and evaluation"
+        )
+        return {"recipe": recipe.name, "only": options.only}
+    analysis = run.analyze()
+    merged = run.merges()
+    rows_scored = run.evaluate(merged)
+    run.timings["total"] = round(time.perf_counter() - total, 2)
+    return run.results(rows_scored, analysis)

@@ -1,0 +1,672 @@
+"""The recipe file (YAML): a base model, stages (one RL run per vertical), merges to compare, and the evaluation.
+
+Everything is validated when the recipe is loaded, before any work, with errors naming the recipe file and the
+field to change. :func:`validate_recipe` adds the checks that touch the environment (import paths of prompt
+generators and reward functions, trainer configs, accelerate/DeepSpeed config files, model and data paths), which
+``ram-trl run RECIPE --dry-run`` runs offline.
+
+A recipe::
+
+    name: demo-cpu
+    base:
+      build: {hidden_size: 64, num_layers: 2}     # or: path: /models/Qwen2.5-1.5B-Instruct
+    warm_start: {steps: 400, learning_rate: 3.0e-3}
+    stages:
+      - name: coding
+        domain: coding
+        prompts: {generator: ram_trl.recipes.tasks:arithmetic_prompts, train_size: 256, eval_size: 64}
+        rewards: [ram_trl.recipes.tasks:arithmetic_reward]
+        trainer: grpo
+        config: {learning_rate: 1.0e-5, max_steps: 60, num_generations: 8}
+    merges:
+      - ram
+      - method: ram_plus
+        parameters: {r: [0.05, 0.1], alpha: 2.0}   # a list sweeps: one merge (one row) per value
+    evaluation: {max_new_tokens: 24}
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ram_trl.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_METHODS",
+    "BaseSpec",
+    "EvaluationSpec",
+    "MergeRow",
+    "MergeSpec",
+    "PromptSpec",
+    "Recipe",
+    "StageSpec",
+    "WarmStartSpec",
+    "apply_overrides",
+    "expand_merges",
+    "import_object",
+    "load_recipe",
+    "trainer_settings",
+    "validate_recipe",
+]
+
+#: Merge methods compared when a recipe gives no ``merges``.
+DEFAULT_METHODS: tuple[str, ...] = ("ram", "ram_plus", "task_arithmetic", "ties", "dare_linear", "dare_ties")
+
+#: Keyword arguments of :func:`ram_trl.fisher.estimate_fisher` a ``fisher`` merge entry may set.
+FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+def import_object(path: str, what: str = "object") -> Any:
+    """Import ``package.module:attribute`` (or ``package.module.attribute``).
+
+    Args:
+        path: The import path.
+        what: What it is, for the error message (e.g. ``"reward function"``).
+
+    Raises:
+        ConfigError: naming the path and what is wrong (module not found, no such attribute).
+    """
+    module_name, sep, attribute = path.partition(":")
+    if not sep:
+        module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ConfigError(f"{what} {path!r}: write it as 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from None
+    obj = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BaseSpec(_Strict):
+    """The base model: an existing checkpoint (``path``) or a tiny Qwen2 built from a config (``build``).
+
+    Args:
+        path: Local checkpoint directory (download hub models first, e.g. ``huggingface-cli download ID
+            --local-dir PATH``). Relative paths are relative to the recipe file.
+        hub_id: The model's hub id, for the record (never downloaded by ram_trl).
+        build: Keyword arguments of :func:`ram_trl.synthetic.make_base_checkpoint` (``hidden_size``,
+            ``num_layers``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``seed``...).
+    """
+
+    path: str | None = None
+    hub_id: str | None = None
+    build: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BaseSpec:
+        if (self.path is None) == (self.build is None):
+            raise ValueError("give exactly one of 'path: CHECKPOINT_DIR' and 'build: {hidden_size: ...}'")
+        return self
+
+
+class WarmStartSpec(_Strict):
+    """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
+    and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
+    rows when no stage draws any. The warm-started model, saved in ``save_dtype``,
+    is the base of every stage and of the merges.
+
+    Args:
+        steps: Optimizer steps.
+        batch_size: Sequences per step.
+        learning_rate: AdamW learning rate (cosine decay to 10%).
+        weight_decay: AdamW weight decay.
+        seed: Seed of the batches.
+        save_dtype: Dtype of the saved base.
+    """
+
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = 0
+    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class PromptSpec(_Strict):
+    """A stage's prompts: generated (``generator``) or read from JSON Lines files (``train_file``/``eval_file``).
+
+    Rows are objects with a ``prompt`` and any columns the reward functions take (e.g. ``answer``).
+
+    Args:
+        generator: Import path of ``fn(n, seed, **kwargs) -> list[dict]``.
+        kwargs: Extra keyword arguments of the generator.
+        train_size: Training prompts drawn from the generator.
+        eval_size: Held-out prompts drawn from the generator (never one of the training prompts).
+        seed: Seed of the training draw (the held-out draw uses ``seed + 1``, the warm-start draw ``seed + 2``).
+        warm_size: Rows drawn from the generator for the recipe's supervised warm start (never a held-out prompt).
+            ``0`` warm-starts on the training rows instead, which a small model can memorise: its held-out scores
+            then say little.
+        train_file: JSON Lines file of training rows (instead of a generator).
+        eval_file: JSON Lines file of held-out rows.
+    """
+
+    generator: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    train_size: int = Field(256, ge=1)
+    eval_size: int = Field(64, ge=0)
+    seed: int = 0
+    warm_size: int = Field(0, ge=0)
+    train_file: str | None = None
+    eval_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PromptSpec:
+        if self.generator is not None and (self.train_file or self.eval_file):
+            raise ValueError("give either 'generator:' or 'train_file:'/'eval_file:', not both")
+        if self.generator is None and self.train_file is None and self.eval_file is None:
+            raise ValueError(
+                "give 'generator: package.module:function' or 'train_file:'/'eval_file:' (JSON Lines)"
+            )
+        return self
+
+
+class StageSpec(_Strict):
+    """One vertical: an RL run from the base (or, for merge-only recipes, an existing agent ``checkpoint``).
+
+    Args:
+        name: Stage name (the agent's label in merges and tables); letters, digits, ``_ . -``.
+        domain: The vertical (free text, e.g. ``coding``).
+        prompts: Training and held-out prompts.
+        rewards: Reward functions by import path (TRL signature ``fn(completions, **columns) -> list[float]``).
+            The evaluation score of a completion is the sum of the rewards.
+        trainer: ``grpo`` (GRPOTrainer) or ``rloo`` (RLOOTrainer).
+        config: Keyword arguments of ``GRPOConfig``/``RLOOConfig`` (``output_dir`` is set by the runner).
+        peft: ``null`` trains the full model; a dict of ``peft.LoraConfig`` arguments trains a LoRA adapter.
+        accelerate_config: An accelerate config file (YAML) to launch the stage with ``accelerate launch``
+            (relative to the recipe file), e.g. one naming a DeepSpeed ZeRO-3 config.
+        save_dtype: Dtype of the saved agent (RL checkpoints are usually bf16).
+        checkpoint: An existing agent checkpoint (merge-only recipes): the stage is not trained.
+        hub_id: The agent's hub id, for the record.
+    """
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    domain: str | None = None
+    prompts: PromptSpec | None = None
+    rewards: list[str] = Field(default_factory=list)
+    trainer: Literal["grpo", "rloo"] = "grpo"
+    config: dict[str, Any] = Field(default_factory=dict)
+    peft: dict[str, Any] | None = None
+    accelerate_config: str | None = None
+    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    checkpoint: str | None = None
+    hub_id: str | None = None
+
+    @model_validator(mode="after")
+    def _trainable(self) -> StageSpec:
+        if "output_dir" in self.config:
+            raise ValueError("config.output_dir is set by the runner (RUN_DIR/stages/NAME); remove it")
+        if self.checkpoint is None:
+            if self.prompts is None:
+                raise ValueError(
+                    "a trained stage needs 'prompts:' (or give 'checkpoint:' for an existing agent)"
+                )
+            if not self.rewards:
+                raise ValueError("a trained stage needs 'rewards: [package.module:function, ...]'")
+        return self
+
+    @property
+    def trained(self) -> bool:
+        """Whether the runner trains this stage (no existing ``checkpoint``)."""
+        return self.checkpoint is None
+
+
+class MergeSpec(_Strict):
+    """One merge method to compare. A parameter given as a list sweeps it: one merge (one table row) per value,
+    and per combination when several are lists.
+
+    Args:
+        method: A merge method of :mod:`ram_trl.methods` (``ram-trl methods`` lists them), or ``fisher``.
+        parameters: The method's global parameters.
+        name: Row label (default: the method, plus the swept values).
+        fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
+            (:func:`ram_trl.fisher.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
+            ``seed``); written as ``fisher.safetensors`` beside each trained agent.
+    """
+
+    method: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    name: str | None = Field(default=None, pattern=_NAME_PATTERN)
+    fisher: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("parameters")
+    @classmethod
+    def _sweeps(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if isinstance(item, list) and not item:
+                raise ValueError(f"parameter {key!r} sweeps an empty list; give at least one value")
+            if isinstance(item, dict):
+                raise ValueError(
+                    f"parameter {key!r}: give a value or a list of values to sweep, not a mapping"
+                )
+        return value
+
+
+class MergeRow(BaseModel):
+    """One merge to run: a method with scalar parameters, and its row label."""
+
+    name: str
+    method: str
+    parameters: dict[str, Any]
+    fisher: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvaluationSpec(_Strict):
+    """How held-out prompts are scored.
+
+    Args:
+        enabled: Evaluate (merge-only recipes without held-out prompts may turn it off).
+        max_new_tokens: Tokens generated per prompt.
+        do_sample: Sample instead of greedy decoding (default greedy).
+        temperature: Sampling temperature (with ``do_sample``).
+        seed: Seed set before each model's generation.
+        batch_size: Prompts per ``generate`` call.
+        dtype: Dtype the models are loaded in for evaluation.
+    """
+
+    enabled: bool = True
+    max_new_tokens: int = Field(32, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(1.0, gt=0)
+    seed: int = 0
+    batch_size: int = Field(64, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class AnalysisSpec(_Strict):
+    """Parameters of ``ram-trl analyze`` over the agents (eps, and r/alpha for the implied lambda_t)."""
+
+    enabled: bool = True
+    eps: float = Field(1e-5, ge=0)
+    r: float = 0.1
+    alpha: float = 2.0
+
+
+class Recipe(_Strict):
+    """A specialize-then-merge recipe.
+
+    Args:
+        name: Recipe name.
+        description: Free text.
+        output_dir: Default run directory (relative to the recipe file; ``--out`` overrides it).
+        seed: Seed of the stages' trainers (``config.seed`` overrides it per stage).
+        torch_threads: CPU threads of torch in every step (``torch.set_num_threads``; ``null`` keeps torch's default).
+            One thread makes CPU runs reproducible whatever the core count and is faster for tiny models on a busy
+            machine.
+        base: The base model.
+        warm_start: Optional supervised warm start of the base.
+        stages: The verticals.
+        merges: The merge methods to compare (strings or mappings); default :data:`DEFAULT_METHODS`.
+        analysis: Parameters of the sparsity analysis.
+        evaluation: How held-out prompts are scored.
+    """
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    description: str | None = None
+    output_dir: str | None = None
+    seed: int = 0
+    torch_threads: int | None = Field(None, ge=1)
+    base: BaseSpec
+    warm_start: WarmStartSpec | None = None
+    stages: list[StageSpec]
+    merges: list[MergeSpec] = Field(default_factory=lambda: [MergeSpec(method=m) for m in DEFAULT_METHODS])
+    analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+
+    @field_validator("merges", mode="before")
+    @classmethod
+    def _strings(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"method": item} if isinstance(item, str) else item for item in value]
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _distinct(cls, value: list[StageSpec]) -> list[StageSpec]:
+        if not value:
+            raise ValueError("'stages' is empty: give at least one stage")
+        names = [s.name for s in value]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"stage name {name!r} is used twice; stage names must be distinct")
+        return value
+
+    @model_validator(mode="after")
+    def _warm_start_needs_answers(self) -> Recipe:
+        if self.warm_start is not None and not any(s.trained for s in self.stages):
+            raise ValueError(
+                "warm_start needs at least one trained stage (its prompts are the warm-start data)"
+            )
+        return self
+
+    def stage(self, name: str) -> StageSpec:
+        """The stage called ``name``.
+
+        Raises:
+            ConfigError: listing the stage names when there is none of that name.
+        """
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise ConfigError(f"recipe {self.name!r} has no stage {name!r}; stages: {', '.join(self.names)}")
+
+    @property
+    def names(self) -> list[str]:
+        """Stage names, in order."""
+        return [s.name for s in self.stages]
+
+
+def _format_errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
+    )
+
+
+def load_recipe(
+    source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
+) -> tuple[Recipe, Path]:
+    """Read and validate a recipe (schema only; see :func:`validate_recipe` for the environment checks).
+
+    Args:
+        source: A YAML file, or a dict (paths then resolve against the working directory).
+        overrides: Values merged into the recipe before validation (nested mappings merge key by key; a
+            ``stages`` mapping of ``{"*": {...}}`` updates every stage), e.g. the demo's ``--quick`` settings.
+
+    Returns:
+        The :class:`Recipe` and the directory relative paths resolve against.
+
+    Raises:
+        ConfigError: naming the file and each invalid field.
+    """
+    if isinstance(source, dict):
+        data, where, root = source, "recipe", Path.cwd()
+    else:
+        path = Path(source).expanduser()
+        where, root = f"recipe {path}", path.resolve().parent
+        if not path.is_file():
+            raise ConfigError(f"{where} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}: not valid YAML ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping at the top level (name:, base:, stages:, ...)")
+    if overrides:
+        data = apply_overrides(data, overrides)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {_format_errors(exc)}") from None
+    expand_merges(recipe)
+    return recipe, root
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with ``overrides`` merged in (mappings key by key; ``stages: {"*": {...}}`` updates every stage)."""
+    out = dict(data)
+    for key, value in overrides.items():
+        current = out.get(key)
+        if key == "stages" and isinstance(value, dict) and isinstance(current, list):
+            out[key] = [
+                apply_overrides(stage, value.get("*", {})) if isinstance(stage, dict) else stage
+                for stage in current
+            ]
+        elif isinstance(value, dict) and isinstance(current, dict):
+            out[key] = apply_overrides(current, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _fmt(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def expand_merges(recipe: Recipe) -> list[MergeRow]:
+    """Expand the sweeps of ``recipe.merges`` into one :class:`MergeRow` per merge to run.
+
+    A list-valued parameter sweeps; the row is labelled ``method(name=value,...)`` with the swept values only, or
+    ``NAME(...)`` when the entry has a ``name``.
+
+    Raises:
+        ConfigError: when two rows would get the same label.
+    """
+    rows: list[MergeRow] = []
+    for spec in recipe.merges:
+        swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]
+        fixed = {k: v for k, v in spec.parameters.items() if k not in swept}
+        label = spec.name or spec.method
+        for values in itertools.product(*(spec.parameters[k] for k in swept)):
+            point = dict(zip(swept, values, strict=True))
+            suffix = ",".join(f"{k}={_fmt(v)}" for k, v in point.items())
+            name = f"{label}({suffix})" if suffix else label
+            rows.append(
+                MergeRow(name=name, method=spec.method, parameters={**fixed, **point}, fisher=spec.fisher)
+            )
+    names = [r.name for r in rows]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"merges: two entries make the row {name!r}; give one of them a 'name:'")
+    return rows
+
+
+def _check_path(path: str, root: Path, what: str, problems: list[str], directory: bool = False) -> Path:
+    resolved = Path(path).expanduser()
+    resolved = resolved if resolved.is_absolute() else root / resolved
+    if directory and not resolved.is_dir():
+        problems.append(f"{what} {resolved} is not a directory")
+    elif not directory and not resolved.is_file():
+        problems.append(f"{what} {resolved} does not exist")
+    return resolved
+
+
+def _trainer_config_class(trainer: str) -> type:
+    if trainer == "grpo":
+        from trl import GRPOConfig
+
+        return GRPOConfig
+    from trl import RLOOConfig
+
+    return RLOOConfig
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -> dict[str, Any]:
+    """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
+    (no reporting integrations, no intermediate checkpoints, the recipe's seed). Without a GPU, ``bf16`` defaults to
+    off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
+    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
+    settings: dict[str, Any] = {"report_to": [], "save_strategy": "no", "seed": seed, **stage.config}
+    if not _cuda():
+        if validate_only:
+            settings.update(bf16=False, fp16=False)
+        settings.setdefault("bf16", False)
+    return settings
+
+
+def check_trainer_config(stage: StageSpec) -> None:
+    """Build the stage's ``GRPOConfig``/``RLOOConfig`` in a scratch directory to validate its keys and values.
+
+    Raises:
+        ConfigError: naming the stage and the trainer's complaint.
+    """
+    import dataclasses
+    import tempfile
+
+    cls = _trainer_config_class(stage.trainer)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(stage.config) - known)
+    if unknown:
+        raise ConfigError(
+            f"stage {stage.name!r}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
+            "see the TRL documentation of the trainer's config"
+        )
+    config = {k: v for k, v in trainer_settings(stage, 0, validate_only=True).items() if k != "deepspeed"}
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            cls(output_dir=scratch, **config)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"stage {stage.name!r}: invalid {cls.__name__}: {exc}") from None
+
+
+def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> list[str]:
+    """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths.
+
+    Args:
+        recipe: The recipe.
+        root: Directory relative paths resolve against.
+        check_paths: Check that model checkpoints and prompt files exist (turn off to validate a recipe for
+            another machine, before downloading the models).
+
+    Returns:
+        Notes for the user (e.g. what was not checked).
+
+    Raises:
+        ConfigError: listing every problem found, each naming the stage/merge and what to change.
+    """
+    from ram_trl.methods import method_names, resolve_method
+
+    problems: list[str] = []
+    notes: list[str] = []
+    if recipe.base.path is not None and check_paths:
+        _check_path(recipe.base.path, root, "base.path", problems, directory=True)
+    if recipe.base.build is not None:
+        import inspect
+
+        from ram_trl.synthetic import make_base_checkpoint
+
+        accepted = set(inspect.signature(make_base_checkpoint).parameters) - {"output_dir"}
+        for key in sorted(set(recipe.base.build) - accepted):
+            problems.append(
+                f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}"
+            )
+        if recipe.base.build.get("dtype", "bfloat16") not in ("bfloat16", "float16", "float32"):
+            problems.append(
+                f"base.build.dtype: {recipe.base.build['dtype']!r}; use bfloat16, float16 or float32"
+            )
+    for stage in recipe.stages:
+        where = f"stage {stage.name!r}"
+        if stage.checkpoint is not None and check_paths:
+            _check_path(stage.checkpoint, root, f"{where}: checkpoint", problems, directory=True)
+        if stage.prompts is not None:
+            if stage.prompts.generator is not None:
+                try:
+                    if not callable(import_object(stage.prompts.generator, f"{where}: prompt generator")):
+                        problems.append(
+                            f"{where}: prompt generator {stage.prompts.generator!r} is not callable"
+                        )
+                except ConfigError as exc:
+                    problems.append(str(exc))
+            for key in ("train_file", "eval_file"):
+                value = getattr(stage.prompts, key)
+                if value is not None and check_paths:
+                    _check_path(value, root, f"{where}: prompts.{key}", problems)
+        for path in stage.rewards:
+            try:
+                if not callable(import_object(path, f"{where}: reward function")):
+                    problems.append(f"{where}: reward function {path!r} is not callable")
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if stage.trained:
+            try:
+                check_trainer_config(stage)
+            except ConfigError as exc:
+                problems.append(str(exc))
+            if stage.peft is not None:
+                try:
+                    from peft import LoraConfig
+
+                    LoraConfig(**stage.peft)
+                except ImportError:
+                    problems.append(f"{where}: 'peft:' needs the peft package (pip install peft)")
+                except (TypeError, ValueError) as exc:
+                    problems.append(f"{where}: invalid peft LoraConfig: {exc}")
+            if stage.accelerate_config is not None:
+                _check_accelerate(stage, root, problems)
+    for row in expand_merges(recipe):
+        unknown = sorted(set(row.fisher) - FISHER_SETTINGS)
+        if unknown:
+            problems.append(
+                f"merge {row.name!r}: unknown fisher setting {', '.join(map(repr, unknown))}; "
+                f"use some of {', '.join(sorted(FISHER_SETTINGS))}"
+            )
+        if row.fisher and row.method != "fisher":
+            problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
+        if row.method == "fisher" and "fisher" not in method_names():
+            problems.append(f"merge {row.name!r}: method 'fisher' is not available in this ram_trl build")
+            continue
+        try:
+            method, _ = resolve_method(row.method)
+        except Exception as exc:  # noqa: BLE001 - the registry's message names the method
+            problems.append(f"merge {row.name!r}: {exc}")
+            continue
+        known = {p.name for p in method.parameters}
+        for key in row.parameters:
+            if key not in known:
+                problems.append(
+                    f"merge {row.name!r}: method {row.method!r} has no parameter {key!r}; "
+                    f"its parameters: {', '.join(sorted(known)) or 'none'}"
+                )
+    if recipe.evaluation.enabled:
+        for stage in recipe.stages:
+            if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
+                notes.append(f"stage {stage.name!r} has no held-out prompts: it gets no evaluation column")
+    if not check_paths:
+        notes.append("model checkpoints and prompt files were not checked (--skip-paths)")
+    if problems:
+        raise ConfigError("recipe is invalid:\n  - " + "\n  - ".join(problems))
+    return notes
+
+
+def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None:
+    where = f"stage {stage.name!r}"
+    before = len(problems)
+    path = _check_path(stage.accelerate_config, root, f"{where}: accelerate_config", problems)
+    if len(problems) > before:
+        return
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        problems.append(f"{where}: accelerate_config {path} is not valid YAML ({exc})")
+        return
+    ds = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if ds:
+        ds_path = Path(ds) if Path(ds).is_absolute() else path.parent / ds
+        if not ds_path.is_file():
+            problems.append(f"{where}: DeepSpeed config {ds_path} named by {path} does not exist")
+        else:
+            try:
+                json.loads(ds_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                problems.append(f"{where}: DeepSpeed config {ds_path} is not valid JSON ({exc})")
+
+
+def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:
+    """Import each path of ``paths`` (see :func:`import_object`)."""
+    return [import_object(p, what) for p in paths]

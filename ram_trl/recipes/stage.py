@@ -1,0 +1,160 @@
+"""One stage of a recipe, run as its own process: ``python -m ram_trl.recipes.stage --recipe R --stage S ...``.
+
+The runner launches this module (directly, or through ``accelerate launch`` when the stage names an accelerate
+config). It loads the base, the stage's training prompts (written by the runner) and reward functions, builds the
+TRL trainer (GRPOTrainer or RLOOTrainer, full or LoRA), wires the task-vector telemetry callback with the earlier
+stages' manifests as ``prior_stages``, trains, and leaves in ``--out`` the agent saved in the stage's
+``save_dtype`` and its stage manifest (``ram_stage.json``). The manifest is written last: its presence marks the
+stage as complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ram_trl.errors import ConfigError
+from ram_trl.recipes.schema import StageSpec, import_object, load_recipe, trainer_settings
+
+__all__ = ["StageFailure", "attach_telemetry", "build_trainer", "main", "run_stage", "wrap_reward"]
+
+
+class StageFailure(RuntimeError):
+    """A stage's user code (reward function, generator) failed; the message names the stage and the function."""
+
+
+def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
+    """Wrap a reward function so that its exceptions and malformed outputs name the stage and the function."""
+
+    @functools.wraps(fn)
+    def reward(*args: Any, **kwargs: Any) -> list[float]:
+        try:
+            values = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the stage and function named
+            raise StageFailure(f"stage {stage!r}: reward function {path} raised {exc!r}") from exc
+        if values is None or len(values) != len(kwargs.get("completions", values)):
+            raise StageFailure(
+                f"stage {stage!r}: reward function {path} must return one float per completion"
+            )
+        return values
+
+    if not hasattr(reward, "__name__"):
+        reward.__name__ = path.rpartition(":")[2] or path
+    return reward
+
+
+def _trainer_classes(trainer: str) -> tuple[type, type]:
+    if trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        return GRPOConfig, GRPOTrainer
+    from trl import RLOOConfig, RLOOTrainer
+
+    return RLOOConfig, RLOOTrainer
+
+
+def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out: Path, seed: int) -> Any:
+    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_cls, trainer_cls = _trainer_classes(stage.trainer)
+    args = config_cls(output_dir=str(out), **trainer_settings(stage, seed))
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    rewards = [
+        wrap_reward(import_object(p, f"stage {stage.name!r}: reward function"), p, stage.name)
+        for p in stage.rewards
+    ]
+    peft_config = None
+    if stage.peft is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**stage.peft)
+    return trainer_cls(
+        model=model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+def attach_telemetry(trainer: Any, base: Path, stage: StageSpec, prior: Sequence[Path]) -> Any:
+    """Bind the task-vector sparsity callback to ``trainer``: it logs the telemetry while the stage trains and, at
+    train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
+    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them)."""
+    from ram_trl.callbacks import TaskVectorSparsityCallback
+
+    callback = TaskVectorSparsityCallback(
+        trainer=trainer,
+        base_model=str(base),
+        save_dtype=stage.save_dtype,
+        prior_stages=tuple(str(p) for p in prior),
+        stage_name=stage.name,
+        domain=stage.domain,
+    )
+    trainer.add_callback(callback)
+    callback.bind(trainer)
+    return callback
+
+
+def run_stage(
+    recipe_path: Path, stage_name: str, base: Path, train_file: Path, out: Path, prior: Sequence[Path]
+) -> None:
+    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
+    from ram_trl.recipes.data import read_jsonl
+    from ram_trl.stage import MANIFEST_NAME
+
+    recipe, _ = load_recipe(recipe_path)
+    if recipe.torch_threads is not None:
+        torch.set_num_threads(recipe.torch_threads)
+    stage = recipe.stage(stage_name)
+    if not stage.trained:
+        raise ConfigError(f"stage {stage.name!r} has an existing checkpoint; there is nothing to train")
+    rows = read_jsonl(train_file, f"stage {stage.name!r}: training prompts")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    seed = int(stage.config.get("seed", recipe.seed))
+    trainer = build_trainer(stage, base, rows, out, seed)
+    attach_telemetry(trainer, base, stage, prior)
+    trainer.train()
+    trainer.accelerator.wait_for_everyone()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the stage process; exit code 0 on success, 1 with the reason on stderr otherwise."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ram_trl.recipes.stage", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--recipe", required=True, type=Path)
+    parser.add_argument("--stage", required=True)
+    parser.add_argument("--base", required=True, type=Path, help="the base checkpoint the stage starts from")
+    parser.add_argument("--train-file", required=True, type=Path, help="training prompts (JSON Lines)")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="the stage directory (agent + ram_stage.json)"
+    )
+    parser.add_argument("--prior", nargs="*", type=Path, default=[], help="earlier stages' manifests")
+    args = parser.parse_args(argv)
+    try:
+        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior)
+    except Exception as exc:  # noqa: BLE001 - the runner reports it with the stage's log
+        traceback.print_exc()
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, StageFailure | ConfigError):
+            cause = cause.__cause__
+        print(f"ram-trl stage {args.stage}: error: {cause}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""Three small verifiable tasks for the embedded CPU demo, one per vertical of the RAM paper.
+
+Each task is a prompt *generator* ``fn(n, seed, **kwargs) -> list[dict]`` (rows with a ``prompt`` and the reference
+``answer``) and a *reward function* in TRL's signature ``fn(completions, answer, **kwargs) -> list[float]`` (TRL
+passes the dataset's extra columns, here ``answer``, as keyword arguments). Rewards are in ``[0, 1]``; a completion
+is read up to its first newline, surrounding spaces ignored.
+
+- ``arithmetic`` (coding-like: compute a small program's output): ``"37+45="`` -> ``"82"``. Exact answer 1.0,
+  otherwise 0.5 times the share of the answer's characters matched from the left (a shaped, still verifiable,
+  signal so a tiny model's GRPO groups are not all zero).
+- ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"weather in Oslo?"`` ->
+  ``"weather(city=Oslo)"``. 0.2 for a well-formed call ``name(key=value,...)``, plus 0.3 for the right tool
+  name, plus 0.5 for exactly the right arguments (with the right tool).
+- ``recall`` (memory: recall a key's value from a longer context): ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for
+  the exact value, else 0.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "TOOLS",
+    "arithmetic_prompts",
+    "arithmetic_reward",
+    "completion_text",
+    "mixture",
+    "recall_prompts",
+    "recall_reward",
+    "tool_call_prompts",
+    "tool_call_reward",
+]
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion as TRL passes it (a string, or a conversational list of messages), up to the first
+    newline, stripped of surrounding spaces."""
+    if isinstance(completion, list):
+        completion = "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion).split("\n", 1)[0].strip()
+
+
+def _unique_rows(make, n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` rows with distinct prompts from ``make(rng)`` (seeded ``random.Random``)."""
+    rng = random.Random(seed)
+    rows: dict[str, dict[str, str]] = {}
+    attempts = 0
+    while len(rows) < n:
+        row = make(rng)
+        rows.setdefault(row["prompt"], row)
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(f"cannot draw {n} distinct prompts (only {len(rows)} exist); ask for fewer")
+    return list(rows.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# arithmetic (coding-like)
+
+
+def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+-") -> list[dict[str, str]]:
+    """Prompts ``"a+b="`` / ``"a-b="`` with operands in ``[0, max_operand]`` (``a >= b`` for subtraction).
+
+    Args:
+        n: Number of distinct prompts.
+        seed: Seed of the draw.
+        max_operand: Largest operand.
+        ops: Operators to draw from (``+``, ``-``, ``*``).
+
+    Returns:
+        Rows ``{"prompt": "37+45=", "answer": "82"}``.
+    """
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"ops={ops!r}: use a non-empty combination of '+', '-', '*'")
+
+    def make(rng: random.Random) -> dict[str, str]:
+        op = rng.choice(ops)
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        if op == "-" and a < b:
+            a, b = b, a
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        return {"prompt": f"{a}{op}{b}=", "answer": str(value)}
+
+    return _unique_rows(make, n, seed)
+
+
+def _prefix_share(text: str, answer: str) -> float:
+    matched = 0
+    for got, want in zip(text, answer, strict=False):
+        if got != want:
+            break
+        matched += 1
+    return matched / len(answer) if answer else 0.0
+
+
+def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 for the exact result, else 0.5 x (share of the result's characters right from the left)."""
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        text = completion_text(completion)
+        rewards.append(1.0 if text == want else 0.5 * _prefix_share(text, want))
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tool calls (tool use)
+
+#: Tool name -> (argument name, values, question templates).
+TOOLS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "weather": (
+        "city",
+        ("Oslo", "Lima", "Rome", "Pune", "Kyiv", "Nice", "Bern", "Baku", "Doha", "Riga"),
+        ("weather in {}?", "is it cold in {}?", "rain in {}?"),
+    ),
+    "time": (
+        "zone",
+        ("UTC", "CET", "PST", "IST", "JST", "EST", "MSK", "AEST"),
+        ("time in {}?", "clock {}?", "what hour is it in {}?"),
+    ),
+    "stock": (
+        "ticker",
+        ("AAPL", "MSFT", "NVDA", "IBM", "SAP", "ASML", "AMD", "INTC"),
+        ("price of {}?", "quote {}?", "how is {} trading?"),
+    ),
+    "wiki": (
+        "topic",
+        ("cats", "rust", "jazz", "moon", "tea", "chess", "bees", "maps"),
+        ("look up {}", "what is {}?", "tell me about {}"),
+    ),
+}
+
+_CALL = re.compile(r"^([A-Za-z_]\w*)\((\s*\w+\s*=\s*[^,()=]+\s*(?:,\s*\w+\s*=\s*[^,()=]+\s*)*)?\)$")
+
+
+def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Questions that one tool answers; the answer is the call, e.g. ``"weather(city=Oslo)"``.
+
+    Args:
+        n: Number of distinct prompts (at most the number of question/value combinations, 102).
+        seed: Seed of the draw.
+    """
+
+    def make(rng: random.Random) -> dict[str, str]:
+        tool = rng.choice(sorted(TOOLS))
+        arg, values, templates = TOOLS[tool]
+        value = rng.choice(values)
+        return {"prompt": rng.choice(templates).format(value) + " ", "answer": f"{tool}({arg}={value})"}
+
+    return _unique_rows(make, n, seed)
+
+
+def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
+    """``"name(k=v,...)"`` -> ``("name", {"k": "v"})``; ``None`` if the text is not a well-formed call."""
+    match = _CALL.match(text)
+    if match is None:
+        return None
+    arguments: dict[str, str] = {}
+    if match.group(2):
+        for part in match.group(2).split(","):
+            key, value = part.split("=", 1)
+            if key.strip() in arguments:
+                return None
+            arguments[key.strip()] = value.strip()
+    return match.group(1), arguments
+
+
+def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """0.2 for a well-formed call, 0.5 for a call of the right tool, 1.0 for the right tool with exactly the right
+    arguments (the arguments count only with the right tool)."""
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        got = parse_call(completion_text(completion))
+        expected = parse_call(want)
+        if got is None or expected is None:
+            rewards.append(0.0)
+            continue
+        if got[0] != expected[0]:
+            rewards.append(0.2)
+        else:
+            rewards.append(1.0 if got[1] == expected[1] else 0.5)
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# recall (memory)
+
+
+def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6) -> list[dict[str, str]]:
+    """A context of ``num_pairs`` ``key=digit`` pairs, then a question for one key: ``"ka=3;qb=7;...;qb?"`` -> ``"7"``.
+
+    Keys are two distinct lowercase letters; values are digits.
+
+    Args:
+        n: Number of distinct prompts.
+        seed: Seed of the draw.
+        num_pairs: Pairs in the context (the context is ``5 * num_pairs`` characters long).
+    """
+    if num_pairs < 1:
+        raise ValueError(f"num_pairs={num_pairs} must be at least 1")
+
+    def make(rng: random.Random) -> dict[str, str]:
+        keys: list[str] = []
+        while len(keys) < num_pairs:
+            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(2))
+            if key not in keys:
+                keys.append(key)
+        values = [str(rng.randint(0, 9)) for _ in keys]
+        asked = rng.randrange(num_pairs)
+        context = ";".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
+        return {"prompt": f"{context};{keys[asked]}?", "answer": values[asked]}
+
+    return _unique_rows(make, n, seed)
+
+
+def recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 for exactly the key's value, else 0."""
+    return [1.0 if completion_text(c) == want else 0.0 for c, want in zip(completions, answer, strict=True)]
+
+
+def mixture(parts: Sequence[Sequence[dict[str, str]]], seed: int = 0) -> list[dict[str, str]]:
+    """Interleave several tasks' rows (a seeded shuffle of their concatenation), e.g. for a supervised warm start."""
+    rows = [row for part in parts for row in part]
+    random.Random(seed).shuffle(rows)
+    return rows

@@ -1,0 +1,189 @@
+"""End to end: the quick demo (all stages, analysis, merges, evaluation, files and rows), a failing stage, resume.
+
+These run real TRL GRPOTrainer processes on tiny models built from configs (about a minute each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+
+from ram_trl.cli import main
+from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
+from ram_trl.stage import fingerprint_checkpoint, read_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = ["coding", "tools", "memory"]
+MERGES = [
+    "ram",
+    "ram_plus(r=0.05)",
+    "ram_plus(r=0.1)",
+    "ram_plus(r=0.2)",
+    "task_arithmetic(lambda=0.333)",
+    "task_arithmetic(lambda=1)",
+    "ties",
+    "dare_linear",
+    "dare_ties",
+    "fisher",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    assert main(["demo", "--quick", "--out", str(out), "--no-progress"]) == 0
+    return out
+
+
+def test_quick_demo_rows_and_files(quick_demo):
+    out = quick_demo
+    results = json.loads((out / "results.json").read_text())
+    assert results["stages"] == STAGES
+    assert [r["name"] for r in results["rows"]] == ["base", *STAGES, *MERGES]
+    assert [r["kind"] for r in results["rows"]] == ["base"] + ["agent"] * 3 + ["merge"] * len(MERGES)
+    for row in results["rows"]:
+        assert sorted(row["scores"]) == sorted(STAGES), row["name"]
+        assert all(0.0 <= v <= 1.0 for v in row["scores"].values())
+        assert row["average"] == pytest.approx(sum(row["scores"].values()) / 3)
+    assert sorted(results["regime"]) == sorted(STAGES)
+    markdown = (out / "results.md").read_text()
+    for name in ["base", *STAGES, *MERGES]:
+        assert f"| {name} | " in markdown
+    for figure in ("scores.png", "analysis/density.png"):
+        assert (out / figure).read_bytes()[:4] == b"\x89PNG"
+    analysis = json.loads((out / "analysis" / "analysis.json").read_text())
+    assert [a["name"] for a in analysis["agents"]] == STAGES
+    for agent in analysis["agents"]:
+        assert results["regime"][agent["name"]]["density"] == agent["density"]
+
+
+def test_quick_demo_agents_are_bf16_stages_with_manifests(quick_demo):
+    out = quick_demo
+    base_fingerprint = fingerprint_checkpoint(out / "base")
+    for name in STAGES:
+        stage_dir = out / "stages" / name
+        assert stage_complete(stage_dir)
+        manifest = read_manifest(stage_dir)
+        assert (manifest.stage, manifest.kind, manifest.save_dtype, manifest.trainer) == (
+            name, "full", "bfloat16", "GRPOTrainer",
+        )  # fmt: skip
+        assert manifest.steps == 2
+        assert manifest.base_fingerprint == base_fingerprint
+        with safe_open(str(stage_dir / "model.safetensors"), framework="pt") as handle:
+            assert {handle.get_slice(k).get_dtype() for k in handle.keys()} == {"BF16"}  # noqa: SIM118
+        assert (out / "logs" / f"{name}.log").is_file()
+    with safe_open(str(out / "base" / "model.safetensors"), framework="pt") as handle:
+        assert {handle.get_slice(k).get_dtype() for k in handle.keys()} == {"BF16"}  # noqa: SIM118
+
+
+def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = quick_demo
+    results = json.loads((out / "results.json").read_text())
+    for row in results["rows"][4:]:
+        model = AutoModelForCausalLM.from_pretrained(row["path"], dtype=torch.float32)
+        assert model.config.vocab_size == 100
+        report = json.loads((Path(row["path"]) / "ram_merge_report.json").read_text())
+        assert report["merge_method"] == row["method"]
+        assert [a["name"] for a in report["agents"]] == STAGES
+    # `ram-trl eval` on the run's recipe reproduces the scores of the table exactly (same prompts, greedy, seeded).
+    for row in (results["rows"][0], results["rows"][5]):
+        json_out = out / f"eval_{row['kind']}.json"
+        assert main(["eval", row["path"], "--recipe", str(out / "recipe.yaml"), "--json", str(json_out)]) == 0
+        assert json.loads(json_out.read_text())["scores"] == row["scores"]
+    assert (
+        main(["eval", results["rows"][1]["path"], "--recipe", str(out / "recipe.yaml"), "--stage", "tools"])
+        == 0
+    )
+    assert "tools" in capsys.readouterr().out
+
+
+def _recipe(reward: str) -> dict:
+    stage = {
+        "prompts": {"generator": "ram_trl.recipes.tasks:recall_prompts", "train_size": 8, "eval_size": 4,
+                    "kwargs": {"num_pairs": 2}},
+        "config": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4,
+                   "max_completion_length": 4, "disable_tqdm": True},
+    }  # fmt: skip
+    return {
+        "name": "two-stages",
+        "torch_threads": 1,
+        "base": {"build": {"hidden_size": 16, "num_layers": 1, "intermediate_size": 32}},
+        "warm_start": {"steps": 2, "batch_size": 4},
+        "stages": [
+            # launched through `accelerate launch` (one CPU process): the path a recipe's accelerate config takes
+            {
+                "name": "good",
+                **stage,
+                "rewards": ["ram_trl.recipes.tasks:recall_reward"],
+                "accelerate_config": "accelerate_cpu.yaml",
+            },
+            # a LoRA stage: the callback saves the adapter, the merge and the evaluation read it on the base
+            {
+                "name": "bad",
+                **stage,
+                "rewards": [reward],
+                "peft": {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+            },
+        ],
+        "merges": ["ram"],
+        "evaluation": {"max_new_tokens": 2},
+    }
+
+
+def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe("tests.recipes.failing:raising_reward")))
+    (tmp_path / "accelerate_cpu.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "NO",
+                "num_processes": 1,
+                "num_machines": 1,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": True,
+            }
+        )
+    )
+    out = tmp_path / "run"
+    with pytest.raises(StageError) as info:
+        run_recipe(recipe, RunOptions(out=out, progress=False))
+    message = str(info.value)
+    assert message.startswith("stage 'bad' failed (exit code 1): ")
+    assert "reward function tests.recipes.failing:raising_reward raised ValueError('boom" in message
+    assert f"log: {out / 'logs' / 'bad.log'}" in message
+    assert "finished stages kept: good" in message
+    assert stage_complete(out / "stages" / "good")
+    assert "-m accelerate.commands.launch --config_file " in (out / "logs" / "good.log").read_text()
+    assert not stage_complete(out / "stages" / "bad")
+    assert not (out / "results.json").exists()
+    good_manifest = (out / "stages" / "good" / "ram_stage.json").stat().st_mtime_ns
+    good_weights = (out / "stages" / "good" / "model.safetensors").read_bytes()
+
+    recipe.write_text(yaml.safe_dump(_recipe("ram_trl.recipes.tasks:recall_reward")))
+    results = run_recipe(recipe, RunOptions(out=out, resume=True, progress=False))
+    assert (out / "stages" / "good" / "ram_stage.json").stat().st_mtime_ns == good_manifest
+    assert (out / "stages" / "good" / "model.safetensors").read_bytes() == good_weights
+    assert "stage:good" not in results["timings"] and "stage:bad" in results["timings"]
+    assert stage_complete(out / "stages" / "bad")
+    assert read_manifest(out / "stages" / "bad").kind == "lora"
+    assert (out / "stages" / "bad" / "adapter_config.json").is_file()
+    assert [r["name"] for r in results["rows"]] == ["base", "good", "bad", "ram"]
+    assert [r["kind"] for r in results["rows"]] == ["base", "agent", "agent", "merge"]
+    assert all(sorted(r["scores"]) == ["bad", "good"] for r in results["rows"])
+    # the second stage was told about the first: its prior_stages (the callback's input) is good's manifest
+    assert (
+        "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
+    )

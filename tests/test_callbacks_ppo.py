@@ -1,0 +1,161 @@
+"""TaskVectorSparsityCallback in a real TRL PPO run (``trl.experimental.ppo.PPOTrainer``, TRL 1.9.2).
+
+PPO was removed from TRL after 1.9.x, so the run happens in a separate virtualenv this module makes on first use
+(``.venv-ppo`` in the repository: torch 2.13.0 CPU, trl 1.9.2, transformers 5.23, this package) and reuses after.
+PPO's callbacks receive a policy + value wrapper: the telemetry must measure the policy alone. The assertions are the
+core callback tests': the metrics in ``log_history`` and TensorBoard, the last measurement equal to ``ram-trl
+analyze`` of the saved policy (bf16, eps 1e-5), and the stage manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+import ram_trl
+from ram_trl.callbacks import last_reward_metrics
+from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
+from ram_trl.synthetic import make_base_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+PPO_VENV = REPO / ".venv-ppo"
+#: What the PPO virtualenv holds besides this package (torch first: the CPU wheel, pinned).
+PPO_REQUIREMENTS = (["torch==2.13.0"], ["trl==1.9.2", "transformers==5.23.*", "tensorboard>=2.16"])
+JOB = Path(__file__).with_name("_ppo_job.py")
+P = "task_vector/"
+STEPS = 3
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+
+
+@pytest.fixture(scope="session")
+def ppo_python() -> Path:
+    """The python of the TRL 1.9.2 virtualenv, made (once) on first use."""
+    python = PPO_VENV / "bin" / "python"
+    marker = PPO_VENV / ".ram_trl_requirements"
+    wanted = json.dumps(PPO_REQUIREMENTS)
+    if python.exists() and marker.is_file() and marker.read_text() == wanted:
+        return python
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--clear", str(PPO_VENV)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        for group in PPO_REQUIREMENTS:
+            _pip(python, *group)
+        _pip(python, "-e", str(REPO))
+    except subprocess.CalledProcessError as exc:
+        tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-3:]
+        pytest.skip(f"cannot make the TRL 1.9.2 virtualenv for PPO at {PPO_VENV}: {' / '.join(tail)}")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot make the TRL 1.9.2 virtualenv for PPO at {PPO_VENV}: {exc}")
+    marker.write_text(wanted)
+    return python
+
+
+@pytest.fixture(scope="module")
+def ppo_run(ppo_python, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ppo")
+    base = make_base_checkpoint(root / "base", hidden_size=32, num_layers=2, intermediate_size=64)
+    out = root / "agent"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [str(ppo_python), str(JOB), str(base), str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, f"PPO job failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return {"base": base, "out": out, **json.loads((out / "ppo_result.json").read_text())}
+
+
+def test_ppo_runs_trl_1_9_and_measures_the_policy_against_the_reference_model(ppo_run) -> None:
+    manifest = read_manifest(ppo_run["out"])
+    assert manifest.versions["trl"] == "1.9.2"
+    assert manifest.trainer == "PPOTrainer"
+    # the callback received the policy + value wrapper; the cheapest base is PPO's reference model
+    assert ppo_run["model_class"] == "PolicyAndValueWrapper"
+    assert ppo_run["base_source"] == "reference model"
+    assert ppo_run["max_steps"] == STEPS
+
+
+def test_ppo_metrics_reach_log_history_and_tensorboard(ppo_run) -> None:
+    from tests.test_callbacks import tensorboard_scalars
+
+    entries = [e for e in ppo_run["log_history"] if f"{P}density" in e]
+    # measured at the logging step (2) and the final step (3), in entries of their own (PPO has no metric store)
+    assert [e["step"] for e in entries] == [2, STEPS]
+    last = entries[-1]
+    assert last == {**last, **ppo_run["last"]}
+    for key in (
+        "density",
+        "density_exact",
+        "density_saved",
+        "measure_seconds",
+        "magnitude/gini",
+        "layer/1/density",
+    ):
+        assert f"{P}{key}" in last
+    assert 0.0 < last[f"{P}density_saved"] <= last[f"{P}density_exact"] <= 1.0
+    assert last[f"{P}measure_seconds"] > 0
+    for key in ("density_saved", "module/attn_q/density"):
+        events = tensorboard_scalars(ppo_run["out"], f"{P}{key}")
+        assert [s for s, _ in events] == [2, STEPS]
+        for (_, value), entry in zip(events, entries, strict=True):
+            assert value == pytest.approx(entry[f"{P}{key}"], rel=1e-6)
+
+
+def test_ppo_last_measurement_equals_ram_trl_analyze_of_the_saved_policy(ppo_run) -> None:
+    base, out = ppo_run["base"], ppo_run["out"]
+    last = ppo_run["last"]
+    # the saved agent is the policy alone, in bf16
+    with (
+        safe_open(str(out / "model.safetensors"), "pt") as saved,
+        safe_open(str(base / "model.safetensors"), "pt") as original,
+    ):
+        names = saved.keys()
+        assert set(names) == set(original.keys())
+        assert {str(saved.get_slice(name).get_dtype()) for name in names} == {"BF16"}
+    result = ram_trl.analyze(base, [out], eps=1e-5, progress=False, figures=False)
+    agent = result["agents"][0]
+    assert agent["kind"] == "full"
+    assert last[f"{P}numel"] == result["total_elements"]  # the policy's elements, not the value model's
+    assert last[f"{P}active_saved"] == agent["active"]
+    assert last[f"{P}density_saved"] == agent["density"]
+    for bucket in result["anatomy"]["modules"]:
+        assert last[f"{P}module/{bucket['module']}/density"] == bucket["density"][0]
+    for bucket in result["anatomy"]["layers"]:
+        assert last[f"{P}layer/{bucket['layer']}/density"] == bucket["density"][0]
+
+
+def test_ppo_stage_manifest(ppo_run) -> None:
+    base, out = ppo_run["base"], ppo_run["out"]
+    manifest = read_manifest(out)
+    assert (out / MANIFEST_NAME).is_file()
+    assert manifest.kind == "full" and manifest.steps == STEPS and manifest.save_dtype == "bfloat16"
+    assert manifest.stage == "ppo" and manifest.domain == "test"
+    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
+    check_base(manifest, out, base)
+    assert manifest.telemetry[f"{P}density_saved"] == ppo_run["last"][f"{P}density_saved"]
+    assert manifest.rewards == last_reward_metrics(ppo_run["log_history"])
+    assert "objective/rlhf_reward" in manifest.rewards
+    assert manifest.extra["telemetry"]["measured_step"] == STEPS
