@@ -33,7 +33,7 @@ from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags
-from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, keep_count, magnitude_cut
+from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -633,16 +633,42 @@ def _merge_chunk(
         return merged.reshape(shape).cpu()
     out = torch.empty(shape, dtype=task.out_dtype)
     flat = out.reshape(-1)
+    checked = resolved.allow_nonfinite or resolved.method.needs_statistics
+    cuts = context.cuts
+    if cuts is not None and pool is not None:
+        # TIES ranks the elements tied at its cut in flat order: count them per block first (in parallel), so that
+        # every block knows how many came before it, then merge the blocks in parallel
+        def prepare(block: RawChunk) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            deltas, base_values = to_deltas(block, device, base, agents, reader, checked)
+            return deltas, base_values, [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
 
-    def run(block: RawChunk) -> OverlapStatistics | None:
+        prepared = map_blocks(pool, prepare, blocks)
+        seen = []
+        for _, _, equal in prepared:
+            seen.append(list(context.equal_seen))
+            context.equal_seen[:] = [a + b for a, b in zip(context.equal_seen, equal, strict=True)]
+        work = [
+            (block, ready[:2], before) for block, ready, before in zip(blocks, prepared, seen, strict=True)
+        ]
+        del prepared
+        parallel = pool
+    elif cuts is not None:
+        work = [(block, None, None) for block in blocks]
+        parallel = None  # in order on this thread, counting on context.equal_seen
+    else:
+        work = [(block, None, None) for block in blocks]
+        parallel = pool
+
+    def run(item: tuple[RawChunk, tuple[torch.Tensor, torch.Tensor] | None, list[int] | None]):
+        block, ready, equal_seen = item
         lo = (block.start - chunk.start) * task.row_numel
         hi = (block.stop - chunk.start) * task.row_numel
-        flat[lo:hi], counts = _merge_block(resolved, block, context, base, agents, reader, device, eps)
+        flat[lo:hi], counts = _merge_block(
+            resolved, block, context, base, agents, reader, device, eps, ready, equal_seen
+        )
         return counts
 
-    # TIES ranks the elements tied at its cut in flat order, counting them block after block: keep the order
-    parallel = pool if not resolved.method.trims_by_magnitude else None
-    for counts in map_blocks(parallel, run, blocks):
+    for counts in map_blocks(parallel, run, work):
         _add_counts(context, counts)
     return out
 
@@ -662,13 +688,21 @@ def _merge_block(
     reader: RowReader,
     device: torch.device,
     eps: float,
+    ready: tuple[torch.Tensor, torch.Tensor] | None = None,
+    equal_seen: list[int] | None = None,
 ) -> tuple[torch.Tensor, OverlapStatistics | None]:
     """The flat output values of a block of the base's rows, in the output dtype, on ``device``, and its overlap
-    counts (methods without a statistics pass count them while merging)."""
+    counts (methods without a statistics pass count them while merging).
+
+    ``ready`` holds the block's task vectors and base values if they are already computed; ``equal_seen`` the TIES
+    threshold-equal elements before the block (default: the tensor's running count, updated).
+    """
     task = chunk.task
-    # the statistics pass has already refused non-finite inputs
-    checked = resolved.allow_nonfinite or resolved.method.needs_statistics
-    deltas, base_values = to_deltas(chunk, device, base, agents, reader, checked)
+    if ready is None:
+        # the statistics pass has already refused non-finite inputs
+        checked = resolved.allow_nonfinite or resolved.method.needs_statistics
+        ready = to_deltas(chunk, device, base, agents, reader, checked)
+    deltas, base_values = ready
     counts = None
     if context.stats is not None:
         counts = OverlapStatistics.zeros(len(agents))
@@ -682,7 +716,7 @@ def _merge_block(
         agent_params=context.agent_params,
         lambdas=context.lambdas,
         cuts=context.cuts,
-        equal_seen=context.equal_seen,
+        equal_seen=context.equal_seen if equal_seen is None else equal_seen,
         seed=resolved.seed,
     )
     merged = resolved.method.merge(inputs)

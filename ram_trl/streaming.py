@@ -53,9 +53,7 @@ class RawChunk:
 COMPUTE_BLOCK_ELEMENTS = 1 << 17
 
 
-def compute_blocks(
-    chunk: RawChunk, device: torch.device, elements: int = COMPUTE_BLOCK_ELEMENTS
-) -> list[RawChunk]:
+def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None = None) -> list[RawChunk]:
     """Split a chunk of the base's rows into consecutive row blocks of about ``elements`` elements (views, no copy).
 
     Elementwise arithmetic gives the same values block by block as on the whole chunk, but its temporaries stay in
@@ -64,12 +62,12 @@ def compute_blocks(
     Args:
         chunk: A chunk of the base's rows (not rows past them).
         device: Where the arithmetic runs.
-        elements: Target elements per block (at least one row).
+        elements: Target elements per block (at least one row); default :data:`COMPUTE_BLOCK_ELEMENTS`.
 
     Returns:
         The blocks, in row order; ``[chunk]`` when it is small enough or the device is not the CPU.
     """
-    rows = max(1, elements // chunk.task.row_numel)
+    rows = max(1, (elements or COMPUTE_BLOCK_ELEMENTS) // chunk.task.row_numel)
     if device.type != "cpu" or chunk.stop - chunk.start <= rows:
         return [chunk]
     blocks = []

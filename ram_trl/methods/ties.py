@@ -144,6 +144,15 @@ def _rank_from_top(counts: torch.Tensor, k: int) -> tuple[int, int]:
     return counts.numel() - 1 - position, above
 
 
+def count_at_cut(delta: torch.Tensor, cut: MagnitudeCut) -> int:
+    """Elements of a chunk of one agent's task vector whose magnitude equals the cut's threshold (what
+    :func:`magnitude_trim` returns as ``equal_in_chunk``, without trimming)."""
+    if cut.keep_all:
+        return 0
+    magnitudes = delta.abs()
+    return int(torch.count_nonzero(torch.eq(magnitudes, cut.threshold, out=magnitudes)))
+
+
 def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) -> tuple[torch.Tensor, int]:
     """Zero every element of a chunk of one agent's task vector that the cut drops.
 
@@ -158,12 +167,13 @@ def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) 
     if cut.keep_all:
         return delta, 0
     magnitudes = delta.abs()
-    keep = magnitudes > cut.threshold
-    equal = magnitudes == cut.threshold
-    equal_in_chunk = int(equal.sum())
+    # 1.0 / 0.0 flags rather than bools (float-writing comparisons are faster); the products are the same
+    keep = torch.gt(magnitudes, cut.threshold, out=torch.empty_like(magnitudes))
+    equal = torch.eq(magnitudes, cut.threshold, out=magnitudes)
+    equal_in_chunk = int(torch.count_nonzero(equal))  # as count_at_cut
     if equal_in_chunk:
-        rank = torch.cumsum(equal.reshape(-1), dim=0).reshape(equal.shape) + equal_seen
-        keep |= equal & (rank <= cut.keep_equal)
+        rank = torch.cumsum(equal.reshape(-1), dim=0, dtype=torch.int64).reshape(equal.shape) + equal_seen
+        keep += equal * (rank <= cut.keep_equal)  # disjoint from the elements above the cut
     return delta.mul_(keep), equal_in_chunk
 
 
@@ -189,11 +199,12 @@ def disjoint_merge(
     """
     column = weights.to(deltas.dtype).unsqueeze(-1)
     weighted = deltas.mul_(column)
-    agree = torch.sign(weighted) == elect_sign(weighted)
+    # 1.0 / 0.0 flags rather than bools (float-writing comparisons are faster); the products are the same
+    agree = torch.eq(torch.sign(weighted), elect_sign(weighted), out=torch.empty_like(weighted))
     merged = (weighted * agree).sum(dim=0)
     if normalize:
         divisor = (column * agree).sum(dim=0)
-        divisor[divisor == 0] = 1
+        divisor += torch.eq(divisor, 0, out=torch.empty_like(divisor))  # 0 -> 1, every other value unchanged
         merged.div_(divisor)
     if scale != 1.0:
         merged.mul_(scale)
