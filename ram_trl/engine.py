@@ -16,9 +16,12 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,8 +39,8 @@ from ram_trl.io.fisher import (
 from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
-from ram_trl.methods.ram import DEFAULT_EPS, active_mask
-from ram_trl.methods.ties import MagnitudeCut, keep_count, magnitude_cut
+from ram_trl.methods.ram import DEFAULT_EPS, active_flags
+from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -48,9 +51,20 @@ from ram_trl.planner import (
     parse_size,
 )
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.streaming import RawChunk, ReadCounter, fill_delta, iter_chunks, read_agent_rows, to_deltas
+from ram_trl.streaming import (
+    RawChunk,
+    ReadCounter,
+    compute_blocks,
+    fill_delta,
+    iter_chunks,
+    read_agent_rows,
+    to_deltas,
+)
 
 logger = logging.getLogger(__name__)
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 REPORT_FILE = "ram_merge_report.json"
 DENSE_AGENT_WARNING = 0.99
@@ -381,6 +395,35 @@ def _eps(resolved: ResolvedConfig) -> float:
     return float(resolved.params.get("eps", DEFAULT_EPS))
 
 
+@contextmanager
+def compute_pool(device: torch.device) -> Iterator[ThreadPoolExecutor | None]:
+    """Threads that run the blocks of a chunk (:func:`~ram_trl.streaming.compute_blocks`) in parallel on the CPU.
+
+    As many threads as torch would use for one operation; torch itself runs single-threaded meanwhile, so each block
+    stays on one core and no operation waits for a barrier of all cores (torch releases the GIL in its kernels).
+    ``None`` (run blocks in order on the calling thread) on an accelerator or with one thread.
+    """
+    workers = torch.get_num_threads()
+    if device.type != "cpu" or workers <= 1:
+        yield None
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ram-trl-compute") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(workers)
+
+
+def map_blocks(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
+) -> list[Result]:
+    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
+    if pool is None:
+        return [fn(item) for item in items]
+    return list(pool.map(fn, items))
+
+
 def statistics_pass(
     resolved: ResolvedConfig,
     base: Checkpoint,
@@ -409,14 +452,20 @@ def statistics_pass(
             if bar is not None:
                 bar.update(1)
 
-    for chunk in iter_chunks(base, agents, floating, reader, counter=state.read):
-        if chunk.task is not current_task:
-            finish()
-            current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
-        deltas, _ = to_deltas(chunk, device, base, agents, reader, resolved.allow_nonfinite)
-        assert current is not None
-        current.update(active_mask(deltas, eps))
-        del deltas
+    def count(block: RawChunk) -> OverlapStatistics:
+        deltas, _ = to_deltas(block, device, base, agents, reader, resolved.allow_nonfinite)
+        counts = OverlapStatistics.zeros(len(agents))
+        counts.update(active_flags(deltas, eps))
+        return counts
+
+    with compute_pool(device) as pool:
+        for chunk in iter_chunks(base, agents, floating, reader, counter=state.read):
+            if chunk.task is not current_task:
+                finish()
+                current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
+            assert current is not None
+            for counts in map_blocks(pool, count, compute_blocks(chunk, device)):
+                current.add(counts)
     finish()
     if bar is not None:
         bar.close()
@@ -429,24 +478,54 @@ def _magnitude_cuts(
     agents: list[Checkpoint],
     reader: RowReader,
     device: torch.device,
+    pool: ThreadPoolExecutor | None = None,
 ) -> list[MagnitudeCut]:
-    """Per-agent TIES cut of one tensor (one whole float32 task vector in memory at a time)."""
+    """Per-agent TIES cut of one tensor (one whole float32 task vector in memory at a time; its blocks on ``pool``)."""
     base_values = base.read_rows(task.name, reader).to(device=device, dtype=torch.float32).reshape(-1)
+    numel = base_values.numel()
     cuts = []
     for t, (spec, agent) in enumerate(zip(resolved.agents, agents, strict=True)):
         density = resolved.agent_value(spec, "density", task.name)
-        k = keep_count(base_values.numel(), density)
-        if k >= base_values.numel():
+        k = keep_count(numel, density)
+        if k >= numel:
             cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
             continue
         values, lora = read_agent_rows(agent, task, t, reader, 0, task.base_rows)
         magnitudes = torch.empty_like(base_values)
-        fill_delta(magnitudes, values, lora, base_values)
-        magnitudes.abs_()
+        _fill_magnitudes(magnitudes, values, lora, base_values, pool)
         del values, lora
-        cuts.append(magnitude_cut(magnitudes, k))
+        cuts.append(magnitude_cut(magnitudes, k, lambda fn, items: map_blocks(pool, fn, items)))
         del magnitudes
     return cuts
+
+
+def _fill_magnitudes(
+    out: torch.Tensor,
+    values: torch.Tensor | None,
+    lora: torch.Tensor | None,
+    base_values: torch.Tensor,
+    pool: ThreadPoolExecutor | None,
+) -> None:
+    """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one."""
+    numel = out.numel()
+    flat_values = None if values is None else values.reshape(-1)
+    flat_lora = None if lora is None else lora.reshape(-1)
+    block = HISTOGRAM_BLOCK if pool is not None else max(numel, 1)
+
+    def fill(lo: int) -> None:
+        hi = min(numel, lo + block)
+        part = out[lo:hi]
+        fill_delta(part, _flat_slice(flat_values, lo, hi), _flat_slice(flat_lora, lo, hi), base_values[lo:hi])
+        part.abs_()
+
+    map_blocks(pool, fill, range(0, max(numel, 1), block))
+
+
+def _flat_slice(values: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """Elements ``lo:hi`` of a flat tensor, ``None`` when it has none of them (a shorter agent tensor)."""
+    if values is None or values.numel() <= lo:
+        return None
+    return values[lo:hi]
 
 
 @dataclass
@@ -468,6 +547,7 @@ def _tensor_context(
     reader: RowReader,
     state: MergeState,
     device: torch.device,
+    pool: ThreadPoolExecutor | None = None,
 ) -> _TensorContext:
     method = resolved.method
     agent_params = {
@@ -480,7 +560,7 @@ def _tensor_context(
         if p.scope == "agent" and p.kind is float
     }
     cuts = (
-        _magnitude_cuts(resolved, task, base, agents, reader, device)
+        _magnitude_cuts(resolved, task, base, agents, reader, device, pool)
         if method.trims_by_magnitude and task.floating
         else None
     )
@@ -515,22 +595,24 @@ def write_tensors(
     try:
         current: TensorTask | None = None
         context: _TensorContext | None = None
-        chunks = iter_chunks(
-            base, agents, tasks, reader, floating_only=False, counter=state.read, fishers=plan.fishers
-        )
-        for chunk in chunks:
-            task = chunk.task
-            if task is not current:
-                _finish_tensor(state, context, bar)
-                current, context = task, _tensor_context(resolved, task, base, agents, reader, state, device)
-                if bar is not None:
-                    bar.set_postfix_str(task.name[-40:], refresh=False)
-            assert context is not None
-            shard = shard_of[task.name]
-            if shard.file_name not in files:
-                files[shard.file_name] = ShardFile(out_dir / shard.file_name, _planned(shard))
-            out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps)
-            background.submit(files[shard.file_name].write_rows, task.name, chunk.start, out)
+        with compute_pool(device) as pool:
+            chunks = iter_chunks(
+                base, agents, tasks, reader, floating_only=False, counter=state.read, fishers=plan.fishers
+            )
+            for chunk in chunks:
+                task = chunk.task
+                if task is not current:
+                    _finish_tensor(state, context, bar)
+                    current = task
+                    context = _tensor_context(resolved, task, base, agents, reader, state, device, pool)
+                    if bar is not None:
+                        bar.set_postfix_str(task.name[-40:], refresh=False)
+                assert context is not None
+                shard = shard_of[task.name]
+                if shard.file_name not in files:
+                    files[shard.file_name] = ShardFile(out_dir / shard.file_name, _planned(shard))
+                out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps, pool)
+                background.submit(files[shard.file_name].write_rows, task.name, chunk.start, out)
         _finish_tensor(state, context, bar)
         background.close()
         for file in files.values():
@@ -564,8 +646,9 @@ def _merge_chunk(
     reader: RowReader,
     device: torch.device,
     eps: float,
+    pool: ThreadPoolExecutor | None = None,
 ) -> torch.Tensor:
-    """The output values of one chunk, in the output dtype, on the CPU."""
+    """The output values of one chunk, in the output dtype, on the CPU (its blocks merged on ``pool``)."""
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:
@@ -573,11 +656,87 @@ def _merge_chunk(
         return chunk.base.to(task.out_dtype)
     if chunk.extra_rows:
         return _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
-    # the statistics pass has already refused non-finite inputs
+    blocks = compute_blocks(chunk, device)
+    if len(blocks) == 1:
+        merged, counts = _merge_block(resolved, chunk, context, base, agents, reader, device, eps)
+        _add_counts(context, counts)
+        return merged.reshape(shape).cpu()
+    out = torch.empty(shape, dtype=task.out_dtype)
+    flat = out.reshape(-1)
     checked = resolved.allow_nonfinite or resolved.method.needs_statistics
-    deltas, base_values = to_deltas(chunk, device, base, agents, reader, checked)
+    cuts = context.cuts
+    if cuts is not None and pool is not None:
+        # TIES ranks the elements tied at its cut in flat order: count them per block first (in parallel), so that
+        # every block knows how many came before it, then merge the blocks in parallel
+        def prepare(block: RawChunk) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            deltas, base_values = to_deltas(block, device, base, agents, reader, checked)
+            return deltas, base_values, [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
+
+        prepared = map_blocks(pool, prepare, blocks)
+        seen = []
+        for _, _, equal in prepared:
+            seen.append(list(context.equal_seen))
+            context.equal_seen[:] = [a + b for a, b in zip(context.equal_seen, equal, strict=True)]
+        work = [
+            (block, ready[:2], before) for block, ready, before in zip(blocks, prepared, seen, strict=True)
+        ]
+        del prepared
+        parallel = pool
+    elif cuts is not None:
+        work = [(block, None, None) for block in blocks]
+        parallel = None  # in order on this thread, counting on context.equal_seen
+    else:
+        work = [(block, None, None) for block in blocks]
+        parallel = pool
+
+    def run(item: tuple[RawChunk, tuple[torch.Tensor, torch.Tensor] | None, list[int] | None]):
+        block, ready, equal_seen = item
+        lo = (block.start - chunk.start) * task.row_numel
+        hi = (block.stop - chunk.start) * task.row_numel
+        flat[lo:hi], counts = _merge_block(
+            resolved, block, context, base, agents, reader, device, eps, ready, equal_seen
+        )
+        return counts
+
+    for counts in map_blocks(parallel, run, work):
+        _add_counts(context, counts)
+    return out
+
+
+def _add_counts(context: _TensorContext, counts: OverlapStatistics | None) -> None:
+    if counts is not None:
+        assert context.stats is not None
+        context.stats.add(counts)
+
+
+def _merge_block(
+    resolved: ResolvedConfig,
+    chunk: RawChunk,
+    context: _TensorContext,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    device: torch.device,
+    eps: float,
+    ready: tuple[torch.Tensor, torch.Tensor] | None = None,
+    equal_seen: list[int] | None = None,
+) -> tuple[torch.Tensor, OverlapStatistics | None]:
+    """The flat output values of a block of the base's rows, in the output dtype, on ``device``, and its overlap
+    counts (methods without a statistics pass count them while merging).
+
+    ``ready`` holds the block's task vectors and base values if they are already computed; ``equal_seen`` the TIES
+    threshold-equal elements before the block (default: the tensor's running count, updated).
+    """
+    task = chunk.task
+    if ready is None:
+        # the statistics pass has already refused non-finite inputs
+        checked = resolved.allow_nonfinite or resolved.method.needs_statistics
+        ready = to_deltas(chunk, device, base, agents, reader, checked)
+    deltas, base_values = ready
+    counts = None
     if context.stats is not None:
-        context.stats.update(active_mask(deltas, eps))
+        counts = OverlapStatistics.zeros(len(agents))
+        counts.update(active_flags(deltas, eps))
     inputs = ChunkInputs(
         name=task.name,
         start=chunk.start * task.row_numel,
@@ -587,13 +746,13 @@ def _merge_chunk(
         agent_params=context.agent_params,
         lambdas=context.lambdas,
         cuts=context.cuts,
-        equal_seen=context.equal_seen,
+        equal_seen=context.equal_seen if equal_seen is None else equal_seen,
         seed=resolved.seed,
         fishers=None if chunk.fishers is None else chunk.fishers.to(device),
     )
     merged = resolved.method.merge(inputs)
     merged.add_(base_values)
-    return merged.to(task.out_dtype).reshape(shape).cpu()
+    return merged.to(task.out_dtype), counts
 
 
 def _extra_rows(

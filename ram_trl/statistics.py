@@ -67,7 +67,7 @@ class OverlapStatistics:
         )
 
     def update(self, mask: torch.Tensor) -> None:
-        """Add one chunk's activity mask (bool, shape ``(num_agents, n)``)."""
+        """Add one chunk's activity mask (bool, or float ``0`` / ``1`` flags; shape ``(num_agents, n)``)."""
         n_agents = self.num_agents
         if n_agents <= MAX_SUBSET_AGENTS:
             code = ram.subset_codes(mask)
@@ -77,6 +77,7 @@ class OverlapStatistics:
             self.histogram += weighted.T @ sizes
             self.pairwise += weighted.T @ members
         else:
+            mask = mask.to(torch.bool)
             counts = ram.overlap_counts(mask)
             for k in range(1, n_agents + 1):
                 at_k = counts == k

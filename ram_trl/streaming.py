@@ -52,6 +52,54 @@ class RawChunk:
         return self.start >= self.task.base_rows
 
 
+#: Elements of the blocks a chunk's arithmetic runs in on the CPU (:func:`compute_blocks`): small enough that a
+#: block's float32 temporaries stay in the CPU caches, large enough that the per-operation overhead stays small.
+COMPUTE_BLOCK_ELEMENTS = 1 << 17
+
+
+def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None = None) -> list[RawChunk]:
+    """Split a chunk of the base's rows into consecutive row blocks of about ``elements`` elements (views, no copy).
+
+    Elementwise arithmetic gives the same values block by block as on the whole chunk, but its temporaries stay in
+    the CPU caches instead of streaming through memory once per operation. On an accelerator the chunk stays whole.
+
+    Args:
+        chunk: A chunk of the base's rows (not rows past them).
+        device: Where the arithmetic runs.
+        elements: Target elements per block (at least one row); default :data:`COMPUTE_BLOCK_ELEMENTS`.
+
+    Returns:
+        The blocks, in row order; ``[chunk]`` when it is small enough or the device is not the CPU.
+    """
+    rows = max(1, (elements or COMPUTE_BLOCK_ELEMENTS) // chunk.task.row_numel)
+    if device.type != "cpu" or chunk.stop - chunk.start <= rows:
+        return [chunk]
+    blocks = []
+    for lo in range(0, chunk.stop - chunk.start, rows):
+        hi = min(chunk.stop - chunk.start, lo + rows)
+        blocks.append(
+            RawChunk(
+                chunk.task,
+                chunk.start + lo,
+                chunk.start + hi,
+                None if chunk.base is None else chunk.base[lo:hi],
+                [_row_slice(values, lo, hi) for values in chunk.agents],
+                [_row_slice(lora, lo, hi) for lora in chunk.lora],
+                None
+                if chunk.fishers is None
+                else chunk.fishers[:, lo * chunk.task.row_numel : hi * chunk.task.row_numel],
+            )
+        )
+    return blocks
+
+
+def _row_slice(rows: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """Rows ``lo:hi`` of a chunk's tensor, ``None`` when it has none of them (a shorter agent tensor)."""
+    if rows is None or rows.shape[0] <= lo:
+        return None
+    return rows[lo:hi]
+
+
 @dataclass
 class ReadCounter:
     """Bytes read so far."""

@@ -12,6 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ram_trl
+import ram_trl.engine
+import ram_trl.methods.ties
+import ram_trl.streaming
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
 
@@ -189,3 +192,44 @@ def test_same_result_for_any_chunk_budget_and_shard_size(rl_checkpoints, tmp_pat
     ram_trl.merge(config, tmp_path / "b", progress=False)
     a, b = reference.load_state_dict(tmp_path / "a"), reference.load_state_dict(tmp_path / "b")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Compute blocks of a few rows on two threads (every chunk splits into many blocks merged in parallel) and TIES
+    cut histograms over many blocks."""
+    monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(ram_trl.methods.ties, "HISTOGRAM_BLOCK", 100)
+    monkeypatch.setattr(ram_trl.engine, "HISTOGRAM_BLOCK", 100)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("chunk_budget", [CHUNK_BUDGET, "256MB"])
+@pytest.mark.parametrize("method", ["ram_plus", "ties", "dare_ties", "task_arithmetic"])
+def test_blocks_on_threads_match_reference(rl_checkpoints, tmp_path, tiny_blocks, method, chunk_budget):
+    _, base, agents, state = rl_checkpoints
+    weights, densities = [1.0, 0.7, 0.4], [0.2, 0.29, 0.1]
+    agent_params = [{"weight": w, "density": d} for w, d in zip(weights, densities, strict=True)]
+    if method == "ram_plus":
+        config = _config(base, agents, method, {"r": 0.1, "alpha": 2.0})
+        expected, _ = reference.ram_reference(state["base"], state["agents"], r=0.1, alpha=2.0)
+    elif method == "ties":
+        config = _config(base, agents, method, {"lambda": 0.9}, agent_params)
+        expected = reference.ties_reference(state["base"], state["agents"], weights, densities, lam=0.9)
+    elif method == "dare_ties":
+        config = {**_config(base, agents, method, {}, agent_params), "seed": 5}
+        expected = reference.dare_reference(
+            state["base"], state["agents"], weights, densities, seed=5, ties=True
+        )
+    else:
+        config = _config(base, agents, method, {"lambda": 0.8}, [{"weight": w} for w in weights])
+        expected = reference.task_arithmetic_reference(state["base"], state["agents"], weights, lam=0.8)
+    report = ram_trl.merge(config, tmp_path / "out", chunk_budget=chunk_budget, progress=False)
+    _assert_matches(tmp_path / "out", expected, state["base"])
+    if method == "ram_plus":
+        _, stats = reference.ram_reference(state["base"], state["agents"], r=0.1, alpha=2.0)
+        assert [a["unique"] for a in report["agents"]] == stats["unique"]
+        assert [a["shared"] for a in report["agents"]] == stats["shared"]

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import ram_trl
+import ram_trl.streaming
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError
 from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.planner import bytes_per_element
@@ -107,6 +108,21 @@ def test_streaming_equals_reference(inputs, tmp_path, params, weights, floor):
     assert report["bytes_read"] > sum((a / FISHER_FILE).stat().st_size for a in agents)
     card = (tmp_path / "out" / "README.md").read_text()
     assert all(f"- `{a.name}`: `{a / FISHER_FILE}`" in card for a in agents)
+
+
+def test_blocks_on_threads_equal_reference(inputs, tmp_path, monkeypatch):
+    """Chunks split into compute blocks of a few rows merged on two threads: each block gets its own Fisher rows."""
+    monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
+    _, base, agents, state = inputs
+    weights = [1.0, 0.5, 2.0]
+    config = _config(base, agents, {"lambda": 0.7}, [{"weight": w} for w in weights])
+    for budget in (CHUNK_BUDGET, "256MB"):
+        out = tmp_path / f"out-{budget}"
+        ram_trl.merge(config, out, chunk_budget=budget, progress=False)
+        expected = reference.fisher_reference(
+            state["base"], state["agents"], state["fishers"], weights, lam=0.7, floor=1e-6
+        )
+        _assert_equal(out, expected, state["base"])
 
 
 def test_zero_denominator_branch_is_exercised(inputs):

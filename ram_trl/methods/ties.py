@@ -9,6 +9,7 @@ whether a tensor is processed whole or in row chunks (:func:`magnitude_trim` car
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -48,12 +49,18 @@ class MagnitudeCut:
     keep_all: bool = False
 
 
-def magnitude_cut(magnitudes: torch.Tensor, k: int) -> MagnitudeCut:
+def magnitude_cut(magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | None = None) -> MagnitudeCut:
     """Find the cut that keeps the ``k`` largest of ``magnitudes`` (a flat float tensor).
+
+    The k-th largest magnitude is found by :func:`kth_largest_bits` when every magnitude is a finite float32 (else by
+    ``torch.kthvalue``). When it is 0, every nonzero element is kept and the cut keeps everything (the same values:
+    zeros stay zeros).
 
     Args:
         magnitudes: ``|tau|`` of one whole tensor, flattened.
         k: Elements to keep (see :func:`keep_count`).
+        map_blocks: Runs a function over a list of blocks and returns its results in order (e.g. on a thread
+            pool); default: one after the other.
 
     Returns:
         The :class:`MagnitudeCut`.
@@ -63,9 +70,87 @@ def magnitude_cut(magnitudes: torch.Tensor, k: int) -> MagnitudeCut:
         return MagnitudeCut(threshold=0.0, keep_equal=0, keep_all=True)
     if k <= 0:
         return MagnitudeCut(threshold=math.inf, keep_equal=0)
-    value = torch.kthvalue(magnitudes, n - k + 1).values
-    above = int((magnitudes > value).sum())
-    return MagnitudeCut(threshold=float(value), keep_equal=k - above)
+    found = kth_largest_bits(magnitudes, k, map_blocks) if magnitudes.dtype == torch.float32 else None
+    if found is None:
+        value = torch.kthvalue(magnitudes, n - k + 1).values
+        above = int((magnitudes > value).sum())
+        return MagnitudeCut(threshold=float(value), keep_equal=k - above)
+    bits, above = found
+    if bits == 0:
+        return MagnitudeCut(threshold=0.0, keep_equal=0, keep_all=True)
+    threshold = float(torch.tensor(bits, dtype=torch.int32).view(torch.float32))
+    return MagnitudeCut(threshold=threshold, keep_equal=k - above)
+
+
+BlockMapper = Callable[[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+
+#: Elements per block of the histograms of :func:`kth_largest_bits` (bounds their temporaries).
+HISTOGRAM_BLOCK = 1 << 20
+
+#: High 16 bits of the float32 bit patterns of infinity and NaN (and above).
+_FLOAT32_NONFINITE_HIGH = 0x7F80
+
+
+def kth_largest_bits(
+    magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | None = None
+) -> tuple[int, int] | None:
+    """The k-th largest of non-negative finite float32 values, by a radix select on their bit patterns.
+
+    Non-negative float32 values are ordered like their bit patterns read as int32, so two histograms find the k-th
+    largest exactly: one of the high 16 bits of every value, then one of the low 16 bits of the values in the bucket
+    that holds it (``torch.bincount``, block by block: no sort, no selection, no temporary of the tensor's size).
+
+    Args:
+        magnitudes: Non-negative float32 values (``|tau|``: no negative zero), any shape, contiguous.
+        k: Rank from the top, ``1 <= k <= numel``.
+        map_blocks: See :func:`magnitude_cut`.
+
+    Returns:
+        ``(bits, above)``: the int32 bit pattern of the k-th largest value and the number of values strictly above
+        it; ``None`` if a value is infinite or NaN (or has its sign bit set), which the caller handles otherwise.
+    """
+    run = map_blocks or (lambda fn, items: [fn(item) for item in items])
+    bits = magnitudes.reshape(-1).view(torch.int32)
+    blocks = list(bits.split(HISTOGRAM_BLOCK))
+    counts = sum(run(_high_histogram, blocks))
+    if int(counts[_FLOAT32_NONFINITE_HIGH:].sum()):
+        return None
+    bucket, above = _rank_from_top(counts[:_FLOAT32_NONFINITE_HIGH], k)
+    inside = sum(run(lambda block: _low_histogram(block, bucket), blocks))
+    low, above_inside = _rank_from_top(inside, k - above)
+    return (bucket << 16) | low, above + above_inside
+
+
+def _high_histogram(bits: torch.Tensor) -> torch.Tensor:
+    """Counts of the high 16 bits of int32 bit patterns; negative patterns (sign bit set) land in bins from 0x8000."""
+    return torch.bincount((bits >> 16) & 0xFFFF, minlength=1 << 16)
+
+
+def _low_histogram(bits: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Counts of the low 16 bits of the int32 bit patterns whose high 16 bits are ``bucket``.
+
+    Integer arithmetic only (no boolean mask, which is slow to build): patterns below the bucket fall in an extra
+    first bin and patterns above it in an extra last bin, both dropped.
+    """
+    offsets = (bits - (bucket << 16)).clamp_(-1, 1 << 16).add_(1)
+    return torch.bincount(offsets, minlength=(1 << 16) + 2)[1:-1]
+
+
+def _rank_from_top(counts: torch.Tensor, k: int) -> tuple[int, int]:
+    """The bin holding the k-th largest element of a histogram, and how many elements lie in higher bins."""
+    from_top = torch.cumsum(counts.flip(0), dim=0)
+    position = int(torch.searchsorted(from_top, k))  # first position with at least k elements at or above it
+    above = int(from_top[position - 1]) if position else 0
+    return counts.numel() - 1 - position, above
+
+
+def count_at_cut(delta: torch.Tensor, cut: MagnitudeCut) -> int:
+    """Elements of a chunk of one agent's task vector whose magnitude equals the cut's threshold (what
+    :func:`magnitude_trim` returns as ``equal_in_chunk``, without trimming)."""
+    if cut.keep_all:
+        return 0
+    magnitudes = delta.abs()
+    return int(torch.count_nonzero(torch.eq(magnitudes, cut.threshold, out=magnitudes)))
 
 
 def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) -> tuple[torch.Tensor, int]:
@@ -82,12 +167,13 @@ def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) 
     if cut.keep_all:
         return delta, 0
     magnitudes = delta.abs()
-    keep = magnitudes > cut.threshold
-    equal = magnitudes == cut.threshold
-    equal_in_chunk = int(equal.sum())
+    # 1.0 / 0.0 flags rather than bools (float-writing comparisons are faster); the products are the same
+    keep = torch.gt(magnitudes, cut.threshold, out=torch.empty_like(magnitudes))
+    equal = torch.eq(magnitudes, cut.threshold, out=magnitudes)
+    equal_in_chunk = int(torch.count_nonzero(equal))  # as count_at_cut
     if equal_in_chunk:
-        rank = torch.cumsum(equal.reshape(-1), dim=0).reshape(equal.shape) + equal_seen
-        keep |= equal & (rank <= cut.keep_equal)
+        rank = torch.cumsum(equal.reshape(-1), dim=0, dtype=torch.int64).reshape(equal.shape) + equal_seen
+        keep += equal * (rank <= cut.keep_equal)  # disjoint from the elements above the cut
     return delta.mul_(keep), equal_in_chunk
 
 
@@ -113,11 +199,12 @@ def disjoint_merge(
     """
     column = weights.to(deltas.dtype).unsqueeze(-1)
     weighted = deltas.mul_(column)
-    agree = torch.sign(weighted) == elect_sign(weighted)
+    # 1.0 / 0.0 flags rather than bools (float-writing comparisons are faster); the products are the same
+    agree = torch.eq(torch.sign(weighted), elect_sign(weighted), out=torch.empty_like(weighted))
     merged = (weighted * agree).sum(dim=0)
     if normalize:
         divisor = (column * agree).sum(dim=0)
-        divisor[divisor == 0] = 1
+        divisor += torch.eq(divisor, 0, out=torch.empty_like(divisor))  # 0 -> 1, every other value unchanged
         merged.div_(divisor)
     if scale != 1.0:
         merged.mul_(scale)
