@@ -63,8 +63,16 @@ def make_base(workdir: Path, size: str) -> Path:
     return make_base_checkpoint(directory, materialize="stream", **SIZES[size])
 
 
-def reward(completions, **kwargs) -> list[float]:
-    return [float(len(set(c))) for c in completions]
+def reward(completions, completion_ids=None, **kwargs) -> list[float]:
+    """Share of even token ids in each completion.
+
+    Computed on the ids, not the text: a random-init model with a 152K vocabulary mostly generates ids that the
+    character tokenizer decodes to nothing, and a text reward would then be 0 everywhere (every advantage 0, no weight
+    moves). This one varies within each group, so every step has non-zero advantages and the task vector is dense.
+    """
+    if completion_ids is None:
+        return [float(len(set(c))) for c in completions]
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
@@ -195,7 +203,10 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         "- Each run: TRL GRPOTrainer, fp32 on the CPU, batch 4 (1 prompt x 4 generations), 8 new tokens, beta 0, "
         "lr 1e-5, default `logging_steps` (10); the callback with `base_model` = the bf16 base on disk (memory-mapped), "
         "default interval (= logging_steps, plus the final step), magnitude statistics on. Without / with runs "
-        "interleaved after a discarded warm-up run (sizes in `--warmup`); medians over the repeats. Base: random init from a Qwen2 config, bf16, character tokenizer.",
+        "interleaved after a discarded warm-up run (sizes in `--warmup`); medians over the repeats. Base: random init "
+        "from a Qwen2 config, bf16, character tokenizer. Reward: the share of even token ids in each completion, so "
+        "rewards vary within every group and every step moves the weights (the task vector is dense: the worst case "
+        "for the magnitude statistics).",
         "- *overhead (wall)*: (median train() wall with the callback - without) / without; *overhead (CPU "
         "time)*: the same with the process's CPU time (all threads), less sensitive to other processes. *accounted*: the callback's own "
         "time (its measurements' `task_vector/measure_seconds` + the end-of-run bf16 save and manifest) / the "
@@ -203,8 +214,9 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         "tracker keeps between measurements (0: the base is memory-mapped, no snapshot).",
         "",
         "| model | elements | steps | s/step | measured at | measure s (median / max) | train() without | "
-        "train() with | overhead (wall) | overhead (CPU time) | measurements | end save | accounted | extra memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "train() with | overhead (wall) | overhead (CPU time) | measurements | end save | accounted | extra memory | "
+        "final density (eps / bf16) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -212,7 +224,8 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
             f"{', '.join(map(str, r['measured_steps']))} | {r['measure_median']:.3f} / {r['measure_max']:.3f} | "
             f"{r['without']:.1f} s | {r['with']:.1f} s | {r['overhead_pct']:+.1f}% | {r['cpu_overhead_pct']:+.1f}% | "
             f"{r['measure_pct']:.1f}% | "
-            f"{r['end_seconds']:.1f} s | {r['accounted_pct']:.1f}% | {r['state_mb']:.0f} MB |"
+            f"{r['end_seconds']:.1f} s | {r['accounted_pct']:.1f}% | {r['state_mb']:.0f} MB | "
+            f"{100 * r['density']:.1f}% / {100 * r['density_saved']:.1f}% |"
         )
     lines += [
         "",
