@@ -39,7 +39,7 @@ from ram_trl.io.fisher import (
 from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
-from ram_trl.methods.ram import DEFAULT_EPS, active_flags
+from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
 from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
@@ -50,7 +50,7 @@ from ram_trl.planner import (
     build_plan,
     parse_size,
 )
-from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics import MAX_SUBSET_AGENTS, OverlapStatistics, subset_counts
 from ram_trl.streaming import (
     RawChunk,
     ReadCounter,
@@ -441,21 +441,30 @@ def statistics_pass(
     tasks = plan.tasks if tasks is None else tasks
     floating = [t for t in tasks if t.floating]
     bar = _progress(None, len(floating), "statistics", progress) if progress else None
+    by_subsets = len(agents) <= MAX_SUBSET_AGENTS
     current: OverlapStatistics | None = None
     current_task: TensorTask | None = None
+    subsets: torch.Tensor | None = None  # the current tensor's subset counts so far (converted once, at its end)
+    numel = 0
 
     def finish() -> None:
-        if current is not None and current_task is not None:
-            state.stats.add(current)
-            if per_tensor:
-                state.tensor_stats[current_task.name] = current
-            if bar is not None:
-                bar.update(1)
+        if current is None or current_task is None:
+            return
+        if subsets is not None:
+            current.add_subset_counts(subsets, numel)
+        state.stats.add(current)
+        if per_tensor:
+            state.tensor_stats[current_task.name] = current
+        if bar is not None:
+            bar.update(1)
 
-    def count(block: RawChunk) -> OverlapStatistics:
+    def count(block: RawChunk) -> torch.Tensor | OverlapStatistics:
         deltas, _ = to_deltas(block, device, base, agents, reader, resolved.allow_nonfinite)
+        flags = torch.gt(deltas.abs_(), float32_threshold(eps), out=deltas)  # active_flags, in place
+        if by_subsets:
+            return subset_counts(flags)
         counts = OverlapStatistics.zeros(len(agents))
-        counts.update(active_flags(deltas, eps))
+        counts.update(flags)
         return counts
 
     with compute_pool(device) as pool:
@@ -463,9 +472,14 @@ def statistics_pass(
             if chunk.task is not current_task:
                 finish()
                 current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
+                subsets, numel = None, 0
             assert current is not None
             for counts in map_blocks(pool, count, compute_blocks(chunk, device)):
-                current.add(counts)
+                if isinstance(counts, OverlapStatistics):
+                    current.add(counts)
+                else:
+                    subsets = counts if subsets is None else subsets.add_(counts)
+            numel += (chunk.stop - chunk.start) * chunk.task.row_numel
     finish()
     if bar is not None:
         bar.close()

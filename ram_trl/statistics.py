@@ -37,6 +37,25 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
     return members, sizes
 
 
+def subset_counts(mask: torch.Tensor) -> torch.Tensor:
+    """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
+    ``code`` (:func:`~ram_trl.methods.ram.subset_codes`).
+
+    Args:
+        mask: Bool tensor, or float ``0`` / ``1`` flags, of shape ``(num_agents, n)``, at most
+            :data:`MAX_SUBSET_AGENTS` agents.
+
+    Returns:
+        An int64 tensor of shape ``(2**num_agents,)`` on the mask's device; sums of them over chunks feed
+        :meth:`OverlapStatistics.add_subset_counts`.
+    """
+    num_agents = mask.shape[0]
+    if num_agents > MAX_SUBSET_AGENTS:
+        raise ValueError(f"subset counts take at most {MAX_SUBSET_AGENTS} agents, got {num_agents}")
+    code = ram.subset_codes(mask)
+    return torch.bincount(code.reshape(-1), minlength=2**num_agents).to(torch.int64)
+
+
 @dataclass
 class OverlapStatistics:
     """Per-agent overlap histogram and pairwise co-activity of active task-vector elements.
@@ -70,27 +89,34 @@ class OverlapStatistics:
         """Add one chunk's activity mask (bool, or float ``0`` / ``1`` flags; shape ``(num_agents, n)``)."""
         n_agents = self.num_agents
         if n_agents <= MAX_SUBSET_AGENTS:
-            code = ram.subset_codes(mask)
-            subsets = torch.bincount(code.reshape(-1), minlength=2**n_agents).to(torch.int64)
-            members, sizes = _subset_tables(n_agents)
-            weighted = members * subsets.unsqueeze(1)
-            self.histogram += weighted.T @ sizes
-            self.pairwise += weighted.T @ members
-        else:
-            mask = mask.to(torch.bool)
-            counts = ram.overlap_counts(mask)
-            for k in range(1, n_agents + 1):
-                at_k = counts == k
-                for t in range(n_agents):
-                    self.histogram[t, k] += torch.count_nonzero(mask[t] & at_k)
-            for s in range(n_agents):
-                for t in range(s, n_agents):
-                    both = torch.count_nonzero(mask[s] & mask[t])
-                    self.pairwise[s, t] += both
-                    if s != t:
-                        self.pairwise[t, s] += both
-        self.histogram[:, 0] = 0
+            self.add_subset_counts(subset_counts(mask), mask.shape[-1])
+            return
+        mask = mask.to(torch.bool)
+        counts = ram.overlap_counts(mask)
+        for k in range(1, n_agents + 1):
+            at_k = counts == k
+            for t in range(n_agents):
+                self.histogram[t, k] += torch.count_nonzero(mask[t] & at_k)
+        for s in range(n_agents):
+            for t in range(s, n_agents):
+                both = torch.count_nonzero(mask[s] & mask[t])
+                self.pairwise[s, t] += both
+                if s != t:
+                    self.pairwise[t, s] += both
         self.numel += mask.shape[-1]
+
+    def add_subset_counts(self, subsets: torch.Tensor, numel: int) -> None:
+        """Add the elements counted per subset of active agents (:func:`subset_counts`) over ``numel`` elements.
+
+        Counting subsets chunk by chunk and converting once (e.g. per tensor) costs less than :meth:`update` on
+        every small chunk.
+        """
+        members, sizes = _subset_tables(self.num_agents)
+        weighted = members * subsets.to(torch.int64).cpu().unsqueeze(1)
+        self.histogram += weighted.T @ sizes
+        self.pairwise += weighted.T @ members
+        self.histogram[:, 0] = 0
+        self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
         self.histogram += other.histogram

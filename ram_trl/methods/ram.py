@@ -12,6 +12,7 @@ stage 2 over a whole model.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -127,23 +128,46 @@ def ram_merge(
     total = active[0].clone()
     for t in range(1, active.shape[0]):
         total += active[t]
-    num_agents = active.shape[0]
-    if num_agents > _MAX_TABLE_AGENTS:
-        counts = overlap_counts(active != 0)
-        unique = active[0] * factors[0]
-        for t in range(1, num_agents):
-            unique.add_(active[t], alpha=factors[t])
-        shared_mean = total.div_(counts.clamp(min=1).to(total.dtype))
-        return torch.where(counts == 1, unique, shared_mean)
-    # Encode each element's set of active agents as a small integer and look its divisor (the count, at least 1) and
-    # its factor (lambda_t when only agent t is active, else 1) up in tables. Where only t is active the sum is tau_t
-    # exactly, so (sum / 1) * lambda_t == lambda_t * tau_t; elsewhere (sum / c) * 1 == the mean: bit for bit eq. 7.
-    divisors, scales = _subset_tables(num_agents, tuple(factors), deltas.device)
-    code = subset_codes(torch.ne(active, 0, out=torch.empty_like(active))).to(torch.int32)
-    return total.div_(divisors.index_select(0, code)).mul_(scales.index_select(0, code))
+    flags = torch.ne(active, 0, out=torch.empty_like(active))  # 1.0 where active (|tau| > eps)
+    counts = _row_sum(flags)  # active agents per element: whole numbers, exact in float32
+    excess = _unique_excess(tuple(factors), deltas.device)
+    if excess is None:
+        return torch.where(counts == 1, _rescaled_sum(active, factors), total.div_(counts.clamp_(min=1)))
+    # The factor of each element is 1 + (lambda_t - 1) where only agent t is active, else 1 + 0: exactly lambda_t or
+    # 1 (see _unique_excess). Where only t is active the sum is tau_t exactly, so (sum / 1) * lambda_t ==
+    # lambda_t * tau_t; elsewhere (sum / c) * 1 == the mean: bit for bit eq. 7, with no per-element table look-up.
+    scale = (excess @ flags).mul_(torch.eq(counts, 1, out=torch.empty_like(counts))).add_(1.0)
+    return total.div_(counts.clamp_(min=1)).mul_(scale)
 
 
-_MAX_TABLE_AGENTS = 12
+def _rescaled_sum(active: torch.Tensor, factors: list[float]) -> torch.Tensor:
+    """``sum_t lambda_t * active_t``: where one agent is active, its rescaled value (the others contribute 0)."""
+    out = active[0] * factors[0]
+    for t in range(1, active.shape[0]):
+        out.add_(active[t], alpha=factors[t])
+    return out
+
+
+def _row_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] + ...`` as a new tensor (faster on the CPU than a reduction over the first dimension)."""
+    out = rows[0].clone()
+    for row in rows[1:]:
+        out += row
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Tensor | None:
+    """``float32(lambda_t) - 1`` per agent, or ``None`` when ``1 + that`` is not exactly ``float32(lambda_t)``.
+
+    For a float32 ``lambda >= 1`` (every RAM, RAM+ and RAM+s factor) the difference is exact, and so is adding 1
+    back; other factors take the :func:`torch.where` path of :func:`ram_merge`.
+    """
+    f32 = torch.tensor(factors, dtype=torch.float32)
+    excess = f32 - 1.0
+    if not torch.equal(excess + 1.0, f32) or not bool(torch.isfinite(f32).all()):
+        return None
+    return excess.to(device)
 
 
 def subset_codes(mask: torch.Tensor) -> torch.Tensor:
@@ -160,18 +184,9 @@ def subset_codes(mask: torch.Tensor) -> torch.Tensor:
     dtype = torch.uint8 if num_agents <= 8 else torch.int32
     # sum_t 2**t * m_t: whole numbers below 2**24 (2**53), so the float32 (float64) dot product is exact
     exact = torch.float32 if num_agents <= 24 else torch.float64
-    flags = mask.to(exact)
-    weights = torch.pow(2.0, torch.arange(num_agents, dtype=exact, device=mask.device))
-    return (weights @ flags).to(dtype)
+    return (_code_weights(num_agents, exact, mask.device) @ mask.to(exact)).to(dtype)
 
 
-def _subset_tables(
-    num_agents: int, factors: tuple[float, ...], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = torch.arange(2**num_agents)
-    sizes = sum(((codes >> t) & 1) for t in range(num_agents))
-    divisors = sizes.clamp(min=1).to(torch.float32)
-    scales = torch.ones(2**num_agents, dtype=torch.float32)
-    for t, factor in enumerate(factors):
-        scales[1 << t] = factor
-    return divisors.to(device), scales.to(device)
+@functools.lru_cache(maxsize=64)
+def _code_weights(num_agents: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.pow(2.0, torch.arange(num_agents, dtype=dtype, device=device))

@@ -176,7 +176,7 @@ def _eq7(taus: torch.Tensor, lambdas: list[float], eps: float) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("num_agents", [2, 5, 13])  # 13 agents: past the lookup tables, the direct path
+@pytest.mark.parametrize("num_agents", [2, 5, 13, 40])
 def test_ram_merge_matches_elementwise_eq7(num_agents, monkeypatch):
     generator = torch.Generator().manual_seed(num_agents)
     density = torch.linspace(0.05, 0.6, num_agents).unsqueeze(1)
@@ -186,5 +186,20 @@ def test_ram_merge_matches_elementwise_eq7(num_agents, monkeypatch):
     lambdas = [1.0 + 0.05 * t for t in range(num_agents)]
     expected = _eq7(taus, lambdas, 1e-5)
     assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), expected)
-    monkeypatch.setattr("ram_trl.methods.ram._MAX_TABLE_AGENTS", 0)
+    # factors whose excess over 1 is not exact in float32 take the torch.where path
+    monkeypatch.setattr("ram_trl.methods.ram._unique_excess", lambda factors, device: None)
     assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), expected)
+
+
+def test_ram_merge_factors_below_one_take_the_exact_path():
+    # float32(0.1) - 1 rounds, so 1 + (0.1 - 1) != 0.1: the where path must give lambda * tau exactly
+    taus = torch.tensor([[0.3, 0.0, 0.2, 1e-3], [0.0, -0.7, 0.4, 0.0]], dtype=F)
+    lambdas = [0.1, 0.3]
+    assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), _eq7(taus, lambdas, 1e-5))
+
+
+def test_ram_merge_large_factors_stay_exact():
+    generator = torch.Generator().manual_seed(7)
+    taus = torch.randn(3, 500, generator=generator) * (torch.rand(3, 500, generator=generator) < 0.4)
+    lambdas = [1.0, 3.7, 1234.567]
+    assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), _eq7(taus, lambdas, 1e-5))
