@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_merge(args: argparse.Namespace) -> int:
     from ram_trl.engine import merge
+    from ram_trl.runtime import tune_for_streaming
+
+    tune_for_streaming()
 
     merge(
         args.config,

@@ -444,7 +444,9 @@ def statistics_pass(
     by_subsets = len(agents) <= MAX_SUBSET_AGENTS
     current: OverlapStatistics | None = None
     current_task: TensorTask | None = None
-    subsets: torch.Tensor | None = None  # the current tensor's subset counts so far (converted once, at its end)
+    subsets: torch.Tensor | None = (
+        None  # the current tensor's subset counts so far (converted once, at its end)
+    )
     numel = 0
 
     def finish() -> None:
@@ -506,9 +508,12 @@ def _magnitude_cuts(
             continue
         values, lora = read_agent_rows(agent, task, t, reader, 0, task.base_rows)
         magnitudes = torch.empty_like(base_values)
-        _fill_magnitudes(magnitudes, values, lora, base_values, pool)
+        nonzero = _fill_magnitudes(magnitudes, values, lora, base_values, pool)
         del values, lora
-        cuts.append(magnitude_cut(magnitudes, k, lambda fn, items: map_blocks(pool, fn, items)))
+        if nonzero <= k:  # every nonzero element is kept (the k-th largest is 0): no selection needed
+            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
+        else:
+            cuts.append(magnitude_cut(magnitudes, k, lambda fn, items: map_blocks(pool, fn, items)))
         del magnitudes
     return cuts
 
@@ -519,20 +524,24 @@ def _fill_magnitudes(
     lora: torch.Tensor | None,
     base_values: torch.Tensor,
     pool: ThreadPoolExecutor | None,
-) -> None:
-    """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one."""
+) -> int:
+    """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one.
+
+    Returns:
+        The number of nonzero magnitudes (NaN counts as nonzero).
+    """
     numel = out.numel()
     flat_values = None if values is None else values.reshape(-1)
     flat_lora = None if lora is None else lora.reshape(-1)
     block = HISTOGRAM_BLOCK if pool is not None else max(numel, 1)
 
-    def fill(lo: int) -> None:
+    def fill(lo: int) -> int:
         hi = min(numel, lo + block)
         part = out[lo:hi]
         fill_delta(part, _flat_slice(flat_values, lo, hi), _flat_slice(flat_lora, lo, hi), base_values[lo:hi])
-        part.abs_()
+        return int(torch.count_nonzero(part.abs_()))
 
-    map_blocks(pool, fill, range(0, max(numel, 1), block))
+    return sum(map_blocks(pool, fill, range(0, max(numel, 1), block)))
 
 
 def _flat_slice(values: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:

@@ -179,7 +179,10 @@ def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) 
 
 def elect_sign(weighted: torch.Tensor) -> torch.Tensor:
     """Elected sign per element: the sign of the sum of the (weighted, trimmed) values; a zero sum elects ``+1``."""
-    return torch.where(weighted.sum(dim=0) >= 0, 1.0, -1.0).to(weighted.dtype)
+    # (sum >= 0) * 2 - 1 with float flags: +1 or -1 exactly (NaN sums elect -1, as the comparison is false); several
+    # times faster on the CPU than torch.where with a bool condition
+    total = weighted.sum(dim=0)
+    return torch.ge(total, 0, out=torch.empty_like(total)).mul_(2.0).sub_(1.0)
 
 
 def disjoint_merge(
