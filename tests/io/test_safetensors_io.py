@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +79,61 @@ def test_shard_file_refuses_wrong_tensor_dtype_and_overflow(tmp_path):
     with pytest.raises(RuntimeError, match="past the end"):
         shard.write_rows("a", 1, torch.zeros(2))
     shard.abort()
+
+
+@pytest.mark.parametrize("map_min_bytes", [None, 1, 64])
+def test_mapped_and_copied_reads_agree(file, map_min_bytes):
+    # map_min_bytes=1 maps every range (offsets not page-aligned), 64 maps some, None copies all
+    infos, _ = read_safetensors_header(file)
+    with RowReader(map_min_bytes=map_min_bytes) as reader:
+        for name, value in TENSORS.items():
+            assert torch.equal(reader.read_rows(infos[name]), value)
+        for start in range(7):
+            for stop in range(start + 1, 8):
+                assert torch.equal(reader.read_rows(infos["matrix"], start, stop), TENSORS["matrix"][start:stop])
+
+
+def test_mapped_rows_are_copy_on_write(tmp_path):
+    path = tmp_path / "big.safetensors"
+    value = torch.arange(3 << 18, dtype=torch.float32).reshape(768, 1024)  # 3 MiB: mapped by default
+    save_file({"w": value}, str(path))
+    before = path.read_bytes()
+    infos, _ = read_safetensors_header(path)
+    with RowReader() as reader:
+        rows = reader.read_rows(infos["w"], 5, 700)
+        assert torch.equal(rows, value[5:700])
+        rows.mul_(-1)  # a merge never does this; if it did, the file must not change
+        assert torch.equal(reader.read_rows(infos["w"], 5, 700), value[5:700])
+    assert path.read_bytes() == before
+
+
+def test_mapped_read_of_a_truncated_file_is_refused(tmp_path):
+    path = tmp_path / "big.safetensors"
+    save_file({"w": torch.ones(1024, 1024)}, str(path))
+    infos, _ = read_safetensors_header(path)
+    with open(path, "r+b") as handle:  # truncated after the header was read
+        handle.truncate(path.stat().st_size - 4096)
+    with RowReader() as reader, pytest.raises(CheckpointError, match=r"big\.safetensors: unexpected end.*'w'"):
+        reader.read_rows(infos["w"], 1000, 1024)
+
+
+def test_mapped_rows_release_their_mapping(tmp_path):
+    path = tmp_path / "big.safetensors"
+    save_file({"w": torch.ones(1024, 1024)}, str(path))
+    infos, _ = read_safetensors_header(path)
+
+    def mappings() -> int:
+        return Path("/proc/self/maps").read_text().count(str(path))
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    with RowReader() as reader:
+        rows = reader.read_rows(infos["w"])
+        view = rows[10:20]
+        del rows
+        assert mappings() == 1  # a view keeps it
+        del view
+        assert mappings() == 0
 
 
 def test_truncated_file_is_named(file, tmp_path):
