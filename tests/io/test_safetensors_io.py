@@ -90,7 +90,9 @@ def test_mapped_and_copied_reads_agree(file, map_min_bytes):
             assert torch.equal(reader.read_rows(infos[name]), value)
         for start in range(7):
             for stop in range(start + 1, 8):
-                assert torch.equal(reader.read_rows(infos["matrix"], start, stop), TENSORS["matrix"][start:stop])
+                assert torch.equal(
+                    reader.read_rows(infos["matrix"], start, stop), TENSORS["matrix"][start:stop]
+                )
 
 
 def test_mapped_rows_are_copy_on_write(tmp_path):
@@ -113,7 +115,10 @@ def test_mapped_read_of_a_truncated_file_is_refused(tmp_path):
     infos, _ = read_safetensors_header(path)
     with open(path, "r+b") as handle:  # truncated after the header was read
         handle.truncate(path.stat().st_size - 4096)
-    with RowReader() as reader, pytest.raises(CheckpointError, match=r"big\.safetensors: unexpected end.*'w'"):
+    with (
+        RowReader() as reader,
+        pytest.raises(CheckpointError, match=r"big\.safetensors: unexpected end.*'w'"),
+    ):
         reader.read_rows(infos["w"], 1000, 1024)
 
 
