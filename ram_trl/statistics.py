@@ -223,6 +223,12 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
     return bits.view(torch.float32).to(torch.float64)
 
 
+def _power_sums(x: torch.Tensor) -> torch.Tensor:
+    """``(sum x, sum x**2, sum x**3, sum x**4)`` of a 1-D float64 tensor."""
+    square = x * x
+    return torch.stack([x.sum(), torch.dot(x, x), torch.dot(square, x), torch.dot(square, square)])
+
+
 def gini_coefficient(values: torch.Tensor) -> float:
     """Exact Gini coefficient of ``|values|``.
 
@@ -397,15 +403,41 @@ class MagnitudeStatistics:
             x = values.to(torch.float64)
             self.counts[t] += torch.bincount(index, minlength=bins)
             self.sums[t].index_add_(0, index, x.abs())
-            square = x * x
-            self.power_sums[t] += torch.stack(
-                [x.sum(), torch.dot(x, x), torch.dot(square, x), torch.dot(square, square)]
-            )
+            self.power_sums[t] += _power_sums(x)
+
+    @classmethod
+    def of_values(
+        cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
+    ) -> MagnitudeStatistics:
+        """One agent's statistics of some active values, e.g. one chunk's, to :meth:`add` to a running total.
+
+        Args:
+            values: 1-D float32 active task-vector values.
+            mantissa_bits: Histogram resolution.
+            zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
+                :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
+                caller a gather of the active elements. Requires every active magnitude to be at least the lower
+                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``), and finite
+                values.
+
+        Returns:
+            The statistics of one agent (per-bin sums: float64 sums of the float32 magnitudes).
+        """
+        bins = 2 ** (8 + mantissa_bits)
+        index = magnitude_bin(values, mantissa_bits)
+        x = values.to(torch.float64)
+        counts = torch.bincount(index, minlength=bins)
+        sums = torch.bincount(index, weights=x.abs(), minlength=bins)
+        if zero_filled:
+            counts[0] = 0
+            sums[0] = 0.0
+        return cls(1, mantissa_bits, counts.unsqueeze(0), sums.unsqueeze(0), _power_sums(x).unsqueeze(0))
 
     def add(self, other: MagnitudeStatistics) -> None:
-        self.counts += other.counts
-        self.sums += other.sums
-        self.power_sums += other.power_sums
+        """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
+        self.counts += other.counts.to(self.counts.device)
+        self.sums += other.sums.to(self.sums.device)
+        self.power_sums += other.power_sums.to(self.power_sums.device)
 
     def all_reduce(self, ctx: DistContext) -> None:
         """Sum every rank's statistics into this object (no-op in a single process)."""
