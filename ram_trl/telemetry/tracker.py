@@ -312,9 +312,11 @@ class TaskVectorTracker:
         prefix: Prefix of every metric name.
         magnitudes: Also accumulate the magnitude statistics (the costliest part of a measurement).
         chunk_elements: Elements compared at once.
-        threads: torch intra-op threads during a measurement (restored afterwards); ``None`` keeps the process's
-            setting. The default 1 keeps the chunked loop predictable: on a CPU shared with training (and other
-            jobs), two threads made it 10-20x slower than one (BENCHMARKS.md).
+        threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
+            thread torch would use (``torch.get_num_threads()`` at measurement time); 1 measures on the calling
+            thread. Every worker runs single-threaded torch operations (the process's setting is restored
+            afterwards): on a CPU shared with training (and other jobs), torch's multi-threaded operations made the
+            chunked loop 10-20x slower (BENCHMARKS.md). The results do not depend on the number of workers.
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -334,7 +336,7 @@ class TaskVectorTracker:
         prefix: str = DEFAULT_PREFIX,
         magnitudes: bool = True,
         chunk_elements: int = CHUNK_ELEMENTS,
-        threads: int | None = 1,
+        threads: int | None = None,
     ) -> None:
         if not eps >= 0:
             raise ConfigError(f"eps={eps} must be a number >= 0")
@@ -530,9 +532,12 @@ class TaskVectorTracker:
         regions = _local_regions(layout, ctx)
         for region in regions:
             totals[index[region.name]][3] += region.shard.numel
-        chunks = (chunk for region in regions for chunk in self._chunks(region, index[region.name]))
+        chunks = [chunk for region in regions for chunk in self._chunks(region, index[region.name])]
+        device = _compute_device(regions)
+        workers = max(1, min(workers, len(chunks)))
+        self._reserve_workspaces(device, workers)
         # chunk results are added in chunk order: the float64 sums do not depend on the number of workers
-        with compute_pool(_compute_device(regions), workers) as pool:
+        with compute_pool(device, workers) as pool:
             for part in imap_blocks(pool, self._measure_chunk, chunks, ahead=2 * workers):
                 row = totals[part.row]
                 row[0] += part.active
@@ -603,6 +608,14 @@ class TaskVectorTracker:
         prior_rows = self.priors.rows(region.name, region.shard.offset, chunk.start, chunk.count)
         overlap.update(torch.cat([prior_rows.to(saved_flags.dtype), saved_flags.unsqueeze(0)]))
         return overlap
+
+    def _reserve_workspaces(self, device: torch.device, count: int) -> None:
+        """Create workspaces on ``device`` up to ``count`` (one per worker: ``work_mb`` does not depend on which
+        worker measured which chunk)."""
+        spare = self._spare_workspaces.setdefault(device, [])
+        while len(spare) < count:
+            spare.append(_Workspace(self.chunk_elements, self.save_dtype, device))
+            self._workspaces.append(spare[-1])
 
     @contextmanager
     def _borrowed_workspace(self, device: torch.device) -> Iterator[_Workspace]:
