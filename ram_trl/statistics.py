@@ -204,7 +204,7 @@ def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_
         int32 bin indices in ``[0, 2**(8 + mantissa_bits))``, same shape as ``values``.
     """
     bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
-    return bits >> (_FLOAT32_MANTISSA_BITS - mantissa_bits)
+    return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
 
 def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
@@ -417,8 +417,9 @@ class MagnitudeStatistics:
             zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
                 :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
                 caller a gather of the active elements. Requires every active magnitude to be at least the lower
-                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``), and finite
-                values.
+                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``) and finite
+                values: NaN or inf make ``power_sums[0, 0]`` non-finite (check it, and select the active values
+                instead).
 
         Returns:
             The statistics of one agent (per-bin sums: float64 sums of the float32 magnitudes).

@@ -576,29 +576,36 @@ class TaskVectorTracker:
         device = chunk.region.shard.values.device if chunk.region.kind == "dense" else torch.device("cpu")
         with torch.no_grad(), self._borrowed_workspace(device) as ws:
             tau, saved = self._delta(chunk, ws)
-            flags = ws.flags[: chunk.count]
-            part.changed = _flag_count(torch.ne(tau, 0, out=flags))
-            magnitude = torch.abs(tau, out=ws.scratch[: chunk.count])
-            part.active = _flag_count(torch.gt(magnitude, self._threshold, out=flags))
-            saved_flags = flags
-            if saved is not None:
-                saved_flags = ws.saved_flags[: chunk.count]
-                torch.gt(torch.abs(saved, out=saved), self._threshold, out=saved_flags)
-            part.active_saved = _flag_count(saved_flags)
+            count = chunk.count
+            part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
+            flags = None  # the activity flags of tau, when needed
             if self.magnitudes:
-                part.magnitudes = self._chunk_magnitudes(tau, magnitude)
+                part.magnitudes = self._chunk_magnitudes(tau)
+                part.active = part.magnitudes.count(0)  # every active element, once
+            if not self.magnitudes or (saved is None and self.priors is not None):
+                flags = torch.gt(
+                    torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
+                )
+                part.active = _flag_count(flags)
+            saved_flags, part.active_saved = flags, part.active
+            if saved is not None:
+                saved_flags = torch.gt(
+                    torch.abs(saved, out=saved), self._threshold, out=ws.saved_flags[:count]
+                )
+                part.active_saved = _flag_count(saved_flags)
             if self.priors is not None:
+                assert saved_flags is not None
                 part.overlap = self._chunk_overlap(chunk, saved_flags.cpu())
         return part
 
-    def _chunk_magnitudes(self, tau: torch.Tensor, magnitude: torch.Tensor) -> MagnitudeStatistics:
-        """The magnitude statistics of a chunk's active elements (``magnitude``: ``|tau|``)."""
+    def _chunk_magnitudes(self, tau: torch.Tensor) -> MagnitudeStatistics:
+        """The magnitude statistics of a chunk's active elements."""
         if self._zero_fill:
-            values = masked_deltas(tau, self.eps)
-            # no NaN or inf (a finite sum): bin 0 holds exactly the inactive elements, left out without a gather
-            if math.isfinite(float(values.sum())):
-                return MagnitudeStatistics.of_values(values, zero_filled=True)
-        return MagnitudeStatistics.of_values(tau[magnitude > self._threshold])
+            stats = MagnitudeStatistics.of_values(masked_deltas(tau, self.eps), zero_filled=True)
+            # a finite sum: no NaN or inf in the chunk, so bin 0 held exactly the inactive elements
+            if math.isfinite(float(stats.power_sums[0, 0])):
+                return stats
+        return MagnitudeStatistics.of_values(tau[torch.abs(tau) > self._threshold])
 
     def _chunk_overlap(self, chunk: _Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
         """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""

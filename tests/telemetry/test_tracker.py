@@ -200,12 +200,14 @@ def random_training(model: nn.Module, case: str) -> nn.Module:
     return model
 
 
-def reference_counts(model: nn.Module, base: nn.Module, eps: float) -> dict[str, float]:
+def reference_counts(
+    model: nn.Module, base: nn.Module, eps: float, save_dtype: torch.dtype
+) -> dict[str, float]:
     """The metrics the tracker must report, computed on whole tensors with MagnitudeStatistics.update."""
     trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     original = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
     tau = trained - original
-    saved = trained.to(torch.bfloat16).float() - original.to(torch.bfloat16).float()
+    saved = trained.to(save_dtype).float() - original.to(save_dtype).float()
     mask = active_mask(tau, eps)
     magnitudes = MagnitudeStatistics.zeros(1)
     magnitudes.update(tau.unsqueeze(0), mask.unsqueeze(0))
@@ -220,8 +222,16 @@ def reference_counts(model: nn.Module, base: nn.Module, eps: float) -> dict[str,
     return out
 
 
-@pytest.mark.parametrize("case, eps", [("dense", 1e-5), ("nonfinite", 1e-5), ("subnormal", 0.0)])
-def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps):
+@pytest.mark.parametrize(
+    "case, eps, save_dtype",
+    [
+        ("dense", 1e-5, torch.bfloat16),
+        ("dense", 1e-5, torch.float32),  # saving changes nothing: the saved view is the float32 one
+        ("nonfinite", 1e-5, torch.bfloat16),
+        ("subnormal", 0.0, torch.bfloat16),
+    ],
+)
+def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_dtype):
     base = random_model()
     with torch.no_grad():
         base.model.layers[0].mlp.up_proj.weight[3, 5] = 0.0
@@ -230,11 +240,20 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps):
     )
     model = random_training(random_model(), case)
     outs = []
-    for threads, chunk in [(1, 1 << 18), (1, 64), (3, 64)]:
-        tracker = TaskVectorTracker(base_model=tmp_path, eps=eps, threads=threads, chunk_elements=chunk)
+    for threads, chunk, magnitudes in [(1, 1 << 18, True), (1, 64, True), (3, 64, True), (3, 64, False)]:
+        tracker = TaskVectorTracker(
+            base_model=tmp_path,
+            eps=eps,
+            save_dtype=save_dtype,
+            magnitudes=magnitudes,
+            threads=threads,
+            chunk_elements=chunk,
+        )
         outs.append(tracker.measure(model))
         assert tracker._zero_fill == (eps > 0)
-    expected = reference_counts(model, base, eps)
+    expected = reference_counts(model, base, eps, save_dtype)
+    counts = {k: v for k, v in outs.pop().items() if not k.endswith(("_seconds", "_mb"))}
+    assert not any("/magnitude/" in k for k in counts)
     whole, sequential, parallel = (
         {k: v for k, v in o.items() if not k.endswith(("_seconds", "_mb"))} for o in outs
     )
@@ -246,7 +265,7 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps):
             assert whole[f"{P}{key}"] == pytest.approx(value, rel=1e-9)
             assert parallel[f"{P}{key}"] == pytest.approx(value, rel=1e-9)
         else:
-            assert whole[f"{P}{key}"] == parallel[f"{P}{key}"] == value
+            assert whole[f"{P}{key}"] == parallel[f"{P}{key}"] == counts[f"{P}{key}"] == value
     if case == "subnormal":  # an active magnitude in bin 0: only eps below 2**-133 counts one, with a gather
         assert magnitude_bin(model.model.layers[0].mlp.up_proj.weight[3, 5]).item() == 0
     if case == "nonfinite":  # chunks with NaN or inf are gathered too
@@ -327,6 +346,12 @@ def test_prior_stage_overlap_rho_and_lambda(tmp_path):
     assert tracker.summary()["prior_stages"] == ["full", "lora"]
     alpha_capped = TaskVectorTracker(base_model=base, prior_stages=stages, r=0.5, alpha=1.0)
     assert alpha_capped.measure(train(tiny_model()))[f"{P}prior/lambda_ram_plus"] == 1.5
+    # saving in float32 changes nothing: the saved view is the float32 one (8 active elements, the same 3 shared)
+    exact = TaskVectorTracker(base_model=base, prior_stages=stages, save_dtype="float32")
+    out = exact.measure(train(tiny_model()))
+    assert (
+        out[f"{P}active_saved"] == 8 and out[f"{P}prior/overlap"] == 3 / 8 and out[f"{P}prior/rho"] == 3 / 5
+    )
 
 
 def test_prior_rho_is_inf_when_nothing_is_unique(tmp_path):
