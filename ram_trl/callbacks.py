@@ -88,7 +88,8 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
         alpha: RAM+ clip bound of rho_t.
         magnitudes: Also report the magnitude statistics.
-        threads: torch intra-op threads during a measurement (see :class:`~ram_trl.telemetry.TaskVectorTracker`).
+        threads: Worker threads of a measurement (default: one per torch intra-op thread; see
+            :class:`~ram_trl.telemetry.TaskVectorTracker`).
         save_agent: Save the agent in ``save_dtype`` to the output directory at train end.
         write_stage: Write ``ram_stage.json`` at train end.
 
@@ -112,7 +113,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: float = 0.1,
         alpha: float = 2.0,
         magnitudes: bool = True,
-        threads: int | None = 1,
+        threads: int | None = None,
         save_agent: bool = True,
         write_stage: bool = True,
     ) -> None:

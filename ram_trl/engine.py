@@ -16,12 +16,10 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -41,6 +39,7 @@ from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
 from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
+from ram_trl.parallel import compute_pool, map_blocks
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -62,9 +61,6 @@ from ram_trl.streaming import (
 )
 
 logger = logging.getLogger(__name__)
-
-Item = TypeVar("Item")
-Result = TypeVar("Result")
 
 REPORT_FILE = "ram_merge_report.json"
 DENSE_AGENT_WARNING = 0.99
@@ -393,35 +389,6 @@ def _progress(iterable, total: int, desc: str, enabled: bool):
 
 def _eps(resolved: ResolvedConfig) -> float:
     return float(resolved.params.get("eps", DEFAULT_EPS))
-
-
-@contextmanager
-def compute_pool(device: torch.device) -> Iterator[ThreadPoolExecutor | None]:
-    """Threads that run the blocks of a chunk (:func:`~ram_trl.streaming.compute_blocks`) in parallel on the CPU.
-
-    As many threads as torch would use for one operation; torch itself runs single-threaded meanwhile, so each block
-    stays on one core and no operation waits for a barrier of all cores (torch releases the GIL in its kernels).
-    ``None`` (run blocks in order on the calling thread) on an accelerator or with one thread.
-    """
-    workers = torch.get_num_threads()
-    if device.type != "cpu" or workers <= 1:
-        yield None
-        return
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ram-trl-compute") as pool:
-            yield pool
-    finally:
-        torch.set_num_threads(workers)
-
-
-def map_blocks(
-    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
-) -> list[Result]:
-    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
-    if pool is None:
-        return [fn(item) for item in items]
-    return list(pool.map(fn, items))
 
 
 def statistics_pass(

@@ -230,7 +230,7 @@ def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_
         int32 bin indices in ``[0, 2**(8 + mantissa_bits))``, same shape as ``values``.
     """
     bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
-    return bits >> (_FLOAT32_MANTISSA_BITS - mantissa_bits)
+    return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
 
 def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
@@ -247,6 +247,23 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
     shift = _FLOAT32_MANTISSA_BITS - mantissa_bits
     bits = (torch.arange(first, stop + 1, dtype=torch.int64) << shift).to(torch.int32)
     return bits.view(torch.float32).to(torch.float64)
+
+
+def _power_sums(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 power sums of 1-D values, and the values in float64.
+
+    The rows ``(x, x**2)`` times their transpose give the sums of the powers 2 to 4 in one pass over memory (one dot
+    product per power would read it three times).
+
+    Returns:
+        ``(sum x, sum x**2, sum x**3, sum x**4)``, and ``x`` (a new tensor the caller may overwrite).
+    """
+    rows = torch.empty(2, values.numel(), dtype=torch.float64, device=values.device)
+    x, square = rows[0], rows[1]
+    x.copy_(values)
+    torch.mul(x, x, out=square)
+    gram = rows @ rows.T
+    return torch.stack([x.sum(), gram[0, 0], gram[0, 1], gram[1, 1]]), x
 
 
 def gini_coefficient(values: torch.Tensor) -> float:
@@ -420,18 +437,45 @@ class MagnitudeStatistics:
             if values.numel() == 0:
                 continue
             index = magnitude_bin(values, self.mantissa_bits)
-            x = values.to(torch.float64)
+            power_sums, x = _power_sums(values)
             self.counts[t] += torch.bincount(index, minlength=bins)
-            self.sums[t].index_add_(0, index, x.abs())
-            square = x * x
-            self.power_sums[t] += torch.stack(
-                [x.sum(), torch.dot(x, x), torch.dot(square, x), torch.dot(square, square)]
-            )
+            self.sums[t].index_add_(0, index, x.abs_())
+            self.power_sums[t] += power_sums
+
+    @classmethod
+    def of_values(
+        cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
+    ) -> MagnitudeStatistics:
+        """One agent's statistics of some active values, e.g. one chunk's, to :meth:`add` to a running total.
+
+        Args:
+            values: 1-D float32 active task-vector values.
+            mantissa_bits: Histogram resolution.
+            zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
+                :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
+                caller a gather of the active elements. Requires every active magnitude to be at least the lower
+                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``) and finite
+                values: NaN or inf make ``power_sums[0, 0]`` non-finite (check it, and select the active values
+                instead).
+
+        Returns:
+            The statistics of one agent (per-bin sums: float64 sums of the float32 magnitudes).
+        """
+        bins = 2 ** (8 + mantissa_bits)
+        index = magnitude_bin(values, mantissa_bits)
+        power_sums, x = _power_sums(values)
+        counts = torch.bincount(index, minlength=bins)
+        sums = torch.bincount(index, weights=x.abs_(), minlength=bins)
+        if zero_filled:
+            counts[0] = 0
+            sums[0] = 0.0
+        return cls(1, mantissa_bits, counts.unsqueeze(0), sums.unsqueeze(0), power_sums.unsqueeze(0))
 
     def add(self, other: MagnitudeStatistics) -> None:
-        self.counts += other.counts
-        self.sums += other.sums
-        self.power_sums += other.power_sums
+        """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
+        self.counts += other.counts.to(self.counts.device)
+        self.sums += other.sums.to(self.sums.device)
+        self.power_sums += other.power_sums.to(self.power_sums.device)
 
     def all_reduce(self, ctx: DistContext) -> None:
         """Sum every rank's statistics into this object (no-op in a single process)."""

@@ -230,3 +230,29 @@ def test_coarse_histogram_merges_bins_per_octave():
     assert counts.tolist() == [[3, 1, 1, 0, 1]]
     with pytest.raises(ValueError, match="power of two"):
         stats.coarse_histogram(bins_per_octave=3)
+
+
+@pytest.mark.parametrize("zero_filled", [False, True])
+def test_of_values_equals_update_of_the_active_elements(zero_filled):
+    g = torch.Generator().manual_seed(4)
+    deltas = torch.randn(10_000, generator=g) * 1e-4
+    deltas[:50] = torch.tensor([2.0**-126, -(2.0**-133), 3.0, -1e30, 1e-5] * 10)  # tiny inactive, huge active
+    mask = active_mask(deltas, 1e-5)
+    reference = MagnitudeStatistics.zeros(1)
+    reference.update(deltas.unsqueeze(0), mask.unsqueeze(0))
+    values = torch.where(mask, deltas, 0.0) if zero_filled else deltas[mask]
+    got = MagnitudeStatistics.zeros(1)
+    for start in range(0, values.numel(), 4096):  # chunk by chunk, as the telemetry adds them
+        got.add(MagnitudeStatistics.of_values(values[start : start + 4096], zero_filled=zero_filled))
+    assert torch.equal(got.counts, reference.counts)
+    assert got.counts[0, 0] == 0 and got.sums[0, 0] == 0.0
+    assert torch.allclose(got.sums, reference.sums, rtol=1e-14, atol=0)
+    assert torch.allclose(got.power_sums, reference.power_sums, rtol=1e-12, atol=0)
+
+
+def test_of_values_keeps_subnormal_magnitudes_of_bin_zero_unless_zero_filled():
+    tiny = torch.tensor([1e-42, -1e-42, 0.0, 1.0])
+    assert magnitude_bin(tiny)[:3].tolist() == [0, 0, 0]
+    assert MagnitudeStatistics.of_values(tiny).count(0) == 4
+    assert MagnitudeStatistics.of_values(tiny, zero_filled=True).count(0) == 1
+    assert float(magnitude_bin_edges(1, 1)[0]) == 2.0**-133

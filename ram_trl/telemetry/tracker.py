@@ -44,17 +44,20 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ram_trl.analysis import TensorAnalysis, anatomy
+from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
-from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold
+from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
+from ram_trl.parallel import compute_pool, imap_blocks
 from ram_trl.stage import BaseFingerprint, fingerprint_checkpoint
-from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics
+from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics, magnitude_bin_edges
 from ram_trl.telemetry.base import (
     BaseSource,
     MappedCheckpointBase,
@@ -309,9 +312,11 @@ class TaskVectorTracker:
         prefix: Prefix of every metric name.
         magnitudes: Also accumulate the magnitude statistics (the costliest part of a measurement).
         chunk_elements: Elements compared at once.
-        threads: torch intra-op threads during a measurement (restored afterwards); ``None`` keeps the process's
-            setting. The default 1 keeps the chunked loop predictable: on a CPU shared with training (and other
-            jobs), two threads made it 10-20x slower than one (BENCHMARKS.md).
+        threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
+            thread torch would use (``torch.get_num_threads()`` at measurement time); 1 measures on the calling
+            thread. Every worker runs single-threaded torch operations (the process's setting is restored
+            afterwards): on a CPU shared with training (and other jobs), torch's multi-threaded operations made the
+            chunked loop 10-20x slower (BENCHMARKS.md). The results do not depend on the number of workers.
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -331,7 +336,7 @@ class TaskVectorTracker:
         prefix: str = DEFAULT_PREFIX,
         magnitudes: bool = True,
         chunk_elements: int = CHUNK_ELEMENTS,
-        threads: int | None = 1,
+        threads: int | None = None,
     ) -> None:
         if not eps >= 0:
             raise ConfigError(f"eps={eps} must be a number >= 0")
@@ -364,7 +369,9 @@ class TaskVectorTracker:
         self.history: list[tuple[int | None, dict[str, float]]] = []
         self._ready = False
         self._threshold = float32_threshold(self.eps)
-        self._workspaces: dict[torch.device, _Workspace] = {}
+        self._zero_fill = self._threshold >= float(magnitude_bin_edges(1, 1)[0])
+        self._workspaces: list[_Workspace] = []
+        self._spare_workspaces: dict[torch.device, list[_Workspace]] = {}
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -501,10 +508,10 @@ class TaskVectorTracker:
         if not self._ready:
             self.setup(model)
         previous = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        workers = self.threads or previous
+        torch.set_num_threads(1)  # each worker (or the calling thread) runs single-threaded torch operations
         try:
-            out = self._measure(model)
+            out = self._measure(model, workers)
         finally:
             torch.set_num_threads(previous)
         out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
@@ -513,122 +520,161 @@ class TaskVectorTracker:
         self.history.append((step, out))
         return out
 
-    def _measure(self, model: torch.nn.Module) -> dict[str, float]:
+    def _measure(self, model: torch.nn.Module, workers: int) -> dict[str, float]:
         layout = model_layout(model)
         ctx = _dist_context()
         num_priors = 0 if self.priors is None else self.priors.num_priors
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
-        counts = torch.zeros(len(names), 4, dtype=torch.int64)  # active, changed, active_saved, numel
         index = {n: i for i, n in enumerate(names)}
+        totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
         magnitudes = MagnitudeStatistics.zeros(1)
         overlap = OverlapStatistics.zeros(num_priors + 1)
-        replicated = 0
-        # active deltas are batched into one MagnitudeStatistics update per ~chunk_elements of them
-        pending: list[torch.Tensor] = []
-        pending_numel = 0
-        with torch.no_grad():
-            for region in layout.regions:
-                if ctx.enabled and not region.shard.partitioned:
-                    replicated += 1
-                    if (replicated - 1) % ctx.world_size != ctx.rank:
-                        continue
-                row = counts[index[region.name]]
-                row[3] += region.shard.numel
-                if region.kind == "frozen":  # tau = 0: nothing active, nothing changed
-                    if self.priors is not None:
-                        for start in range(0, region.shard.numel, self.chunk_elements):
-                            count = min(self.chunk_elements, region.shard.numel - start)
-                            self._update_overlap(overlap, region, start, torch.zeros(count, dtype=torch.bool))
-                    continue
-                for start, tau, saved in self._deltas(region):
-                    ws = self._workspace(tau.device)
-                    count = tau.numel()
-                    mask, scratch = ws.mask[:count], ws.scratch[:count]
-                    row[1] += int(torch.count_nonzero(tau))
-                    torch.gt(torch.abs(tau, out=scratch), self._threshold, out=mask)
-                    row[0] += int(torch.count_nonzero(mask))
-                    saved_mask = mask
-                    if saved is not None:
-                        saved_mask = ws.saved_mask[:count]
-                        torch.gt(torch.abs(saved, out=saved), self._threshold, out=saved_mask)
-                    row[2] += int(torch.count_nonzero(saved_mask))
-                    if self.magnitudes:
-                        values = tau[mask].cpu()
-                        pending.append(values)
-                        pending_numel += values.numel()
-                        if pending_numel >= self.chunk_elements:
-                            _flush_magnitudes(magnitudes, pending)
-                            pending_numel = 0
-                    if self.priors is not None:
-                        self._update_overlap(overlap, region, start, saved_mask.cpu())
-            _flush_magnitudes(magnitudes, pending)
+        regions = _local_regions(layout, ctx)
+        for region in regions:
+            totals[index[region.name]][3] += region.shard.numel
+        chunks = [chunk for region in regions for chunk in self._chunks(region, index[region.name])]
+        device = _compute_device(regions)
+        workers = max(1, min(workers, len(chunks)))
+        self._reserve_workspaces(device, workers)
+        # chunk results are added in chunk order: the float64 sums do not depend on the number of workers
+        with compute_pool(device, workers) as pool:
+            for part in imap_blocks(pool, self._measure_chunk, chunks, ahead=2 * workers):
+                row = totals[part.row]
+                row[0] += part.active
+                row[1] += part.changed
+                row[2] += part.active_saved
+                if part.magnitudes is not None:
+                    magnitudes.add(part.magnitudes)
+                if part.overlap is not None:
+                    overlap.add(part.overlap)
+        counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)
         if ctx.enabled:
             ctx.all_reduce_sum(counts)
             magnitudes.all_reduce(ctx)
             overlap.all_reduce(ctx)
         metrics = self._metrics(names, counts, magnitudes, overlap)
         metrics["state_mb"] = self.state_bytes / 2**20
-        metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces.values()) / 2**20
+        metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces) / 2**20
         return {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
 
-    def _update_overlap(
-        self, overlap: OverlapStatistics, region: Region, start: int, saved_mask: torch.Tensor
-    ) -> None:
+    def _chunks(self, region: Region, row: int) -> Iterator[_Chunk]:
+        """The chunks of a region that have something to count (``row``: its base tensor's index in the counts)."""
+        numel, size = region.shard.numel, self.chunk_elements
+        if region.kind == "lora":
+            for start, count, row_start, row_stop in _lora_chunks(region, size):
+                yield _Chunk(region, row, start, count, (row_start, row_stop))
+        elif region.kind == "dense" or self.priors is not None:  # frozen: tau = 0, only the overlap to count
+            for start in range(0, numel, size):
+                yield _Chunk(region, row, start, min(size, numel - start))
+
+    def _measure_chunk(self, chunk: _Chunk) -> _ChunkCounts:
+        """Count one chunk (on any thread: the buffers are a workspace no other thread holds meanwhile)."""
+        part = _ChunkCounts(chunk.row)
+        if chunk.region.kind == "frozen":
+            part.overlap = self._chunk_overlap(chunk, torch.zeros(chunk.count))
+            return part
+        device = chunk.region.shard.values.device if chunk.region.kind == "dense" else torch.device("cpu")
+        with torch.no_grad(), self._borrowed_workspace(device) as ws:
+            tau, saved = self._delta(chunk, ws)
+            count = chunk.count
+            part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
+            flags = None  # the activity flags of tau, when needed
+            if self.magnitudes:
+                part.magnitudes = self._chunk_magnitudes(tau)
+                part.active = part.magnitudes.count(0)  # every active element, once
+            if not self.magnitudes or (saved is None and self.priors is not None):
+                flags = torch.gt(
+                    torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
+                )
+                part.active = _flag_count(flags)
+            saved_flags, part.active_saved = flags, part.active
+            if saved is not None:
+                saved_flags = torch.gt(
+                    torch.abs(saved, out=saved), self._threshold, out=ws.saved_flags[:count]
+                )
+                part.active_saved = _flag_count(saved_flags)
+            if self.priors is not None:
+                assert saved_flags is not None
+                part.overlap = self._chunk_overlap(chunk, saved_flags.cpu())
+        return part
+
+    def _chunk_magnitudes(self, tau: torch.Tensor) -> MagnitudeStatistics:
+        """The magnitude statistics of a chunk's active elements."""
+        if self._zero_fill:
+            stats = MagnitudeStatistics.of_values(masked_deltas(tau, self.eps), zero_filled=True)
+            # a finite sum: no NaN or inf in the chunk, so bin 0 held exactly the inactive elements
+            if math.isfinite(float(stats.power_sums[0, 0])):
+                return stats
+        return MagnitudeStatistics.of_values(tau[torch.abs(tau) > self._threshold])
+
+    def _chunk_overlap(self, chunk: _Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
+        """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""
         assert self.priors is not None
-        prior_rows = self.priors.rows(region.name, region.shard.offset, start, saved_mask.numel())
-        overlap.update(torch.cat([prior_rows, saved_mask.unsqueeze(0)]))
+        region = chunk.region
+        overlap = OverlapStatistics.zeros(self.priors.num_priors + 1)
+        prior_rows = self.priors.rows(region.name, region.shard.offset, chunk.start, chunk.count)
+        overlap.update(torch.cat([prior_rows.to(saved_flags.dtype), saved_flags.unsqueeze(0)]))
+        return overlap
 
-    def _workspace(self, device: torch.device) -> _Workspace:
-        ws = self._workspaces.get(device)
-        if ws is None:
+    def _reserve_workspaces(self, device: torch.device, count: int) -> None:
+        """Create workspaces on ``device`` up to ``count`` (one per worker: ``work_mb`` does not depend on which
+        worker measured which chunk)."""
+        spare = self._spare_workspaces.setdefault(device, [])
+        while len(spare) < count:
+            spare.append(_Workspace(self.chunk_elements, self.save_dtype, device))
+            self._workspaces.append(spare[-1])
+
+    @contextmanager
+    def _borrowed_workspace(self, device: torch.device) -> Iterator[_Workspace]:
+        """A workspace on ``device`` that no other thread uses until it is returned (created on first need, kept for
+        later measurements)."""
+        spare = self._spare_workspaces.setdefault(device, [])
+        try:
+            ws = spare.pop()
+        except IndexError:
             ws = _Workspace(self.chunk_elements, self.save_dtype, device)
-            self._workspaces[device] = ws
-        return ws
+            self._workspaces.append(ws)
+        try:
+            yield ws
+        finally:
+            spare.append(ws)
 
-    def _deltas(self, region: Region) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-        """``(start, tau, tau_saved)`` per chunk of a ``dense`` or ``lora`` region (``start`` relative to the region).
+    def _delta(self, chunk: _Chunk, ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tau, tau_saved)`` of a ``dense`` or ``lora`` chunk, as views into the workspace.
 
         ``tau`` is the float32 task vector, ``tau_saved`` the task vector after rounding both sides (LoRA: both
-        factors) to ``save_dtype``, ``None`` when rounding changes nothing. Both are views into reused buffers,
-        valid until the next chunk.
+        factors) to ``save_dtype``, ``None`` when rounding changes nothing.
         """
-        shard = region.shard
-        if region.kind == "lora":
-            assert region.lora is not None
-            lora = region.lora
-            round_factors = not (self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT)
-            for start, count, row_start, row_stop in _lora_chunks(region, self.chunk_elements):
-                skip = shard.offset + start - row_start * _row_numel(shard.shape)
-                ws = self._workspace(torch.device("cpu"))
-                tau = ws.tau[:count]
-                tau.copy_(lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count])
-                saved = None
-                if round_factors:
-                    saved = ws.saved[:count]
-                    saved.copy_(
-                        lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[skip : skip + count]
-                    )
-                yield start, tau, saved
-            return
+        shard, count = chunk.region.shard, chunk.count
+        tau = ws.tau[:count]
+        if chunk.region.kind == "lora":
+            assert chunk.region.lora is not None and chunk.rows is not None
+            lora, (row_start, row_stop) = chunk.region.lora, chunk.rows
+            skip = shard.offset + chunk.start - row_start * _row_numel(shard.shape)
+            tau.copy_(lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count])
+            if self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT:
+                return tau, None
+            saved = ws.saved[:count]
+            saved.copy_(
+                lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[skip : skip + count]
+            )
+            return tau, saved
         assert self.source is not None
-        for start in range(0, shard.numel, self.chunk_elements):
-            count = min(self.chunk_elements, shard.numel - start)
-            trained = shard.values[start : start + count]
-            ws = self._workspace(trained.device)
-            stored = self.source.read(region.name, shard.offset + start, count)
-            base = ws.base[:count]
-            base.copy_(stored)
-            tau = torch.sub(trained, base, out=ws.tau[:count])
-            saved = None
-            if not self._saving_is_exact(trained.dtype, stored.dtype):
-                rounded = ws.rounded[:count]
-                saved = ws.saved[:count]
-                saved.copy_(rounded.copy_(trained))
-                if stored.dtype != self.save_dtype:
-                    base = ws.base_saved[:count]
-                    base.copy_(rounded.copy_(stored))
-                torch.sub(saved, base, out=saved)
-            yield start, tau, saved
+        trained = shard.values[chunk.start : chunk.start + count]
+        stored = self.source.read(chunk.region.name, shard.offset + chunk.start, count)
+        base = ws.base[:count]
+        base.copy_(stored)
+        torch.sub(trained, base, out=tau)
+        if self._saving_is_exact(trained.dtype, stored.dtype):
+            return tau, None
+        rounded = ws.rounded[:count]
+        saved = ws.saved[:count]
+        saved.copy_(rounded.copy_(trained))
+        if stored.dtype != self.save_dtype:
+            base = ws.base_saved[:count]
+            base.copy_(rounded.copy_(stored))
+        torch.sub(saved, base, out=saved)
+        return tau, saved
 
     def _saving_is_exact(self, trained: torch.dtype, base: torch.dtype) -> bool:
         """Whether rounding both sides to ``save_dtype`` leaves the task vector unchanged."""
@@ -690,44 +736,89 @@ class TaskVectorTracker:
         }
 
 
-def _flush_magnitudes(magnitudes: MagnitudeStatistics, pending: list[torch.Tensor]) -> None:
-    """Add the pending active deltas to ``magnitudes`` in one update, and empty the list."""
-    if not pending:
-        return
-    values = pending[0] if len(pending) == 1 else torch.cat(pending)
-    magnitudes.update(values.unsqueeze(0), torch.ones(1, values.numel(), dtype=torch.bool))
-    pending.clear()
-
-
 class _Workspace:
-    """Buffers reused by every chunk of a measurement (no allocation, no page faults in the hot loop)."""
+    """Buffers reused by every chunk a thread measures (no allocation, no page faults in the hot loop)."""
 
     def __init__(self, numel: int, save_dtype: torch.dtype, device: torch.device) -> None:
         def f32() -> torch.Tensor:
             return torch.empty(numel, dtype=torch.float32, device=device)
 
         self.base, self.tau, self.saved, self.base_saved, self.scratch = f32(), f32(), f32(), f32(), f32()
+        self.flags, self.saved_flags = f32(), f32()
         self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
-        self.mask = torch.empty(numel, dtype=torch.bool, device=device)
-        self.saved_mask = torch.empty(numel, dtype=torch.bool, device=device)
 
     @property
     def nbytes(self) -> int:
-        return (
-            sum(
-                t.numel() * t.element_size()
-                for t in (
-                    self.base,
-                    self.tau,
-                    self.saved,
-                    self.base_saved,
-                    self.scratch,
-                    self.rounded,
-                    self.mask,
-                )
-            )
-            + self.saved_mask.numel()
+        buffers = (
+            self.base,
+            self.tau,
+            self.saved,
+            self.base_saved,
+            self.scratch,
+            self.flags,
+            self.saved_flags,
         )
+        return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Elements ``[start, start + count)`` of a region's local range, measured at once.
+
+    Args:
+        region: The region.
+        row: Index of the region's base tensor in the per-tensor counts.
+        start: First element, relative to the region's local range.
+        count: Elements.
+        rows: ``lora`` regions: the rows ``(start, stop)`` of the delta that hold the chunk.
+    """
+
+    region: Region
+    row: int
+    start: int
+    count: int
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class _ChunkCounts:
+    """What one chunk adds to a measurement (see :meth:`TaskVectorTracker._measure_chunk`)."""
+
+    row: int
+    changed: int = 0
+    active: int = 0
+    active_saved: int = 0
+    magnitudes: MagnitudeStatistics | None = None
+    overlap: OverlapStatistics | None = None
+
+
+def _flag_count(flags: torch.Tensor) -> int:
+    """Number of ``1.0`` flags in a float32 tensor of ``0`` / ``1``: its sum, exact below ``2**24`` elements
+    (comparisons that write float32 flags are several times faster than ones that write bools)."""
+    if flags.numel() < 1 << 24:
+        return int(flags.sum())
+    return int(torch.count_nonzero(flags))
+
+
+def _local_regions(layout: ModelLayout, ctx: DistContext) -> list[Region]:
+    """The regions this process measures: all partitioned ones, and its share of the replicated ones."""
+    regions: list[Region] = []
+    replicated = 0
+    for region in layout.regions:
+        if ctx.enabled and not region.shard.partitioned:
+            replicated += 1
+            if (replicated - 1) % ctx.world_size != ctx.rank:
+                continue
+        regions.append(region)
+    return regions
+
+
+def _compute_device(regions: list[Region]) -> torch.device:
+    """Where the chunks compute: an accelerator if any region's values live on one, else the CPU."""
+    for region in regions:
+        if region.shard.values.device.type != "cpu":
+            return region.shard.values.device
+    return torch.device("cpu")
 
 
 def _row_numel(shape: tuple[int, ...]) -> int:

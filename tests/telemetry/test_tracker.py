@@ -20,7 +20,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.methods.ram import active_mask
 from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
+from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
 from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker, base_name
 from ram_trl.telemetry.tracker import model_layout
 
@@ -169,6 +171,107 @@ def test_measurement_threads_are_restored(tmp_path):
     assert torch.get_num_threads() == before
 
 
+def random_model(seed: int = 0) -> nn.Module:
+    """A decoder-shaped module of a few thousand random weights (more than one chunk per parameter in the tests)."""
+    torch.manual_seed(seed)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Embedding(100, 32)
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = nn.Module()
+    model.model.layers[0].mlp.up_proj = nn.Linear(32, 48, bias=False)
+    model.model.norm = Norm()
+    return model
+
+
+def random_training(model: nn.Module, case: str) -> nn.Module:
+    """Dense noise of mixed magnitudes around eps = 1e-5, some unchanged elements, and per ``case``: NaN and inf
+    (``nonfinite``) or a subnormal task vector element in bin 0 of the magnitude histogram (``subnormal``)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-7, -3, p.shape, generator=g)
+            p.add_(torch.where(torch.rand(p.shape, generator=g) < 0.2, 0.0, noise))
+        weight = model.model.layers[0].mlp.up_proj.weight
+        if case == "nonfinite":
+            weight[3, 5], weight[40, 1] = math.nan, math.inf
+        if case == "subnormal":
+            weight[3, 5] = 1e-42  # over a base element of 0
+    return model
+
+
+def reference_counts(
+    model: nn.Module, base: nn.Module, eps: float, save_dtype: torch.dtype
+) -> dict[str, float]:
+    """The metrics the tracker must report, computed on whole tensors with MagnitudeStatistics.update."""
+    trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    original = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
+    tau = trained - original
+    saved = trained.to(save_dtype).float() - original.to(save_dtype).float()
+    mask = active_mask(tau, eps)
+    magnitudes = MagnitudeStatistics.zeros(1)
+    magnitudes.update(tau.unsqueeze(0), mask.unsqueeze(0))
+    out = {
+        "active": int(mask.sum()),
+        "changed": int((tau != 0).sum()),
+        "active_saved": int(active_mask(saved, eps).sum()),
+    }
+    summary = magnitudes.summary(0)
+    for key in ("mean_abs", "std", "excess_kurtosis", "gini", "top_1pct_mass", "top_5pct_mass"):
+        out[f"magnitude/{key}"] = summary[key]
+    return out
+
+
+@pytest.mark.parametrize(
+    "case, eps, save_dtype",
+    [
+        ("dense", 1e-5, torch.bfloat16),
+        ("dense", 1e-5, torch.float32),  # saving changes nothing: the saved view is the float32 one
+        ("nonfinite", 1e-5, torch.bfloat16),
+        ("subnormal", 0.0, torch.bfloat16),
+    ],
+)
+def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_dtype):
+    base = random_model()
+    with torch.no_grad():
+        base.model.layers[0].mlp.up_proj.weight[3, 5] = 0.0
+    save_file(
+        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
+    )
+    model = random_training(random_model(), case)
+    outs = []
+    for threads, chunk, magnitudes in [(1, 1 << 18, True), (1, 64, True), (3, 64, True), (3, 64, False)]:
+        tracker = TaskVectorTracker(
+            base_model=tmp_path,
+            eps=eps,
+            save_dtype=save_dtype,
+            magnitudes=magnitudes,
+            threads=threads,
+            chunk_elements=chunk,
+        )
+        outs.append(tracker.measure(model))
+        assert tracker._zero_fill == (eps > 0)
+    expected = reference_counts(model, base, eps, save_dtype)
+    counts = {k: v for k, v in outs.pop().items() if not k.endswith(("_seconds", "_mb"))}
+    assert not any("/magnitude/" in k for k in counts)
+    whole, sequential, parallel = (
+        {k: v for k, v in o.items() if not k.endswith(("_seconds", "_mb"))} for o in outs
+    )
+    assert parallel == sequential  # chunk results are added in chunk order, whatever the workers
+    for key, value in expected.items():
+        if math.isnan(value):
+            assert f"{P}{key}" not in whole and f"{P}{key}" not in parallel
+        elif key.startswith("magnitude/"):
+            assert whole[f"{P}{key}"] == pytest.approx(value, rel=1e-9)
+            assert parallel[f"{P}{key}"] == pytest.approx(value, rel=1e-9)
+        else:
+            assert whole[f"{P}{key}"] == parallel[f"{P}{key}"] == counts[f"{P}{key}"] == value
+    if case == "subnormal":  # an active magnitude in bin 0: only eps below 2**-133 counts one, with a gather
+        assert magnitude_bin(model.model.layers[0].mlp.up_proj.weight[3, 5]).item() == 0
+    if case == "nonfinite":  # chunks with NaN or inf are gathered too
+        assert expected["magnitude/mean_abs"] == math.inf and whole[f"{P}magnitude/mean_abs"] == math.inf
+
+
 def test_eps_is_strict(tmp_path):
     tracker = TaskVectorTracker(
         base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32"
@@ -243,6 +346,12 @@ def test_prior_stage_overlap_rho_and_lambda(tmp_path):
     assert tracker.summary()["prior_stages"] == ["full", "lora"]
     alpha_capped = TaskVectorTracker(base_model=base, prior_stages=stages, r=0.5, alpha=1.0)
     assert alpha_capped.measure(train(tiny_model()))[f"{P}prior/lambda_ram_plus"] == 1.5
+    # saving in float32 changes nothing: the saved view is the float32 one (8 active elements, the same 3 shared)
+    exact = TaskVectorTracker(base_model=base, prior_stages=stages, save_dtype="float32")
+    out = exact.measure(train(tiny_model()))
+    assert (
+        out[f"{P}active_saved"] == 8 and out[f"{P}prior/overlap"] == 3 / 8 and out[f"{P}prior/rho"] == 3 / 5
+    )
 
 
 def test_prior_rho_is_inf_when_nothing_is_unique(tmp_path):

@@ -1,0 +1,87 @@
+"""Blocks of work on a small thread pool, one thread per core (the merge's compute blocks, the telemetry's chunks).
+
+torch releases the GIL inside its kernels, so Python threads that each run single-threaded torch operations on
+their own block use every core without the barrier of a multi-threaded operation after each step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TypeVar
+
+import torch
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+@contextmanager
+def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[ThreadPoolExecutor | None]:
+    """Threads that run blocks of work (e.g. :func:`~ram_trl.streaming.compute_blocks`) in parallel on the CPU.
+
+    torch itself runs single-threaded meanwhile (its setting is restored afterwards), so each block stays on one
+    core and no operation waits for a barrier of all cores.
+
+    Args:
+        device: Where the blocks compute.
+        workers: Threads of the pool; by default as many as torch would use for one operation
+            (``torch.get_num_threads()``).
+
+    Returns:
+        The pool, or ``None`` (run blocks in order on the calling thread) on an accelerator or with one worker.
+    """
+    previous = torch.get_num_threads()
+    workers = previous if workers is None else workers
+    if device.type != "cpu" or workers <= 1:
+        yield None
+        return
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ram-trl-compute") as pool:
+            yield pool
+    finally:
+        torch.set_num_threads(previous)
+
+
+def map_blocks(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
+) -> list[Result]:
+    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
+    if pool is None:
+        return [fn(item) for item in items]
+    return list(pool.map(fn, items))
+
+
+def imap_blocks(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item], ahead: int = 8
+) -> Iterator[Result]:
+    """Lazy :func:`map_blocks` for long streams of items: results in order, at most ``ahead`` items in flight.
+
+    Args:
+        pool: The pool, or ``None`` to run ``fn`` on the calling thread as results are consumed.
+        fn: The work of one item.
+        items: The items, consumed as work is submitted.
+        ahead: Items submitted but not yet consumed (bounds the memory of waiting results); at least the pool's
+            thread count to keep every thread busy.
+
+    Returns:
+        An iterator over ``fn(item)``; an error of ``fn`` is raised when its result is reached, and the items not yet
+        started are then cancelled.
+    """
+    if pool is None:
+        yield from map(fn, items)
+        return
+    pending: deque[Future[Result]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()

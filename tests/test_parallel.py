@@ -1,0 +1,67 @@
+"""The thread pool helpers shared by the merge engine and the telemetry."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ram_trl.parallel import compute_pool, imap_blocks, map_blocks
+
+
+def test_compute_pool_runs_torch_single_threaded_and_restores_it():
+    before = torch.get_num_threads()
+    with compute_pool(torch.device("cpu"), workers=2) as pool:
+        assert pool is not None and torch.get_num_threads() == 1
+        assert map_blocks(pool, lambda x: x * x, range(5)) == [0, 1, 4, 9, 16]
+    assert torch.get_num_threads() == before
+    with compute_pool(torch.device("cpu"), workers=1) as pool:
+        assert pool is None
+    with compute_pool(torch.device("meta"), workers=2) as pool:
+        assert pool is None
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_imap_blocks_keeps_order_and_bounds_work_in_flight(workers):
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        with lock:
+            started.append(i)
+        time.sleep(0.001 * (i % 3))  # finish out of order
+        return i * 10
+
+    def items():
+        for i in range(40):
+            with lock:
+                assert len(started) <= i  # nothing runs ahead of the items consumed
+            yield i
+
+    with compute_pool(torch.device("cpu"), workers=workers) as pool:
+        seen = []
+        for i, result in enumerate(imap_blocks(pool, work, items(), ahead=4)):
+            with lock:
+                assert len(started) <= i + 4
+            seen.append(result)
+    assert seen == [i * 10 for i in range(40)]
+
+
+def test_imap_blocks_raises_errors_in_order_and_cancels_the_rest():
+    ran: list[int] = []
+
+    def work(i: int) -> int:
+        ran.append(i)
+        if i == 2:
+            raise ValueError("item 2")
+        time.sleep(0.01)
+        return i
+
+    with compute_pool(torch.device("cpu"), workers=2) as pool:
+        results = imap_blocks(pool, work, range(100), ahead=4)
+        assert [next(results), next(results)] == [0, 1]
+        with pytest.raises(ValueError, match="item 2"):
+            next(results)
+    assert len(ran) < 10
