@@ -39,6 +39,16 @@ SIZES = {
         vocab_size=None,
         tie_word_embeddings=False,
     ),
+    # the model of the embedded CPU demo (recipes/demo-cpu.yaml)
+    "demo": dict(
+        hidden_size=128,
+        num_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=None,
+        tie_word_embeddings=False,
+    ),
     # Qwen2.5-0.5B's shapes
     "0.5b": dict(
         hidden_size=896,
@@ -50,6 +60,14 @@ SIZES = {
         tie_word_embeddings=True,
     ),
 }
+#: GRPO settings per size where they differ from the defaults of :func:`run` (batch 4 = 1 prompt x 4 generations,
+#: 8 new tokens, lr 1e-5): the demo preset trains like a stage of recipes/demo-cpu.yaml, on one torch thread as there.
+TRAINER = {
+    "demo": dict(
+        per_device_train_batch_size=32, num_generations=8, max_completion_length=24, learning_rate=2e-5
+    ),
+}
+TORCH_THREADS = {"demo": 1}
 SECTION_START = "<!-- bench_callback:start -->"
 SECTION_END = "<!-- bench_callback:end -->"
 
@@ -75,7 +93,7 @@ def reward(completions, completion_ids=None, **kwargs) -> list[float]:
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
+def run(base: Path, out: Path, steps: int, with_callback: bool, size: str = "") -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -89,14 +107,16 @@ def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
             super().on_train_end(args, state, control, **kwargs)
             timings["end_seconds"] = time.perf_counter() - started
 
+    settings = dict(
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-5
+    )
+    settings.update(TRAINER.get(size, {}))
+    torch.set_num_threads(TORCH_THREADS.get(size, os.cpu_count() or 1))
     args = GRPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
         max_steps=steps,
-        learning_rate=1e-5,
         report_to=[],
+        **settings,
         save_strategy="no",
         use_cpu=True,
         bf16=False,
@@ -108,7 +128,7 @@ def run(base: Path, out: Path, steps: int, with_callback: bool) -> dict:
         model=str(base),
         reward_funcs=reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * (steps + 1)}),
+        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * (steps + 1) * 8}),
         callbacks=callbacks,
     )
     for cb in callbacks:
@@ -143,13 +163,13 @@ def bench(size: str, workdir: Path, steps: int, repeats: int, warmup: bool) -> d
     runs: dict[str, list[dict]] = {"without": [], "with": []}
     if warmup:  # the first run in a process pays one-off costs (imports, kernels, page cache): discarded
         print(
-            f"{size} warm-up: {json.dumps(run(base, workdir / size / 'out_warmup', steps, False))}",
+            f"{size} warm-up: {json.dumps(run(base, workdir / size / 'out_warmup', steps, False, size))}",
             flush=True,
         )
     for r in range(repeats):
         for variant in ("without", "with"):
             out = workdir / size / f"out_{variant}_{r}"
-            result = run(base, out, steps, variant == "with")
+            result = run(base, out, steps, variant == "with", size)
             runs[variant].append(result)
             print(f"{size} {variant} #{r}: {json.dumps(result)}", flush=True)
     return {"size": size, "steps": steps, "repeats": repeats, "runs": runs}
@@ -201,7 +221,9 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         f"ram_trl {ram_trl.__version__}; 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after "
         "(other engineers' jobs share the machine: wall times are noisy).",
         "- Each run: TRL GRPOTrainer, fp32 on the CPU, batch 4 (1 prompt x 4 generations), 8 new tokens, beta 0, "
-        "lr 1e-5, default `logging_steps` (10); the callback with `base_model` = the bf16 base on disk (memory-mapped), "
+        "lr 1e-5, default `logging_steps` (10) (*demo*: the model and GRPO settings of a stage of "
+        "`recipes/demo-cpu.yaml`: batch 32 = 4 prompts x 8 generations, 24 new tokens, lr 2e-5, one torch thread); "
+        "the callback with `base_model` = the bf16 base on disk (memory-mapped), "
         "default interval (= logging_steps, plus the final step), magnitude statistics on. Without / with runs "
         "interleaved after a discarded warm-up run (sizes in `--warmup`); medians over the repeats. Base: random init "
         "from a Qwen2 config, bf16, character tokenizer. Reward: the share of even token ids in each completion, so "
@@ -252,10 +274,12 @@ def write_section(report: Path, text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,0.5b")
-    parser.add_argument("--steps", default="tiny=20,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10")
-    parser.add_argument("--repeats", default="tiny=3,0.5b=1")
-    parser.add_argument("--warmup", default="tiny", help="sizes that get a discarded warm-up run first")
+    parser.add_argument("--sizes", default="tiny,demo,0.5b")
+    parser.add_argument(
+        "--steps", default="tiny=20,demo=30,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10"
+    )
+    parser.add_argument("--repeats", default="tiny=3,demo=3,0.5b=2")
+    parser.add_argument("--warmup", default="tiny,demo", help="sizes that get a discarded warm-up run first")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_callback"))
     parser.add_argument("--report", type=Path, default=None, help="Markdown file to write the section into")
     parsed = parser.parse_args()

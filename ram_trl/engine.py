@@ -16,6 +16,7 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
 from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
-from ram_trl.parallel import compute_pool, map_blocks
+from ram_trl.parallel import compute_pool, map_blocks, submit_blocks
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -57,6 +58,7 @@ from ram_trl.streaming import (
     fill_delta,
     iter_chunks,
     read_agent_rows,
+    statistics_blocks,
     to_deltas,
 )
 
@@ -436,19 +438,33 @@ def statistics_pass(
         counts.update(flags)
         return counts
 
+    def absorb(chunk: RawChunk, results: list[torch.Tensor | OverlapStatistics]) -> None:
+        nonlocal current, current_task, subsets, numel
+        if chunk.task is not current_task:
+            finish()
+            current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
+            subsets, numel = None, 0
+        assert current is not None
+        for counts in results:
+            if isinstance(counts, OverlapStatistics):
+                current.add(counts)
+            else:
+                subsets = counts if subsets is None else subsets.add_(counts)
+        numel += (chunk.stop - chunk.start) * chunk.task.row_numel
+
     with compute_pool(device) as pool:
+        # one chunk in flight ahead: its blocks are queued before the previous chunk's results are awaited
+        pending: tuple[RawChunk, Callable[[], list[torch.Tensor | OverlapStatistics]]] | None = None
         for chunk in iter_chunks(base, agents, floating, reader, counter=state.read):
-            if chunk.task is not current_task:
-                finish()
-                current, current_task = OverlapStatistics.zeros(len(agents)), chunk.task
-                subsets, numel = None, 0
-            assert current is not None
-            for counts in map_blocks(pool, count, compute_blocks(chunk, device)):
-                if isinstance(counts, OverlapStatistics):
-                    current.add(counts)
-                else:
-                    subsets = counts if subsets is None else subsets.add_(counts)
-            numel += (chunk.stop - chunk.start) * chunk.task.row_numel
+            started = (
+                chunk,
+                submit_blocks(pool, count, statistics_blocks(chunk, device)),
+            )
+            if pending is not None:
+                absorb(pending[0], pending[1]())
+            pending = started
+        if pending is not None:
+            absorb(pending[0], pending[1]())
     finish()
     if bar is not None:
         bar.close()
@@ -585,6 +601,18 @@ def write_tensors(
     try:
         current: TensorTask | None = None
         context: _TensorContext | None = None
+        # one chunk in flight ahead: its blocks are queued before the previous chunk's are awaited and written
+        pending: tuple[RawChunk, _TensorContext, Callable[[], torch.Tensor]] | None = None
+
+        def complete(job: tuple[RawChunk, _TensorContext, Callable[[], torch.Tensor]], done: bool) -> None:
+            chunk, job_context, result = job
+            shard = shard_of[chunk.task.name]
+            if shard.file_name not in files:
+                files[shard.file_name] = ShardFile(out_dir / shard.file_name, _planned(shard))
+            background.submit(files[shard.file_name].write_rows, chunk.task.name, chunk.start, result())
+            if done:  # the job held its tensor's last chunk
+                _finish_tensor(state, job_context, bar)
+
         with compute_pool(device) as pool:
             chunks = iter_chunks(
                 base, agents, tasks, reader, floating_only=False, counter=state.read, fishers=plan.fishers
@@ -592,18 +620,21 @@ def write_tensors(
             for chunk in chunks:
                 task = chunk.task
                 if task is not current:
-                    _finish_tensor(state, context, bar)
                     current = task
                     context = _tensor_context(resolved, task, base, agents, reader, state, device, pool)
                     if bar is not None:
                         bar.set_postfix_str(task.name[-40:], refresh=False)
                 assert context is not None
-                shard = shard_of[task.name]
-                if shard.file_name not in files:
-                    files[shard.file_name] = ShardFile(out_dir / shard.file_name, _planned(shard))
-                out = _merge_chunk(resolved, chunk, context, base, agents, reader, device, eps, pool)
-                background.submit(files[shard.file_name].write_rows, task.name, chunk.start, out)
-        _finish_tensor(state, context, bar)
+                started = (
+                    chunk,
+                    context,
+                    _start_chunk(resolved, chunk, context, base, agents, reader, device, eps, pool),
+                )
+                if pending is not None:
+                    complete(pending, done=pending[1] is not context)
+                pending = started
+            if pending is not None:
+                complete(pending, done=True)
         background.close()
         for file in files.values():
             file.close()
@@ -627,7 +658,7 @@ def _finish_tensor(state: MergeState, context: _TensorContext | None, bar) -> No
         bar.update(1)
 
 
-def _merge_chunk(
+def _start_chunk(
     resolved: ResolvedConfig,
     chunk: RawChunk,
     context: _TensorContext,
@@ -637,20 +668,38 @@ def _merge_chunk(
     device: torch.device,
     eps: float,
     pool: ThreadPoolExecutor | None = None,
-) -> torch.Tensor:
-    """The output values of one chunk, in the output dtype, on the CPU (its blocks merged on ``pool``)."""
+) -> Callable[[], torch.Tensor]:
+    """Start merging one chunk; the returned function waits for it and returns the chunk's output values (in the
+    output dtype, on the CPU).
+
+    Blocks of methods without a TIES cut are queued on ``pool`` and return at once, so that the caller can start the
+    next chunk before this one is done; the returned function adds the chunk's overlap counts to ``context``, so
+    call it in chunk order. Everything else is computed before returning.
+    """
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:
         assert chunk.base is not None
-        return chunk.base.to(task.out_dtype)
+        copied = chunk.base.to(task.out_dtype)
+        return lambda: copied
     if chunk.extra_rows:
-        return _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
+        extra = _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
+        return lambda: extra
     blocks = compute_blocks(chunk, device)
-    if len(blocks) == 1:
-        merged, counts = _merge_block(resolved, chunk, context, base, agents, reader, device, eps)
-        _add_counts(context, counts)
-        return merged.reshape(shape).cpu()
+    if len(blocks) == 1 and (context.cuts is None or pool is None):
+        parallel = pool if context.cuts is None else None
+
+        def single(block: RawChunk) -> tuple[torch.Tensor, OverlapStatistics | None]:
+            return _merge_block(resolved, block, context, base, agents, reader, device, eps)
+
+        wait_single = submit_blocks(parallel, single, blocks)
+
+        def finish_single() -> torch.Tensor:
+            ((merged, counts),) = wait_single()
+            _add_counts(context, counts)
+            return merged.reshape(shape).cpu()
+
+        return finish_single
     out = torch.empty(shape, dtype=task.out_dtype)
     flat = out.reshape(-1)
     checked = resolved.allow_nonfinite or resolved.method.needs_statistics
@@ -688,9 +737,14 @@ def _merge_chunk(
         )
         return counts
 
-    for counts in map_blocks(parallel, run, work):
-        _add_counts(context, counts)
-    return out
+    wait = submit_blocks(parallel, run, work)
+
+    def finish() -> torch.Tensor:
+        for counts in wait():
+            _add_counts(context, counts)
+        return out
+
+    return finish
 
 
 def _add_counts(context: _TensorContext, counts: OverlapStatistics | None) -> None:

@@ -55,6 +55,38 @@ def map_blocks(
     return list(pool.map(fn, items))
 
 
+def submit_blocks(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
+) -> Callable[[], list[Result]]:
+    """Start ``fn`` over ``items`` on the pool now; the returned function waits for the results, in order.
+
+    Lets a caller submit the blocks of its next unit of work (e.g. the next chunk) before waiting for this one's, so
+    that the pool does not idle while the last blocks of a unit finish and the next unit is prepared.
+
+    Args:
+        pool: The pool, or ``None`` to run ``fn`` over every item at once on the calling thread.
+        fn: The work of one item.
+        items: The items.
+
+    Returns:
+        A function returning ``[fn(item) for item in items]``; it raises the first error in item order (the items
+        not yet started are cancelled).
+    """
+    if pool is None:
+        results = [fn(item) for item in items]
+        return lambda: results
+    futures = [pool.submit(fn, item) for item in items]
+
+    def wait() -> list[Result]:
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    return wait
+
+
 def imap_blocks(
     pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item], ahead: int = 8
 ) -> Iterator[Result]:

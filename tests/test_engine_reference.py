@@ -199,6 +199,7 @@ def tiny_blocks(monkeypatch):
     """Compute blocks of a few rows on two threads (every chunk splits into many blocks merged in parallel) and TIES
     cut histograms over many blocks."""
     monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(ram_trl.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
     monkeypatch.setattr(ram_trl.methods.ties, "HISTOGRAM_BLOCK", 100)
     monkeypatch.setattr(ram_trl.engine, "HISTOGRAM_BLOCK", 100)
     threads = torch.get_num_threads()

@@ -113,6 +113,7 @@ def test_streaming_equals_reference(inputs, tmp_path, params, weights, floor):
 def test_blocks_on_threads_equal_reference(inputs, tmp_path, monkeypatch):
     """Chunks split into compute blocks of a few rows merged on two threads: each block gets its own Fisher rows."""
     monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(ram_trl.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
     _, base, agents, state = inputs
     weights = [1.0, 0.5, 2.0]
     config = _config(base, agents, {"lambda": 0.7}, [{"weight": w} for w in weights])

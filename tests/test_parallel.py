@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ram_trl.parallel import compute_pool, imap_blocks, map_blocks
+from ram_trl.parallel import compute_pool, imap_blocks, map_blocks, submit_blocks
 
 
 def test_compute_pool_runs_torch_single_threaded_and_restores_it():
@@ -65,3 +65,41 @@ def test_imap_blocks_raises_errors_in_order_and_cancels_the_rest():
         with pytest.raises(ValueError, match="item 2"):
             next(results)
     assert len(ran) < 10
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_submit_blocks_runs_ahead_and_returns_results_in_order(workers):
+    gate = threading.Event()
+    started: list[int] = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        if i == 0 and workers > 1:
+            gate.wait(5)  # the first unit's first block is slow
+        return i * i
+
+    with compute_pool(torch.device("cpu"), workers=workers) as pool:
+        first = submit_blocks(pool, work, [0, 1])
+        second = submit_blocks(pool, work, [2, 3])  # queued before the first unit is awaited
+        if workers > 1:
+            deadline = time.monotonic() + 5
+            while 3 not in started and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert 3 in started  # the second unit ran while the first was still busy
+            gate.set()
+        assert first() == [0, 1]
+        assert second() == [4, 9]
+
+
+def test_submit_blocks_raises_the_first_error_in_order():
+    def work(i: int) -> int:
+        if i in (1, 2):
+            raise ValueError(f"item {i}")
+        return i
+
+    with compute_pool(torch.device("cpu"), workers=2) as pool:
+        wait = submit_blocks(pool, work, range(4))
+        with pytest.raises(ValueError, match="item 1"):
+            wait()
+    with pytest.raises(ValueError, match="item 1"):
+        submit_blocks(None, work, range(4))  # no pool: runs at once
