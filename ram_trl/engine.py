@@ -732,8 +732,8 @@ def _start_chunk(
         block, ready, equal_seen = item
         lo = (block.start - chunk.start) * task.row_numel
         hi = (block.stop - chunk.start) * task.row_numel
-        flat[lo:hi], counts = _merge_block(
-            resolved, block, context, base, agents, reader, device, eps, ready, equal_seen
+        _, counts = _merge_block(
+            resolved, block, context, base, agents, reader, device, eps, ready, equal_seen, flat[lo:hi]
         )
         return counts
 
@@ -764,12 +764,14 @@ def _merge_block(
     eps: float,
     ready: tuple[torch.Tensor, torch.Tensor] | None = None,
     equal_seen: list[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OverlapStatistics | None]:
     """The flat output values of a block of the base's rows, in the output dtype, on ``device``, and its overlap
     counts (methods without a statistics pass count them while merging).
 
     ``ready`` holds the block's task vectors and base values if they are already computed; ``equal_seen`` the TIES
-    threshold-equal elements before the block (default: the tensor's running count, updated).
+    threshold-equal elements before the block (default: the tensor's running count, updated); ``out`` a flat
+    tensor of the output dtype the values are written into (and returned) instead of a new one.
     """
     task = chunk.task
     if ready is None:
@@ -796,6 +798,8 @@ def _merge_block(
     )
     merged = resolved.method.merge(inputs)
     merged.add_(base_values)
+    if out is not None:
+        return out.copy_(merged), counts  # rounds to the output dtype as .to() does, without a temporary
     return merged.to(task.out_dtype), counts
 
 
