@@ -142,7 +142,11 @@ def main() -> None:
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29677"]
     command += [str(Path(__file__).resolve()), "--rank-worker", "--workdir", str(args.workdir)]
     command += ["--repeats", str(args.repeats)]
-    subprocess.run(command, check=True, env=env, capture_output=True)
+    try:
+        subprocess.run(command, check=True, env=env, capture_output=True)
+    finally:  # DeepSpeed's CPU all-reduce never unlinks its shared-memory buffers (67 MB per rank)
+        for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_29677_*"):
+            buffer.unlink(missing_ok=True)
     ranks = [json.loads((args.workdir / f"rank{r}.json").read_text()) for r in range(2)]
     skip = ("measure_seconds", "state_mb", "work_mb")
     same = all(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import ram_trl
 from ram_trl.cli import main
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
-from tests.test_distributed import _free_port
+from tests._launch import free_port, run_job
 from tests.test_engine_golden import BASE, TAUS
 
 # The seven elements of tests/test_engine_golden.py (dyadic, so base + tau is exact in float32), in two tensors:
@@ -410,12 +409,13 @@ def test_agent_identical_to_the_base_is_reported(golden, tmp_path):
 def test_two_processes_give_the_same_analysis(synthetic, tmp_path):
     base, agents, _ = synthetic
     single = ram_trl.analyze(base, agents, tmp_path / "p1", progress=False)
+    port = free_port()
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
+        f"--master_port={port}",
     ]
     command += [
         "-m",
@@ -428,7 +428,7 @@ def test_two_processes_give_the_same_analysis(synthetic, tmp_path):
         str(tmp_path / "p2"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([*command, "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    run = run_job([*command, "--no-progress"], port, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("Task-vector sparsity") == 1  # rank 0 prints, rank 1 does not
     double = json.loads((tmp_path / "p2" / "analysis.json").read_text())

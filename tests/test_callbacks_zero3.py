@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 import ram_trl  # noqa: E402
 from ram_trl.stage import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
-from tests.telemetry.test_distributed_shards import free_port  # noqa: E402
+from tests._launch import free_port, run_job  # noqa: E402
 
 WORKER = Path(__file__).with_name("_grpo_zero3_worker.py")
 P = "task_vector/"
@@ -47,15 +46,16 @@ def run(request, base, tmp_path_factory) -> dict:
     launcher, beta = request.param
     out = tmp_path_factory.mktemp("grpo_zero3")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    port = free_port()
     if launcher == "deepspeed":
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
-        command += ["--master_port", str(free_port())]
+        command += ["--master_port", str(port)]
     else:  # what users run: accelerate's DeepSpeed plugin, ZeRO stage 3
         command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(WORLD)]
         command += ["--num_machines", "1", "--use_deepspeed", "--zero_stage", "3", "--mixed_precision", "no"]
-        command += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        command += ["--dynamo_backend", "no", "--main_process_port", str(port)]
     command += [str(WORKER), str(base), str(out), str(beta)]
-    result = subprocess.run(command, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
+    result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (
         f"GRPO ZeRO-3 job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     )

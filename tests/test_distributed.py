@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,22 +15,18 @@ import ram_trl
 from ram_trl.distributed import partition_by_bytes
 from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
+from tests._launch import free_port, run_job
 from tests.test_fisher_merge import random_fisher
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(nproc: int, config, out, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = free_port()
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        command += [f"--master_port={_free_port()}", "-m", "ram_trl"]
+        command += [f"--master_port={port}", "-m", "ram_trl"]
     else:
         command = [
             sys.executable,
@@ -41,9 +36,9 @@ def _launch(nproc: int, config, out, *extra: str, launcher: str = "torchrun") ->
             f"--num_processes={nproc}",
         ]
         command += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
-        command += [f"--main_process_port={_free_port()}", "-m", "ram_trl"]
+        command += [f"--main_process_port={port}", "-m", "ram_trl"]
     command += ["merge", str(config), str(out), "--no-progress", *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return run_job(command, port, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from ram_trl.stage import fingerprint_checkpoint
 from ram_trl.telemetry.tracker import TaskVectorTracker
+from tests._launch import free_port, run_job
 from tests.telemetry._counting import Counts
 from tests.telemetry._dist_worker import USED_TOKENS, OddNet
 
@@ -36,26 +35,20 @@ FULL_NUMEL = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(mode: str, base: Path, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    port = str(free_port())
+    port = free_port()
     if mode.startswith("zero"):
         pytest.importorskip(
             "deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')"
         )
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
-        command += ["--master_port", port]
+        command += ["--master_port", str(port)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-        command += ["--master_port", port]
+        command += ["--master_port", str(port)]
     command += [str(WORKER), mode, str(base), str(out)]
-    result = subprocess.run(command, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
+    result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise AssertionError(
             f"{mode} job failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
