@@ -249,21 +249,64 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
     return bits.view(torch.float32).to(torch.float64)
 
 
-def _power_sums(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 power sums of 1-D values, and the values in float64.
+class MagnitudeWorkspace:
+    """Buffers that :func:`power_sums` and :meth:`MagnitudeStatistics.add_values` reuse from chunk to chunk (no
+    allocation, hence no page faults, per chunk). One per thread.
 
-    The rows ``(x, x**2)`` times their transpose give the sums of the powers 2 to 4 in one pass over memory (one dot
-    product per power would read it three times).
+    Args:
+        numel: Most values a call uses them for (longer inputs allocate their own buffers).
+        device: Where the values live.
+    """
+
+    def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
+        self.wide = torch.empty(2, numel, dtype=torch.float64, device=device)
+        self.narrow = torch.empty(2, numel, dtype=torch.int32, device=device)
+
+    @property
+    def numel(self) -> int:
+        return self.wide.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.wide, self.narrow))
+
+    def buffers(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(wide, narrow)``: float64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit)."""
+        if numel <= self.numel and self.wide.device == device:
+            return self.wide[:, :numel], self.narrow[:, :numel]
+        return _new_buffers(numel, device)
+
+
+def _new_buffers(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(2, numel, dtype=torch.float64, device=device),
+        torch.empty(2, numel, dtype=torch.int32, device=device),
+    )
+
+
+def power_sums(values: torch.Tensor, workspace: MagnitudeWorkspace | None = None) -> torch.Tensor:
+    """The float64 power sums ``(sum x, sum x**2, sum x**3, sum x**4)`` of float32 values.
+
+    Each ``x**2`` is exact in float64. The rows ``(x, x**2)`` times their transpose give the sums of the powers 2 to
+    4 in one pass over memory (one dot product per power would read it three times).
+
+    Args:
+        values: Float32 values, any shape.
+        workspace: Buffers to compute in (else allocated).
 
     Returns:
-        ``(sum x, sum x**2, sum x**3, sum x**4)``, and ``x`` (a new tensor the caller may overwrite).
+        A float64 tensor of 4 elements.
     """
-    rows = torch.empty(2, values.numel(), dtype=torch.float64, device=values.device)
+    values = values.reshape(-1)
+    if workspace is None:
+        rows, _ = _new_buffers(values.numel(), values.device)
+    else:
+        rows, _ = workspace.buffers(values.numel(), values.device)
     x, square = rows[0], rows[1]
     x.copy_(values)
     torch.mul(x, x, out=square)
     gram = rows @ rows.T
-    return torch.stack([x.sum(), gram[0, 0], gram[0, 1], gram[1, 1]]), x
+    return torch.stack([x.sum(), gram[0, 0], gram[0, 1], gram[1, 1]])
 
 
 def gini_coefficient(values: torch.Tensor) -> float:
@@ -384,103 +427,229 @@ def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float
     return mass / total
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Packing:
+    """How :class:`MagnitudeStatistics` packs a bin's count and remainder sum into one int64: ``count << shift``
+    plus the sum of ``dropped_bits``-bit remainders, unpacked at the latest after ``capacity`` elements (so neither
+    field can overflow)."""
+
+    dropped_bits: int
+    shift: int
+    capacity: int
+
+    @property
+    def dropped_mask(self) -> int:
+        return (1 << self.dropped_bits) - 1
+
+
+@functools.cache
+def _packing(mantissa_bits: int) -> _Packing:
+    dropped = _FLOAT32_MANTISSA_BITS - mantissa_bits
+    # n elements pack to at most n * 2**shift + n * 2**dropped: both fields fit while n <= 2**(shift - dropped),
+    # and the int64 while 2 * shift - dropped <= 62
+    shift = (62 + dropped) // 2
+    return _Packing(dropped, shift, 1 << (shift - dropped))
+
+
+@functools.cache
+def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 per bin: its lower edge, and the float32 unit ``u`` of its magnitudes (``2**(e - 150)`` for the
+    biased exponent ``e``, 1 for subnormals); a magnitude is its bin's edge plus ``u`` times its dropped bits."""
+    dropped = _FLOAT32_MANTISSA_BITS - mantissa_bits
+    index = torch.arange(2 ** (8 + mantissa_bits), dtype=torch.int64)
+    lower = (index << dropped).to(torch.int32).view(torch.float32).to(torch.float64)
+    exponent = (index >> mantissa_bits).clamp(min=1) - 127 - _FLOAT32_MANTISSA_BITS
+    unit = ((exponent + 1023) << 52).view(torch.float64)
+    return lower, unit
+
+
 class MagnitudeStatistics:
     """Magnitude statistics of each agent's active task-vector elements, accumulated chunk by chunk.
 
-    Exact: the count and the float64 power sums ``sum tau**p`` (``p = 1..4``) of the signed values, hence the mean,
-    standard deviation and excess kurtosis. Streamed with a bounded error: a fixed histogram of ``|tau|`` with
-    ``2**mantissa_bits`` bins per octave (:func:`magnitude_bin`) holding each bin's count and exact float64 sum of
-    magnitudes (so the mean ``|tau|`` is exact). With ``d = 2**-mantissa_bits`` (1/128 by default), for every active
-    ``|tau| >= 2**-126`` (always the case for ``eps >= 2**-126``, e.g. the default 1e-5):
+    - The count and the float64 power sums ``sum tau**p`` (``p = 1..4``) of the signed values, hence the mean,
+      standard deviation and excess kurtosis.
+    - A fixed histogram of ``|tau|`` with ``2**mantissa_bits`` bins per octave (:func:`magnitude_bin`). Each bin
+      holds its count and, exactly, the sum of its magnitudes (so the mean ``|tau|`` is exact): within a bin every
+      float32 magnitude is ``u * (c + r)`` for the bin's float32 unit ``u``, a constant ``c`` of the bin and the
+      ``23 - mantissa_bits`` mantissa bits ``r`` the bin drops, so the sum is ``u * (n c + sum r)`` with integer
+      ``n`` and ``sum r``, accumulated in int64 in any order. Both are added with one ``scatter_add_`` per chunk, as
+      ``n * 2**s + sum r`` in one int64 per bin, unpacked before the fields could overlap.
+
+    With ``d = 2**-mantissa_bits`` (1/128 by default), for every active ``|tau| >= 2**-126`` (always the case for
+    ``eps >= 2**-126``, e.g. the default 1e-5):
 
     - the Gini coefficient estimate is within ``[G - d/4, G]`` (:func:`histogram_gini`; 0.002 by default);
     - the top-k L1 mass shares are within a relative ``d`` of the exact ones (:func:`histogram_top_mass`; 0.8%).
 
-    Memory: ``num_agents * 2**(8 + mantissa_bits) * 16`` bytes (512 KB per agent by default), whatever the model.
+    Memory: ``num_agents * 2**(8 + mantissa_bits) * 24`` bytes (768 KB per agent by default), whatever the model.
 
     Args:
         num_agents: Number of agents.
-        mantissa_bits: Histogram resolution (see above).
-        counts: int64 ``(num_agents, bins)`` elements per ``|tau|`` bin.
-        sums: float64 ``(num_agents, bins)`` sum of ``|tau|`` per bin.
-        power_sums: float64 ``(num_agents, 4)``: sums of ``tau``, ``tau**2``, ``tau**3``, ``tau**4``.
+        mantissa_bits: Histogram resolution (see above), 0 to 23.
     """
 
-    num_agents: int
-    mantissa_bits: int
-    counts: torch.Tensor
-    sums: torch.Tensor
-    power_sums: torch.Tensor
+    def __init__(self, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> None:
+        if not 0 <= mantissa_bits <= _FLOAT32_MANTISSA_BITS:
+            raise ValueError(f"mantissa_bits={mantissa_bits} must be between 0 and {_FLOAT32_MANTISSA_BITS}")
+        self.num_agents = num_agents
+        self.mantissa_bits = mantissa_bits
+        bins = 2 ** (8 + mantissa_bits)
+        self._counts = torch.zeros(num_agents, bins, dtype=torch.int64)
+        self._remainders = torch.zeros(num_agents, bins, dtype=torch.int64)
+        self._packed = torch.zeros(num_agents, bins, dtype=torch.int64)
+        self._pending = [0] * num_agents
+        #: float64 ``(num_agents, 4)``: sums of ``tau``, ``tau**2``, ``tau**3``, ``tau**4``.
+        self.power_sums = torch.zeros(num_agents, 4, dtype=torch.float64)
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
-        bins = 2 ** (8 + mantissa_bits)
-        return cls(
-            num_agents,
-            mantissa_bits,
-            torch.zeros(num_agents, bins, dtype=torch.int64),
-            torch.zeros(num_agents, bins, dtype=torch.float64),
-            torch.zeros(num_agents, 4, dtype=torch.float64),
-        )
+        """Empty statistics of ``num_agents`` agents."""
+        return cls(num_agents, mantissa_bits)
 
     @property
     def relative_bin_width(self) -> float:
         """``d``: every bin of normal magnitudes ``[lo, hi)`` has ``hi / lo <= 1 + d``."""
         return 2.0**-self.mantissa_bits
 
+    @property
+    def counts(self) -> torch.Tensor:
+        """int64 ``(num_agents, bins)``: elements per ``|tau|`` bin."""
+        self._unpack()
+        return self._counts
+
+    @property
+    def remainders(self) -> torch.Tensor:
+        """int64 ``(num_agents, bins)``: per bin, the sum of the mantissa bits the bin drops (see the class)."""
+        self._unpack()
+        return self._remainders
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """float64 ``(num_agents, bins)``: the sum of ``|tau|`` per bin, exact up to one final rounding."""
+        lower, unit = _bin_lower_edges_and_units(self.mantissa_bits)
+        counts = self.counts
+        sums = counts.to(torch.float64) * lower + self.remainders.to(torch.float64) * unit
+        return sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
+
+    def add_histogram(
+        self,
+        t: int,
+        values: torch.Tensor,
+        *,
+        zero_filled: bool = False,
+        workspace: MagnitudeWorkspace | None = None,
+    ) -> int:
+        """Add float32 values of agent ``t`` to its ``|tau|`` histogram (not to the power sums).
+
+        Args:
+            t: Agent index.
+            values: Active task-vector values, any shape (on any device; the histogram moves to it).
+            zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
+                :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
+                caller a gather of the active elements. Requires every active magnitude to be at least the lower
+                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``).
+            workspace: Buffers to compute in (else allocated).
+
+        Returns:
+            The number of elements added.
+        """
+        values = values.reshape(-1).contiguous()
+        layout = _packing(self.mantissa_bits)
+        if self._packed.device != values.device:
+            self._unpack()
+            self._packed = self._packed.to(values.device)
+        added = 0
+        for start in range(0, values.numel(), layout.capacity):
+            part = values[start : start + layout.capacity]
+            n = part.numel()
+            if self._pending[t] + n > layout.capacity:
+                self._unpack(t)
+            if workspace is None:
+                wide, narrow = _new_buffers(n, part.device)
+            else:
+                wide, narrow = workspace.buffers(n, part.device)
+            bins, dropped = narrow[0], narrow[1]
+            torch.bitwise_and(part.view(torch.int32), _FLOAT32_SIGN_CLEAR, out=bins)
+            torch.bitwise_and(bins, layout.dropped_mask, out=dropped)
+            bins.bitwise_right_shift_(layout.dropped_bits)
+            index, packed = wide.view(torch.int64)
+            index.copy_(bins)
+            packed.copy_(dropped)
+            packed.add_(1 << layout.shift)
+            accumulator = self._packed[t]
+            kept = accumulator[0].clone() if zero_filled else None
+            accumulator.scatter_add_(0, index, packed)
+            self._pending[t] += n
+            added += n
+            if kept is not None:
+                added -= int(accumulator[0] - kept) >> layout.shift
+                accumulator[0] = kept
+        return added
+
+    def add_values(
+        self,
+        t: int,
+        values: torch.Tensor,
+        *,
+        zero_filled: bool = False,
+        workspace: MagnitudeWorkspace | None = None,
+    ) -> int:
+        """Add float32 values of agent ``t`` to its statistics (histogram and power sums).
+
+        Args:
+            t: Agent index.
+            values: Active task-vector values, any shape.
+            zero_filled: As in :meth:`add_histogram` (zeros add nothing to the power sums). Values must be finite:
+                NaN or inf make ``power_sums[t, 0]`` non-finite.
+            workspace: Buffers to compute in (else allocated).
+
+        Returns:
+            The number of elements added.
+        """
+        self.power_sums[t] += power_sums(values, workspace).to(self.power_sums.device)
+        return self.add_histogram(t, values, zero_filled=zero_filled, workspace=workspace)
+
     def update(self, deltas: torch.Tensor, mask: torch.Tensor) -> None:
         """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape)."""
-        bins = self.counts.shape[1]
         for t in range(self.num_agents):
             values = deltas[t][mask[t]]
-            if values.numel() == 0:
-                continue
-            index = magnitude_bin(values, self.mantissa_bits)
-            power_sums, x = _power_sums(values)
-            self.counts[t] += torch.bincount(index, minlength=bins)
-            self.sums[t].index_add_(0, index, x.abs_())
-            self.power_sums[t] += power_sums
+            if values.numel():
+                self.add_values(t, values)
 
     @classmethod
     def of_values(
         cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
     ) -> MagnitudeStatistics:
-        """One agent's statistics of some active values, e.g. one chunk's, to :meth:`add` to a running total.
-
-        Args:
-            values: 1-D float32 active task-vector values.
-            mantissa_bits: Histogram resolution.
-            zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
-                :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
-                caller a gather of the active elements. Requires every active magnitude to be at least the lower
-                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``) and finite
-                values: NaN or inf make ``power_sums[0, 0]`` non-finite (check it, and select the active values
-                instead).
-
-        Returns:
-            The statistics of one agent (per-bin sums: float64 sums of the float32 magnitudes).
-        """
-        bins = 2 ** (8 + mantissa_bits)
-        index = magnitude_bin(values, mantissa_bits)
-        power_sums, x = _power_sums(values)
-        counts = torch.bincount(index, minlength=bins)
-        sums = torch.bincount(index, weights=x.abs_(), minlength=bins)
-        if zero_filled:
-            counts[0] = 0
-            sums[0] = 0.0
-        return cls(1, mantissa_bits, counts.unsqueeze(0), sums.unsqueeze(0), power_sums.unsqueeze(0))
+        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total."""
+        stats = cls(1, mantissa_bits)
+        stats.add_values(0, values, zero_filled=zero_filled)
+        return stats
 
     def add(self, other: MagnitudeStatistics) -> None:
         """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
-        self.counts += other.counts.to(self.counts.device)
-        self.sums += other.sums.to(self.sums.device)
+        if (other.num_agents, other.mantissa_bits) != (self.num_agents, self.mantissa_bits):
+            raise ValueError("cannot add magnitude statistics of other agents or another resolution")
+        self.counts.add_(other.counts.to(self._counts.device))
+        self.remainders.add_(other.remainders.to(self._remainders.device))
         self.power_sums += other.power_sums.to(self.power_sums.device)
 
     def all_reduce(self, ctx: DistContext) -> None:
         """Sum every rank's statistics into this object (no-op in a single process)."""
-        for tensor in (self.counts, self.sums, self.power_sums):
+        for tensor in (self.counts, self.remainders, self.power_sums):
             ctx.all_reduce_sum(tensor)
+
+    def _unpack(self, t: int | None = None) -> None:
+        """Move the packed counts and remainders of agent ``t`` (default: all) into the int64 totals."""
+        agents = range(self.num_agents) if t is None else [t]
+        layout = _packing(self.mantissa_bits)
+        for a in agents:
+            if not self._pending[a]:
+                continue
+            packed = self._packed[a]
+            self._counts[a] += (packed >> layout.shift).to(self._counts.device)
+            self._remainders[a] += (packed & ((1 << layout.shift) - 1)).to(self._remainders.device)
+            packed.zero_()
+            self._pending[a] = 0
 
     def count(self, t: int) -> int:
         return int(self.counts[t].sum())
@@ -498,21 +667,22 @@ class MagnitudeStatistics:
             ``top_5pct_mass`` (over the active elements) [, ``gini_masked``, ``excess_kurtosis_masked``].
         """
         n = self.count(t)
+        magnitude_sums = self.sums[t]
         sums = self.power_sums[t].tolist()
         mean = sums[0] / n if n else math.nan
         variance = sums[1] / n - mean * mean if n else math.nan
         out: dict[str, float | int] = {
             "count": n,
-            "mean_abs": float(self.sums[t].sum()) / n if n else math.nan,
+            "mean_abs": float(magnitude_sums.sum()) / n if n else math.nan,
             "mean": mean,
             "std": math.sqrt(max(variance, 0.0)) if n else math.nan,
             "excess_kurtosis": excess_kurtosis(n, sums),
-            "gini": histogram_gini(self.counts[t], self.sums[t]),
+            "gini": histogram_gini(self.counts[t], magnitude_sums),
         }
         for key, fraction in TOP_FRACTIONS.items():
-            out[key] = histogram_top_mass(self.counts[t], self.sums[t], fraction)
+            out[key] = histogram_top_mass(self.counts[t], magnitude_sums, fraction)
         if numel is not None:
-            out["gini_masked"] = histogram_gini(self.counts[t], self.sums[t], zeros=numel - n)
+            out["gini_masked"] = histogram_gini(self.counts[t], magnitude_sums, zeros=numel - n)
             out["excess_kurtosis_masked"] = excess_kurtosis(numel, sums)
         return out
 

@@ -57,7 +57,13 @@ from ram_trl.io.lora import lora_delta_rows
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
 from ram_trl.parallel import compute_pool, imap_blocks
 from ram_trl.stage import BaseFingerprint, fingerprint_checkpoint
-from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics, magnitude_bin_edges
+from ram_trl.statistics import (
+    MagnitudeStatistics,
+    MagnitudeWorkspace,
+    OverlapStatistics,
+    magnitude_bin_edges,
+    power_sums,
+)
 from ram_trl.telemetry.base import (
     BaseSource,
     MappedCheckpointBase,
@@ -527,7 +533,7 @@ class TaskVectorTracker:
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
         totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
-        magnitudes = MagnitudeStatistics.zeros(1)
+        powers = torch.zeros(4, dtype=torch.float64)  # the magnitudes' power sums, added in chunk order
         overlap = OverlapStatistics.zeros(num_priors + 1)
         regions = _local_regions(layout, ctx)
         for region in regions:
@@ -536,6 +542,8 @@ class TaskVectorTracker:
         device = _compute_device(regions)
         workers = max(1, min(workers, len(chunks)))
         self._reserve_workspaces(device, workers)
+        for ws in self._workspaces:
+            ws.histogram = MagnitudeStatistics.zeros(1)
         # chunk results are added in chunk order: the float64 sums do not depend on the number of workers
         with compute_pool(device, workers) as pool:
             for part in imap_blocks(pool, self._measure_chunk, chunks, ahead=2 * workers):
@@ -543,10 +551,15 @@ class TaskVectorTracker:
                 row[0] += part.active
                 row[1] += part.changed
                 row[2] += part.active_saved
-                if part.magnitudes is not None:
-                    magnitudes.add(part.magnitudes)
+                if part.power_sums is not None:
+                    powers += part.power_sums
                 if part.overlap is not None:
                     overlap.add(part.overlap)
+        # the histograms hold integers: their sum does not depend on which worker counted which chunk
+        magnitudes = MagnitudeStatistics.zeros(1)
+        for ws in self._workspaces:
+            magnitudes.add(ws.histogram)
+        magnitudes.power_sums[0] += powers
         counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)
         if ctx.enabled:
             ctx.all_reduce_sum(counts)
@@ -580,8 +593,7 @@ class TaskVectorTracker:
             part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
             flags = None  # the activity flags of tau, when needed
             if self.magnitudes:
-                part.magnitudes = self._chunk_magnitudes(tau)
-                part.active = part.magnitudes.count(0)  # every active element, once
+                part.power_sums, part.active = self._chunk_magnitudes(tau, ws)
             if not self.magnitudes or (saved is None and self.priors is not None):
                 flags = torch.gt(
                     torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
@@ -598,14 +610,20 @@ class TaskVectorTracker:
                 part.overlap = self._chunk_overlap(chunk, saved_flags.cpu())
         return part
 
-    def _chunk_magnitudes(self, tau: torch.Tensor) -> MagnitudeStatistics:
-        """The magnitude statistics of a chunk's active elements."""
+    def _chunk_magnitudes(self, tau: torch.Tensor, ws: _Workspace) -> tuple[torch.Tensor, int]:
+        """Add a chunk's active elements to the workspace's ``|tau|`` histogram.
+
+        Returns:
+            The chunk's power sums (to add in chunk order) and its number of active elements.
+        """
         if self._zero_fill:
-            stats = MagnitudeStatistics.of_values(masked_deltas(tau, self.eps), zero_filled=True)
-            # a finite sum: no NaN or inf in the chunk, so bin 0 held exactly the inactive elements
-            if math.isfinite(float(stats.power_sums[0, 0])):
-                return stats
-        return MagnitudeStatistics.of_values(tau[torch.abs(tau) > self._threshold])
+            values = masked_deltas(tau, self.eps, out=ws.scratch[: tau.numel()])
+            sums = power_sums(values, ws.magnitude)
+            # a finite sum: no NaN or inf in the chunk, so bin 0 holds exactly the inactive elements
+            if math.isfinite(float(sums[0])):
+                return sums, ws.histogram.add_histogram(0, values, zero_filled=True, workspace=ws.magnitude)
+        values = tau[torch.abs(tau) > self._threshold]
+        return power_sums(values, ws.magnitude), ws.histogram.add_histogram(0, values, workspace=ws.magnitude)
 
     def _chunk_overlap(self, chunk: _Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
         """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""
@@ -746,6 +764,9 @@ class _Workspace:
         self.base, self.tau, self.saved, self.base_saved, self.scratch = f32(), f32(), f32(), f32(), f32()
         self.flags, self.saved_flags = f32(), f32()
         self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
+        self.magnitude = MagnitudeWorkspace(numel, device)
+        #: the ``|tau|`` histogram of the chunks this workspace measured (reset by each measurement)
+        self.histogram = MagnitudeStatistics.zeros(1)
 
     @property
     def nbytes(self) -> int:
@@ -758,7 +779,7 @@ class _Workspace:
             self.flags,
             self.saved_flags,
         )
-        return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
+        return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded)) + self.magnitude.nbytes
 
 
 @dataclass(frozen=True)
@@ -788,7 +809,7 @@ class _ChunkCounts:
     changed: int = 0
     active: int = 0
     active_saved: int = 0
-    magnitudes: MagnitudeStatistics | None = None
+    power_sums: torch.Tensor | None = None
     overlap: OverlapStatistics | None = None
 
 
