@@ -250,7 +250,7 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
 
 
 class MagnitudeWorkspace:
-    """Buffers that :func:`power_sums` and :meth:`MagnitudeStatistics.add_values` reuse from chunk to chunk (no
+    """Buffers that :func:`sum_of_squares` and :meth:`MagnitudeStatistics.add_values` reuse from chunk to chunk (no
     allocation, hence no page faults, per chunk). One per thread.
 
     Args:
@@ -259,7 +259,7 @@ class MagnitudeWorkspace:
     """
 
     def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
-        self.wide = torch.empty(2, numel, dtype=torch.float64, device=device)
+        self.wide = torch.empty(2, numel, dtype=torch.int64, device=device)
         self.narrow = torch.empty(2, numel, dtype=torch.int32, device=device)
 
     @property
@@ -271,7 +271,7 @@ class MagnitudeWorkspace:
         return sum(t.numel() * t.element_size() for t in (self.wide, self.narrow))
 
     def buffers(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(wide, narrow)``: float64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit)."""
+        """``(wide, narrow)``: int64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit)."""
         if numel <= self.numel and self.wide.device == device:
             return self.wide[:, :numel], self.narrow[:, :numel]
         return _new_buffers(numel, device)
@@ -279,34 +279,29 @@ class MagnitudeWorkspace:
 
 def _new_buffers(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (
-        torch.empty(2, numel, dtype=torch.float64, device=device),
+        torch.empty(2, numel, dtype=torch.int64, device=device),
         torch.empty(2, numel, dtype=torch.int32, device=device),
     )
 
 
-def power_sums(values: torch.Tensor, workspace: MagnitudeWorkspace | None = None) -> torch.Tensor:
-    """The float64 power sums ``(sum x, sum x**2, sum x**3, sum x**4)`` of float32 values.
-
-    Each ``x**2`` is exact in float64. The rows ``(x, x**2)`` times their transpose give the sums of the powers 2 to
-    4 in one pass over memory (one dot product per power would read it three times).
+def sum_of_squares(values: torch.Tensor, workspace: MagnitudeWorkspace | None = None) -> torch.Tensor:
+    """``sum x**2`` of float32 values, in float64 (every square is exact in float64).
 
     Args:
         values: Float32 values, any shape.
         workspace: Buffers to compute in (else allocated).
 
     Returns:
-        A float64 tensor of 4 elements.
+        A 0-dim float64 tensor.
     """
     values = values.reshape(-1)
     if workspace is None:
-        rows, _ = _new_buffers(values.numel(), values.device)
+        wide, _ = _new_buffers(values.numel(), values.device)
     else:
-        rows, _ = workspace.buffers(values.numel(), values.device)
-    x, square = rows[0], rows[1]
+        wide, _ = workspace.buffers(values.numel(), values.device)
+    x = wide[0].view(torch.float64)
     x.copy_(values)
-    torch.mul(x, x, out=square)
-    gram = rows @ rows.T
-    return torch.stack([x.sum(), gram[0, 0], gram[0, 1], gram[1, 1]])
+    return torch.dot(x, x)
 
 
 def gini_coefficient(values: torch.Tensor) -> float:
@@ -429,10 +424,11 @@ def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float
 
 @dataclass(frozen=True)
 class _Packing:
-    """How :class:`MagnitudeStatistics` packs a bin's count and remainder sum into one int64: ``count << shift``
-    plus the sum of ``dropped_bits``-bit remainders, unpacked at the latest after ``capacity`` elements (so neither
-    field can overflow)."""
+    """How :class:`MagnitudeStatistics` bins float32 values and packs a bin's count and remainder sum into one
+    int64: ``count << shift`` plus the sum of the ``dropped_bits``-bit remainders, unpacked at the latest after
+    ``capacity`` elements (so neither field can overflow)."""
 
+    mantissa_bits: int
     dropped_bits: int
     shift: int
     capacity: int
@@ -441,6 +437,10 @@ class _Packing:
     def dropped_mask(self) -> int:
         return (1 << self.dropped_bits) - 1
 
+    @property
+    def magnitude_bins(self) -> int:
+        return 2 ** (8 + self.mantissa_bits)
+
 
 @functools.cache
 def _packing(mantissa_bits: int) -> _Packing:
@@ -448,13 +448,23 @@ def _packing(mantissa_bits: int) -> _Packing:
     # n elements pack to at most n * 2**shift + n * 2**dropped: both fields fit while n <= 2**(shift - dropped),
     # and the int64 while 2 * shift - dropped <= 62
     shift = (62 + dropped) // 2
-    return _Packing(dropped, shift, 1 << (shift - dropped))
+    return _Packing(mantissa_bits, dropped, shift, 1 << (shift - dropped))
+
+
+@functools.cache
+def _nonfinite_bins(mantissa_bits: int, device: torch.device) -> torch.Tensor:
+    """The signed bins of the non-finite values (exponent 255; positive ones, then negative ones, the first of each
+    being infinity)."""
+    bins = 2 ** (8 + mantissa_bits)
+    nonfinite = torch.arange(255 << mantissa_bits, bins, dtype=torch.int64)
+    return torch.cat([nonfinite, nonfinite + bins]).to(device)
 
 
 @functools.cache
 def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 per bin: its lower edge, and the float32 unit ``u`` of its magnitudes (``2**(e - 150)`` for the
-    biased exponent ``e``, 1 for subnormals); a magnitude is its bin's edge plus ``u`` times its dropped bits."""
+    """float64 per magnitude bin: its lower edge, and the float32 unit ``u`` of its magnitudes (``2**(e - 150)``
+    for the biased exponent ``e``, ``2**-149`` for subnormals); a magnitude is its bin's edge plus ``u`` times the
+    mantissa bits the bin drops."""
     dropped = _FLOAT32_MANTISSA_BITS - mantissa_bits
     index = torch.arange(2 ** (8 + mantissa_bits), dtype=torch.int64)
     lower = (index << dropped).to(torch.int32).view(torch.float32).to(torch.float64)
@@ -466,22 +476,29 @@ def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.
 class MagnitudeStatistics:
     """Magnitude statistics of each agent's active task-vector elements, accumulated chunk by chunk.
 
-    - The count and the float64 power sums ``sum tau**p`` (``p = 1..4``) of the signed values, hence the mean,
-      standard deviation and excess kurtosis.
-    - A fixed histogram of ``|tau|`` with ``2**mantissa_bits`` bins per octave (:func:`magnitude_bin`). Each bin
-      holds its count and, exactly, the sum of its magnitudes (so the mean ``|tau|`` is exact): within a bin every
-      float32 magnitude is ``u * (c + r)`` for the bin's float32 unit ``u``, a constant ``c`` of the bin and the
-      ``23 - mantissa_bits`` mantissa bits ``r`` the bin drops, so the sum is ``u * (n c + sum r)`` with integer
-      ``n`` and ``sum r``, accumulated in int64 in any order. Both are added with one ``scatter_add_`` per chunk, as
-      ``n * 2**s + sum r`` in one int64 per bin, unpacked before the fields could overlap.
+    One histogram per agent of the float32 values by sign and magnitude: a bin holds the values of one sign whose
+    ``|tau|`` shares its exponent and top ``mantissa_bits`` mantissa bits (:func:`magnitude_bin`; with 7 bits, one
+    bfloat16 value), ``2**mantissa_bits`` bins per octave. Each bin holds its count and, exactly, the sum of its
+    magnitudes: a float32 magnitude is ``u * (c + r)`` for the bin's float32 unit ``u``, a constant ``c`` and the
+    ``23 - mantissa_bits`` mantissa bits ``r`` the bin drops, so a bin's sum is ``u * (n c + sum r)`` with integers
+    ``n`` and ``sum r``, accumulated in int64 (in any order, hence the same for any chunking or number of threads).
+    Both go into one int64 per bin (``n * 2**s + sum r``, one ``scatter_add_`` per chunk), unpacked before the fields
+    could overlap. Besides, ``sum tau**2`` is accumulated in float64 (:attr:`square_sums`).
 
-    With ``d = 2**-mantissa_bits`` (1/128 by default), for every active ``|tau| >= 2**-126`` (always the case for
-    ``eps >= 2**-126``, e.g. the default 1e-5):
+    What follows from them, with ``d = 2**-mantissa_bits`` (1/128 by default), for active ``|tau| >= 2**-126``
+    (always the case for ``eps >= 2**-126``, e.g. the default 1e-5):
 
+    - exact: the count, ``sum |tau|`` (mean ``|tau|``) and ``sum tau`` (mean) up to float64 rounding, and
+      ``sum tau**2`` (so the standard deviation) up to float64 rounding;
+    - ``sum tau**3`` and ``sum tau**4`` taking every value at its bin's mean: below the truth by at most a relative
+      ``3d²/4 + d³`` of ``sum |tau|**3`` and ``3d²/2 + 4d³ + d⁴`` (1e-4 by default), which carries over to the
+      excess kurtosis of a centred task vector;
     - the Gini coefficient estimate is within ``[G - d/4, G]`` (:func:`histogram_gini`; 0.002 by default);
     - the top-k L1 mass shares are within a relative ``d`` of the exact ones (:func:`histogram_top_mass`; 0.8%).
 
-    Memory: ``num_agents * 2**(8 + mantissa_bits) * 24`` bytes (768 KB per agent by default), whatever the model.
+    NaN values are left out; infinite ones count (and make the sums infinite).
+
+    Memory: ``num_agents * 2**(9 + mantissa_bits) * 24`` bytes (1.5 MB per agent by default), whatever the model.
 
     Args:
         num_agents: Number of agents.
@@ -493,13 +510,13 @@ class MagnitudeStatistics:
             raise ValueError(f"mantissa_bits={mantissa_bits} must be between 0 and {_FLOAT32_MANTISSA_BITS}")
         self.num_agents = num_agents
         self.mantissa_bits = mantissa_bits
-        bins = 2 ** (8 + mantissa_bits)
+        bins = 2 ** (9 + mantissa_bits)  # positive values, then negative ones
         self._counts = torch.zeros(num_agents, bins, dtype=torch.int64)
         self._remainders = torch.zeros(num_agents, bins, dtype=torch.int64)
         self._packed = torch.zeros(num_agents, bins, dtype=torch.int64)
         self._pending = [0] * num_agents
-        #: float64 ``(num_agents, 4)``: sums of ``tau``, ``tau**2``, ``tau**3``, ``tau**4``.
-        self.power_sums = torch.zeros(num_agents, 4, dtype=torch.float64)
+        #: float64 ``(num_agents,)``: ``sum tau**2`` of each agent's active values.
+        self.square_sums = torch.zeros(num_agents, dtype=torch.float64)
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
@@ -513,23 +530,42 @@ class MagnitudeStatistics:
 
     @property
     def counts(self) -> torch.Tensor:
-        """int64 ``(num_agents, bins)``: elements per ``|tau|`` bin."""
-        self._unpack()
-        return self._counts
-
-    @property
-    def remainders(self) -> torch.Tensor:
-        """int64 ``(num_agents, bins)``: per bin, the sum of the mantissa bits the bin drops (see the class)."""
-        self._unpack()
-        return self._remainders
+        """int64 ``(num_agents, bins)``: elements per ``|tau|`` bin (both signs)."""
+        half = self._counts.shape[1] // 2
+        counts = self._signed()[0]
+        return counts[:, :half] + counts[:, half:]
 
     @property
     def sums(self) -> torch.Tensor:
-        """float64 ``(num_agents, bins)``: the sum of ``|tau|`` per bin, exact up to one final rounding."""
+        """float64 ``(num_agents, bins)``: the sum of ``|tau|`` per bin (both signs), exact up to rounding."""
+        half = self._counts.shape[1] // 2
+        sums = self._signed()[1]
+        return sums[:, :half] + sums[:, half:]
+
+    @property
+    def power_sums(self) -> torch.Tensor:
+        """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2``, and the estimates of ``sum tau**3`` and
+        ``sum tau**4`` (see the class)."""
+        counts, sums = self._signed()
+        half = counts.shape[1] // 2
+        sign = torch.ones(counts.shape[1], dtype=torch.float64)
+        sign[half:] = -1.0
+        mean = sums / counts.clamp(min=1)  # each bin's mean magnitude (0 in empty bins)
+        out = torch.empty(self.num_agents, 4, dtype=torch.float64)
+        out[:, 0] = (sums * sign).sum(dim=1)
+        out[:, 1] = self.square_sums
+        out[:, 2] = (sums * mean * mean * sign).sum(dim=1)
+        out[:, 3] = (sums * mean * mean * mean).sum(dim=1)
+        return out
+
+    def _signed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signed bins' counts (int64) and exact magnitude sums (float64), positive bins first."""
+        self._unpack()
         lower, unit = _bin_lower_edges_and_units(self.mantissa_bits)
-        counts = self.counts
-        sums = counts.to(torch.float64) * lower + self.remainders.to(torch.float64) * unit
-        return sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
+        lower, unit = lower.repeat(2), unit.repeat(2)
+        counts = self._counts
+        sums = counts.to(torch.float64) * lower + self._remainders.to(torch.float64) * unit
+        return counts, sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
 
     def add_histogram(
         self,
@@ -537,17 +573,22 @@ class MagnitudeStatistics:
         values: torch.Tensor,
         *,
         zero_filled: bool = False,
+        finite: bool = False,
         workspace: MagnitudeWorkspace | None = None,
     ) -> int:
-        """Add float32 values of agent ``t`` to its ``|tau|`` histogram (not to the power sums).
+        """Add float32 values of agent ``t`` to its histogram (not to :attr:`square_sums`).
 
         Args:
             t: Agent index.
-            values: Active task-vector values, any shape (on any device; the histogram moves to it).
+            values: Active task-vector values, any shape (on any device; the histogram moves to it). NaN values are
+                left out.
             zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
-                :func:`~ram_trl.methods.ram.masked_deltas`): the elements of bin 0 are left out, which saves the
-                caller a gather of the active elements. Requires every active magnitude to be at least the lower
-                edge of bin 1 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``).
+                :func:`~ram_trl.methods.ram.masked_deltas`): zeros are left out, which saves the caller a gather of
+                the active elements. Requires every active magnitude to be at least the lower edge of bin 1
+                (``2**-133`` by default; true for any threshold ``eps >= 2**-133``): the smaller ones share the bin
+                of 0.
+            finite: The caller knows that ``values`` holds no NaN or inf (e.g. their sum of squares is finite),
+                which saves the check.
             workspace: Buffers to compute in (else allocated).
 
         Returns:
@@ -558,6 +599,7 @@ class MagnitudeStatistics:
         if self._packed.device != values.device:
             self._unpack()
             self._packed = self._packed.to(values.device)
+        nonfinite_bins = None if finite else _nonfinite_bins(self.mantissa_bits, values.device)
         added = 0
         for start in range(0, values.numel(), layout.capacity):
             part = values[start : start + layout.capacity]
@@ -569,21 +611,35 @@ class MagnitudeStatistics:
             else:
                 wide, narrow = workspace.buffers(n, part.device)
             bins, dropped = narrow[0], narrow[1]
-            torch.bitwise_and(part.view(torch.int32), _FLOAT32_SIGN_CLEAR, out=bins)
-            torch.bitwise_and(bins, layout.dropped_mask, out=dropped)
-            bins.bitwise_right_shift_(layout.dropped_bits)
-            index, packed = wide.view(torch.int64)
+            bits = part.view(torch.int32)
+            torch.bitwise_right_shift(bits, layout.dropped_bits, out=bins)
+            bins.bitwise_and_(2 * layout.magnitude_bins - 1)  # the sign bit shifted in above it: 0 or 1
+            torch.bitwise_and(bits, layout.dropped_mask, out=dropped)
+            index, packed = wide
             index.copy_(bins)
             packed.copy_(dropped)
             packed.add_(1 << layout.shift)
             accumulator = self._packed[t]
-            kept = accumulator[0].clone() if zero_filled else None
+            zero_bins = accumulator[:: layout.magnitude_bins]  # a view of the bins of +0 and -0
+            zeros_before = zero_bins.clone() if zero_filled else None
+            nonfinite_before = None if nonfinite_bins is None else accumulator[nonfinite_bins]
             accumulator.scatter_add_(0, index, packed)
             self._pending[t] += n
             added += n
-            if kept is not None:
-                added -= int(accumulator[0] - kept) >> layout.shift
-                accumulator[0] = kept
+            if zeros_before is not None:  # take the zeros out again
+                added -= int(((zero_bins - zeros_before) >> layout.shift).sum())
+                zero_bins.copy_(zeros_before)
+            if nonfinite_before is not None and nonfinite_bins is not None:
+                arrived = int(((accumulator[nonfinite_bins] - nonfinite_before) >> layout.shift).sum())
+                if arrived:  # take NaN and inf out again, then put the infs back (remainder 0)
+                    accumulator[nonfinite_bins] = nonfinite_before
+                    positive, negative = int((part == math.inf).sum()), int((part == -math.inf).sum())
+                    positive_bin, negative_bin = (
+                        255 << self.mantissa_bits
+                    ) + layout.magnitude_bins * torch.arange(2)
+                    accumulator[positive_bin] += positive << layout.shift
+                    accumulator[negative_bin] += negative << layout.shift
+                    added += positive + negative - arrived
         return added
 
     def add_values(
@@ -594,20 +650,18 @@ class MagnitudeStatistics:
         zero_filled: bool = False,
         workspace: MagnitudeWorkspace | None = None,
     ) -> int:
-        """Add float32 values of agent ``t`` to its statistics (histogram and power sums).
-
-        Args:
-            t: Agent index.
-            values: Active task-vector values, any shape.
-            zero_filled: As in :meth:`add_histogram` (zeros add nothing to the power sums). Values must be finite:
-                NaN or inf make ``power_sums[t, 0]`` non-finite.
-            workspace: Buffers to compute in (else allocated).
+        """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`.
 
         Returns:
             The number of elements added.
         """
-        self.power_sums[t] += power_sums(values, workspace).to(self.power_sums.device)
-        return self.add_histogram(t, values, zero_filled=zero_filled, workspace=workspace)
+        squares = sum_of_squares(values, workspace)
+        finite = math.isfinite(float(squares))
+        if not finite:  # NaN left out; inf counts
+            values = values[~torch.isnan(values)]
+            squares = sum_of_squares(values)
+        self.square_sums[t] += squares.to(self.square_sums.device)
+        return self.add_histogram(t, values, zero_filled=zero_filled, finite=finite, workspace=workspace)
 
     def update(self, deltas: torch.Tensor, mask: torch.Tensor) -> None:
         """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape)."""
@@ -629,13 +683,16 @@ class MagnitudeStatistics:
         """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
         if (other.num_agents, other.mantissa_bits) != (self.num_agents, self.mantissa_bits):
             raise ValueError("cannot add magnitude statistics of other agents or another resolution")
-        self.counts.add_(other.counts.to(self._counts.device))
-        self.remainders.add_(other.remainders.to(self._remainders.device))
-        self.power_sums += other.power_sums.to(self.power_sums.device)
+        self._unpack()
+        other._unpack()
+        self._counts += other._counts.to(self._counts.device)
+        self._remainders += other._remainders.to(self._remainders.device)
+        self.square_sums += other.square_sums.to(self.square_sums.device)
 
     def all_reduce(self, ctx: DistContext) -> None:
         """Sum every rank's statistics into this object (no-op in a single process)."""
-        for tensor in (self.counts, self.remainders, self.power_sums):
+        self._unpack()
+        for tensor in (self._counts, self._remainders, self.square_sums):
             ctx.all_reduce_sum(tensor)
 
     def _unpack(self, t: int | None = None) -> None:
@@ -652,7 +709,8 @@ class MagnitudeStatistics:
             self._pending[a] = 0
 
     def count(self, t: int) -> int:
-        return int(self.counts[t].sum())
+        self._unpack(t)
+        return int(self._counts[t].sum())
 
     def summary(self, t: int, numel: int | None = None) -> dict[str, float | int]:
         """Agent ``t``'s statistics (NaN where undefined, e.g. for an agent without active elements).
@@ -667,7 +725,7 @@ class MagnitudeStatistics:
             ``top_5pct_mass`` (over the active elements) [, ``gini_masked``, ``excess_kurtosis_masked``].
         """
         n = self.count(t)
-        magnitude_sums = self.sums[t]
+        counts, magnitude_sums = self.counts[t], self.sums[t]
         sums = self.power_sums[t].tolist()
         mean = sums[0] / n if n else math.nan
         variance = sums[1] / n - mean * mean if n else math.nan
@@ -677,12 +735,12 @@ class MagnitudeStatistics:
             "mean": mean,
             "std": math.sqrt(max(variance, 0.0)) if n else math.nan,
             "excess_kurtosis": excess_kurtosis(n, sums),
-            "gini": histogram_gini(self.counts[t], magnitude_sums),
+            "gini": histogram_gini(counts, magnitude_sums),
         }
         for key, fraction in TOP_FRACTIONS.items():
-            out[key] = histogram_top_mass(self.counts[t], magnitude_sums, fraction)
+            out[key] = histogram_top_mass(counts, magnitude_sums, fraction)
         if numel is not None:
-            out["gini_masked"] = histogram_gini(self.counts[t], magnitude_sums, zeros=numel - n)
+            out["gini_masked"] = histogram_gini(counts, magnitude_sums, zeros=numel - n)
             out["excess_kurtosis_masked"] = excess_kurtosis(numel, sums)
         return out
 

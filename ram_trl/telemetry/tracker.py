@@ -40,6 +40,7 @@ An element is active when ``|tau| > eps`` in float32 (strict; NaN is inactive): 
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -62,7 +63,7 @@ from ram_trl.statistics import (
     MagnitudeWorkspace,
     OverlapStatistics,
     magnitude_bin_edges,
-    power_sums,
+    sum_of_squares,
 )
 from ram_trl.telemetry.base import (
     BaseSource,
@@ -516,10 +517,14 @@ class TaskVectorTracker:
         previous = torch.get_num_threads()
         workers = self.threads or previous
         torch.set_num_threads(1)  # each worker (or the calling thread) runs single-threaded torch operations
+        collecting = gc.isenabled()
+        gc.disable()  # a full collection of a training process's heap would cost more than the counting
         try:
             out = self._measure(model, workers)
         finally:
             torch.set_num_threads(previous)
+            if collecting:
+                gc.enable()
         out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
         self.last = out
         self.last_step = step
@@ -533,7 +538,7 @@ class TaskVectorTracker:
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
         totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
-        powers = torch.zeros(4, dtype=torch.float64)  # the magnitudes' power sums, added in chunk order
+        squares = torch.zeros((), dtype=torch.float64)  # sum tau**2, added in chunk order
         overlap = OverlapStatistics.zeros(num_priors + 1)
         regions = _local_regions(layout, ctx)
         for region in regions:
@@ -551,15 +556,15 @@ class TaskVectorTracker:
                 row[0] += part.active
                 row[1] += part.changed
                 row[2] += part.active_saved
-                if part.power_sums is not None:
-                    powers += part.power_sums
+                if part.square_sum is not None:
+                    squares += part.square_sum
                 if part.overlap is not None:
                     overlap.add(part.overlap)
         # the histograms hold integers: their sum does not depend on which worker counted which chunk
         magnitudes = MagnitudeStatistics.zeros(1)
         for ws in self._workspaces:
             magnitudes.add(ws.histogram)
-        magnitudes.power_sums[0] += powers
+        magnitudes.square_sums[0] += squares
         counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)
         if ctx.enabled:
             ctx.all_reduce_sum(counts)
@@ -593,7 +598,7 @@ class TaskVectorTracker:
             part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
             flags = None  # the activity flags of tau, when needed
             if self.magnitudes:
-                part.power_sums, part.active = self._chunk_magnitudes(tau, ws)
+                part.square_sum, part.active = self._chunk_magnitudes(tau, ws)
             if not self.magnitudes or (saved is None and self.priors is not None):
                 flags = torch.gt(
                     torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
@@ -614,16 +619,19 @@ class TaskVectorTracker:
         """Add a chunk's active elements to the workspace's ``|tau|`` histogram.
 
         Returns:
-            The chunk's power sums (to add in chunk order) and its number of active elements.
+            The chunk's ``sum tau**2`` (to add in chunk order) and its number of active elements.
         """
         if self._zero_fill:
             values = masked_deltas(tau, self.eps, out=ws.scratch[: tau.numel()])
-            sums = power_sums(values, ws.magnitude)
-            # a finite sum: no NaN or inf in the chunk, so bin 0 holds exactly the inactive elements
-            if math.isfinite(float(sums[0])):
-                return sums, ws.histogram.add_histogram(0, values, zero_filled=True, workspace=ws.magnitude)
-        values = tau[torch.abs(tau) > self._threshold]
-        return power_sums(values, ws.magnitude), ws.histogram.add_histogram(0, values, workspace=ws.magnitude)
+            squares = sum_of_squares(values, ws.magnitude)
+            if math.isfinite(float(squares)):  # else NaN (left out) or inf (counted) in the chunk
+                return squares, ws.histogram.add_histogram(
+                    0, values, zero_filled=True, finite=True, workspace=ws.magnitude
+                )
+        values = tau[torch.abs(tau) > self._threshold]  # NaN is not above the threshold
+        return sum_of_squares(values, ws.magnitude), ws.histogram.add_histogram(
+            0, values, workspace=ws.magnitude
+        )
 
     def _chunk_overlap(self, chunk: _Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
         """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""
@@ -809,7 +817,7 @@ class _ChunkCounts:
     changed: int = 0
     active: int = 0
     active_saved: int = 0
-    power_sums: torch.Tensor | None = None
+    square_sum: torch.Tensor | None = None
     overlap: OverlapStatistics | None = None
 
 

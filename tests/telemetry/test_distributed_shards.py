@@ -161,9 +161,9 @@ def test_tracker_on_every_rank_equals_the_tracker_in_one_process(job) -> None:
 
 
 def test_no_gather_during_the_measurement_and_only_count_all_reduces(job) -> None:
-    bins = 2 ** (8 + 7)
+    bins = 2 ** (9 + 7)  # by sign and |tau|
     per_tensor_counts = len(FULL_NUMEL) * 4 * 8  # active, changed, active_saved, numel per base tensor
-    magnitudes = bins * 8 * 2 + 4 * 8
+    magnitudes = bins * 8 * 2 + 8  # int64 counts and remainder sums per bin, sum tau**2
     overlap = 8 * 2 + 8 + 8  # histogram (1 x 2), pairwise (1 x 1), element count
     for rank in job["ranks"]:
         # the guard was live (a deliberate gather inside it raised), yet the measurements completed
