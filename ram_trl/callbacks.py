@@ -31,7 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl.errors import ConfigError
 from ram_trl.stage import StageManifest, write_manifest
-from ram_trl.telemetry.tracker import DEFAULT_PREFIX, TaskVectorTracker
+from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
@@ -88,6 +88,8 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
         alpha: RAM+ clip bound of rho_t.
         magnitudes: Also report the magnitude statistics.
+        magnitude_sample: Take them from a systematic sample of about this many elements when the model has more
+            (``None``: every element; see :class:`~ram_trl.telemetry.TaskVectorTracker`).
         threads: Worker threads of a measurement (default: one per torch intra-op thread; see
             :class:`~ram_trl.telemetry.TaskVectorTracker`).
         save_agent: Save the agent in ``save_dtype`` to the output directory at train end.
@@ -113,6 +115,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         r: float = 0.1,
         alpha: float = 2.0,
         magnitudes: bool = True,
+        magnitude_sample: int | None = MAGNITUDE_SAMPLE_ELEMENTS,
         threads: int | None = None,
         save_agent: bool = True,
         write_stage: bool = True,
@@ -129,6 +132,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
             alpha=alpha,
             prefix=prefix,
             magnitudes=magnitudes,
+            magnitude_sample=magnitude_sample,
             threads=threads,
         )
         self.trainer = trainer

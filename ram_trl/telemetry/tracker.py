@@ -25,7 +25,9 @@ What one measurement reports (names under ``prefix``, default ``task_vector/``):
   (what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to ``save_dtype``);
 - ``module/<type>/density`` and ``layer/<i>/density`` (saved view; :mod:`ram_trl.anatomy` buckets);
 - ``magnitude/<stat>``: :class:`~ram_trl.statistics.MagnitudeStatistics` of the active float32 task vector
-  (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``);
+  (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``), over every element
+  of models up to ``magnitude_sample`` elements and over a systematic sample of that size beyond;
+  ``magnitude/sample_fraction``: the share of the elements the statistics cover (1: all);
 - with prior stages (saved view against the priors' saved checkpoints, as the merge will count):
   ``prior/overlap`` (share of this run's active elements that some prior also updates), ``prior/<stage>/overlap``,
   ``prior/rho``, ``prior/lambda_ram_plus``, ``prior/lambda_ram_plus_soft`` (this agent's rho_t / lambda_t in a
@@ -78,6 +80,8 @@ from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_con
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
+#: Default size of the systematic sample the magnitude statistics are taken from (see :class:`TaskVectorTracker`).
+MAGNITUDE_SAMPLE_ELEMENTS = 1 << 25
 DEFAULT_PREFIX = "task_vector/"
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
@@ -318,6 +322,11 @@ class TaskVectorTracker:
         alpha: RAM+ clip bound of rho_t.
         prefix: Prefix of every metric name.
         magnitudes: Also accumulate the magnitude statistics (the costliest part of a measurement).
+        magnitude_sample: Take the magnitude statistics from a systematic sample of about this many elements when
+            the model has more: the model's tensors laid end to end (in parameter order) are cut into windows of
+            ``chunk_elements`` and every ``k``-th window is sampled, ``k = numel // magnitude_sample``. The same
+            elements in every measurement and in every process layout (single process, DDP, ZeRO, FSDP2); the
+            densities always count every element. ``None``: every element.
         chunk_elements: Elements compared at once.
         threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
             thread torch would use (``torch.get_num_threads()`` at measurement time); 1 measures on the calling
@@ -342,6 +351,7 @@ class TaskVectorTracker:
         alpha: float = 2.0,
         prefix: str = DEFAULT_PREFIX,
         magnitudes: bool = True,
+        magnitude_sample: int | None = MAGNITUDE_SAMPLE_ELEMENTS,
         chunk_elements: int = CHUNK_ELEMENTS,
         threads: int | None = None,
     ) -> None:
@@ -353,6 +363,11 @@ class TaskVectorTracker:
             raise ConfigError(f"threads={threads} must be a positive integer (or None)")
         if chunk_elements < 8 or chunk_elements % 8:
             raise ConfigError(f"chunk_elements={chunk_elements} must be a positive multiple of 8")
+        if magnitude_sample is not None and magnitude_sample < chunk_elements:
+            raise ConfigError(
+                f"magnitude_sample={magnitude_sample} must be at least chunk_elements={chunk_elements} "
+                "(or None: every element)"
+            )
         if base_model is not None and not os.path.exists(base_model):
             raise ConfigError(
                 f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)"
@@ -365,6 +380,7 @@ class TaskVectorTracker:
         self.r, self.alpha = float(r), float(alpha)
         self.prefix = prefix
         self.magnitudes = magnitudes
+        self.magnitude_sample = magnitude_sample
         self.chunk_elements = chunk_elements
         self.threads = threads
         self.source: BaseSource | None = None
@@ -543,7 +559,12 @@ class TaskVectorTracker:
         regions = _local_regions(layout, ctx)
         for region in regions:
             totals[index[region.name]][3] += region.shard.numel
-        chunks = [chunk for region in regions for chunk in self._chunks(region, index[region.name])]
+        starts, stride = self._sample_windows(layout)
+        chunks = [
+            chunk
+            for region in regions
+            for chunk in self._chunks(region, index[region.name], starts[region.name], stride)
+        ]
         device = _compute_device(regions)
         workers = max(1, min(workers, len(chunks)))
         self._reserve_workspaces(device, workers)
@@ -571,19 +592,49 @@ class TaskVectorTracker:
             magnitudes.all_reduce(ctx)
             overlap.all_reduce(ctx)
         metrics = self._metrics(names, counts, magnitudes, overlap)
+        if self.magnitudes:
+            metrics["magnitude/sample_fraction"] = 1.0 / stride
         metrics["state_mb"] = self.state_bytes / 2**20
         metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces) / 2**20
         return {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
 
-    def _chunks(self, region: Region, row: int) -> Iterator[_Chunk]:
-        """The chunks of a region that have something to count (``row``: its base tensor's index in the counts)."""
+    def _sample_windows(self, layout: ModelLayout) -> tuple[dict[str, int], int]:
+        """Where each base tensor starts when the model's tensors are laid end to end (the same in every process),
+        and the stride ``k`` of the sampled windows (1: every element)."""
+        starts: dict[str, int] = {}
+        total = measured = 0
+        for region in layout.regions:
+            if region.name not in starts:
+                starts[region.name] = total
+                total += region.shard.full_numel
+                measured += region.shard.full_numel if region.kind != "frozen" else 0
+        if not self.magnitudes or self.magnitude_sample is None:
+            return starts, 1
+        return starts, max(1, measured // self.magnitude_sample)
+
+    def _chunks(self, region: Region, row: int, tensor_start: int, stride: int) -> Iterator[_Chunk]:
+        """The chunks of a region that have something to count (``row``: its base tensor's index in the counts).
+
+        With a sample (``stride > 1``), chunks end at window boundaries, and a chunk is sampled when its window
+        index is a multiple of ``stride`` (windows of ``chunk_elements`` from ``tensor_start + offset``).
+        """
         numel, size = region.shard.numel, self.chunk_elements
+        first = (
+            tensor_start + region.shard.offset
+        )  # position of the region's first element in the whole model
+
+        def sampled(start: int) -> bool:
+            return stride == 1 or (first + start) // size % stride == 0
+
         if region.kind == "lora":
             for start, count, row_start, row_stop in _lora_chunks(region, size):
-                yield _Chunk(region, row, start, count, (row_start, row_stop))
+                yield _Chunk(region, row, start, count, (row_start, row_stop), sampled(start))
         elif region.kind == "dense" or self.priors is not None:  # frozen: tau = 0, only the overlap to count
-            for start in range(0, numel, size):
-                yield _Chunk(region, row, start, min(size, numel - start))
+            start = 0
+            while start < numel:
+                stop = min(numel, start + size if stride == 1 else start + size - (first + start) % size)
+                yield _Chunk(region, row, start, stop - start, sampled=sampled(start))
+                start = stop
 
     def _measure_chunk(self, chunk: _Chunk) -> _ChunkCounts:
         """Count one chunk (on any thread: the buffers are a workspace no other thread holds meanwhile)."""
@@ -597,9 +648,10 @@ class TaskVectorTracker:
             count = chunk.count
             part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
             flags = None  # the activity flags of tau, when needed
-            if self.magnitudes:
+            magnitudes = self.magnitudes and chunk.sampled
+            if magnitudes:
                 part.square_sum, part.active = self._chunk_magnitudes(tau, ws)
-            if not self.magnitudes or (saved is None and self.priors is not None):
+            if not magnitudes or (saved is None and self.priors is not None):
                 flags = torch.gt(
                     torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
                 )
@@ -800,6 +852,7 @@ class _Chunk:
         start: First element, relative to the region's local range.
         count: Elements.
         rows: ``lora`` regions: the rows ``(start, stop)`` of the delta that hold the chunk.
+        sampled: Whether the magnitude statistics include the chunk.
     """
 
     region: Region
@@ -807,6 +860,7 @@ class _Chunk:
     start: int
     count: int
     rows: tuple[int, int] | None = None
+    sampled: bool = True
 
 
 @dataclass

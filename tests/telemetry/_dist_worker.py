@@ -31,6 +31,8 @@ from tests.telemetry._counting import Counts  # noqa: E402
 STEPS = 3
 #: Token ids the training data uses: embedding rows from here on get no gradient and stay equal to the base.
 USED_TOKENS = 40
+#: A tracker whose magnitude statistics come from a systematic sample of windows (stride 20 on this model).
+SAMPLED = {"save_dtype": "bfloat16", "chunk_elements": 16, "magnitude_sample": 64}
 
 
 class OddNet(torch.nn.Module):
@@ -205,6 +207,8 @@ def main() -> None:
 
     source = MappedCheckpointBase(base_dir)
     trackers = {"disk": TaskVectorTracker(base_model=base_dir, save_dtype="bfloat16")}
+    # magnitudes of a sample of windows of 16 elements (the model laid end to end), as in the test's single process
+    trackers["sampled"] = TaskVectorTracker(base_model=base_dir, **SAMPLED)
     if reference is not None:
         trackers["reference"] = TaskVectorTracker(reference_model=reference, save_dtype="bfloat16")
     calls = {"all_reduce": 0, "all_reduce_bytes": 0}

@@ -21,7 +21,7 @@ from ram_trl.stage import fingerprint_checkpoint
 from ram_trl.telemetry.tracker import TaskVectorTracker
 from tests._launch import free_port, run_job
 from tests.telemetry._counting import Counts
-from tests.telemetry._dist_worker import USED_TOKENS, OddNet
+from tests.telemetry._dist_worker import SAMPLED, USED_TOKENS, OddNet
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD = 2
@@ -74,7 +74,10 @@ def job(request, base_dir, tmp_path_factory) -> dict:
     single = Counts().add_all((name, trained[name], base[name]) for name in base)
     model = OddNet()
     model.load_state_dict(trained)
-    single_metrics = TaskVectorTracker(base_model=base_dir, save_dtype="bfloat16").measure(model, step=3)
+    single_metrics = {
+        "disk": TaskVectorTracker(base_model=base_dir, save_dtype="bfloat16").measure(model, step=3),
+        "sampled": TaskVectorTracker(base_model=base_dir, **SAMPLED).measure(model, step=3),
+    }
     return {
         "mode": request.param,
         "ranks": ranks,
@@ -142,12 +145,17 @@ def test_partial_counts_sum_to_the_single_process_counts_per_parameter(job) -> N
 
 
 def test_tracker_on_every_rank_equals_the_tracker_in_one_process(job) -> None:
-    single = job["single_metrics"]
+    single = job["single_metrics"]["disk"]
     assert 0 < single["task_vector/density"] < 1
     assert single["task_vector/numel"] == sum(FULL_NUMEL.values())
     assert single["task_vector/active"] == sum(job["single"]["per_parameter"].values())
+    sampled = job["single_metrics"]["sampled"]
+    assert sampled["task_vector/magnitude/sample_fraction"] == 1 / 20
+    assert sampled["task_vector/magnitude/mean_abs"] != single["task_vector/magnitude/mean_abs"]
     for rank in job["ranks"]:
         for key, metrics in rank["metrics"].items():
+            # the disk base and the reference model give the same numbers; the sample covers the same elements
+            single = job["single_metrics"]["sampled" if key == "sampled" else "disk"]
             assert set(metrics) == set(single), key
             for name, value in single.items():
                 if name.endswith(

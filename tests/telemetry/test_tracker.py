@@ -272,6 +272,44 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_d
         assert expected["magnitude/mean_abs"] == math.inf and whole[f"{P}magnitude/mean_abs"] == math.inf
 
 
+def test_magnitudes_of_a_systematic_sample_of_windows(tmp_path):
+    base = random_model()
+    save_file(
+        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
+    )
+    model = random_training(random_model(), "dense")
+    numel = sum(p.numel() for p in model.parameters())  # 4768: with windows of 64, every 4th is sampled
+    exact = TaskVectorTracker(base_model=tmp_path, chunk_elements=64).measure(model)
+    outs = [
+        TaskVectorTracker(base_model=tmp_path, chunk_elements=64, magnitude_sample=1000, threads=t).measure(
+            model
+        )
+        for t in (1, 3)
+    ]
+    assert exact[f"{P}magnitude/sample_fraction"] == 1.0
+    assert outs[0][f"{P}magnitude/sample_fraction"] == 1 / (numel // 1000) == 0.25
+    # the reference: the model's task vector laid end to end in parameter order, windows 0, 4, 8, ... of 64
+    tau = torch.cat(
+        [
+            (p.detach() - q.detach()).reshape(-1)
+            for p, q in zip(model.parameters(), base.parameters(), strict=True)
+        ]
+    )
+    window = torch.arange(tau.numel()) // 64
+    sample = tau[window % 4 == 0]
+    reference = MagnitudeStatistics.zeros(1)
+    reference.update(sample.unsqueeze(0), active_mask(sample, 1e-5).unsqueeze(0))
+    summary = reference.summary(0)
+    for out in outs:
+        for key in ("mean_abs", "std", "excess_kurtosis", "gini", "top_1pct_mass", "top_5pct_mass"):
+            assert out[f"{P}magnitude/{key}"] == pytest.approx(summary[key], rel=1e-9)
+        # the densities count every element, as without a sample
+        for key, value in exact.items():
+            if "magnitude/" not in key and not key.endswith(("_seconds", "_mb")):
+                assert out[key] == value, key
+    assert outs[0][f"{P}magnitude/gini"] != exact[f"{P}magnitude/gini"]  # the sample is not the whole
+
+
 def test_eps_is_strict(tmp_path):
     tracker = TaskVectorTracker(
         base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32"
@@ -514,6 +552,7 @@ def test_layout_regions_of_a_peft_model():
         ({"base_model": "/no/such/base"}, "does not exist"),
         ({"r": -0.1}, "r="),
         ({"threads": 0}, "threads"),
+        ({"magnitude_sample": 100, "chunk_elements": 128}, "magnitude_sample"),
     ],
 )
 def test_bad_tracker_arguments(kwargs, match):
