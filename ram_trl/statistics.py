@@ -460,6 +460,12 @@ def _nonfinite_bins(mantissa_bits: int, device: torch.device) -> torch.Tensor:
     return torch.cat([nonfinite, nonfinite + bins]).to(device)
 
 
+def _fold_signs(signed: torch.Tensor) -> torch.Tensor:
+    """Per-``|tau|`` bin values from per-signed-bin ones (positive bins first): the two halves added."""
+    half = signed.shape[1] // 2
+    return signed[:, :half] + signed[:, half:]
+
+
 @functools.cache
 def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 per magnitude bin: its lower edge, and the float32 unit ``u`` of its magnitudes (``2**(e - 150)``
@@ -531,41 +537,42 @@ class MagnitudeStatistics:
     @property
     def counts(self) -> torch.Tensor:
         """int64 ``(num_agents, bins)``: elements per ``|tau|`` bin (both signs)."""
-        half = self._counts.shape[1] // 2
-        counts = self._signed()[0]
-        return counts[:, :half] + counts[:, half:]
+        self._unpack()
+        return _fold_signs(self._counts)
 
     @property
     def sums(self) -> torch.Tensor:
         """float64 ``(num_agents, bins)``: the sum of ``|tau|`` per bin (both signs), exact up to rounding."""
-        half = self._counts.shape[1] // 2
-        sums = self._signed()[1]
-        return sums[:, :half] + sums[:, half:]
+        return _fold_signs(self._signed_sums())
 
     @property
     def power_sums(self) -> torch.Tensor:
         """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2``, and the estimates of ``sum tau**3`` and
         ``sum tau**4`` (see the class)."""
-        counts, sums = self._signed()
-        half = counts.shape[1] // 2
-        sign = torch.ones(counts.shape[1], dtype=torch.float64)
+        return self._power_sums(self._signed_sums())
+
+    def _signed_sums(self) -> torch.Tensor:
+        """The exact magnitude sums (float64) of the signed bins, positive bins first."""
+        self._unpack()
+        lower, unit = _bin_lower_edges_and_units(self.mantissa_bits)
+        counts = self._counts
+        sums = counts.to(torch.float64) * lower.repeat(2) + self._remainders.to(torch.float64) * unit.repeat(
+            2
+        )
+        return sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
+
+    def _power_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """:attr:`power_sums` from the signed bins' sums (every value at its bin's mean for the powers 3 and 4)."""
+        half = sums.shape[1] // 2
+        sign = torch.ones(sums.shape[1], dtype=torch.float64)
         sign[half:] = -1.0
-        mean = sums / counts.clamp(min=1)  # each bin's mean magnitude (0 in empty bins)
+        mean = sums / self._counts.clamp(min=1)  # each bin's mean magnitude (0 in empty bins)
         out = torch.empty(self.num_agents, 4, dtype=torch.float64)
         out[:, 0] = (sums * sign).sum(dim=1)
         out[:, 1] = self.square_sums
         out[:, 2] = (sums * mean * mean * sign).sum(dim=1)
         out[:, 3] = (sums * mean * mean * mean).sum(dim=1)
         return out
-
-    def _signed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The signed bins' counts (int64) and exact magnitude sums (float64), positive bins first."""
-        self._unpack()
-        lower, unit = _bin_lower_edges_and_units(self.mantissa_bits)
-        lower, unit = lower.repeat(2), unit.repeat(2)
-        counts = self._counts
-        sums = counts.to(torch.float64) * lower + self._remainders.to(torch.float64) * unit
-        return counts, sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
 
     def add_histogram(
         self,
@@ -724,9 +731,10 @@ class MagnitudeStatistics:
             ``count``, ``mean_abs``, ``mean``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``,
             ``top_5pct_mass`` (over the active elements) [, ``gini_masked``, ``excess_kurtosis_masked``].
         """
-        n = self.count(t)
-        counts, magnitude_sums = self.counts[t], self.sums[t]
-        sums = self.power_sums[t].tolist()
+        signed = self._signed_sums()
+        counts, magnitude_sums = self.counts[t], _fold_signs(signed)[t]
+        n = int(counts.sum())
+        sums = self._power_sums(signed)[t].tolist()
         mean = sums[0] / n if n else math.nan
         variance = sums[1] / n - mean * mean if n else math.nan
         out: dict[str, float | int] = {

@@ -80,6 +80,8 @@ from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_con
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
+#: Models with fewer local elements are measured on the calling thread (no worker threads).
+SMALL_MODEL_ELEMENTS = 1 << 20
 #: Default size of the systematic sample the magnitude statistics are taken from (see :class:`TaskVectorTracker`).
 MAGNITUDE_SAMPLE_ELEMENTS = 1 << 25
 DEFAULT_PREFIX = "task_vector/"
@@ -329,10 +331,11 @@ class TaskVectorTracker:
             densities always count every element. ``None``: every element.
         chunk_elements: Elements compared at once.
         threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
-            thread torch would use (``torch.get_num_threads()`` at measurement time); 1 measures on the calling
-            thread. Every worker runs single-threaded torch operations (the process's setting is restored
-            afterwards): on a CPU shared with training (and other jobs), torch's multi-threaded operations made the
-            chunked loop 10-20x slower (BENCHMARKS.md). The results do not depend on the number of workers.
+            thread torch would use (``torch.get_num_threads()`` at measurement time), or none for a model of fewer
+            than ``SMALL_MODEL_ELEMENTS`` local elements; 1 measures on the calling thread. Every worker runs
+            single-threaded torch operations (the process's setting is restored afterwards): on a CPU shared with
+            training (and other jobs), torch's multi-threaded operations made the chunked loop 10-20x slower
+            (BENCHMARKS.md). The results do not depend on the number of workers.
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -566,7 +569,9 @@ class TaskVectorTracker:
             for chunk in self._chunks(region, index[region.name], starts[region.name], stride)
         ]
         device = _compute_device(regions)
-        workers = max(1, min(workers, len(chunks)))
+        # small models, unless threads were asked for: the pool's start-up and hand-offs cost more than the counting
+        small = self.threads is None and sum(chunk.count for chunk in chunks) < SMALL_MODEL_ELEMENTS
+        workers = 1 if small else max(1, min(workers, len(chunks)))
         self._reserve_workspaces(device, workers)
         for ws in self._workspaces:
             ws.histogram = MagnitudeStatistics.zeros(1)
