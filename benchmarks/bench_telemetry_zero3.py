@@ -176,7 +176,7 @@ def main() -> None:
     lines += [
         "",
         f"Same metrics on both ranks as in one process: {'yes' if same else 'NO'}. Each rank reads 1/2 of the "
-        "elements and all-reduces a fixed ~0.5 MB (the magnitude histogram) whatever the model's size; the wall "
+        "elements and all-reduces a fixed ~1 MB (the magnitude histogram) whatever the model's size; the wall "
         "time per rank is not halved here because the two ranks share the 2 cores with each other and with other "
         "jobs.",
     ]

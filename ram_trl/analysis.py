@@ -123,7 +123,7 @@ def analyze(
 
     Give either ``base`` and ``agents`` or a merge ``config`` (its base, agents, and its ``eps``, ``r`` and
     ``alpha`` when it has them). Reads every input once, chunk by chunk: memory is about ``chunk_budget`` plus
-    0.5 MB per agent, whatever the model's size.
+    1.5 MB per agent, whatever the model's size.
 
     Args:
         base: The base checkpoint directory.
