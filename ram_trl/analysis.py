@@ -581,8 +581,11 @@ def build_result(
             "histogram_bins_per_octave": 2**magnitudes.mantissa_bits,
             "gini_max_error": bound / 4,
             "top_mass_max_relative_error": bound,
+            "fourth_power_sum_max_relative_error": magnitudes.fourth_power_relative_error,
             "note": "Gini and top-k mass from a |tau| histogram: gini in [exact - gini_max_error, exact], top-k "
-            "mass within a relative top_mass_max_relative_error of exact; other moments are exact",
+            "mass within a relative top_mass_max_relative_error of exact; the kurtosis takes sum tau**4 (and "
+            "tau**3) at each bin's mean, sum tau**4 at most fourth_power_sum_max_relative_error below exact; "
+            "count, mean |tau|, mean and standard deviation are exact",
         },
         "magnitude_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
         "anatomy": anatomy(dict(ordered), n),
@@ -755,7 +758,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"Gini and top-k mass come from a |tau| histogram with "
         f"{result['magnitude_estimates']['histogram_bins_per_octave']} bins per octave: Gini is at most "
         f"{result['magnitude_estimates']['gini_max_error']:.2g} below the exact value, top-k mass within a relative "
-        f"{result['magnitude_estimates']['top_mass_max_relative_error']:.2g}. The mean and kurtosis are exact.",
+        f"{result['magnitude_estimates']['top_mass_max_relative_error']:.2g}. The kurtosis takes sum tau^4 at each "
+        f"bin's mean (at most a relative "
+        f"{result['magnitude_estimates']['fourth_power_sum_max_relative_error']:.2g} below exact); the mean and "
+        "standard deviation are exact.",
         "",
         "## Anatomy",
         "",

@@ -535,6 +535,12 @@ class MagnitudeStatistics:
         return 2.0**-self.mantissa_bits
 
     @property
+    def fourth_power_relative_error(self) -> float:
+        """The bound on the estimate of ``sum tau**4``: at most this much below the truth, relatively."""
+        d = self.relative_bin_width
+        return 1.5 * d**2 + 4 * d**3 + d**4
+
+    @property
     def counts(self) -> torch.Tensor:
         """int64 ``(num_agents, bins)``: elements per ``|tau|`` bin (both signs)."""
         self._unpack()

@@ -110,6 +110,7 @@ def test_golden_magnitudes(golden):
     assert m2["count"] == 1 and m2["excess_kurtosis"] is None and m2["gini"] == 0.0
     assert m2["top_1pct_mass"] == 1.0
     assert result["magnitude_estimates"]["gini_max_error"] == 2.0**-9
+    assert result["magnitude_estimates"]["fourth_power_sum_max_relative_error"] < 1e-4
 
 
 def test_bf16_view_of_float32_checkpoints(tmp_path):
