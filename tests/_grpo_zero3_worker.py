@@ -98,6 +98,10 @@ def main() -> None:
         else all(hasattr(p, "ds_tensor") for p in trainer.ref_model.parameters()),
     }
     (out / f"grpo_rank{rank}.json").write_text(json.dumps(result))
+    # shut the process group down before exit: threads of a live group can abort the interpreter's exit
+    # ("terminate called without an active exception", seen once in CI after a run had finished)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
