@@ -160,6 +160,12 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         "--recipe", required=True, help="recipe (YAML) whose stages' prompts and rewards to use"
     )
     parser.add_argument("--stage", nargs="+", metavar="STAGE", help="score only these stages (default: all)")
+    parser.add_argument(
+        "--split",
+        choices=("test", "val", "both"),
+        default="both",
+        help="held-out test prompts, validation prompts, or both (default: both, like a row of results.json)",
+    )
     parser.add_argument("--base", help="base model of an adapter (default: the adapter config's)")
     parser.add_argument("--max-new-tokens", type=int, help="override the recipe's evaluation.max_new_tokens")
     parser.add_argument("--json", dest="json_out", help="also write the scores and samples to this JSON file")
@@ -343,37 +349,53 @@ def _run_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ram_trl.recipes.data import draw_rows
+    from ram_trl.recipes.data import draw_splits
     from ram_trl.recipes.evaluate import EvalTask, evaluate_model
     from ram_trl.recipes.schema import load_recipe
+    from ram_trl.recipes.stats import bootstrap_scores, interval_of
 
     recipe, root = load_recipe(args.recipe)
     names = args.stage or recipe.names
+    splits = ("test", "val") if args.split == "both" else (args.split,)
     tasks = []
-    for name in names:
-        stage = recipe.stage(name)
-        _, held = draw_rows(stage, root)
-        if held and stage.rewards:
-            tasks.append(EvalTask(stage.name, held, stage.rewards))
+    for split in splits:
+        for name in names:
+            stage = recipe.stage(name)
+            _, held, val = draw_splits(stage, root)
+            rows = held if split == "test" else val
+            if rows and stage.rewards:
+                tasks.append(EvalTask(stage.name, rows, stage.rewards, split=split))
     if not tasks:
         raise RamTrlError(
-            f"recipe {args.recipe}: no stage among {', '.join(names)} has held-out prompts and rewards"
+            f"recipe {args.recipe}: no stage among {', '.join(names)} has {' or '.join(splits)} prompts and rewards"
         )
     spec = recipe.evaluation
     if args.max_new_tokens is not None:
         spec = spec.model_copy(update={"max_new_tokens": args.max_new_tokens})
     result = evaluate_model(args.model, tasks, spec, base=args.base)
-    table = Table(title=f"{args.model}: held-out scores ({recipe.name})")
-    for column in ("stage", "score", "prompts", "example completion"):
+    table = Table(title=f"{args.model}: held-out scores, 95% bootstrap intervals ({recipe.name})")
+    for column in ("split", "stage", "score", "prompts", "example completion"):
         table.add_column(column, justify="right" if column in ("score", "prompts") else "left")
-    for task in tasks:
-        sample = result["samples"][task.stage][0] if result["samples"].get(task.stage) else None
-        example = f"{sample['prompt']!r} -> {sample['completion']!r}" if sample else ""
-        table.add_row(
-            task.stage, f"{result['scores'][task.stage]:.3f}", str(result["n"][task.stage]), example
-        )
-    scores = list(result["scores"].values())
-    table.add_row("average", f"{sum(scores) / len(scores):.3f}", "", "")
+    for split in splits:
+        scored = result["splits"].get(split)
+        if not scored:
+            continue
+        stages = list(scored["scores"])
+        means = bootstrap_scores(
+            {"model": scored["rewards"]},
+            stages,
+            resamples=spec.bootstrap_resamples,
+            seed=spec.bootstrap_seed + (0 if split == "test" else 1),
+        )["model"]
+        for stage in stages:
+            sample = scored["samples"][stage][0] if scored["samples"].get(stage) else None
+            example = f"{sample['prompt']!r} -> {sample['completion']!r}" if sample else ""
+            low, high = interval_of(means[stage], "bootstrap") or (float("nan"), float("nan"))
+            score = f"{scored['scores'][stage]:.3f} [{low:.3f}, {high:.3f}]"
+            table.add_row(split, stage, score, str(scored["n"][stage]), example)
+        low, high = interval_of(means["average"], "bootstrap") or (float("nan"), float("nan"))
+        average = sum(scored["scores"].values()) / len(stages)
+        table.add_row(split, "average", f"{average:.3f} [{low:.3f}, {high:.3f}]", "", "")
     Console().print(table)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": args.model, **result}, indent=2) + "\n")

@@ -12,7 +12,7 @@ from typing import Any
 from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import StageSpec, import_object
 
-__all__ = ["draw_rows", "draw_warm_rows", "read_jsonl", "write_jsonl"]
+__all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "write_jsonl"]
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
@@ -60,31 +60,51 @@ def _resolve(path: str, root: Path) -> Path:
 
 
 def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training and held-out rows of a stage.
+    """The training and held-out (test) rows of a stage (see :func:`draw_splits`, which also gives the validation
+    rows)."""
+    train, held, _ = draw_splits(stage, root)
+    return train, held
 
-    A generator is called as ``fn(train_size, seed, **kwargs)`` and ``fn(eval_size + train_size, seed + 1,
-    **kwargs)``; held-out rows whose prompt is a training prompt are dropped and the first ``eval_size`` others
-    kept, so held-out prompts are never trained on.
+
+def draw_splits(
+    stage: StageSpec, root: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training, held-out test and validation rows of a stage.
+
+    A generator is called as ``fn(train_size, seed, **kwargs)`` for the training rows and once as ``fn(train_size +
+    eval_size + val_size, seed + 1, **kwargs)`` for the others: rows whose prompt is a training prompt (or repeats
+    an earlier row) are dropped, the first ``eval_size`` others are the test rows and the next ``val_size`` the
+    validation rows. So the three splits are disjoint, and the test rows are those of a recipe without validation
+    (for generators whose first rows do not depend on ``n``, like the demo's).
+
+    With files, ``train_file``, ``eval_file`` and ``val_file`` are read as given; validation rows whose prompt is a
+    training or test prompt are refused.
 
     Raises:
-        ConfigError: naming the stage when the generator fails or returns bad rows.
+        ConfigError: naming the stage when the generator fails, returns bad rows or too few distinct prompts for
+            the validation split, or when a ``val_file`` prompt is also a training or test prompt.
     """
     spec = stage.prompts
     if spec is None:
-        return [], []
+        return [], [], []
     where = f"stage {stage.name!r}"
+    val_size = spec.validation_size
     if spec.generator is None:
         train = read_jsonl(_resolve(spec.train_file, root), f"{where}: train_file") if spec.train_file else []
         held = read_jsonl(_resolve(spec.eval_file, root), f"{where}: eval_file") if spec.eval_file else []
-        return train, held
+        val = read_jsonl(_resolve(spec.val_file, root), f"{where}: val_file") if spec.val_file else []
+        clash = {r["prompt"] for r in val} & ({r["prompt"] for r in train} | {r["prompt"] for r in held})
+        if clash:
+            raise ConfigError(
+                f"{where}: {len(clash)} val_file prompts are also training or eval_file prompts "
+                f"(e.g. {sorted(clash)[0]!r}); validation prompts must be disjoint from both"
+            )
+        return train, held, val
     generate = import_object(spec.generator, f"{where}: prompt generator")
     try:
         train = list(generate(spec.train_size, spec.seed, **spec.kwargs))
-        pool = (
-            list(generate(spec.eval_size + spec.train_size, spec.seed + 1, **spec.kwargs))
-            if spec.eval_size
-            else []
-        )
+        wanted = spec.eval_size + val_size
+        pool = list(generate(wanted + spec.train_size, spec.seed + 1, **spec.kwargs)) if wanted else []
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported with the stage's name
         raise ConfigError(f"{where}: prompt generator {spec.generator!r} failed: {exc!r}") from exc
     for row in (*train, *pool):
@@ -93,13 +113,24 @@ def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[
                 f"{where}: prompt generator {spec.generator!r} must return dicts with a 'prompt' string"
             )
     seen = {row["prompt"] for row in train}
-    held = [row for row in pool if row["prompt"] not in seen][: spec.eval_size]
-    return train, held
+    others = []
+    for row in pool:
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            others.append(row)
+    held, val = others[: spec.eval_size], others[spec.eval_size : spec.eval_size + val_size]
+    if len(val) < val_size:
+        raise ConfigError(
+            f"{where}: only {len(val)} of prompts.val_size={val_size} validation prompts are distinct from the "
+            f"{len(train)} training and {len(held)} test prompts; lower val_size or train_size"
+        )
+    return train, held, val
 
 
 def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The stage's warm-start rows: ``prompts.warm_size`` rows from its generator (seed ``seed + 2``), none of
-    them a held-out prompt (``[]`` without a generator or with ``warm_size: 0``).
+    them a prompt of ``held`` (pass the test and validation rows; ``[]`` without a generator or with
+    ``warm_size: 0``).
 
     Raises:
         ConfigError: naming the stage when the generator fails.

@@ -1,7 +1,9 @@
 """Scoring a model on the stages' held-out prompts with each stage's own reward functions.
 
 Greedy decoding by default, the seed set before each stage's generation, prompts batched with left padding. A
-completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts.
+completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
+stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
+on), scored the same way, each split's prompts generated on their own.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ __all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_comple
 
 @dataclass
 class EvalTask:
-    """One stage's held-out prompts and reward functions (``paths`` are the functions' import paths)."""
+    """One stage's held-out prompts of one split (``"test"`` or ``"val"``) and reward functions (``paths`` are the
+    functions' import paths)."""
 
     stage: str
     rows: list[dict[str, Any]]
     paths: list[str]
+    split: str = "test"
 
     def functions(self) -> list[Any]:
         return [import_object(p, f"stage {self.stage!r}: reward function") for p in self.paths]
@@ -111,22 +115,26 @@ def evaluate_model(
     """Score one model on every task.
 
     Returns:
-        ``{"scores": {stage: mean}, "n": {stage: prompts}, "samples": {stage: [{prompt, completion, reward}]},
-        "seconds": float}``.
+        ``{"splits": {split: {"scores": {stage: mean}, "n": {stage: prompts}, "rewards": {stage: [per prompt]},
+        "samples": {stage: [{prompt, completion, reward}]}}}, "seconds": float}``, and the test split's
+        ``scores``, ``n``, ``rewards`` and ``samples`` also at the top level.
     """
     start = time.perf_counter()
     model, tokenizer = load_model(path, spec.dtype, base)
-    result: dict[str, Any] = {"scores": {}, "n": {}, "samples": {}}
+    splits: dict[str, dict[str, Any]] = {}
     for task in tqdm(tasks, desc=f"eval {Path(path).name}", disable=not progress, leave=False):
         if not task.rows:
             continue
         completions = generate(model, tokenizer, [r["prompt"] for r in task.rows], spec)
         totals = score_completions(task.functions(), task.rows, completions)
-        result["scores"][task.stage] = sum(totals) / len(totals)
-        result["n"][task.stage] = len(totals)
-        result["samples"][task.stage] = [
+        split = splits.setdefault(task.split, {"scores": {}, "n": {}, "rewards": {}, "samples": {}})
+        split["scores"][task.stage] = sum(totals) / len(totals)
+        split["n"][task.stage] = len(totals)
+        split["rewards"][task.stage] = totals
+        split["samples"][task.stage] = [
             {"prompt": r["prompt"], "completion": c, "reward": v}
             for r, c, v in list(zip(task.rows, completions, totals, strict=True))[:samples]
         ]
-    result["seconds"] = round(time.perf_counter() - start, 2)
+    test = splits.get("test", {"scores": {}, "n": {}, "rewards": {}, "samples": {}})
+    result: dict[str, Any] = {**test, "splits": splits, "seconds": round(time.perf_counter() - start, 2)}
     return result

@@ -5,13 +5,14 @@ Run directory layout (``--out``, else the recipe's ``output_dir``, else ``runs/N
     recipe.yaml              the validated recipe the stage processes read
     base_init/               the built base (recipes with base.build)
     base/                    the warm-started base (recipes with warm_start): base of every stage and merge
-    data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out prompts
+    data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out test prompts, val.jsonl its
+                             validation prompts (what sweeps and the merge to ship are chosen on)
     stages/STAGE/            the agent (saved in the stage's save_dtype) and ram_stage.json
     logs/STAGE.log           the stage process's output
     analysis/                ram-trl analyze over the agents (analysis.json, analysis.md, figures)
     merges/ROW/              one merged model per merge row
-    eval/MODEL.json          each model's held-out scores and sample completions
-    results.json, results.md, scores.png
+    eval/MODEL.json          each model's test and validation scores, per-prompt rewards, sample completions
+    results.json, results.md, scores.png, retention.png
 
 A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint; ``--resume`` skips
 complete stages (the base, warm start and prompt files are reused whenever complete). A failed stage stops the
@@ -35,7 +36,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.recipes.data import draw_rows, draw_warm_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, expand_merges, load_recipe, validate_recipe
 
 __all__ = ["RunOptions", "StageError", "run_recipe", "stage_complete"]
@@ -124,7 +125,7 @@ class Run:
             for key in ("checkpoint", "accelerate_config"):
                 if key in stage:
                     stage[key] = str(_resolve(stage[key], self.root))
-            for key in ("train_file", "eval_file"):
+            for key in ("train_file", "eval_file", "val_file"):
                 if key in stage.get("prompts", {}):
                     stage["prompts"][key] = str(_resolve(stage["prompts"][key], self.root))
         return data
@@ -136,11 +137,13 @@ class Run:
         (self.dir / "recipe.yaml").write_text(text, encoding="utf-8")
         start = time.perf_counter()
         for stage in self.recipe.stages:
-            train, held = draw_rows(stage, self.root)
+            train, held, val = draw_splits(stage, self.root)
             write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
             write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
+            write_jsonl(val, self.dir / "data" / stage.name / "val.jsonl")
             if self.recipe.warm_start is not None:
-                write_jsonl(draw_warm_rows(stage, held), self.dir / "data" / stage.name / "warm.jsonl")
+                rows = draw_warm_rows(stage, held + val)
+                write_jsonl(rows, self.dir / "data" / stage.name / "warm.jsonl")
         self._timed("data", start)
         if self.recipe.base.build is not None:
             self.build_base()
@@ -420,18 +423,27 @@ class Run:
         )
         return done
 
+    def eval_tasks(self) -> list[Any]:
+        """Every stage's test and validation prompts with its rewards (stages without rows are left out)."""
+        from ram_trl.recipes.evaluate import EvalTask
+
+        tasks = []
+        for split, file in (("test", "eval.jsonl"), ("val", "val.jsonl")):
+            for stage in self.recipe.stages:
+                path = self.dir / "data" / stage.name / file
+                rows = read_jsonl(path) if path.is_file() else []
+                if rows and stage.rewards:
+                    tasks.append(EvalTask(stage.name, rows, stage.rewards, split=split))
+        return tasks
+
     def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
         import json
 
-        from ram_trl.recipes.evaluate import EvalTask, evaluate_model
+        from ram_trl.recipes.evaluate import evaluate_model
 
         if not self.recipe.evaluation.enabled:
             return []
-        tasks = []
-        for stage in self.recipe.stages:
-            rows = read_jsonl(self.dir / "data" / stage.name / "eval.jsonl")
-            if rows and stage.rewards:
-                tasks.append(EvalTask(stage.name, rows, stage.rewards))
+        tasks = self.eval_tasks()
         models: list[tuple[str, str, Path, str | None, dict[str, Any]]] = [
             ("base", "base", self.base, None, {})
         ]
@@ -447,6 +459,7 @@ class Run:
         ):
             scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
             (self.dir / "eval" / f"{safe_name(name)}.json").write_text(json.dumps(scored, indent=2) + "\n")
+            val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})
             results.append(
                 {
                     "name": name,
@@ -456,6 +469,8 @@ class Run:
                     "path": str(path),
                     "scores": scored["scores"],
                     "n": scored["n"],
+                    "rewards": scored["rewards"],
+                    "val": {"scores": val["scores"], "n": val["n"], "rewards": val["rewards"]},
                 }
             )
         self._timed("evaluation", start)
@@ -476,8 +491,17 @@ class Run:
             "stages": [
                 s.name for s in self.recipe.stages if read_jsonl(self.dir / "data" / s.name / "eval.jsonl")
             ],
+            "specialists": {s.name: s.name for s in self.recipe.stages},
             "decoding": f"{decoding}, max_new_tokens={evaluation.max_new_tokens}, seed {evaluation.seed}",
             "eps": self.recipe.analysis.eps,
+            "statistics": {
+                "intervals": "bootstrap",
+                "level": 0.95,
+                "resamples": evaluation.bootstrap_resamples,
+                "seed": evaluation.bootstrap_seed,
+                "retention_min_gain": evaluation.retention_min_gain,
+            },
+            "sweeps": self.sweeps(),
             "rows": rows,
             "regime": regime_from_analysis(analysis) if analysis else {},
             "timings": self.timings,
@@ -488,6 +512,16 @@ class Run:
         print_table(results)
         self.console.print(f"results: {self.dir / 'results.md'}")
         return results
+
+    def sweeps(self) -> list[dict[str, Any]]:
+        """The merge entries that sweep a parameter: their label, swept parameters and row names."""
+        out = []
+        for spec in self.recipe.merges:
+            swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]
+            names = [r.name for r in expand_merges(self.recipe.model_copy(update={"merges": [spec]}))]
+            if swept and len(names) > 1:
+                out.append({"label": spec.name or spec.method, "parameters": swept, "rows": names})
+        return out
 
 
 def _has_cuda() -> bool:

@@ -152,33 +152,49 @@ class PromptSpec(_Strict):
         generator: Import path of ``fn(n, seed, **kwargs) -> list[dict]``.
         kwargs: Extra keyword arguments of the generator.
         train_size: Training prompts drawn from the generator.
-        eval_size: Held-out prompts drawn from the generator (never one of the training prompts).
-        seed: Seed of the training draw (the held-out draw uses ``seed + 1``, the warm-start draw ``seed + 2``).
+        eval_size: Held-out test prompts drawn from the generator (never one of the training prompts). Scores are
+            reported on them; nothing is chosen on them.
+        val_size: Validation prompts drawn from the generator, disjoint from the training and test prompts (and
+            from the warm start): sweeps and the merge to ship are chosen on them. ``null`` (the default) draws as
+            many as ``eval_size``; ``0`` draws none (the run then chooses nothing and says so).
+        seed: Seed of the training draw (the test and validation draw uses ``seed + 1``, the warm-start draw
+            ``seed + 2``).
         warm_size: Rows drawn from the generator for the recipe's supervised warm start (never a held-out prompt).
             ``0`` warm-starts on the training rows instead, which a small model can memorise: its held-out scores
             then say little.
         train_file: JSON Lines file of training rows (instead of a generator).
-        eval_file: JSON Lines file of held-out rows.
+        eval_file: JSON Lines file of held-out test rows.
+        val_file: JSON Lines file of validation rows (none of them a training or test prompt).
     """
 
     generator: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
     train_size: int = Field(256, ge=1)
     eval_size: int = Field(64, ge=0)
+    val_size: int | None = Field(None, ge=0)
     seed: int = 0
     warm_size: int = Field(0, ge=0)
     train_file: str | None = None
     eval_file: str | None = None
+    val_file: str | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> PromptSpec:
-        if self.generator is not None and (self.train_file or self.eval_file):
-            raise ValueError("give either 'generator:' or 'train_file:'/'eval_file:', not both")
-        if self.generator is None and self.train_file is None and self.eval_file is None:
+        files = self.train_file or self.eval_file or self.val_file
+        if self.generator is not None and files:
+            raise ValueError("give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:', not both")
+        if self.generator is None and not files:
             raise ValueError(
                 "give 'generator: package.module:function' or 'train_file:'/'eval_file:' (JSON Lines)"
             )
+        if self.generator is None and self.val_size:
+            raise ValueError("val_size applies to a generator; with files, give 'val_file:' (JSON Lines)")
         return self
+
+    @property
+    def validation_size(self) -> int:
+        """Validation prompts drawn from the generator: ``val_size``, or ``eval_size`` when it is not given."""
+        return self.eval_size if self.val_size is None else self.val_size
 
 
 class StageSpec(_Strict):
@@ -282,6 +298,10 @@ class EvaluationSpec(_Strict):
         seed: Seed set before each model's generation.
         batch_size: Prompts per ``generate`` call.
         dtype: Dtype the models are loaded in for evaluation.
+        bootstrap_resamples: Resamples of the percentile bootstrap over prompts behind every 95% interval.
+        bootstrap_seed: Seed of the bootstrap (intervals are deterministic).
+        retention_min_gain: Retention on a vertical is reported only when the specialist beats the base there by
+            at least this much (absolute; rewards in [0, 1]); otherwise it is undefined.
     """
 
     enabled: bool = True
@@ -291,6 +311,9 @@ class EvaluationSpec(_Strict):
     seed: int = 0
     batch_size: int = Field(64, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    bootstrap_resamples: int = Field(2000, ge=100)
+    bootstrap_seed: int = 0
+    retention_min_gain: float = Field(0.02, ge=0)
 
 
 class AnalysisSpec(_Strict):
@@ -583,7 +606,7 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
                         )
                 except ConfigError as exc:
                     problems.append(str(exc))
-            for key in ("train_file", "eval_file"):
+            for key in ("train_file", "eval_file", "val_file"):
                 value = getattr(stage.prompts, key)
                 if value is not None and check_paths:
                     _check_path(value, root, f"{where}: prompts.{key}", problems)
@@ -637,6 +660,16 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
         for stage in recipe.stages:
             if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
                 notes.append(f"stage {stage.name!r} has no held-out prompts: it gets no evaluation column")
+            elif (
+                stage.prompts.val_file if stage.prompts.generator is None else stage.prompts.validation_size
+            ) in (
+                None,
+                0,
+            ):
+                notes.append(
+                    f"stage {stage.name!r} has no validation prompts (val_size: 0 / no val_file): nothing is "
+                    "chosen on its column"
+                )
     if not check_paths:
         notes.append("model checkpoints and prompt files were not checked (--skip-paths)")
     if problems:

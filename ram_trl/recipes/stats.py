@@ -1,0 +1,234 @@
+"""The statistics of a recipe's results: 95% intervals, retention and the selection of the merge to ship.
+
+Pure functions of per-prompt rewards and scores (no files, no models), used by :mod:`ram_trl.recipes.results` and
+meant to be reused wherever a merged model is scored during training.
+
+- **Intervals over prompts** (one run): a seeded, paired percentile bootstrap. Each stage's prompts are resampled
+  with replacement (``resamples`` times, 2000 by default) with indices drawn from ``numpy.random.default_rng([seed,
+  crc32(stage name)])``, independently per stage (and the same whichever other stages are scored); the same indices serve every model, so differences and
+  retention are paired. The average over stages is the mean of the per-stage resampled means, so each vertical is
+  resampled on its own prompts. The interval is the 2.5th and 97.5th percentile (``numpy.quantile``, linear).
+- **Intervals over seeds** (``ram-trl run --seeds N``): a Student t interval of the per-seed values,
+  ``mean +/- t(0.975, N-1) * sd / sqrt(N)`` with the sample standard deviation.
+- **Retention** of a merge on a vertical: ``(merge - base) / (specialist - base)``, defined only when the specialist
+  gained at least ``min_gain`` (and strictly more than zero) over the base on that vertical; otherwise ``None``
+  (undefined, never ``inf`` or ``NaN``). The mean retention is the mean over the verticals where it is defined.
+- **Selection**: the candidate with the highest value (validation average), ties to the first in order; a candidate
+  without a value is never picked.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "LEVEL",
+    "MIN_GAIN",
+    "RESAMPLES",
+    "bootstrap_means",
+    "bootstrap_scores",
+    "interval_of",
+    "mean_retention",
+    "percentile_interval",
+    "resample_indices",
+    "retention",
+    "retention_samples",
+    "select_best",
+    "t_interval",
+    "t_quantile",
+]
+
+#: Coverage of every interval.
+LEVEL = 0.95
+#: Bootstrap resamples by default.
+RESAMPLES = 2000
+#: Smallest specialist gain over the base (absolute, rewards in [0, 1]) for which retention is defined by default.
+MIN_GAIN = 0.02
+
+# t(0.975, df) for df = 1..30 (scipy.stats.t.ppf, 6 decimals).
+_T975 = (
+    12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004, 2.262157, 2.228139,
+    2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905, 2.109816, 2.100922, 2.093024, 2.085963,
+    2.079614, 2.073873, 2.068658, 2.063899, 2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272,
+)  # fmt: skip
+_Z975 = 1.959963984540054
+
+
+def t_quantile(df: int) -> float:
+    """The 97.5th percentile of Student's t with ``df`` degrees of freedom (exact to 6 decimals up to 30, then a
+    Cornish-Fisher expansion, within 1e-5).
+
+    Raises:
+        ValueError: when ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"t_quantile: degrees of freedom {df} < 1")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """Mean and 95% Student t interval of ``values`` (e.g. one score per seed).
+
+    Returns:
+        ``(mean, low, high)``; the bounds are ``None`` with fewer than two values.
+    """
+    n = len(values)
+    if n == 0:
+        raise ValueError("t_interval: no values")
+    mean = math.fsum(values) / n
+    if n < 2:
+        return mean, None, None
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile(n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0, stream: int = 0) -> np.ndarray:
+    """Bootstrap indices: ``resamples`` rows of ``n`` indices drawn with replacement from ``range(n)``, from
+    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages)."""
+    rng = np.random.default_rng([seed, stream])
+    return rng.integers(0, n, size=(resamples, n))
+
+
+def bootstrap_means(values: Sequence[float], indices: np.ndarray) -> np.ndarray:
+    """The mean of ``values`` under each row of ``indices`` (one bootstrap mean per resample)."""
+    return np.asarray(values, dtype=np.float64)[indices].mean(axis=1)
+
+
+def percentile_interval(samples: Sequence[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float]:
+    """The percentile interval of bootstrap ``samples``: their ``(1 - level) / 2`` and ``(1 + level) / 2``
+    quantiles (``numpy.quantile``, linear interpolation)."""
+    array = np.asarray(samples, dtype=np.float64)
+    low, high = np.quantile(array, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def bootstrap_scores(
+    rewards: Mapping[str, Mapping[str, Sequence[float]]],
+    stages: Sequence[str],
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Paired bootstrap means of every model on every stage, and of its average over stages.
+
+    Args:
+        rewards: Per model, per stage, the per-prompt rewards (every model scored on the same prompts of a stage).
+        stages: The stages (each resamples with the stream ``zlib.crc32`` of its name).
+        resamples: Bootstrap resamples.
+        seed: Bootstrap seed.
+
+    Returns:
+        Per model, per stage it has rewards for and ``"average"`` (over those stages), the ``resamples`` means.
+
+    Raises:
+        ValueError: when two models have a different number of prompts on a stage.
+    """
+    indices: dict[str, np.ndarray] = {}
+    for stage in stages:
+        sizes = {len(r[stage]) for r in rewards.values() if r.get(stage)}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"stage {stage!r}: models were scored on different numbers of prompts {sorted(sizes)}"
+            )
+        if sizes:
+            indices[stage] = resample_indices(sizes.pop(), resamples, seed, stream=zlib.crc32(stage.encode()))
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for model, per_stage in rewards.items():
+        means = {s: bootstrap_means(per_stage[s], indices[s]) for s in stages if per_stage.get(s)}
+        if means:
+            means["average"] = np.mean(np.stack(list(means.values())), axis=0)
+        out[model] = means
+    return out
+
+
+def retention(merge: float, base: float, specialist: float, min_gain: float = MIN_GAIN) -> float | None:
+    """Retention ``(merge - base) / (specialist - base)`` on one vertical.
+
+    ``1`` keeps all of the specialist's gain, ``0`` none of it (the base's score), negative values are below the base
+    and values above 1 beat the specialist.
+
+    Returns:
+        ``None`` (undefined) when the specialist's gain ``specialist - base`` is not positive or is below
+        ``min_gain``: a ratio to a gain that did not happen (or is within noise) means nothing.
+    """
+    gain = specialist - base
+    if not gain > 0 or gain < min_gain - 1e-12:  # a gain of exactly min_gain counts (up to rounding)
+        return None
+    return (merge - base) / gain
+
+
+def mean_retention(values: Mapping[str, float | None] | Sequence[float | None]) -> float | None:
+    """Mean of the defined (not ``None``) retentions; ``None`` when none is defined."""
+    items = list(values.values()) if isinstance(values, Mapping) else list(values)
+    defined = [v for v in items if v is not None]
+    return math.fsum(defined) / len(defined) if defined else None
+
+
+def retention_samples(
+    merge: Mapping[str, np.ndarray],
+    base: Mapping[str, np.ndarray],
+    specialists: Mapping[str, Mapping[str, np.ndarray]],
+    verticals: Sequence[str],
+) -> np.ndarray:
+    """Per sample (bootstrap resample or seed), the mean retention over ``verticals``; ``NaN`` in a sample where
+    some vertical's specialist gain ``specialist - base`` is not positive.
+
+    Args:
+        merge: The merge's samples per vertical.
+        base: The base's samples per vertical.
+        specialists: Per vertical, the samples of the agent trained on it (per vertical).
+        verticals: The verticals averaged (those where the point retention is defined).
+    """
+    ratios = []
+    for v in verticals:
+        gain = np.asarray(specialists[v][v]) - np.asarray(base[v])
+        safe = np.where(gain > 0, gain, 1.0)
+        ratios.append(np.where(gain > 0, (np.asarray(merge[v]) - np.asarray(base[v])) / safe, np.nan))
+    return np.mean(np.stack(ratios), axis=0)
+
+
+def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[float, float] | None:
+    """The interval of ``samples``: their percentile interval for ``kind="bootstrap"``, the Student t interval of
+    their mean for ``kind="seeds"``.
+
+    ``NaN`` samples are undefined values (e.g. retention where a specialist did not gain): with the bootstrap, more
+    than ``(1 - level) / 2`` of them gives ``None`` (not resolved) and fewer are left out; over seeds any gives
+    ``None``. ``None`` also for fewer than two seeds.
+    """
+    array = np.asarray(samples, dtype=np.float64)
+    missing = np.isnan(array)
+    if kind == "bootstrap":
+        if not len(array) or missing.mean() > (1 - level) / 2:
+            return None
+        return percentile_interval(array[~missing], level)
+    if kind != "seeds":
+        raise ValueError(f"interval kind {kind!r}: use 'bootstrap' or 'seeds'")
+    if missing.any() or len(array) < 2:
+        return None
+    _, low, high = t_interval([float(v) for v in array])
+    return low, high  # type: ignore[return-value]
+
+
+def select_best(candidates: Mapping[str, float | None]) -> str | None:
+    """The key with the highest value (first in order among equal values); ``None``-valued keys are never picked
+    (``None`` when no key has a value)."""
+    best: str | None = None
+    for key, value in candidates.items():
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if best is None or value > candidates[best]:
+            best = key
+    return best
