@@ -322,7 +322,12 @@ def verdict(results: dict[str, Any]) -> str:
     if retention.get("mean") is not None:
         text += (
             f" It keeps {_pct_ci(retention['mean'], retention.get('interval'))} of the specialists' gains over "
-            f"the base on test (mean retention over {', '.join(retention['verticals'])})."
+            f"the base on test (mean retention over {', '.join(retention['verticals'])}"
+            + (
+                ")."
+                if retention.get("interval")
+                else "; no interval: the specialists' gains are not resolved in enough resamples)."
+            )
         )
     else:
         gain = (results.get("statistics") or {}).get("retention_min_gain", stats.MIN_GAIN)
@@ -331,7 +336,7 @@ def verdict(results: dict[str, Any]) -> str:
     others = {r["name"]: row_average(_val(r), stages) for r in merges if r["name"] != ship}
     runner_up = stats.select_best(others)
     if runner_up is not None:
-        text += " " + _compare(results, ship, runner_up, f"the runner-up on validation, {runner_up}")
+        text += " " + _compare(results, ship, runner_up, f"the runner-up on validation ({runner_up})")
     base = next((r for r in results["rows"] if r["kind"] == "base"), None)
     if base is not None:
         text += " " + _compare(results, ship, base["name"], "the base")
