@@ -125,8 +125,9 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run a recipe: build or load the base (optional warm start), train each stage in its own process "
             "(accelerate launch when the stage names an accelerate config) with the sparsity callback, analyse the "
-            "agents, run every merge (list-valued parameters sweep), score every model on every stage's held-out "
-            "prompts, and write results.md, results.json and charts into the run directory."
+            "agents, run every merge (list-valued parameters sweep), score every model on every stage's test and "
+            "validation prompts, choose the merge to ship on validation, and write results.md (95%% intervals, "
+            "retention, verdict), results.json and charts into the run directory."
         ),
     )
     parser.add_argument("recipe", help="recipe (YAML)")
@@ -142,6 +143,17 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
         "--skip-paths",
         action="store_true",
         help="with --dry-run: do not check that model checkpoints and prompt files exist (not downloaded yet)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "run the whole pipeline N times with the recipe's seed (trainers, merges) and evaluation seed + 0..N-1 "
+            "(in OUT/seed_S/), and report means with 95%% t intervals over the seeds (default 1: one run, "
+            "bootstrap intervals over prompts)"
+        ),
     )
     parser.add_argument("--no-figures", action="store_true", help="write no PNG charts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -327,6 +339,8 @@ def _run_run(args: argparse.Namespace) -> int:
 
     if args.skip_paths and not args.dry_run:
         raise RamTrlError("--skip-paths only applies to --dry-run (a run needs its models)")
+    if args.seeds < 1:
+        raise RamTrlError(f"--seeds {args.seeds}: give at least 1")
     run_recipe(
         args.recipe,
         RunOptions(
@@ -337,6 +351,7 @@ def _run_run(args: argparse.Namespace) -> int:
             check_paths=not args.skip_paths,
             progress=not args.no_progress,
             figures=not args.no_figures,
+            seeds=args.seeds,
         ),
     )
     return 0

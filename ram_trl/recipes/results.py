@@ -26,6 +26,7 @@ from ram_trl.recipes import stats
 __all__ = [
     "SELECTION_RULE",
     "add_statistics",
+    "aggregate_seeds",
     "best_merged",
     "markdown",
     "plot_retention",
@@ -220,6 +221,82 @@ def _retention(
     }
 
 
+def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """The results of one recipe run with several seeds (``ram-trl run --seeds N``), as one results dict.
+
+    Each row's ``scores`` (test) and ``val.scores`` are the means over the seeds, with the per-seed values in
+    ``per_seed`` (what the Student t intervals come from); per-prompt rewards are left in the seed runs. The regime
+    is the mean over the seeds of each agent's density, unique share, rho and lambda.
+
+    Args:
+        runs: The results of each seed's run (same recipe, so the same rows and stages in the same order).
+        seeds: The seed of each run.
+
+    Raises:
+        ValueError: when the runs do not have the same rows and stages.
+    """
+    first = runs[0]
+    stages = first["stages"]
+    for run in runs[1:]:
+        if [r["name"] for r in run["rows"]] != [r["name"] for r in first["rows"]] or run["stages"] != stages:
+            raise ValueError("the seed runs do not have the same rows and stages")
+
+    def split_block(rows: list[dict[str, Any]], split: str) -> dict[str, Any]:
+        blocks = [r if split == "test" else r.get("val") or {"scores": {}} for r in rows]
+        per_seed = {
+            s: [b["scores"][s] for b in blocks]
+            for s in stages
+            if all(b["scores"].get(s) is not None for b in blocks)
+        }
+        return {"scores": {s: math.fsum(v) / len(v) for s, v in per_seed.items()}, "per_seed": per_seed}
+
+    rows = []
+    for i, row in enumerate(first["rows"]):
+        same = [run["rows"][i] for run in runs]
+        test = split_block(same, "test")
+        rows.append(
+            {
+                "name": row["name"],
+                "kind": row["kind"],
+                "method": row.get("method"),
+                "parameters": row.get("parameters"),
+                "paths": [r.get("path") for r in same],
+                "n": row.get("n"),
+                **test,
+                "val": split_block(same, "val"),
+            }
+        )
+    regime: dict[str, dict[str, float | None]] = {}
+    for name in first.get("regime") or {}:
+        regime[name] = {}
+        for key in first["regime"][name]:
+            values = [run["regime"].get(name, {}).get(key) for run in runs]
+            present = [float(v) for v in values if v is not None]
+            regime[name][key] = math.fsum(present) / len(present) if len(present) == len(values) else None
+    statistics = dict(first.get("statistics") or {})
+    statistics.update(intervals="seeds", seeds=len(runs), seed_values=list(seeds))
+    for key in ("resamples", "seed"):
+        statistics.pop(key, None)
+    return {
+        "recipe": first.get("recipe"),
+        "description": first.get("description"),
+        "stages": stages,
+        "specialists": first.get("specialists"),
+        "decoding": first.get("decoding"),
+        "eps": first.get("eps"),
+        "statistics": statistics,
+        "sweeps": first.get("sweeps"),
+        "rows": rows,
+        "regime": regime,
+        "runs": [f"seed_{s}" for s in seeds],
+        "timings": {
+            f"seed_{s}": (run.get("timings") or {}).get("total") for s, run in zip(seeds, runs, strict=True)
+        },
+        "notes": [f"every score is the mean over seeds {', '.join(map(str, seeds))} (runs in seed_S/)"],
+        "figures": [],
+    }
+
+
 def _fmt3(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -291,16 +368,18 @@ def verdict(results: dict[str, Any]) -> str:
     if regime:
         agents = list(regime.values())
         unique = [a.get("unique_share") for a in agents]
-        sparse = all(u is not None and u >= 0.2 for u in unique)
+        defined = [u for u in unique if u is not None]
+        sparse = bool(defined) and all(u >= 0.2 for u in defined)
         regime_text = (
-            f"The agents' task vectors are {'sparse and heterogeneous' if sparse else 'dense and overlapping'}: "
-            f"density {_range([a.get('density') for a in agents], 100, '.0f', '%')}, unique share "
-            f"{_range(unique, 100, '.0f', '%')} (RAM targets unique shares of at least 20%; the paper's 7B agents: "
-            f"6-48%), rho {_range([a.get('rho') for a in agents], 1, '.3g') or 'inf'}"
+            f"The agents' task vectors have density {_range([a.get('density') for a in agents], 100, '.0f', '%')}, "
+            f"unique share {_range(unique, 100, '.0f', '%') or 'undefined (no active elements)'} and rho "
+            f"{_range([a.get('rho') for a in agents], 1, '.3g') or 'inf'}: "
             + (
-                "; in this regime RAM's rescaling has unique elements to act on."
+                "the sparse, heterogeneous regime RAM targets (every unique share at least 20%), where its "
+                "rescaling has unique elements to act on."
                 if sparse
-                else "; in this regime RAM averages nearly everywhere and behaves like task arithmetic at 1/N."
+                else "not the regime RAM targets (unique shares of at least 20%; the paper's 7B agents: 6-48%), "
+                "so RAM averages nearly everywhere and behaves like task arithmetic at 1/N."
             )
         )
     else:

@@ -37,9 +37,17 @@ import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
-from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, expand_merges, load_recipe, validate_recipe
+from ram_trl.recipes.schema import (
+    MergeRow,
+    Recipe,
+    StageSpec,
+    apply_overrides,
+    expand_merges,
+    load_recipe,
+    validate_recipe,
+)
 
-__all__ = ["RunOptions", "StageError", "run_recipe", "stage_complete"]
+__all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds", "stage_complete"]
 
 
 class StageError(RamTrlError):
@@ -58,6 +66,7 @@ class RunOptions:
     progress: bool = True
     figures: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
+    seeds: int = 1
 
 
 def _console():
@@ -550,6 +559,8 @@ def run_recipe(
         StageError: when a stage process fails (finished stages are kept).
     """
     options = options or RunOptions()
+    if options.seeds > 1 and not options.dry_run:
+        return run_seeds(recipe_path, options)
     recipe, root = load_recipe(recipe_path, options.overrides)
     total = time.perf_counter()
     notes = validate_recipe(recipe, root, check_paths=options.check_paths)
@@ -599,3 +610,54 @@ def run_recipe(
     rows_scored = run.evaluate(merged)
     run.timings["total"] = round(time.perf_counter() - total, 2)
     return run.results(rows_scored, analysis)
+
+
+def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptions) -> dict[str, Any]:
+    """``ram-trl run --seeds N``: the whole pipeline ``N`` times, with the recipe's ``seed`` (the stages' trainers
+    and the merges' random draws) and ``evaluation.seed`` set to ``seed + k`` for ``k = 0 .. N-1``, each run in
+    ``OUT/seed_S/`` with its own ``results.md``; then ``OUT/results.md`` and ``results.json`` with every score the
+    mean over the seeds and its 95% Student t interval over the seeds.
+
+    The prompts (``prompts.seed``), the base and the warm start (``warm_start.seed``) are the same in every run (the
+    base is built and warm-started once and copied), so the intervals measure how much the results vary with the
+    RL training and the merges' randomness, not with the choice of prompts. A stage whose ``config.seed`` is set
+    trains with that seed in every run (a note says so).
+
+    Raises:
+        ConfigError: with ``--only`` (a seed run is a whole pipeline).
+    """
+    from dataclasses import replace
+
+    from ram_trl.recipes.results import aggregate_seeds, print_table, write_results
+
+    if options.only is not None:
+        raise ConfigError("--seeds runs the whole pipeline once per seed; it does not combine with --only")
+    recipe, root = load_recipe(recipe_path, options.overrides)
+    out = Path(
+        options.out
+        or (_resolve(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name)
+    ).resolve()
+    seeds = [recipe.seed + k for k in range(options.seeds)]
+    runs = []
+    for k, seed in enumerate(seeds):
+        sub = out / f"seed_{seed}"
+        if k:
+            for name in ("base_init", "base"):
+                first = out / f"seed_{seeds[0]}" / name
+                if first.is_dir() and not (sub / name).exists():
+                    shutil.copytree(first, sub / name)
+        overrides = apply_overrides(
+            options.overrides, {"seed": seed, "evaluation": {"seed": recipe.evaluation.seed + k}}
+        )
+        _console().print(f"[bold]seed {seed}[/] ({k + 1} of {len(seeds)}): {sub}")
+        runs.append(run_recipe(recipe_path, replace(options, out=sub, seeds=1, overrides=overrides)))
+    results = aggregate_seeds(runs, seeds)
+    fixed = [s.name for s in recipe.stages if s.trained and "seed" in s.config]
+    if fixed:
+        results["notes"].append(
+            f"stages {', '.join(fixed)} set config.seed: their training is the same in every seed run"
+        )
+    write_results(results, out, figures=options.figures)
+    print_table(results)
+    _console().print(f"results over {len(seeds)} seeds: {out / 'results.md'}")
+    return results

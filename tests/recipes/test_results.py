@@ -10,6 +10,7 @@ import pytest
 
 from ram_trl.recipes.results import (
     add_statistics,
+    aggregate_seeds,
     best_merged,
     markdown,
     regime_from_analysis,
@@ -176,7 +177,10 @@ def test_verdict_key_facts():
     assert "the runner-up on validation (m2) by -0.250 [" in text and "-0.250" in text
     assert "not resolved" in text  # 4 prompts per stage resolve nothing
     assert "m2 has the highest test average (0.875)" in text
-    assert "dense and overlapping: density 62-71%, unique share 8-13%" in text and "rho 6.9-11.1" in text
+    assert (
+        "task vectors have density 62-71%, unique share 8-13% and rho 6.9-11.1: not the regime RAM targets"
+        in text
+    )
     assert "\n" not in text
 
 
@@ -237,3 +241,29 @@ def test_write_results_files(tmp_path):
     assert "![scores](scores.png)" in md and "![retention](retention.png)" in md
     assert not list(tmp_path.glob(".*"))
     assert not math.isnan(saved["rows"][0]["interval"]["a"][0])
+
+
+def test_seeds_aggregate_means_and_t_intervals_golden():
+    runs = []
+    for shift in (0.0, 0.25, 0.5):  # three seeds: each score moved by 0, 0.25, 0.5 on test only
+        run = hand_made()
+        for row in run["rows"]:
+            row["scores"] = {s: v + shift if row["kind"] == "merge" else v for s, v in row["scores"].items()}
+        runs.append(run)
+    results = aggregate_seeds(runs, [0, 1, 2])
+    assert results["statistics"]["intervals"] == "seeds" and results["statistics"]["seeds"] == 3
+    results = add_statistics(results)
+    m1 = results["rows"][3]
+    assert m1["per_seed"]["a"] == [0.5, 0.75, 1.0]
+    assert m1["scores"]["a"] == pytest.approx(0.75)
+    # sd 0.25 over 3 seeds: 0.75 +/- 4.302653 * 0.25 / sqrt(3)
+    half = 4.302653 * 0.25 / math.sqrt(3)
+    assert m1["interval"]["a"] == pytest.approx((0.75 - half, 0.75 + half))
+    assert results["rows"][0]["interval"]["a"] == pytest.approx((0.25, 0.25))  # the same in every seed
+    # retention of m1 on a per seed: 0.5, 1.0, 1.5 -> on b: 2/3, 1, 4/3; mean per seed 7/12, 1, 17/12
+    assert m1["retention"]["mean"] == pytest.approx(1.0)
+    low, high = m1["retention"]["interval"]
+    half = 4.302653 * (5 / 12) / math.sqrt(3)
+    assert (low, high) == pytest.approx((1.0 - half, 1.0 + half))
+    assert results["selection"]["ship"] == "m1"  # validation is unchanged across seeds
+    assert "over 3 seeds" in markdown(results)

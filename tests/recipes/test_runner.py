@@ -50,15 +50,32 @@ def test_quick_demo_rows_and_files(quick_demo):
     assert [r["name"] for r in results["rows"]] == ["base", *STAGES, *MERGES]
     assert [r["kind"] for r in results["rows"]] == ["base"] + ["agent"] * 3 + ["merge"] * len(MERGES)
     for row in results["rows"]:
-        assert sorted(row["scores"]) == sorted(STAGES), row["name"]
-        assert all(0.0 <= v <= 1.0 for v in row["scores"].values())
-        assert row["average"] == pytest.approx(sum(row["scores"].values()) / 3)
+        for block in (row, row["val"]):  # test and validation
+            assert sorted(block["scores"]) == sorted(STAGES), row["name"]
+            assert all(0.0 <= v <= 1.0 for v in block["scores"].values())
+            assert block["average"] == pytest.approx(sum(block["scores"].values()) / 3)
+            assert all(low <= high for low, high in block["interval"].values())
+        assert row["n"] == row["val"]["n"] == {s: 8 for s in STAGES}  # val_size defaults to eval_size
+        assert ("retention" in row) == (row["kind"] == "merge")
     assert sorted(results["regime"]) == sorted(STAGES)
+    assert results["selection"]["ship"] in MERGES and results["verdict"].startswith("Ship ")
+    assert [s["label"] for s in results["selection"]["sweeps"]] == ["ram_plus", "task_arithmetic"]
     markdown = (out / "results.md").read_text()
     for name in ["base", *STAGES, *MERGES]:
         assert f"| {name} | " in markdown
-    for figure in ("scores.png", "analysis/density.png"):
+    assert markdown.rstrip().endswith(results["verdict"])
+    for figure in ("scores.png", "retention.png", "analysis/density.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG"
+    for stage in STAGES:  # train, test and validation prompts are disjoint
+        prompts = [
+            {
+                json.loads(line)["prompt"]
+                for line in (out / "data" / stage / f"{split}.jsonl").read_text().splitlines()
+            }
+            for split in ("train", "eval", "val", "warm")
+        ]
+        assert not prompts[0] & prompts[1] and not prompts[0] & prompts[2] and not prompts[1] & prompts[2]
+        assert not prompts[3] & (prompts[1] | prompts[2])
     analysis = json.loads((out / "analysis" / "analysis.json").read_text())
     assert [a["name"] for a in analysis["agents"]] == STAGES
     for agent in analysis["agents"]:
@@ -99,7 +116,32 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
     for row in (results["rows"][0], results["rows"][5]):
         json_out = out / f"eval_{row['kind']}.json"
         assert main(["eval", row["path"], "--recipe", str(out / "recipe.yaml"), "--json", str(json_out)]) == 0
-        assert json.loads(json_out.read_text())["scores"] == row["scores"]
+        scored = json.loads(json_out.read_text())
+        assert scored["scores"] == row["scores"]
+        assert scored["splits"]["val"]["scores"] == row["val"]["scores"]
+        assert (
+            scored["rewards"] == row["rewards"]
+            and scored["splits"]["val"]["rewards"] == row["val"]["rewards"]
+        )
+    json_out = out / "eval_val.json"
+    row = results["rows"][4]
+    assert (
+        main(
+            [
+                "eval",
+                row["path"],
+                "--recipe",
+                str(out / "recipe.yaml"),
+                "--split",
+                "val",
+                "--json",
+                str(json_out),
+            ]
+        )
+        == 0
+    )
+    scored = json.loads(json_out.read_text())
+    assert list(scored["splits"]) == ["val"] and scored["splits"]["val"]["scores"] == row["val"]["scores"]
     assert (
         main(["eval", results["rows"][1]["path"], "--recipe", str(out / "recipe.yaml"), "--stage", "tools"])
         == 0
@@ -187,3 +229,30 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert (
         "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
     )
+
+
+def test_seeds_run_the_pipeline_per_seed_and_report_t_intervals(tmp_path):
+    recipe = _recipe("ram_trl.recipes.tasks:recall_reward")
+    for stage in recipe["stages"]:
+        stage.pop("accelerate_config")
+        stage.pop("peft", None)
+    recipe["merges"] = ["ram", {"method": "dare_linear", "parameters": {"density": 0.5, "lambda": 0.5}}]
+    recipe["analysis"] = {"enabled": False}
+    out = tmp_path / "run"
+    results = run_recipe(recipe, RunOptions(out=out, progress=False, figures=False, seeds=2))
+    assert results["statistics"]["intervals"] == "seeds" and results["statistics"]["seed_values"] == [0, 1]
+    runs = [json.loads((out / f"seed_{s}" / "results.json").read_text()) for s in (0, 1)]
+    assert yaml.safe_load((out / "seed_1" / "recipe.yaml").read_text())["seed"] == 1
+    # the base was warm-started once: the same weights in both runs
+    assert (out / "seed_0" / "base" / "model.safetensors").read_bytes() == (
+        out / "seed_1" / "base" / "model.safetensors"
+    ).read_bytes()
+    for i, row in enumerate(results["rows"]):
+        per_seed = [run["rows"][i] for run in runs]
+        assert row["per_seed"] == {s: [r["scores"][s] for r in per_seed] for s in ("good", "bad")}
+        assert row["scores"]["good"] == pytest.approx(sum(r["scores"]["good"] for r in per_seed) / 2)
+        assert row["val"]["scores"]["bad"] == pytest.approx(
+            sum(r["val"]["scores"]["bad"] for r in per_seed) / 2
+        )
+    assert "over 2 seeds" in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["selection"]["ship"] in ("ram", "dare_linear")

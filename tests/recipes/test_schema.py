@@ -201,3 +201,30 @@ def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
     assert main(["run", str(bad), "--skip-paths"]) == 2
     assert "--skip-paths only applies to --dry-run" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_validation_split_settings():
+    parsed, _ = load_recipe(recipe())
+    prompts = parsed.stages[0].prompts
+    assert (prompts.val_size, prompts.validation_size) == (None, 64)  # default: as many as eval_size
+    parsed, _ = load_recipe(recipe(stages={"*": {"prompts": {"val_size": 16, "eval_size": 32}}}))
+    assert parsed.stages[0].prompts.validation_size == 16
+    evaluation = parsed.evaluation
+    assert (evaluation.bootstrap_resamples, evaluation.bootstrap_seed, evaluation.retention_min_gain) == (
+        2000,
+        0,
+        0.02,
+    )
+    with pytest.raises(
+        ConfigError, match="give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:'"
+    ):
+        load_recipe(recipe(stages={"*": {"prompts": {"val_file": "v.jsonl"}}}))
+    files = {"prompts": {"generator": None, "train_file": "t.jsonl", "val_size": 8}}
+    with pytest.raises(ConfigError, match="val_size applies to a generator; with files, give 'val_file:'"):
+        load_recipe(recipe(stages={"*": files}))
+    with pytest.raises(ConfigError, match="evaluation.bootstrap_resamples"):
+        load_recipe(recipe(evaluation={"bootstrap_resamples": 10}))
+    notes = check(recipe(stages={"*": {"prompts": {"val_size": 0}}}))
+    assert notes == [
+        "stage 'coding' has no validation prompts (val_size: 0 / no val_file): nothing is chosen on its column"
+    ]
