@@ -351,6 +351,8 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
         return (
             f"On test it differs from {label} by {diff:+.3f} (no interval: per-prompt rewards are missing)."
         )
+    if diff == 0 and interval[0] == interval[1] == 0:
+        return f"On test it scores the same as {label} in every resample."
     resolved = interval[0] > 0 or interval[1] < 0
     text = f"On test it differs from {label} by {diff:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}] (paired 95%)"
     if resolved:

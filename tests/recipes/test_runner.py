@@ -234,7 +234,7 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
 def test_seeds_run_the_pipeline_per_seed_and_report_t_intervals(tmp_path):
     recipe = _recipe("ram_trl.recipes.tasks:recall_reward")
     for stage in recipe["stages"]:
-        stage.pop("accelerate_config")
+        stage.pop("accelerate_config", None)
         stage.pop("peft", None)
     recipe["merges"] = ["ram", {"method": "dare_linear", "parameters": {"density": 0.5, "lambda": 0.5}}]
     recipe["analysis"] = {"enabled": False}
