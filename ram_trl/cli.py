@@ -126,7 +126,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             "Run a recipe: build or load the base (optional warm start), train each stage in its own process "
             "(accelerate launch when the stage names an accelerate config) with the sparsity callback, analyse the "
             "agents, run every merge (list-valued parameters sweep), score every model on every stage's test and "
-            "validation prompts, choose the merge to ship on validation, and write results.md (95%% intervals, "
+            "validation prompts, choose the merge to ship on validation, and write results.md (95% intervals, "
             "retention, verdict), results.json and charts into the run directory."
         ),
     )

@@ -386,6 +386,11 @@ def verdict(results: dict[str, Any]) -> str:
         )
     else:
         regime_text = "No sparsity analysis was run, so the agents' regime is not known."
+    if not results["rows"]:
+        return (
+            "Nothing was scored (evaluation is off or no stage has held-out prompts), so no merge is chosen. "
+            + regime_text
+        )
     if ship is None:
         return (
             "No merge to ship: no merge has validation scores (give the stages validation prompts, "

@@ -267,3 +267,11 @@ def test_seeds_aggregate_means_and_t_intervals_golden():
     assert (low, high) == pytest.approx((1.0 - half, 1.0 + half))
     assert results["selection"]["ship"] == "m1"  # validation is unchanged across seeds
     assert "over 3 seeds" in markdown(results)
+
+
+def test_nothing_scored_still_states_the_regime(tmp_path):
+    results = {"recipe": "merge-only", "stages": [], "rows": [], "regime": hand_made()["regime"]}
+    write_results(results, tmp_path)
+    assert results["selection"]["ship"] is None
+    assert results["verdict"].startswith("Nothing was scored (evaluation is off")
+    assert "density 62-71%" in (tmp_path / "results.md").read_text()
