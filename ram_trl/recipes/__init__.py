@@ -23,7 +23,7 @@ QUICK_OVERRIDES: dict = {
     "warm_start": {"steps": 20, "batch_size": 16},
     "stages": {
         "*": {
-            "prompts": {"train_size": 16, "eval_size": 8, "warm_size": 16},
+            "prompts": {"train_size": 16, "eval_size": 8, "val_size": 8, "warm_size": 16},
             "config": {
                 "max_steps": 2,
                 "per_device_train_batch_size": 8,

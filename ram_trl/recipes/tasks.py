@@ -8,9 +8,9 @@ is read up to its first newline, surrounding spaces ignored.
 - ``arithmetic`` (coding-like: compute a small program's output): ``"37+45="`` -> ``"82"``. Exact answer 1.0,
   otherwise 0.5 times the share of the answer's characters matched from the left (a shaped, still verifiable,
   signal so a tiny model's GRPO groups are not all zero).
-- ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"weather in Oslo?"`` ->
-  ``"weather(city=Oslo)"``. 0.2 for a well-formed call ``name(key=value,...)``, plus 0.3 for the right tool
-  name, plus 0.5 for exactly the right arguments (with the right tool).
+- ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"rain in Oslo mon? "`` ->
+  ``"weather(city=Oslo,day=mon)"``. 0.2 for a well-formed call ``name(key=value,...)`` of the wrong tool; the
+  right tool earns 0.5 plus 0.5 x the share of its arguments given exactly (1.0 for exactly the right call).
 - ``recall`` (memory: recall a key's value from a longer context): ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for
   the exact value, else 0.
 """
@@ -109,27 +109,74 @@ def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwarg
 # ---------------------------------------------------------------------------------------------------------------
 # tool calls (tool use)
 
-#: Tool name -> (argument name, values, question templates).
-TOOLS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+_CITIES = (
+    "Oslo",
+    "Lima",
+    "Rome",
+    "Pune",
+    "Kyiv",
+    "Nice",
+    "Bern",
+    "Baku",
+    "Doha",
+    "Riga",
+    "Faro",
+    "Cork",
+    "Graz",
+    "Kobe",
+    "Lyon",
+    "Gent",
+    "Nara",
+    "Perm",
+    "Sofia",
+    "Turin",
+)
+
+#: Tool name -> (argument names, the values of each argument, question templates). Every tool takes two arguments;
+#: a template names its arguments by position.
+TOOLS: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[str, ...]]] = {
     "weather": (
-        "city",
-        ("Oslo", "Lima", "Rome", "Pune", "Kyiv", "Nice", "Bern", "Baku", "Doha", "Riga"),
-        ("weather in {}?", "is it cold in {}?", "rain in {}?"),
+        ("city", "day"),
+        (_CITIES, ("mon", "tue", "wed", "thu", "fri", "sat", "sun")),
+        ("weather in {0} on {1}?", "rain in {0} {1}?", "{1}: is it cold in {0}?"),
     ),
-    "time": (
-        "zone",
-        ("UTC", "CET", "PST", "IST", "JST", "EST", "MSK", "AEST"),
-        ("time in {}?", "clock {}?", "what hour is it in {}?"),
+    "flight": (
+        ("src", "dst"),
+        (_CITIES, _CITIES),
+        ("fly {0} to {1}?", "flights from {0} to {1}?"),
     ),
     "stock": (
-        "ticker",
-        ("AAPL", "MSFT", "NVDA", "IBM", "SAP", "ASML", "AMD", "INTC"),
-        ("price of {}?", "quote {}?", "how is {} trading?"),
+        ("ticker", "days"),
+        (
+            ("AAPL", "MSFT", "NVDA", "IBM", "SAP", "ASML", "AMD", "INTC", "ORCL", "UBER", "SONY", "TSLA"),
+            tuple("123456789"),
+        ),
+        ("price of {0} over {1} days?", "{1}-day chart of {0}?"),
     ),
     "wiki": (
-        "topic",
-        ("cats", "rust", "jazz", "moon", "tea", "chess", "bees", "maps"),
-        ("look up {}", "what is {}?", "tell me about {}"),
+        ("topic", "lang"),
+        (
+            (
+                "cats",
+                "rust",
+                "jazz",
+                "moon",
+                "tea",
+                "chess",
+                "bees",
+                "maps",
+                "rice",
+                "owls",
+                "wind",
+                "gold",
+                "silk",
+                "kites",
+                "ants",
+                "ice",
+            ),
+            ("en", "de", "fr", "es"),
+        ),
+        ("look up {0} in {1}", "what is {0}? ({1})", "tell me about {0} in {1}"),
     ),
 }
 
@@ -137,18 +184,22 @@ _CALL = re.compile(r"^([A-Za-z_]\w*)\((\s*\w+\s*=\s*[^,()=]+\s*(?:,\s*\w+\s*=\s*
 
 
 def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """Questions that one tool answers; the answer is the call, e.g. ``"weather(city=Oslo)"``.
+    """Questions that one tool answers; the answer is the call, e.g. ``"weather in Oslo on mon? "`` ->
+    ``"weather(city=Oslo,day=mon)"``.
 
     Args:
-        n: Number of distinct prompts (at most the number of question/value combinations, 102).
+        n: Number of distinct prompts (at most the number of question/argument combinations, 1,588).
         seed: Seed of the draw.
     """
 
     def make(rng: random.Random) -> dict[str, str]:
         tool = rng.choice(sorted(TOOLS))
-        arg, values, templates = TOOLS[tool]
-        value = rng.choice(values)
-        return {"prompt": rng.choice(templates).format(value) + " ", "answer": f"{tool}({arg}={value})"}
+        names, domains, templates = TOOLS[tool]
+        values = [rng.choice(domain) for domain in domains]
+        while tool == "flight" and values[0] == values[1]:
+            values[1] = rng.choice(domains[1])
+        arguments = ",".join(f"{k}={v}" for k, v in zip(names, values, strict=True))
+        return {"prompt": rng.choice(templates).format(*values) + " ", "answer": f"{tool}({arguments})"}
 
     return _unique_rows(make, n, seed)
 
@@ -169,8 +220,9 @@ def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
 
 
 def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """0.2 for a well-formed call, 0.5 for a call of the right tool, 1.0 for the right tool with exactly the right
-    arguments (the arguments count only with the right tool)."""
+    """0.2 for a well-formed call of the wrong tool; with the right tool, 0.5 plus 0.5 x the share of arguments given
+    exactly (matched arguments over the larger of the expected and the given argument counts, so 1.0 only for exactly
+    the right call); 0 for anything that is not a well-formed call."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         got = parse_call(completion_text(completion))
@@ -180,8 +232,9 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
             continue
         if got[0] != expected[0]:
             rewards.append(0.2)
-        else:
-            rewards.append(1.0 if got[1] == expected[1] else 0.5)
+            continue
+        matched = sum(1 for key, value in got[1].items() if expected[1].get(key) == value)
+        rewards.append(0.5 + 0.5 * matched / max(len(expected[1]), len(got[1]), 1))
     return rewards
 
 

@@ -18,14 +18,14 @@ def stage(**prompts) -> StageSpec:
 
 
 def test_held_out_validation_and_warm_rows_are_disjoint_from_what_they_must_not_see(tmp_path):
-    spec = stage(train_size=50, eval_size=24, warm_size=54)
+    spec = stage(train_size=50, eval_size=24, warm_size=1540)
     train, held, val = draw_splits(spec, tmp_path)
     assert (len(train), len(held), len(val)) == (50, 24, 24)  # val_size defaults to eval_size
     prompts = [{r["prompt"] for r in rows} for rows in (train, held, val)]
     assert not prompts[0] & prompts[1] and not prompts[0] & prompts[2] and not prompts[1] & prompts[2]
     warm = draw_warm_rows(spec, held + val)
-    # 102 distinct tool prompts exist: all 54 that are neither test nor validation, whatever the training rows are.
-    assert len(warm) == 54
+    # 1,588 distinct tool prompts exist: all 1,540 that are neither test nor validation, whatever the training rows are.
+    assert len(warm) == 1540
     assert not {r["prompt"] for r in warm} & (prompts[1] | prompts[2])
     assert draw_splits(spec, tmp_path) == (train, held, val)
     assert draw_rows(spec, tmp_path) == (train, held)
@@ -83,6 +83,6 @@ def test_file_prompts_and_jsonl_errors(tmp_path):
 
 
 def test_a_failing_generator_names_the_stage(tmp_path):
-    spec = stage(train_size=500)  # more distinct prompts than exist
+    spec = stage(train_size=2000)  # more distinct prompts than exist
     with pytest.raises(ConfigError, match="stage 'tools': prompt generator .* failed: ValueError"):
         draw_rows(spec, tmp_path)

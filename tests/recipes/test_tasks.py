@@ -34,19 +34,21 @@ def test_arithmetic_reward_golden():
 
 def test_tool_call_reward_golden():
     completions = [
-        "weather(city=Oslo)",  # right tool, right arguments
-        " weather( city = Oslo ) ",  # spaces are allowed around names and values
-        "weather(city=Lima)",  # right tool, wrong value
-        "weather(town=Oslo)",  # right tool, wrong argument name
+        "weather(city=Oslo,day=mon)",  # right tool, right arguments
+        " weather( day = mon , city = Oslo ) ",  # spaces and argument order do not matter
+        "weather(city=Lima,day=mon)",  # right tool, one of two arguments right: 0.5 + 0.5 * 1/2
+        "weather(town=Oslo,day=tue)",  # right tool, no argument right
+        "weather(city=Oslo)",  # right tool, one of two arguments given (and right)
+        "weather(city=Oslo,day=mon,unit=C)",  # an extra argument: 2 right of 3 given
         "weather()",  # right tool, no arguments
-        "time(city=Oslo)",  # well-formed, wrong tool (arguments do not count)
-        "weather(city=Oslo",  # not well-formed
+        "flight(city=Oslo,day=mon)",  # well-formed, wrong tool (arguments do not count)
+        "weather(city=Oslo,day=mon",  # not well-formed
         "weather(city=Oslo,city=Oslo)",  # duplicate argument: not well-formed
         "Oslo",
         "",
     ]
-    assert tool_call_reward(completions, answer=["weather(city=Oslo)"] * len(completions)) == [
-        1.0, 1.0, 0.5, 0.5, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0,
+    assert tool_call_reward(completions, answer=["weather(city=Oslo,day=mon)"] * len(completions)) == [
+        1.0, 1.0, 0.75, 0.5, 0.75, 0.5 + 0.5 * 2 / 3, 0.5, 0.2, 0.0, 0.0, 0.0, 0.0,
     ]  # fmt: skip
 
 
@@ -83,15 +85,19 @@ def test_arithmetic_prompts_are_distinct_seeded_and_correct():
 
 
 def test_tool_call_prompts_answers_are_the_right_calls():
-    rows = tool_call_prompts(102, seed=0)
-    assert len({r["prompt"] for r in rows}) == 102
+    rows = tool_call_prompts(1588, seed=0)  # every question / argument combination
+    assert len({r["prompt"] for r in rows}) == 1588
     for row in rows:
         tool, arguments = parse_call(row["answer"])
-        arg, values, templates = TOOLS[tool]
-        assert list(arguments) == [arg] and arguments[arg] in values
-        assert row["prompt"] in {t.format(arguments[arg]) + " " for t in templates}
+        names, domains, templates = TOOLS[tool]
+        assert tuple(arguments) == names
+        assert all(arguments[n] in d for n, d in zip(names, domains, strict=True))
+        values = [arguments[n] for n in names]
+        assert row["prompt"] in {t.format(*values) + " " for t in templates}
+        assert tool != "flight" or values[0] != values[1]
+    assert tool_call_prompts(2, seed=0) == tool_call_prompts(2, seed=0) != tool_call_prompts(2, seed=1)
     with pytest.raises(ValueError, match="distinct prompts"):
-        tool_call_prompts(103, seed=0)
+        tool_call_prompts(1589, seed=0)
 
 
 def test_recall_prompts_answer_is_the_asked_keys_value():
