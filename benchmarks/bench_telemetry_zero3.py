@@ -131,8 +131,10 @@ def main() -> None:
     args = parser.parse_args()
     base = args.workdir / "base"
     if args.rank_worker:
+        from ram_trl.distributed import exit_distributed
+
         rank_main(base, args.workdir, args.repeats)
-        return
+        exit_distributed()  # the gloo groups DeepSpeed holds outlive the script: exit without finalizing
     if not (base / "model.safetensors").is_file():
         from ram_trl.synthetic import make_base_checkpoint
 

@@ -8,13 +8,18 @@ an error on every rank at the next synchronisation point.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import os
 import signal
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -148,8 +153,111 @@ class DistContext:
         return result  # type: ignore[return-value]
 
     def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_group:
+            shutdown_distributed(barrier=False)
+
+
+#: Name prefixes of torch.distributed's native threads (Linux thread names) that run collectives and release their
+#: tensors: gloo's work loops (``pt_gloo_runloop``) and transport (``gloo_tcp_loop``), NCCL's watchdog threads.
+COMMUNICATION_THREADS = ("pt_gloo", "gloo", "pt_nccl")
+
+
+def communication_threads() -> list[str] | None:
+    """The names of this process's live torch.distributed communication threads (see ``COMMUNICATION_THREADS``).
+
+    Returns:
+        The names (empty when none is alive), or ``None`` where thread names cannot be read (no ``/proc``).
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+            if name.startswith(COMMUNICATION_THREADS):
+                names.append(name)
+    return sorted(names)
+
+
+def shutdown_distributed(barrier: bool = True) -> list[str] | None:
+    """Leave torch.distributed: wait for the other ranks, destroy every process group, collect garbage.
+
+    ``destroy_process_group`` only unregisters the groups: a gloo group's threads stop when its last reference goes
+    (gloo's ``shutdown`` does nothing), and DeepSpeed keeps references to its groups (ZeRO-3 parameters,
+    ``zero.Init``, ``deepspeed.utils.groups``) until the interpreter exits. Whatever this returns is still running
+    then; :func:`exit_distributed` exits safely in that case.
+
+    Args:
+        barrier: Wait for every rank first (so no rank leaves while another still communicates); leave it off on
+            an error path, where another rank may never arrive.
+
+    Returns:
+        The communication threads still alive afterwards (see :func:`communication_threads`).
+    """
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            with contextlib.suppress(Exception):  # a rank that already left: nothing left to wait for
+                dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    return communication_threads()
+
+
+def exit_process(code: int = 0) -> NoReturn:
+    """Exit now without finalizing the interpreter: Python's own exit steps, then ``os._exit(code)``.
+
+    The steps kept: non-daemon threads are joined (after ``concurrent.futures`` pools are told to stop),
+    ``atexit`` callbacks run (logging is flushed there), standard output and error are flushed. Skipped: the
+    interpreter's finalization and C++ static destructors, which native threads still running at that point (e.g.
+    gloo's, see :func:`exit_distributed`) can turn into an abort.
+
+    Args:
+        code: The process's exit status.
+    """
+    try:
+        if threading.current_thread() is threading.main_thread():
+            # what the interpreter does first at exit: stop concurrent.futures workers, join non-daemon threads
+            shutdown = getattr(threading, "_shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                if stream is not None:
+                    stream.flush()
+        os._exit(code)
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a rank of a ``torch.distributed`` job (DeepSpeed, torchrun, accelerate): the last call of its script.
+
+    Calls :func:`shutdown_distributed` (with a barrier when ``code`` is 0), then exits with ``code``: a normal
+    ``SystemExit`` if no communication thread is left, otherwise :func:`exit_process`. A gloo thread alive while
+    the interpreter finalizes aborts the process ("terminate called without an active exception", exit -6) when it
+    releases a tensor or runs Python at that moment: taking the GIL then ends the thread with ``pthread_exit``,
+    whose unwinding through a C++ destructor calls ``std::terminate``. DeepSpeed jobs on CPU (gloo) always leave
+    their groups alive, and did abort after their work was done.
+
+    Args:
+        code: The exit status (0: success).
+
+    Example:
+
+    ```python
+    from ram_trl.distributed import exit_distributed
+
+    if __name__ == "__main__":
+        main()  # deepspeed.initialize(...), trainer.train(), ...
+        exit_distributed()
+    ```
+    """
+    alive = shutdown_distributed(barrier=code == 0)
+    if alive is None or alive:
+        exit_process(code)
+    raise SystemExit(code)
 
 
 def partition_by_bytes(weights: list[int], world_size: int) -> list[list[int]]:

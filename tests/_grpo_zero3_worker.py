@@ -25,6 +25,7 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
+from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
 from tests.telemetry._dist_worker import no_gathers  # noqa: E402
 
@@ -98,11 +99,8 @@ def main() -> None:
         else all(hasattr(p, "ds_tensor") for p in trainer.ref_model.parameters()),
     }
     (out / f"grpo_rank{rank}.json").write_text(json.dumps(result))
-    # shut the process group down before exit: threads of a live group can abort the interpreter's exit
-    # ("terminate called without an active exception", seen once in CI after a run had finished)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_distributed()  # barrier, groups destroyed; exits without finalizing while gloo threads live on (docs/ci.md)

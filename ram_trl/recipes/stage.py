@@ -157,4 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # under DeepSpeed on CPU the gloo groups outlive destroy_process_group: exit without the interpreter's
+    # finalization then, which their threads can abort (ram_trl.distributed.exit_distributed, docs/ci.md)
+    from ram_trl.distributed import exit_distributed
+
+    exit_distributed(main())

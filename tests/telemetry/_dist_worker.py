@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.telemetry.base import MappedCheckpointBase, ModelBase  # noqa: E402
 from ram_trl.telemetry.shards import iter_local_shards  # noqa: E402
 from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
@@ -283,9 +284,8 @@ def main() -> None:
         state = {name: param.detach().clone() for name, param in net.named_parameters()}
     if rank == 0:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "trained.safetensors"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_distributed()  # barrier, groups destroyed; exits without finalizing while gloo threads live on (docs/ci.md)
