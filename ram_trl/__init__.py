@@ -2,26 +2,28 @@
 
 Telemetry during TRL training, streaming RAM / RAM+ / RAM+s merges (and the task arithmetic, TIES and DARE
 baselines) over safetensors checkpoints, and specialize-then-merge recipes.
+
+Importing the package is cheap: :func:`merge`, :func:`analyze` and :class:`MergeConfig` load the merge stack on
+first use (PEP 562), so ``from ram_trl.callbacks import TaskVectorSparsityCallback`` in a training script does not
+import the merger.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
+
 __version__ = "0.1.0"
 
-import gc as _gc
-
-# Importing torch creates about a million objects; the cyclic collector would walk them over and over (about 0.3 s of
-# every command's start-up) and find nothing to free. Paused during these imports only, then restored.
-_gc_enabled = _gc.isenabled()
-_gc.disable()
-try:
+if TYPE_CHECKING:
     from ram_trl.analysis import analyze
     from ram_trl.config import MergeConfig
     from ram_trl.engine import merge
-    from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
-finally:
-    if _gc_enabled:
-        _gc.enable()
+
+#: Public names loaded on first access: name -> defining module.
+_LAZY = {"analyze": "ram_trl.analysis", "MergeConfig": "ram_trl.config", "merge": "ram_trl.engine"}
 
 __all__ = [
     "CheckpointError",
@@ -33,3 +35,16 @@ __all__ = [
     "analyze",
     "merge",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ram_trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 import ram_trl
-from ram_trl.anatomy import FAMILIES, MODULE_FAMILIES, aggregate, classify
+from ram_trl import defaults
+from ram_trl.anatomy import classify, summarize
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.engine import MergeState, _check_densities, _task_input_bytes, open_inputs
@@ -43,47 +44,15 @@ from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, TensorTask, build_plan, parse_size
 from ram_trl.stage import is_stage, read_manifest
-from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics
+from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
 from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
 
 JSON_FILE = "analysis.json"
 MARKDOWN_FILE = "analysis.md"
-DEFAULT_R = 0.1
-DEFAULT_ALPHA = 2.0
+DEFAULT_R = defaults.R
+DEFAULT_ALPHA = defaults.ALPHA
 #: Stored dtypes at most this wide (bytes per element) need no bfloat16 view: bf16 and fp16.
 _BF16_ITEMSIZE = 2
-
-
-@dataclass
-class TensorAnalysis:
-    """Overlap statistics of one tensor (or of a bucket of tensors) in the three views of the analysis.
-
-    Args:
-        eps: Activity ``|tau| > eps`` (the merge's mask).
-        exact: Activity ``tau != 0``: the stored values differ.
-        bf16: Activity ``|tau| > eps`` with base and agents rounded to bfloat16 first, or ``None`` when no input is
-            stored wider than bf16.
-        tensors: Tensors counted.
-    """
-
-    eps: OverlapStatistics
-    exact: OverlapStatistics
-    bf16: OverlapStatistics | None
-    tensors: int = 1
-
-    @classmethod
-    def zeros(cls, num_agents: int, bf16: bool) -> TensorAnalysis:
-        return cls(
-            OverlapStatistics.zeros(num_agents),
-            OverlapStatistics.zeros(num_agents),
-            OverlapStatistics.zeros(num_agents) if bf16 else None,
-        )
-
-    def __add__(self, other: TensorAnalysis) -> TensorAnalysis:
-        bf16 = self.bf16 + other.bf16 if self.bf16 is not None and other.bf16 is not None else None
-        return TensorAnalysis(
-            self.eps + other.eps, self.exact + other.exact, bf16, self.tensors + other.tensors
-        )
 
 
 @dataclass
@@ -446,61 +415,6 @@ def dtype_summary(checkpoint: Checkpoint) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda item: -item[1]))
 
 
-def _bucket(record: TensorAnalysis, num_agents: int) -> dict[str, Any]:
-    stats = record.eps
-    return {
-        "tensors": record.tensors,
-        "numel": stats.numel,
-        "density": [stats.density(t) for t in range(num_agents)],
-        "density_exact": [record.exact.density(t) for t in range(num_agents)],
-        "density_bf16": None if record.bf16 is None else [record.bf16.density(t) for t in range(num_agents)],
-        "density_any": stats.union() / stats.numel if stats.numel else 0.0,
-    }
-
-
-def anatomy(records: dict[str, TensorAnalysis], num_agents: int) -> dict[str, Any]:
-    """Densities per module type, per family and per decoder layer, from per-tensor statistics.
-
-    Args:
-        records: Tensor name to its statistics.
-        num_agents: Number of agents.
-
-    Returns:
-        ``{"modules": [...], "families": [...], "layers": [...]}``: per bucket its tensors, elements and per-agent
-        densities (at eps, exact, bf16 view) and the share of elements any agent updates; per layer also the
-        per-agent density of each of its module types.
-    """
-    items = list(records.items())
-    modules = aggregate(items, lambda n: classify(n).module, TensorAnalysis.__add__)
-    families = aggregate(items, lambda n: classify(n).family, TensorAnalysis.__add__)
-    layers = aggregate(items, lambda n: classify(n).layer, TensorAnalysis.__add__)
-    layer_modules = aggregate(
-        items,
-        lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module),
-        TensorAnalysis.__add__,
-    )
-    return {
-        "modules": [
-            {"module": m, "family": MODULE_FAMILIES[m], **_bucket(modules[m], num_agents)}
-            for m in MODULE_FAMILIES
-            if m in modules
-        ],
-        "families": [{"family": f, **_bucket(families[f], num_agents)} for f in FAMILIES if f in families],
-        "layers": [
-            {
-                "layer": layer,
-                **_bucket(layers[layer], num_agents),
-                "modules": {
-                    m: [layer_modules[(layer, m)].eps.density(t) for t in range(num_agents)]
-                    for m in MODULE_FAMILIES
-                    if (layer, m) in layer_modules
-                },
-            }
-            for layer in sorted(layers)
-        ],
-    }
-
-
 def build_result(
     inputs: AnalysisInputs,
     base: Checkpoint,
@@ -588,7 +502,7 @@ def build_result(
             "count, mean |tau|, mean and standard deviation are exact",
         },
         "magnitude_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
-        "anatomy": anatomy(dict(ordered), n),
+        "anatomy": summarize(dict(ordered), n),
         "tensors_detail": [
             {
                 "name": name,

@@ -2,15 +2,21 @@
 
 Decoder checkpoints of the Hugging Face stack name their tensors ``<prefix>.layers.<i>.<block>.<module>.weight``
 (Llama, Qwen2, Mistral, Gemma, Phi-3 ...) or ``<prefix>.h.<i>....`` (GPT-2 style). :func:`classify` maps a name to
-a module type and a layer index from those names alone; :func:`aggregate` sums per-tensor statistics by bucket.
+a module type and a layer index from those names alone; :func:`aggregate` sums per-tensor statistics by bucket and
+:func:`summarize` turns per-tensor overlap statistics into the anatomy tables of ``ram-trl analyze`` and the
+telemetry. Imports no torch.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from ram_trl.statistics import TensorAnalysis
 
 #: Module types, in report order, and the family each belongs to.
 MODULE_FAMILIES: dict[str, str] = {
@@ -119,3 +125,58 @@ def aggregate(
             continue
         buckets[bucket] = add(buckets[bucket], value) if bucket in buckets else value
     return buckets
+
+
+def _bucket(record: TensorAnalysis, num_agents: int) -> dict[str, Any]:
+    stats = record.eps
+    return {
+        "tensors": record.tensors,
+        "numel": stats.numel,
+        "density": [stats.density(t) for t in range(num_agents)],
+        "density_exact": [record.exact.density(t) for t in range(num_agents)],
+        "density_bf16": None if record.bf16 is None else [record.bf16.density(t) for t in range(num_agents)],
+        "density_any": stats.union() / stats.numel if stats.numel else 0.0,
+    }
+
+
+def summarize(records: dict[str, TensorAnalysis], num_agents: int) -> dict[str, Any]:
+    """Densities per module type, per family and per decoder layer, from per-tensor statistics.
+
+    Args:
+        records: Tensor name to its statistics.
+        num_agents: Number of agents.
+
+    Returns:
+        ``{"modules": [...], "families": [...], "layers": [...]}``: per bucket its tensors, elements and per-agent
+        densities (at eps, exact, bf16 view) and the share of elements any agent updates; per layer also the
+        per-agent density of each of its module types.
+    """
+    items = list(records.items())
+    modules = aggregate(items, lambda n: classify(n).module, operator.add)
+    families = aggregate(items, lambda n: classify(n).family, operator.add)
+    layers = aggregate(items, lambda n: classify(n).layer, operator.add)
+    layer_modules = aggregate(
+        items,
+        lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module),
+        operator.add,
+    )
+    return {
+        "modules": [
+            {"module": m, "family": MODULE_FAMILIES[m], **_bucket(modules[m], num_agents)}
+            for m in MODULE_FAMILIES
+            if m in modules
+        ],
+        "families": [{"family": f, **_bucket(families[f], num_agents)} for f in FAMILIES if f in families],
+        "layers": [
+            {
+                "layer": layer,
+                **_bucket(layers[layer], num_agents),
+                "modules": {
+                    m: [layer_modules[(layer, m)].eps.density(t) for t in range(num_agents)]
+                    for m in MODULE_FAMILIES
+                    if (layer, m) in layer_modules
+                },
+            }
+            for layer in sorted(layers)
+        ],
+    }

@@ -29,6 +29,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import ram_trl
+from ram_trl import defaults
 from ram_trl.errors import ConfigError
 from ram_trl.stage import StageManifest, write_manifest
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
@@ -105,15 +106,15 @@ class TaskVectorSparsityCallback(TrainerCallback):
         trainer: Any = None,
         base_model: str | os.PathLike | None = None,
         every_n_steps: int | None = None,
-        eps: float = 1e-5,
-        save_dtype: str = "bfloat16",
+        eps: float = defaults.EPS,
+        save_dtype: str = defaults.SAVE_DTYPE,
         prior_stages: Sequence[str | os.PathLike] = (),
         stage_name: str | None = None,
         domain: str | None = None,
         prefix: str = DEFAULT_PREFIX,
         *,
-        r: float = 0.1,
-        alpha: float = 2.0,
+        r: float = defaults.R,
+        alpha: float = defaults.ALPHA,
         magnitudes: bool = True,
         magnitude_sample: int | None = MAGNITUDE_SAMPLE_ELEMENTS,
         threads: int | None = None,

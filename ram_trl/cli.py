@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
+from ram_trl import defaults
 from ram_trl.errors import RamTrlError
+from ram_trl.runtime import gc_paused
+
+#: The module each command's handler imports, imported up front with the garbage collector paused.
+_COMMAND_MODULES = {
+    "merge": "ram_trl.engine",
+    "example": "ram_trl.synthetic",
+    "methods": "ram_trl.methods",
+    "analyze": "ram_trl.analysis",
+    "run": "ram_trl.recipes.runner",
+    "eval": "ram_trl.recipes.evaluate",
+    "demo": "ram_trl.recipes.runner",
+    "fisher": "ram_trl.fisher",
+}
 
 
 def _add_merge(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +38,9 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="largest output safetensors file (default: 5GB)"
+        "--max-shard-size",
+        default=defaults.MAX_SHARD_SIZE,
+        help=f"largest output safetensors file (default: {defaults.MAX_SHARD_SIZE})",
     )
     parser.add_argument(
         "--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)"
@@ -35,8 +52,8 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--chunk-budget",
-        default="256MB",
-        help="memory for one chunk's buffers; bounds peak memory (default: 256MB)",
+        default=defaults.CHUNK_BUDGET,
+        help=f"memory for one chunk's buffers; bounds peak memory (default: {defaults.CHUNK_BUDGET})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -101,10 +118,14 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
         "--out", required=True, help="output directory for analysis.json, analysis.md, figures"
     )
     parser.add_argument(
-        "--eps", type=float, help="activity threshold |tau| > eps (default: config's, else 1e-5)"
+        "--eps", type=float, help=f"activity threshold |tau| > eps (default: config's, else {defaults.EPS:g})"
     )
-    parser.add_argument("--r", type=float, help="rescale strength r for the implied lambda_t (default 0.1)")
-    parser.add_argument("--alpha", type=float, help="RAM+ clip bound alpha of rho_t (default 2.0)")
+    parser.add_argument(
+        "--r", type=float, help=f"rescale strength r for the implied lambda_t (default {defaults.R})"
+    )
+    parser.add_argument(
+        "--alpha", type=float, help=f"RAM+ clip bound alpha of rho_t (default {defaults.ALPHA})"
+    )
     parser.add_argument("--names", nargs="+", metavar="NAME", help="agent labels (default: directory names)")
     parser.add_argument(
         "--allow-pickle",
@@ -112,7 +133,9 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
         help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
     )
     parser.add_argument(
-        "--chunk-budget", default="256MB", help="memory for one chunk's buffers (default: 256MB)"
+        "--chunk-budget",
+        default=defaults.CHUNK_BUDGET,
+        help=f"memory for one chunk's buffers (default: {defaults.CHUNK_BUDGET})",
     )
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -486,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _run_demo,
         "fisher": _run_fisher,
     }
+    with gc_paused():
+        importlib.import_module(_COMMAND_MODULES[args.command])
     try:
         return handlers[args.command](args)
     except RamTrlError as exc:

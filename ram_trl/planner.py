@@ -22,43 +22,22 @@ and does not grow with the number of tensors or the model's size beyond its larg
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import torch
 
-from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl import defaults
+from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, TensorMeta
 from ram_trl.io.safetensors_io import dtype_itemsize
+from ram_trl.sizes import format_bytes as format_bytes  # re-exported: callers import it from here
+from ram_trl.sizes import parse_size
 
-DEFAULT_CHUNK_BUDGET = 256 * 1024**2
-DEFAULT_MAX_SHARD_SIZE = 5 * 1000**3
+#: Default chunk budget in bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).
+DEFAULT_CHUNK_BUDGET = parse_size(defaults.CHUNK_BUDGET)
+#: Default largest output file in bytes (:data:`ram_trl.defaults.MAX_SHARD_SIZE`).
+DEFAULT_MAX_SHARD_SIZE = parse_size(defaults.MAX_SHARD_SIZE)
 PROCESS_BASELINE_BYTES = 450 * 1024**2
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
-_UNITS.update(
-    {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
-)
-
-
-def parse_size(value: str | int) -> int:
-    """Parse a byte size such as ``"5GB"``, ``"500MiB"`` or ``1048576``."""
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(value)
-    unit = (match.group(2) or "").upper() if match else None
-    if not match or unit not in _UNITS:
-        raise ConfigError(f"cannot parse size {value!r}; write e.g. 5GB, 500MB or 256MiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(num: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(num) < 1000 or unit == "TB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
-        num /= 1000
-    raise AssertionError
 
 
 def bytes_per_element(

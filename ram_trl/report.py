@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 import ram_trl
+from ram_trl import defaults
 from ram_trl.planner import MergePlan, format_bytes
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ def model_card(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"Counts are over {report['total_elements']:,} elements of the floating-point tensors; an element is active "
-        f"when |tau| > eps = {report['parameters'].get('eps', 1e-5):g}. Unique: updated by this agent only; shared: "
+        f"when |tau| > eps = {report['parameters'].get('eps', defaults.EPS):g}. Unique: updated by this agent only; shared: "
         "by two or more agents."
     )
     if any(agent["kind"] == "lora" for agent in report["agents"]):

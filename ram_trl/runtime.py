@@ -1,10 +1,11 @@
-"""Process-level settings for the command-line tools' streaming passes (not applied on ``import ram_trl``).
+"""Process-level settings of the command-line tools (never applied on ``import ram_trl``).
 
 A merge or an analysis allocates and frees the same few block-sized float32 temporaries thousands of times. glibc
 returns freed blocks above its (dynamic) mmap threshold to the kernel and takes fresh, zero-filled pages for the next
 one: a page fault per 4 KiB, about a third of a 270M-parameter merge's system time. :func:`tune_for_streaming` keeps
 such blocks in the heap instead, and moves the objects created by the imports into the garbage collector's permanent
-generation so that its full collections during the passes do not walk them.
+generation so that its full collections during the passes do not walk them. :func:`gc_paused` keeps the cyclic
+collector off while a command imports torch and the merge stack.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import ctypes.util
 import gc
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,23 @@ MMAP_THRESHOLD = 32 * 2**20
 
 #: Free memory at the top of the heap kept for reuse instead of being returned to the kernel.
 TRIM_THRESHOLD = 256 * 2**20
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector inside the block, then restore its previous state.
+
+    Importing torch creates about a million objects; the collector would walk them over and over (about 0.3 s of
+    every command's start-up) and find nothing to free. The command line pauses it around its imports only: a
+    library must not change the collector for the program that imports it.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def tune_for_streaming() -> bool:

@@ -201,6 +201,38 @@ class OverlapStatistics:
         }
 
 
+@dataclass
+class TensorAnalysis:
+    """Overlap statistics of one tensor (or of a bucket of tensors) in the three views of the analysis.
+
+    Args:
+        eps: Activity ``|tau| > eps`` (the merge's mask).
+        exact: Activity ``tau != 0``: the stored values differ.
+        bf16: Activity ``|tau| > eps`` with base and agents rounded to bfloat16 first, or ``None`` when no input is
+            stored wider than bf16.
+        tensors: Tensors counted.
+    """
+
+    eps: OverlapStatistics
+    exact: OverlapStatistics
+    bf16: OverlapStatistics | None
+    tensors: int = 1
+
+    @classmethod
+    def zeros(cls, num_agents: int, bf16: bool) -> TensorAnalysis:
+        return cls(
+            OverlapStatistics.zeros(num_agents),
+            OverlapStatistics.zeros(num_agents),
+            OverlapStatistics.zeros(num_agents) if bf16 else None,
+        )
+
+    def __add__(self, other: TensorAnalysis) -> TensorAnalysis:
+        bf16 = self.bf16 + other.bf16 if self.bf16 is not None and other.bf16 is not None else None
+        return TensorAnalysis(
+            self.eps + other.eps, self.exact + other.exact, bf16, self.tensors + other.tensors
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Magnitudes of the active task-vector elements
 

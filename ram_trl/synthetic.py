@@ -48,6 +48,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from ram_trl.sizes import parse_size
+
 __all__ = [
     "DEFAULT_ALPHABET",
     "SPECIAL_TOKENS",
@@ -102,27 +104,6 @@ def _generator(*parts: object) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     generator.manual_seed(_derive_seed(*parts))
     return generator
-
-
-def _parse_size(size: int | str) -> int:
-    """Bytes in ``size`` ("20KB", "1GB", "1GiB" or an int), with the units transformers uses."""
-    if isinstance(size, int):
-        return size
-    text = size.strip()
-    for suffix, factor in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10)):
-        if text.upper().endswith(suffix):
-            return int(text[: -len(suffix)]) * factor
-    for suffix, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if text.upper().endswith(suffix):
-            value = int(text[: -len(suffix)]) * factor
-            return value // 8 if text.endswith("b") else value
-    if text.upper().endswith("B") and text[:-1].isdigit():
-        return int(text[:-1])
-    if text.isdigit():
-        return int(text)
-    raise ValueError(
-        f"max_shard_size={size!r} is not a size; use an int or a string such as '500MB' or '1GiB'"
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,8 +233,9 @@ def write_synthetic_base(
     split = split_torch_state_dict_into_shards(
         metas,
         filename_pattern="model{suffix}.safetensors",
-        max_shard_size=_parse_size(
-            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE
+        max_shard_size=parse_size(
+            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE,
+            lowercase_b_is_bits=True,
         ),
     )
     for filename, names in split.filename_to_tensors.items():

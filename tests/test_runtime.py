@@ -56,3 +56,27 @@ def test_import_restores_the_garbage_collector_state(enabled):
     code = f"import gc\nif not {enabled}:\n    gc.disable()\nimport ram_trl\nprint(gc.isenabled())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(enabled)
+
+
+def test_gc_paused_restores_the_previous_state():
+    from ram_trl.runtime import gc_paused
+
+    was = gc.isenabled()
+    try:
+        for start in (True, False):
+            gc.enable() if start else gc.disable()
+            with gc_paused():
+                assert not gc.isenabled()
+            assert gc.isenabled() is start
+        gc.enable()
+        with pytest.raises(RuntimeError), gc_paused():
+            raise RuntimeError("inside")
+        assert gc.isenabled()
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_the_command_line_restores_the_garbage_collector_state():
+    code = "import gc\nfrom ram_trl.cli import main\nassert main(['methods']) == 0\nprint(gc.isenabled())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "True"

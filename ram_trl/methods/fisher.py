@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from ram_trl import defaults
+
 #: Matena & Raffel's default ``fisher_floor``.
-DEFAULT_FISHER_FLOOR = 1e-6
+DEFAULT_FISHER_FLOOR = defaults.FISHER_FLOOR
 
 
 def fisher_merge(

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DEFAULT_EPS = 1e-5
+from ram_trl import defaults
+
+DEFAULT_EPS = defaults.EPS
 
 
 def float32_threshold(eps: float) -> float:

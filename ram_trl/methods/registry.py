@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from ram_trl import defaults
 from ram_trl.methods import dare, fisher, linear, ram, ties
 
 
@@ -179,14 +180,18 @@ _RHO_SCOPE = Parameter(
     "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
     choices=("global", "tensor"),
 )
-_R = Parameter("r", float, 0.1, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0)
-_ALPHA = Parameter("alpha", float, 2.0, "global", "clip bound alpha of rho_t", minimum=0.0)
-_LAMBDA = Parameter("lambda", float, 1.0, "global", "global scaling term applied to the merged task vector")
-_WEIGHT = Parameter("weight", float, 1.0, "agent", "per-agent weight w_t")
+_R = Parameter(
+    "r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0
+)
+_ALPHA = Parameter("alpha", float, defaults.ALPHA, "global", "clip bound alpha of rho_t", minimum=0.0)
+_LAMBDA = Parameter(
+    "lambda", float, defaults.LAMBDA, "global", "global scaling term applied to the merged task vector"
+)
+_WEIGHT = Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t")
 _DENSITY = Parameter(
     "density",
     float,
-    1.0,
+    defaults.DENSITY,
     "agent",
     "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)",
     minimum=0.0,
@@ -281,7 +286,7 @@ register(
         "ram+": Alias("ram_plus"),
         "ramplus_tl": Alias(
             "ram_plus",
-            {"rho_scope": "tensor", "alpha": 0.2},
+            {"rho_scope": "tensor", "alpha": defaults.MERGEKIT_TL_ALPHA},
             "mergekit's tensor-local RAM+: rho per tensor, alpha default 0.2",
         ),
     },
@@ -411,7 +416,7 @@ register(
                 "Fisher values below it are raised to it (Matena & Raffel's fisher_floor; 0: none)",
                 minimum=0.0,
             ),
-            Parameter("weight", float, 1.0, "agent", "per-agent weight w_t", minimum=0.0),
+            Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t", minimum=0.0),
             Parameter(
                 "fisher",
                 Path,

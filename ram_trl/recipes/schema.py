@@ -38,6 +38,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ram_trl import defaults
 from ram_trl.errors import ConfigError
 
 __all__ = [
@@ -320,9 +321,9 @@ class AnalysisSpec(_Strict):
     """Parameters of ``ram-trl analyze`` over the agents (eps, and r/alpha for the implied lambda_t)."""
 
     enabled: bool = True
-    eps: float = Field(1e-5, ge=0)
-    r: float = 0.1
-    alpha: float = 2.0
+    eps: float = Field(defaults.EPS, ge=0)
+    r: float = defaults.R
+    alpha: float = defaults.ALPHA
 
 
 class Recipe(_Strict):

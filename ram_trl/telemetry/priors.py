@@ -21,9 +21,7 @@ from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.methods.ram import active_mask
-from ram_trl.planner import build_plan
 from ram_trl.stage import StageManifest, checkpoint_path, manifest_path, read_manifest
-from ram_trl.streaming import iter_chunks, to_deltas
 
 
 @dataclass(frozen=True)
@@ -125,6 +123,11 @@ def compute_prior_masks(
         CheckpointError: naming the prior stage and tensor, if a prior does not fit the base (missing, extra or
             differently shaped tensors) or holds NaN/Inf.
     """
+    # The merge's planner and reader, imported here: a run without prior stages (and ``import ram_trl.callbacks``)
+    # never loads them. Neither imports the telemetry, so this is no cycle.
+    from ram_trl.planner import build_plan
+    from ram_trl.streaming import iter_chunks, to_deltas
+
     base = open_checkpoint(base_path, "base model")
     agents = [open_checkpoint(s.checkpoint, f"prior stage {s.name!r} ({s.checkpoint})") for s in stages]
     plan = build_plan(

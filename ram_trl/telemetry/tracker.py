@@ -15,7 +15,7 @@ Every measurement walks the parameters this process holds (:func:`~ram_trl.telem
 bounded chunks, compares each flat range with the same range of the base, and counts. Counts of partitioned
 parameters are summed over processes (``torch.distributed``), replicated parameters are split between processes
 and summed too; full parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the merge's and
-``ram-trl analyze``'s code); the anatomy buckets are :func:`ram_trl.analysis.anatomy`.
+``ram-trl analyze``'s code); the anatomy buckets are :func:`ram_trl.anatomy.summarize`.
 
 What one measurement reports (names under ``prefix``, default ``task_vector/``):
 
@@ -53,7 +53,8 @@ from typing import Any, Literal
 
 import torch
 
-from ram_trl.analysis import TensorAnalysis, anatomy
+from ram_trl import defaults
+from ram_trl.anatomy import summarize
 from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
@@ -64,6 +65,7 @@ from ram_trl.statistics import (
     MagnitudeStatistics,
     MagnitudeWorkspace,
     OverlapStatistics,
+    TensorAnalysis,
     magnitude_bin_edges,
     sum_of_squares,
 )
@@ -83,8 +85,8 @@ CHUNK_ELEMENTS = 1 << 18
 #: Models with fewer local elements are measured on the calling thread (no worker threads).
 SMALL_MODEL_ELEMENTS = 1 << 20
 #: Default size of the systematic sample the magnitude statistics are taken from (see :class:`TaskVectorTracker`).
-MAGNITUDE_SAMPLE_ELEMENTS = 1 << 25
-DEFAULT_PREFIX = "task_vector/"
+MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
+DEFAULT_PREFIX = defaults.METRIC_PREFIX
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -348,10 +350,10 @@ class TaskVectorTracker:
         *,
         reference_model: torch.nn.Module | None = None,
         eps: float = DEFAULT_EPS,
-        save_dtype: str | torch.dtype = "bfloat16",
+        save_dtype: str | torch.dtype = defaults.SAVE_DTYPE,
         prior_stages: Sequence[str | os.PathLike] = (),
-        r: float = 0.1,
-        alpha: float = 2.0,
+        r: float = defaults.R,
+        alpha: float = defaults.ALPHA,
         prefix: str = DEFAULT_PREFIX,
         magnitudes: bool = True,
         magnitude_sample: int | None = MAGNITUDE_SAMPLE_ELEMENTS,
@@ -789,7 +791,7 @@ class TaskVectorTracker:
             )
             for name, c in zip(names, counts, strict=True)
         }
-        buckets = anatomy(records, 1)
+        buckets = summarize(records, 1)
         for bucket in buckets["modules"]:
             out[f"module/{bucket['module']}/density"] = bucket["density_bf16"][0]
         for bucket in buckets["layers"]:

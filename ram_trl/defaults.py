@@ -1,0 +1,60 @@
+"""Every default shared by more than one entry point, in one place.
+
+The command line, :func:`ram_trl.merge`, :func:`ram_trl.analyze`, the method registry, the telemetry tracker and
+callback, the recipe schema and the reports all read these names instead of repeating the numbers, so a default
+changes in one line. This module imports nothing.
+
+Example:
+
+```python
+from ram_trl import defaults
+
+defaults.EPS, defaults.R, defaults.ALPHA  # (1e-05, 0.1, 2.0): the RAM paper's values
+```
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------------------------
+# The RAM method (the paper's defaults)
+
+#: Activity threshold: an element of a task vector is active when ``|tau| > EPS`` (strict).
+EPS: float = 1e-5
+#: RAM+ / RAM+s rescale strength r of ``lambda_t = 1 + r * f(rho_t)``.
+R: float = 0.1
+#: RAM+ clip bound alpha of rho_t.
+ALPHA: float = 2.0
+#: mergekit's default alpha for its tensor-local RAM+ (``ramplus_tl``).
+MERGEKIT_TL_ALPHA: float = 0.2
+
+# ---------------------------------------------------------------------------------------------------------------
+# Baselines
+
+#: Global scaling of the merged task vector (task arithmetic, TIES, DARE, Fisher).
+LAMBDA: float = 1.0
+#: Per-agent weight w_t.
+WEIGHT: float = 1.0
+#: Fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p).
+DENSITY: float = 1.0
+#: Fisher merging: Fisher values below it are raised to it (Matena & Raffel's ``fisher_floor``).
+FISHER_FLOOR: float = 1e-6
+#: Seed of DARE's random drops.
+SEED: int = 0
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming and output
+
+#: Largest output safetensors file (decimal units: 5 * 10**9 bytes).
+MAX_SHARD_SIZE: str = "5GB"
+#: Memory for one chunk's buffers; bounds peak memory (decimal units: 256 * 10**6 bytes).
+CHUNK_BUDGET: str = "256MB"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Telemetry
+
+#: Magnitude statistics of larger models come from a systematic sample of about this many elements.
+MAGNITUDE_SAMPLE: int = 1 << 25
+#: Prefix of the metrics the telemetry logs.
+METRIC_PREFIX: str = "task_vector/"
+#: dtype an agent is saved in at the end of an RL run (what a merge of real RL checkpoints sees).
+SAVE_DTYPE: str = "bfloat16"

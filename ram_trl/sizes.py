@@ -1,0 +1,75 @@
+"""Byte sizes: the one parser of ``"5GB"``-style sizes and their formatting.
+
+Decimal units are powers of 1000 (``KB``, ``MB``, ``GB``, ``TB``, and the bare ``K``, ``M``, ``G``), binary units
+powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes. Imports nothing heavier than
+:mod:`ram_trl.errors`.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+from ram_trl.errors import ConfigError
+
+__all__ = ["format_bytes", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
+_UNITS.update(
+    {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
+)
+
+
+def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False) -> int:
+    """Bytes in a size such as ``"5GB"``, ``"500MiB"``, ``"1.5GB"`` or ``1048576``.
+
+    Args:
+        value (`str` or `int`):
+            The size; an int is returned as it is. Units are case-insensitive; fractions are exact
+            (``"4.35MB"`` is 4,350,000 bytes), the result is rounded down to whole bytes.
+        lowercase_b_is_bits (`bool`, *optional*, defaults to `False`):
+            The convention of transformers' ``max_shard_size``: a decimal unit written with a lowercase final
+            ``b`` (``"5Gb"``) counts bits, so the bytes are divided by 8 (rounded down). Without it, ``"5Gb"``
+            is ``"5GB"``.
+
+    Returns:
+        `int`: the number of bytes.
+
+    Raises:
+        ConfigError: when ``value`` is not a size (also a ``ValueError``).
+
+    Example:
+
+    ```python
+    >>> parse_size("5GB"), parse_size("256MiB"), parse_size("1Gb", lowercase_b_is_bits=True)
+    (5000000000, 268435456, 125000000)
+    ```
+    """
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    unit = (match.group(2) or "").upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"cannot parse size {value!r}; write e.g. 5GB, 500MB or 256MiB")
+    size = int(Decimal(match.group(1)) * _UNITS[unit])
+    text = (match.group(2) or "").strip()
+    if lowercase_b_is_bits and text.endswith("b") and unit in ("KB", "MB", "GB", "TB"):
+        size //= 8
+    return size
+
+
+def format_bytes(num: float) -> str:
+    """A byte count in decimal units with two decimals (``"1.50 GB"``; whole bytes below 1 KB: ``"512 B"``).
+
+    Args:
+        num (`float`): Bytes.
+
+    Returns:
+        `str`: the formatted size.
+    """
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(num) < 1000 or unit == "TB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
+        num /= 1000
+    raise AssertionError
