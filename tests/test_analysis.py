@@ -19,7 +19,7 @@ from ram_trl.cli import main
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests._launch import free_port, run_job
-from tests.test_engine_golden import BASE, TAUS
+from tests.helpers import BASE, TAUS
 
 # The seven elements of tests/test_engine_golden.py (dyadic, so base + tau is exact in float32), in two tensors:
 # A = e0..e3, B = e4..e6. e0: no agent; e1: agent 0; e2: agents 0, 1; e3: all three; e4: agent 0 at exactly eps
@@ -228,14 +228,14 @@ def test_small_chunks_give_the_same_result(synthetic):
 
 
 def test_lora_agent_dense_on_its_targets_and_its_bf16_view(tmp_path):
-    from tests.io.test_lora import _adapter, _dense_lora_deltas, _qwen, _save_base
+    from tests.helpers import dense_lora_deltas, lora_adapter, qwen_model, save_base
 
-    base = _save_base(_qwen(), tmp_path / "base")  # float32
+    base = save_base(qwen_model(), tmp_path / "base")  # float32
     # a small scaling: part of the delta is below half a bf16 step of the weights it is added to
-    peft_model = _adapter(
-        _qwen(), tmp_path / "lora", r=4, lora_alpha=0.01, target_modules=["q_proj", "up_proj"]
+    peft_model = lora_adapter(
+        qwen_model(), tmp_path / "lora", r=4, lora_alpha=0.01, target_modules=["q_proj", "up_proj"]
     )
-    deltas = _dense_lora_deltas(peft_model)
+    deltas = dense_lora_deltas(peft_model)
     state = load_file(str(base / "model.safetensors"))
     result = ram_trl.analyze(base, [tmp_path / "lora"], progress=False)
     merged = ram_trl.merge(
@@ -407,6 +407,7 @@ def test_agent_identical_to_the_base_is_reported(golden, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_give_the_same_analysis(synthetic, tmp_path):
     base, agents, _ = synthetic
     single = ram_trl.analyze(base, agents, tmp_path / "p1", progress=False)

@@ -5,154 +5,36 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import ram_trl
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
-from ram_trl.io import safetensors_io
-
-HIDDEN = 8
-VOCAB = 16
-INTER = 24
-EMBED = "model.embed_tokens.weight"
-UP = "model.layers.0.mlp.up_proj.weight"
-BIAS = "model.layers.0.mlp.up_proj.bias"
-DOWN = "model.layers.0.mlp.down_proj.weight"
-ALL_METHODS = (
-    "dare_linear",
-    "dare_ties",
-    "linear",
-    "ram",
-    "ram_plus",
-    "ram_plus_soft",
-    "task_arithmetic",
-    "ties",
+from tests.helpers import (
+    ALL_METHODS,
+    BIAS,
+    DOWN,
+    EMBED,
+    HIDDEN,
+    INTER,
+    UP,
+    VOCAB,
+    assert_no_output,
+    base_tensors,
+    config_for,
+    failing_writer,
+    leftovers,
+    load_checkpoint,
+    make_checkpoints,
+    save_checkpoint,
+    snapshot,
 )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Building tiny checkpoints
-
-
-def base_tensors(seed: int = 0, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
-    """A tiny float32 'model': an embedding [vocab, hidden], a matrix and its bias, and a second matrix."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        EMBED: torch.randn(vocab, HIDDEN, generator=g),
-        UP: torch.randn(INTER, HIDDEN, generator=g),
-        BIAS: torch.randn(INTER, generator=g),
-        DOWN: torch.randn(HIDDEN, INTER, generator=g),
-    }
-
-
-def perturb(tensors: dict[str, torch.Tensor], seed: int, fraction: float = 0.1, scale: float = 0.05):
-    """``tensors`` plus a sparse random task vector (about ``fraction`` of the elements changed)."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    out = {}
-    for name, value in tensors.items():
-        mask = torch.rand(value.shape, generator=g) < fraction
-        noise = torch.randn(value.shape, generator=g) * scale
-        out[name] = value + mask * noise
-    return out
-
-
-def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int = VOCAB) -> Path:
-    """A Hugging Face-style directory: model.safetensors + config.json."""
-    path.mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    config = {
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": HIDDEN,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-@dataclass
-class Checkpoints:
-    root: Path
-    base: Path
-    agents: list[Path]
-    base_tensors: dict[str, torch.Tensor]
-    agent_tensors: list[dict[str, torch.Tensor]]
-
-
-def make_checkpoints(
-    root: Path, num_agents: int = 2, *, seed: int = 0, fraction: float = 0.1, overrides: dict | None = None
-) -> Checkpoints:
-    """A base and ``num_agents`` agents (base + sparse perturbations) under ``root``.
-
-    ``overrides`` maps an agent index to a function ``tensors -> tensors`` applied before saving.
-    """
-    base = base_tensors(seed)
-    base_dir = save_checkpoint(root / "base", base)
-    agents, agent_tensors = [], []
-    for t in range(num_agents):
-        tensors = perturb(base, seed * 100 + t, fraction)
-        if overrides and t in overrides:
-            tensors = overrides[t](tensors)
-        agent_tensors.append(tensors)
-        agents.append(save_checkpoint(root / f"agent{t}", tensors))
-    return Checkpoints(root, base_dir, agents, base, agent_tensors)
-
-
-def config_for(
-    ckpts: Checkpoints,
-    method: str = "task_arithmetic",
-    *,
-    agents: list[Path] | None = None,
-    agent_parameters: dict[str, Any] | None = None,
-    parameters: dict[str, Any] | None = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    models = [
-        {"model": str(a), **({"parameters": dict(agent_parameters)} if agent_parameters else {})}
-        for a in (ckpts.agents if agents is None else agents)
-    ]
-    config: dict[str, Any] = {"merge_method": method, "base_model": str(ckpts.base), "models": models}
-    if parameters:
-        config["parameters"] = parameters
-    config.update(extra)
-    return config
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Assertions
-
-
-def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
-    """Every file under ``root``: bytes and modification time."""
-    return {
-        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
-def leftovers(out: Path) -> list[str]:
-    """Temporary or backup siblings the engine may create next to ``out``."""
-    return sorted(p.name for p in out.parent.glob(f".{out.name}.ram-trl-*"))
-
-
-def assert_no_output(out: Path) -> None:
-    assert not out.exists(), f"{out} was left behind"
-    assert leftovers(out) == [], f"temporary siblings left behind: {leftovers(out)}"
 
 
 def assert_fails(config, out: Path, error: type[Exception], *needles: object, inputs: Path, **kwargs) -> str:
@@ -169,16 +51,6 @@ def assert_fails(config, out: Path, error: type[Exception], *needles: object, in
     assert_no_output(out)
     assert snapshot(inputs) == before, "inputs were modified"
     return message
-
-
-@pytest.fixture
-def ckpts(tmp_path) -> Checkpoints:
-    return make_checkpoints(tmp_path / "inputs")
-
-
-@pytest.fixture
-def out(tmp_path) -> Path:
-    return tmp_path / "merged"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -553,21 +425,6 @@ def test_overwrite_replaces_the_output(ckpts, out):
     assert leftovers(out) == []
 
 
-def _failing_writer(monkeypatch, exception: type[BaseException], succeed: int = 1) -> list[int]:
-    """Make the shard writer (``ShardFile.write_rows``) raise ``exception`` after ``succeed`` successful writes."""
-    original = safetensors_io.ShardFile.write_rows
-    calls = [0]
-
-    def write_rows(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] > succeed:
-            raise exception("simulated failure while writing")
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
-    return calls
-
-
 @pytest.mark.parametrize("failure", ["nonfinite", "interrupted"])
 def test_failed_overwrite_keeps_the_old_output(tmp_path, out, monkeypatch, failure):
     if failure == "nonfinite":
@@ -576,7 +433,7 @@ def test_failed_overwrite_keeps_the_old_output(tmp_path, out, monkeypatch, failu
         error: type[BaseException] = NonFiniteError
     else:
         ckpts = make_checkpoints(tmp_path / "inputs")
-        _failing_writer(monkeypatch, KeyboardInterrupt)
+        failing_writer(monkeypatch, KeyboardInterrupt)
         error = KeyboardInterrupt
     old = _old_output(out)
     before = snapshot(ckpts.root)
@@ -761,7 +618,7 @@ def test_yaml_with_unknown_field_names_the_file(ckpts, out, tmp_path):
     ],
 )
 def test_interrupted_merge_leaves_nothing(ckpts, out, monkeypatch, exception, method, max_shard_size):
-    calls = _failing_writer(monkeypatch, exception)
+    calls = failing_writer(monkeypatch, exception)
     before = snapshot(ckpts.root)
     with pytest.raises(exception, match="simulated failure"):
         ram_trl.merge(config_for(ckpts, method), out, progress=False, max_shard_size=max_shard_size)
@@ -772,7 +629,7 @@ def test_interrupted_merge_leaves_nothing(ckpts, out, monkeypatch, exception, me
 
 
 def test_merge_after_an_interrupted_merge_succeeds(ckpts, out, monkeypatch):
-    _failing_writer(monkeypatch, RuntimeError)
+    failing_writer(monkeypatch, RuntimeError)
     with pytest.raises(RuntimeError):
         ram_trl.merge(config_for(ckpts), out, progress=False)
     monkeypatch.undo()

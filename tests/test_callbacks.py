@@ -20,7 +20,6 @@ pytest.importorskip("tensorboard")
 
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -35,6 +34,9 @@ from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  #
 from ram_trl.errors import ConfigError  # noqa: E402
 from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
+from tests.helpers import tensorboard_scalars  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
 
 P = "task_vector/"
 STEPS = 3
@@ -92,20 +94,6 @@ def grpo_run(base: Path, out: Path, callback: TaskVectorSparsityCallback, **over
 def logged(trainer) -> list[dict]:
     """The log_history entries carrying telemetry."""
     return [e for e in trainer.state.log_history if f"{P}density" in e]
-
-
-def tensorboard_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
-    """Steps and values of a logged metric in the TensorBoard event files (the integration adds ``train/``)."""
-    tag = f"train/{tag}"
-    files = sorted(out.rglob("events.out.tfevents.*"))
-    assert files, f"no TensorBoard event file under {out}"
-    values = []
-    for file in files:
-        acc = EventAccumulator(str(file.parent))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values += [(e.step, e.value) for e in acc.Scalars(tag)]
-    return values
 
 
 def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Path, kind: str) -> dict:

@@ -23,6 +23,8 @@ from ram_trl.callbacks import last_reward_metrics
 from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.network]
+
 REPO = Path(__file__).resolve().parents[1]
 PPO_VENV = REPO / ".venv-ppo"
 #: What the PPO virtualenv holds besides this package (torch first: the CPU wheel, pinned).
@@ -99,7 +101,7 @@ def test_ppo_runs_trl_1_9_and_measures_the_policy_against_the_reference_model(pp
 
 
 def test_ppo_metrics_reach_log_history_and_tensorboard(ppo_run) -> None:
-    from tests.test_callbacks import tensorboard_scalars
+    from tests.helpers import tensorboard_scalars
 
     entries = [e for e in ppo_run["log_history"] if f"{P}density" in e]
     # measured at the logging step (2) and the final step (3), in entries of their own (PPO has no metric store)

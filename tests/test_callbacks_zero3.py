@@ -24,6 +24,8 @@ from ram_trl.stage import check_base, fingerprint_checkpoint, read_manifest  # n
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKER = Path(__file__).with_name("_grpo_zero3_worker.py")
 P = "task_vector/"
 STEPS = 3

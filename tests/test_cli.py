@@ -15,14 +15,12 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.cli import main
-from tests.test_bad_input import (
+from tests.helpers import (
     ALL_METHODS,
-    Checkpoints,
-    _failing_writer,
     config_for,
+    failing_writer,
     leftovers,
     load_checkpoint,
-    make_checkpoints,
     snapshot,
 )
 
@@ -32,11 +30,6 @@ OUTPUT_FILES = {"model.safetensors", "README.md", "ram_merge_report.json", "conf
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-@pytest.fixture
-def ckpts(tmp_path) -> Checkpoints:
-    return make_checkpoints(tmp_path / "inputs")
 
 
 @pytest.fixture
@@ -215,7 +208,7 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_interrupted_merge_exits_130_and_leaves_nothing(ckpts, config_path, tmp_path, monkeypatch, capsys):
-    _failing_writer(monkeypatch, KeyboardInterrupt)
+    failing_writer(monkeypatch, KeyboardInterrupt)
     out = tmp_path / "merged"
     try:
         code = main(["merge", str(config_path), str(out), "--no-progress"])

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,30 +12,9 @@ import ram_trl
 from ram_trl.distributed import partition_by_bytes
 from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
-from tests._launch import free_port, run_job
-from tests.test_fisher_merge import random_fisher
+from tests.helpers import launch_merge, random_fisher
 
-pytestmark = pytest.mark.slow
-
-
-def _launch(nproc: int, config, out, *extra: str, launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    port = free_port()
-    if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        command += [f"--master_port={port}", "-m", "ram_trl"]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            f"--num_processes={nproc}",
-        ]
-        command += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
-        command += [f"--main_process_port={port}", "-m", "ram_trl"]
-    command += ["merge", str(config), str(out), "--no-progress", *extra]
-    return run_job(command, port, env=env, capture_output=True, text=True, timeout=300)
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +60,7 @@ def test_bit_identical_for_one_two_and_three_processes(inputs, tmp_path, method,
     config = _write_config(tmp_path, base, agents, method, "cfg", agent_params, **params)
     single = ram_trl.merge(config, tmp_path / "p1", max_shard_size="30KB", progress=False)
     for nproc in (2, 3):
-        result = _launch(nproc, config, tmp_path / f"p{nproc}", "--max-shard-size", "30KB")
+        result = launch_merge(nproc, config, tmp_path / f"p{nproc}", "--max-shard-size", "30KB")
         assert result.returncode == 0, result.stderr[-3000:]
         assert _files(tmp_path / f"p{nproc}") == _files(tmp_path / "p1")
         assert len(_files(tmp_path / "p1")) > 1
@@ -101,7 +77,7 @@ def test_accelerate_launch_two_processes(inputs, tmp_path):
     root, base, agents = inputs
     config = _write_config(tmp_path, base, agents, "ram_plus", "cfg")
     ram_trl.merge(config, tmp_path / "p1", progress=False)
-    result = _launch(2, config, tmp_path / "p2", launcher="accelerate")
+    result = launch_merge(2, config, tmp_path / "p2", launcher="accelerate")
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "p2" / "ram_merge_report.json").read_text())["processes"] == 2
     assert _files(tmp_path / "p2") == _files(tmp_path / "p1")
@@ -132,7 +108,7 @@ def test_failure_on_one_rank_fails_every_rank_and_leaves_no_output(inputs, tmp_p
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
     config = _write_config(tmp_path, base, [agents[0], bad, agents[2]], method, "bad")
     out = tmp_path / "out"
-    result = _launch(2, config, out)
+    result = launch_merge(2, config, out)
     assert result.returncode != 0
     assert "NaN" in result.stderr and name in result.stderr
     assert "another rank" in result.stderr  # rank 0 failed because rank 1 did

@@ -10,20 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ram_trl
+from tests.helpers import BASE, TAUS
 
 F = torch.float32
-# The seven elements of tests/methods/test_ram.py (same activity pattern, dyadic values so that base + tau is
-# exact in float32), split over two tensors: A = e0..e3, B = e4..e6. e0: no agent; e1: agent 0 only; e2: agents
-# 0, 1; e3: all three; e4: agent 0 at exactly eps (inactive); e5: agent 1 only; e6: agent 0 only.
-TAUS = torch.tensor(
-    [
-        [0.0, 0.5, 0.25, 0.375, 1e-5, 0.0, 0.125],
-        [0.0, 0.0, 0.5, -0.375, 0.0, 2e-5, 0.0],
-        [0.0, 0.0, 0.0, 0.75, 0.0, 0.0, 0.0],
-    ],
-    dtype=F,
-)
-BASE = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0, 0.0, 3.0], dtype=F)
 
 
 def _write(path, flat):

@@ -22,26 +22,9 @@ from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.planner import bytes_per_element
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
+from tests.helpers import random_fisher
 
 CHUNK_BUDGET = 64 * 1024  # forces row chunking of every matrix
-
-
-def random_fisher(
-    state: dict[str, torch.Tensor], seed: int, zero_share: float = 0.3
-) -> dict[str, torch.Tensor]:
-    """Non-negative float32 values spanning several orders of magnitude, ``zero_share`` of them exactly zero."""
-    generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, value in state.items():
-        if not value.is_floating_point():
-            continue
-        magnitude = (
-            torch.rand(value.shape, generator=generator)
-            * 10 ** torch.randint(-8, 1, value.shape, generator=generator).float()
-        )
-        zero = torch.rand(value.shape, generator=generator) < zero_share
-        out[name] = torch.where(zero, torch.zeros_like(magnitude), magnitude).float()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -486,8 +486,9 @@ def test_dry_run_plans_the_float32_merge_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 def test_distributed_export_equals_the_single_process_one(tmp_path):
-    from tests.test_distributed import _launch
+    from tests.helpers import launch_merge
 
     base = _save_base(tmp_path / "base")
     g = torch.Generator().manual_seed(11)
@@ -500,7 +501,7 @@ def test_distributed_export_equals_the_single_process_one(tmp_path):
     config = tmp_path / "merge.json"
     config.write_text(json.dumps(_config(base, [tmp_path / "agent"])))
     flags = ["--output-format", "lora", "--max-rank", "8", "--energy", "0.95"]
-    result = _launch(2, config, tmp_path / "dist", *flags)
+    result = launch_merge(2, config, tmp_path / "dist", *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert main(["merge", str(config), str(tmp_path / "single"), "--no-progress", *flags]) == 0
     dist, single = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("dist", "single"))

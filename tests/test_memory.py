@@ -18,7 +18,7 @@ from ram_trl.io.fisher import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.planner import bytes_per_element, chunk_elements
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
-from tests.test_fisher_merge import random_fisher
+from tests.helpers import random_fisher
 
 BUDGET = 256 * 1024
 

@@ -21,7 +21,7 @@ from ram_trl.stage import (
     read_manifest,
     write_manifest,
 )
-from tests.test_bad_input import config_for, make_checkpoints
+from tests.helpers import config_for, make_checkpoints
 
 
 def stage_for(ckpts, t: int, **fields) -> Path:

@@ -19,7 +19,7 @@ from ram_trl.statistics import (
     magnitude_bin_edges,
     top_mass_share,
 )
-from tests.test_engine_golden import TAUS
+from tests.helpers import TAUS
 
 # TAUS: the seven elements of tests/methods/test_ram.py with dyadic values: e0 no agent; e1 agent 0; e2 agents 0, 1;
 # e3 all three; e4 agent 0 at exactly eps (inactive); e5 agent 1 (2e-5); e6 agent 0.

@@ -7,41 +7,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import ram_trl
 from ram_trl.errors import CheckpointError
 from tests import reference
+from tests.helpers import dense_lora_deltas, lora_adapter, qwen_model, save_base
 
 peft = pytest.importorskip("peft", reason="peft is needed to build real LoRA adapters")
-
-
-def _qwen(seed=0, **overrides):
-    settings = {
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 96,
-        "tie_word_embeddings": False,
-    }
-    config = Qwen2Config(**{**settings, **overrides})
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float()
-
-
-def _save_base(model, path):
-    model.save_pretrained(path)
-    return path
-
-
-def _adapter(model, path, seed=1, **lora):
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(init_lora_weights=False, **lora)  # random B: a non-zero delta
-    peft_model = peft.get_peft_model(model, config)
-    peft_model.save_pretrained(path)
-    return peft_model
 
 
 def _merge_config(base, agents, method="task_arithmetic", agent_params=None, **params):
@@ -76,8 +49,8 @@ LORA_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(LORA_VARIANTS))
 def test_single_lora_agent_equals_peft_merge_and_unload(tmp_path, variant):
-    base = _save_base(_qwen(), tmp_path / "base")
-    peft_model = _adapter(_qwen(), tmp_path / "adapter", **LORA_VARIANTS[variant])
+    base = save_base(qwen_model(), tmp_path / "base")
+    peft_model = lora_adapter(qwen_model(), tmp_path / "adapter", **LORA_VARIANTS[variant])
     if variant == "embedding_and_modules_to_save":  # make the saved full tensors differ from the base
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
@@ -104,7 +77,7 @@ def test_fan_in_fan_out_gpt2_conv1d(tmp_path):
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "base")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
-    peft_model = _adapter(
+    peft_model = lora_adapter(
         model, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True
     )
     merged_reference = peft_model.merge_and_unload().state_dict()
@@ -118,18 +91,9 @@ def test_fan_in_fan_out_gpt2_conv1d(tmp_path):
     )
 
 
-def _dense_lora_deltas(peft_model) -> dict[str, torch.Tensor]:
-    """PEFT's own dense delta per base tensor name (get_delta_weight), plus modules_to_save values."""
-    deltas = {}
-    for name, module in peft_model.base_model.model.named_modules():
-        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
-            deltas[f"{name}.weight"] = module.get_delta_weight("default").detach().float()
-    return deltas
-
-
 def test_mixed_full_and_lora_ram_merge_equals_reference(tmp_path):
-    base_model = _qwen()
-    base = _save_base(base_model, tmp_path / "base")
+    base_model = qwen_model()
+    base = save_base(base_model, tmp_path / "base")
     base_state = load_file(str(base / "model.safetensors"))
     # a full agent: a sparse RL-like update of the base
     full_state = {}
@@ -140,8 +104,10 @@ def test_mixed_full_and_lora_ram_merge_equals_reference(tmp_path):
     (tmp_path / "full").mkdir()
     save_file(full_state, str(tmp_path / "full" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "full" / "config.json").write_text((base / "config.json").read_text())
-    peft_model = _adapter(_qwen(), tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
-    lora_deltas = _dense_lora_deltas(peft_model)
+    peft_model = lora_adapter(
+        qwen_model(), tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]
+    )
+    lora_deltas = dense_lora_deltas(peft_model)
     report = ram_trl.merge(
         _merge_config(base, [tmp_path / "full", tmp_path / "lora"], "ram_plus", r=0.1, alpha=2.0),
         tmp_path / "out",
@@ -164,17 +130,18 @@ def test_mixed_full_and_lora_ram_merge_equals_reference(tmp_path):
 
 
 def test_dora_is_refused(tmp_path):
-    base = _save_base(_qwen(), tmp_path / "base")
-    _adapter(_qwen(), tmp_path / "dora", r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "dora", r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(CheckpointError, match="DoRA"):
         ram_trl.merge(_merge_config(base, [tmp_path / "dora"]), tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_other_peft_method_is_named(tmp_path):
-    base = _save_base(_qwen(), tmp_path / "base")
+    base = save_base(qwen_model(), tmp_path / "base")
     model = peft.get_peft_model(
-        _qwen(), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+        qwen_model(),
+        peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
     )
     model.save_pretrained(tmp_path / "ia3")
     with pytest.raises(CheckpointError, match="PEFT IA3 adapter"):
@@ -182,8 +149,10 @@ def test_other_peft_method_is_named(tmp_path):
 
 
 def test_adapter_for_another_shape_names_module_and_shapes(tmp_path):
-    base = _save_base(_qwen(), tmp_path / "base")
-    _adapter(_qwen(hidden_size=48, intermediate_size=64), tmp_path / "wide", r=4, target_modules=["q_proj"])
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(
+        qwen_model(hidden_size=48, intermediate_size=64), tmp_path / "wide", r=4, target_modules=["q_proj"]
+    )
     with pytest.raises(
         CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*\[48, 48\].*\[32, 32\]"
     ):
@@ -191,16 +160,16 @@ def test_adapter_for_another_shape_names_module_and_shapes(tmp_path):
 
 
 def test_missing_adapter_weights(tmp_path):
-    base = _save_base(_qwen(), tmp_path / "base")
-    _adapter(_qwen(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
     (tmp_path / "adapter" / "adapter_model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no adapter_model.safetensors"):
         ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
 
 
 def test_adapter_base_name_mismatch_warns(tmp_path):
-    base = _save_base(_qwen(), tmp_path / "base")
-    _adapter(_qwen(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "adapter", r=4, target_modules=["q_proj"])
     config_path = tmp_path / "adapter" / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = "Org/Some-Other-Model"

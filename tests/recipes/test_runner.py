@@ -33,7 +33,7 @@ MERGES = [
     "fisher",
 ]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from tests._launch import free_port, run_job
 from tests.telemetry._counting import Counts
 from tests.telemetry._dist_worker import SAMPLED, USED_TOKENS, OddNet
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 WORKER = Path(__file__).with_name("_dist_worker.py")
 WORLD = 2
 FULL_NUMEL = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,85 +20,25 @@ from torch import nn
 
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.methods.ram import active_mask
-from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
+from ram_trl.stage import fingerprint_checkpoint
 from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
 from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker, base_name
 from ram_trl.telemetry.tracker import model_layout
-
-S, M, L = 2.0**-20, 2.0**-10, 2.0**-6
-P = "task_vector/"
-
-#: tau per tensor (flattened), and the expected counts: (active at eps, changed, active in bf16).
-TAU = {
-    "model.embed_tokens.weight": [L, 0, M, S, 0, 0],
-    "model.layers.0.self_attn.q_proj.weight": [L, L, M, 0],
-    "model.layers.1.mlp.up_proj.weight": [0, 0, 0, 0],
-    "model.norm.weight": [S, M],
-    "lm_head.weight": [L, 0, 0, 0, 0, -L],
-}
-SHAPES = {
-    "model.embed_tokens.weight": (3, 2),
-    "model.layers.0.self_attn.q_proj.weight": (2, 2),
-    "model.layers.1.mlp.up_proj.weight": (2, 2),
-    "model.norm.weight": (2,),
-    "lm_head.weight": (3, 2),
-}
-NUMEL = 22
-
-
-class Norm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(2))
-
-
-def tiny_model() -> nn.Module:
-    """A decoder-shaped module with the parameter names of :data:`TAU`, all weights 1.0 (the base)."""
-    model = nn.Module()
-    model.model = nn.Module()
-    model.model.embed_tokens = nn.Embedding(3, 2)
-    model.model.layers = nn.ModuleList([nn.Module(), nn.Module()])
-    model.model.layers[0].self_attn = nn.Module()
-    model.model.layers[0].self_attn.q_proj = nn.Linear(2, 2, bias=False)
-    model.model.layers[1].mlp = nn.Module()
-    model.model.layers[1].mlp.up_proj = nn.Linear(2, 2, bias=False)
-    model.model.norm = Norm()
-    model.lm_head = nn.Linear(2, 3, bias=False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(1.0)
-    assert dict((n, tuple(p.shape)) for n, p in model.named_parameters()) == SHAPES
-    return model
-
-
-def train(model: nn.Module, tau: dict[str, list[float]] = TAU) -> nn.Module:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.tensor(tau[name], dtype=torch.float32).reshape(p.shape))
-    return model
-
-
-def write_base(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {n: torch.ones(s, dtype=dtype) for n, s in SHAPES.items()}, str(directory / "model.safetensors")
-    )
-    return directory
-
-
-def write_stage(root: Path, name: str, checkpoint: Path, base: Path) -> Path:
-    directory = root / f"stage_{name}"
-    write_manifest(
-        StageManifest(
-            stage=name,
-            base_model=str(base),
-            base_fingerprint=fingerprint_checkpoint(base),
-            checkpoint=str(checkpoint),
-            save_dtype="bfloat16",
-        ),
-        directory,
-    )
-    return directory
+from tests.telemetry.helpers import (
+    NUMEL,
+    SHAPES,
+    TAU,
+    L,
+    M,
+    Norm,
+    P,
+    tiny_model,
+    train,
+    write_base,
+    write_full_prior,
+    write_lora_prior,
+    write_stage,
+)
 
 
 def expected_counts() -> tuple[int, int, int]:
@@ -333,34 +272,6 @@ def test_memory_mapped_base_is_not_copied(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Prior stages
-
-
-def write_lora_prior(directory: Path) -> Path:
-    """A LoRA adapter on q_proj with delta ``B @ A = [[L, L], [0, 0]]``."""
-    directory.mkdir(parents=True)
-    (directory / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]})
-    )
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    save_file(
-        {
-            f"{prefix}.lora_A.weight": torch.tensor([[1.0, 1.0]]),
-            f"{prefix}.lora_B.weight": torch.tensor([[L], [0.0]]),
-        },
-        str(directory / "adapter_model.safetensors"),
-    )
-    return directory
-
-
-def write_full_prior(directory: Path) -> Path:
-    """A full bf16 agent active on embed_tokens[0], q_proj[0] and up_proj[0]."""
-    directory.mkdir(parents=True)
-    tensors = {n: torch.ones(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
-    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
-        tensors[name].view(-1)[0] += L
-    tensors["model.layers.1.mlp.up_proj.weight"].view(-1)[0] -= L
-    save_file(tensors, str(directory / "model.safetensors"))
-    return directory
 
 
 def test_prior_stage_overlap_rho_and_lambda(tmp_path):

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,7 +14,7 @@ import torch.multiprocessing as mp
 from ram_trl.distributed import exit_distributed, shutdown_distributed
 from ram_trl.telemetry import tracker as tracker_module
 from ram_trl.telemetry.shards import LocalShard
-from tests.telemetry.test_tracker import (
+from tests.telemetry.helpers import (
     tiny_model,
     train,
     write_base,
@@ -21,6 +22,8 @@ from tests.telemetry.test_tracker import (
     write_lora_prior,
     write_stage,
 )
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 #: Parameters split between the two processes (the others are replicated on both).
 PARTITIONED = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}

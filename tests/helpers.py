@@ -1,0 +1,298 @@
+"""Builders and assertions shared by the test modules (fixtures built from them live in ``tests/conftest.py``).
+
+Test modules import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ram_trl.io import safetensors_io
+from tests._launch import free_port, run_job
+
+# ---------------------------------------------------------------------------------------------------------------
+# Golden inputs of the engine and analysis tests
+
+F = torch.float32
+# The seven elements of tests/methods/test_ram.py (same activity pattern, dyadic values so that base + tau is
+# exact in float32), split over two tensors: A = e0..e3, B = e4..e6. e0: no agent; e1: agent 0 only; e2: agents
+# 0, 1; e3: all three; e4: agent 0 at exactly eps (inactive); e5: agent 1 only; e6: agent 0 only.
+TAUS = torch.tensor(
+    [
+        [0.0, 0.5, 0.25, 0.375, 1e-5, 0.0, 0.125],
+        [0.0, 0.0, 0.5, -0.375, 0.0, 2e-5, 0.0],
+        [0.0, 0.0, 0.0, 0.75, 0.0, 0.0, 0.0],
+    ],
+    dtype=F,
+)
+BASE = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0, 0.0, 3.0], dtype=F)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tiny float32 checkpoints (a base and sparse agents) and merge configs
+
+HIDDEN = 8
+VOCAB = 16
+INTER = 24
+EMBED = "model.embed_tokens.weight"
+UP = "model.layers.0.mlp.up_proj.weight"
+BIAS = "model.layers.0.mlp.up_proj.bias"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+ALL_METHODS = (
+    "dare_linear",
+    "dare_ties",
+    "linear",
+    "ram",
+    "ram_plus",
+    "ram_plus_soft",
+    "task_arithmetic",
+    "ties",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building tiny checkpoints
+
+
+def base_tensors(seed: int = 0, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    """A tiny float32 'model': an embedding [vocab, hidden], a matrix and its bias, and a second matrix."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        EMBED: torch.randn(vocab, HIDDEN, generator=g),
+        UP: torch.randn(INTER, HIDDEN, generator=g),
+        BIAS: torch.randn(INTER, generator=g),
+        DOWN: torch.randn(HIDDEN, INTER, generator=g),
+    }
+
+
+def perturb(tensors: dict[str, torch.Tensor], seed: int, fraction: float = 0.1, scale: float = 0.05):
+    """``tensors`` plus a sparse random task vector (about ``fraction`` of the elements changed)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    out = {}
+    for name, value in tensors.items():
+        mask = torch.rand(value.shape, generator=g) < fraction
+        noise = torch.randn(value.shape, generator=g) * scale
+        out[name] = value + mask * noise
+    return out
+
+
+def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int = VOCAB) -> Path:
+    """A Hugging Face-style directory: model.safetensors + config.json."""
+    path.mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    config = {
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+@dataclass
+class Checkpoints:
+    root: Path
+    base: Path
+    agents: list[Path]
+    base_tensors: dict[str, torch.Tensor]
+    agent_tensors: list[dict[str, torch.Tensor]]
+
+
+def make_checkpoints(
+    root: Path, num_agents: int = 2, *, seed: int = 0, fraction: float = 0.1, overrides: dict | None = None
+) -> Checkpoints:
+    """A base and ``num_agents`` agents (base + sparse perturbations) under ``root``.
+
+    ``overrides`` maps an agent index to a function ``tensors -> tensors`` applied before saving.
+    """
+    base = base_tensors(seed)
+    base_dir = save_checkpoint(root / "base", base)
+    agents, agent_tensors = [], []
+    for t in range(num_agents):
+        tensors = perturb(base, seed * 100 + t, fraction)
+        if overrides and t in overrides:
+            tensors = overrides[t](tensors)
+        agent_tensors.append(tensors)
+        agents.append(save_checkpoint(root / f"agent{t}", tensors))
+    return Checkpoints(root, base_dir, agents, base, agent_tensors)
+
+
+def config_for(
+    ckpts: Checkpoints,
+    method: str = "task_arithmetic",
+    *,
+    agents: list[Path] | None = None,
+    agent_parameters: dict[str, Any] | None = None,
+    parameters: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    models = [
+        {"model": str(a), **({"parameters": dict(agent_parameters)} if agent_parameters else {})}
+        for a in (ckpts.agents if agents is None else agents)
+    ]
+    config: dict[str, Any] = {"merge_method": method, "base_model": str(ckpts.base), "models": models}
+    if parameters:
+        config["parameters"] = parameters
+    config.update(extra)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Assertions on outputs and inputs
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root``: bytes and modification time."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(out: Path) -> list[str]:
+    """Temporary or backup siblings the engine may create next to ``out``."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.ram-trl-*"))
+
+
+def assert_no_output(out: Path) -> None:
+    assert not out.exists(), f"{out} was left behind"
+    assert leftovers(out) == [], f"temporary siblings left behind: {leftovers(out)}"
+
+
+def failing_writer(monkeypatch, exception: type[BaseException], succeed: int = 1) -> list[int]:
+    """Make the shard writer (``ShardFile.write_rows``) raise ``exception`` after ``succeed`` successful writes."""
+    original = safetensors_io.ShardFile.write_rows
+    calls = [0]
+
+    def write_rows(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > succeed:
+            raise exception("simulated failure while writing")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fisher files, TensorBoard logs, LoRA models, multi-process merges
+
+
+def random_fisher(
+    state: dict[str, torch.Tensor], seed: int, zero_share: float = 0.3
+) -> dict[str, torch.Tensor]:
+    """Non-negative float32 values spanning several orders of magnitude, ``zero_share`` of them exactly zero."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, value in state.items():
+        if not value.is_floating_point():
+            continue
+        magnitude = (
+            torch.rand(value.shape, generator=generator)
+            * 10 ** torch.randint(-8, 1, value.shape, generator=generator).float()
+        )
+        zero = torch.rand(value.shape, generator=generator) < zero_share
+        out[name] = torch.where(zero, torch.zeros_like(magnitude), magnitude).float()
+    return out
+
+
+def tensorboard_scalars(out: Path, tag: str) -> list[tuple[int, float]]:
+    """Steps and values of a logged metric in the TensorBoard event files (the integration adds ``train/``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # optional extra
+
+    tag = f"train/{tag}"
+    files = sorted(out.rglob("events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {out}"
+    values = []
+    for file in files:
+        acc = EventAccumulator(str(file.parent))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return values
+
+
+def qwen_model(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A tiny float32 Qwen2 causal LM (2 layers, width 32, vocabulary 96, untied), seeded."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 96,
+        "tie_word_embeddings": False,
+    }
+    config = Qwen2Config(**{**settings, **overrides})
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float()
+
+
+def save_base(model: torch.nn.Module, path: Path) -> Path:
+    """``model.save_pretrained(path)``; returns ``path``."""
+    model.save_pretrained(path)
+    return path
+
+
+def lora_adapter(model: torch.nn.Module, path: Path, seed: int = 1, **lora: Any):
+    """A PEFT LoRA adapter with random (non-zero) B on ``model``, saved to ``path``; returns the PEFT model."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(init_lora_weights=False, **lora)  # random B: a non-zero delta
+    peft_model = peft.get_peft_model(model, config)
+    peft_model.save_pretrained(path)
+    return peft_model
+
+
+def dense_lora_deltas(peft_model) -> dict[str, torch.Tensor]:
+    """PEFT's own dense delta per base tensor name (get_delta_weight), plus modules_to_save values."""
+    deltas = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
+            deltas[f"{name}.weight"] = module.get_delta_weight("default").detach().float()
+    return deltas
+
+
+def launch_merge(
+    nproc: int, config: Path, out: Path, *extra: str, launcher: str = "torchrun"
+) -> subprocess.CompletedProcess:
+    """``ram-trl merge CONFIG OUT`` on ``nproc`` CPU processes (torchrun, or ``accelerate launch``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        command += [f"--master_port={port}", "-m", "ram_trl"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            f"--num_processes={nproc}",
+        ]
+        command += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
+        command += [f"--main_process_port={port}", "-m", "ram_trl"]
+    command += ["merge", str(config), str(out), "--no-progress", *extra]
+    return run_job(command, port, env=env, capture_output=True, text=True, timeout=300)
