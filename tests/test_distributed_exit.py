@@ -13,6 +13,8 @@ import pytest
 
 from tests._launch import free_port, run_job
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 JOB = Path(__file__).with_name("_exit_job.py")
 ROOT = Path(__file__).resolve().parents[1]
 
