@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
 from ram_trl.errors import RamTrlError
+
+#: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
+_FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EDQUOT,
+    errno.ENOENT,
+    errno.EISDIR,
+}
 
 
 def _add_merge(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +50,12 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-budget",
         default="256MB",
         help="memory for one chunk's buffers; bounds peak memory (default: 256MB)",
+    )
+    parser.add_argument(
+        "--allow-external-shards",
+        action="store_true",
+        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
+        "symbolic links)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -116,6 +135,12 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--allow-external-shards",
+        action="store_true",
+        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
+        "symbolic links)",
+    )
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -222,6 +247,11 @@ def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
     parser.add_argument("--base", help="base model of a LoRA adapter (default: its base_model_name_or_path)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept an agent (or LoRA base) whose weights exist only as pickles (pytorch_model*.bin)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -265,6 +295,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         lora_rank=args.rank,
         lora_max_rank=args.max_rank,
         lora_energy=args.energy,
+        allow_external_shards=args.allow_external_shards,
     )
     return 0
 
@@ -328,6 +359,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         figures=not args.no_figures,
         progress=not args.no_progress,
         print_summary=True,
+        allow_external_shards=args.allow_external_shards,
     )
     return 0
 
@@ -456,6 +488,7 @@ def _run_fisher(args: argparse.Namespace) -> int:
             seed=args.seed,
             base=args.base,
             progress=not args.no_progress,
+            allow_pickle=args.allow_pickle,
         )
     except ValueError as exc:
         raise RamTrlError(str(exc)) from exc
@@ -491,9 +524,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RamTrlError as exc:
         print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"ram-trl {args.command}: interrupted; no output was left behind", file=sys.stderr)
-        return 130
+    except OSError as exc:
+        if exc.errno not in _FILE_SYSTEM_ERRORS:
+            raise
+        print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(
+            f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
+            file=sys.stderr,
+        )
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":
