@@ -25,6 +25,9 @@ from ram_trl.errors import CheckpointError, ConfigError, RamTrlError
 #: Tensor names of vocabulary-sized tensors (rows = tokens): the only tensors ``merge_common_rows`` may resize.
 VOCABULARY_PATTERN = re.compile(r"^(?!.*pos)(.*\.)?([^.]*embed[^.]*|wte|lm_head)(\.|$)|^(output|shared)\.")
 
+#: The largest finite float32: the merge computes in float32, so a parameter beyond it would be infinite there.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Numbers
@@ -59,6 +62,11 @@ def check_number(
     number = float(value)
     if not math.isfinite(number):
         raise ConfigError(f"{where}: {name} must be a finite number, got {value!r}; give a finite value")
+    if abs(number) > FLOAT32_MAX:
+        raise ConfigError(
+            f"{where}: {name} is {value!r}, beyond float32 (the merge computes in float32, |x| <= 3.4e38); give a "
+            "smaller value"
+        )
     if integer and not number.is_integer():
         raise ConfigError(f"{where}: {name} must be a whole number, got {value!r}")
     if minimum is not None and number < minimum:
