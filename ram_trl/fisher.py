@@ -292,9 +292,11 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise RamTrlError(f"prompts file {path} does not exist")
-    lines = [
-        (i + 1, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()) if line.strip()
-    ]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RamTrlError(f"prompts file {path} cannot be read as UTF-8 text ({exc})") from None
+    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not lines:
         raise RamTrlError(f"prompts file {path} holds no prompts")
     jsonl = path.suffix in (".jsonl", ".json") or lines[0][1].lstrip().startswith("{")

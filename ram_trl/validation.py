@@ -269,9 +269,9 @@ def read_json_object(path: Path, what: str, error: type[RamTrlError] = Checkpoin
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise error(f"{what}: {path} is not valid JSON ({exc}); fix or remove it") from exc
+        raise error(f"{what} {path}: not valid JSON ({exc}); fix or remove it") from exc
     if not isinstance(data, dict):
-        raise error(f"{what}: {path} must hold a JSON object, got {type(data).__name__}")
+        raise error(f"{what} {path}: must hold a JSON object, got {type(data).__name__}")
     return data
 
 

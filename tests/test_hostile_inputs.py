@@ -553,3 +553,28 @@ def test_mergekit_linear_yaml_without_base_model(ckpts, tmp_path):
 def test_other_methods_still_need_a_base_model(ckpts, tmp_path, capsys):
     config = {"merge_method": "ties", "models": [{"model": str(a)} for a in ckpts.agents]}
     refused_merge(capsys, tmp_path, config, "base_model is missing")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manifests and prompt files
+
+
+@pytest.mark.parametrize(
+    "manifest", [{"schema_version": "two"}, {"schema_version": [1]}, [1, 2], "text", {"schema_version": None}]
+)
+def test_malformed_stage_manifests(ckpts, tmp_path, capsys, manifest):
+    stage = ckpts.root / "stage"
+    stage.mkdir()
+    (stage / "ram_stage.json").write_text(json.dumps(manifest))
+    config = config_for(ckpts)
+    config["models"][1] = {"stage": str(stage)}
+    refused_merge(capsys, tmp_path, config, "stage manifest", "ram_stage.json")
+
+
+def test_a_binary_prompts_file(ckpts, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\xff\xfe\x00binary")
+    line = error_line(
+        capsys, main(["fisher", str(ckpts.agents[0]), "--prompts", str(prompts), "--no-progress"])
+    )
+    assert str(prompts) in line and "UTF-8" in line
