@@ -36,7 +36,7 @@ import ram_trl
 from ram_trl.anatomy import FAMILIES, MODULE_FAMILIES, aggregate, classify
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.engine import MergeState, _check_densities, _task_input_bytes, input_paths, open_inputs
+from ram_trl.engine import MergeState, _check_densities, _task_input_bytes, open_inputs
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
@@ -329,7 +329,7 @@ def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
         out_dir: The output directory.
         resolved: The inputs.
     """
-    return OutputDir(out_dir, reads=input_paths(resolved), markers=(JSON_FILE,), replace_previous=True)
+    return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
 
 
 def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[TensorTask]) -> list[bool]:

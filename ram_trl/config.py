@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.fisher import default_fisher_path
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
 
@@ -151,6 +152,30 @@ class ResolvedConfig:
     raw: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     source: Path | None = None
+
+    def inputs(self) -> list[tuple[str, Path]]:
+        """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
+        config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
+        inside) one of them (:class:`ram_trl.output.OutputDir`)."""
+        reads: list[tuple[str, Path]] = [
+            ("base model", self.base_path),
+            ("tokenizer_source", self.tokenizer_source),
+        ]
+        if self.source is not None:
+            reads.append(("merge config", self.source))
+        for agent in self.agents:
+            label = f"agent {agent.index} ({agent.name})"
+            reads.append((label, agent.path))
+            if agent.stage is not None:
+                reads.append((f"stage manifest of {label}", Path(agent.stage["manifest"])))
+            if self.method.needs_fisher:
+                reads.append(
+                    (
+                        f"Fisher file of {label}",
+                        Path(agent.parameters.get("fisher") or default_fisher_path(agent.path)),
+                    )
+                )
+        return reads
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
         """The value of per-agent parameter ``name`` for one tensor.

@@ -200,29 +200,9 @@ def open_inputs(
     return base, agents
 
 
-def input_paths(resolved: ResolvedConfig) -> list[tuple[str, Path]]:
-    """Every file and directory a merge reads: the output must never replace (or lie inside) one of them."""
-    reads: list[tuple[str, Path]] = [
-        ("base model", resolved.base_path),
-        ("tokenizer_source", resolved.tokenizer_source),
-    ]
-    if resolved.source is not None:
-        reads.append(("merge config", resolved.source))
-    for agent in resolved.agents:
-        reads.append((f"agent {agent.index} ({agent.name})", agent.path))
-        if agent.stage is not None:
-            reads.append(
-                (f"stage manifest of agent {agent.index} ({agent.name})", Path(agent.stage["manifest"]))
-            )
-        if resolved.method.needs_fisher:
-            fisher = agent.parameters.get("fisher") or default_fisher_path(agent.path)
-            reads.append((f"Fisher file of agent {agent.index} ({agent.name})", Path(fisher)))
-    return reads
-
-
 def output_for(resolved: ResolvedConfig, output_dir: Path, overwrite: bool) -> OutputDir:
     """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``)."""
-    return OutputDir(output_dir, overwrite=overwrite, reads=input_paths(resolved), markers=(REPORT_FILE,))
+    return OutputDir(output_dir, overwrite=overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,))
 
 
 def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:

@@ -846,7 +846,7 @@ def run_lora_merge(
     fails every rank.
     """
     from ram_trl.distributed import DistContext
-    from ram_trl.engine import input_paths, run_merge
+    from ram_trl.engine import run_merge
 
     resolved.out_dtype = torch.float32  # exact deltas for the SVD
     merge_options = dataclasses.replace(options, overwrite=False)
@@ -858,7 +858,7 @@ def run_lora_merge(
     ctx = DistContext.from_env(options.device)
     try:
         output = OutputDir(
-            output_dir, overwrite=options.overwrite, reads=input_paths(resolved), markers=(REPORT_FILE,)
+            output_dir, overwrite=options.overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,)
         )
         ctx.guarded(lambda: output.check() if ctx.is_main else None)
         name = temp_name(output_dir, "full").name if ctx.is_main else None
