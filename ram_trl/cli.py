@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 from ram_trl.errors import RamTrlError
 
+#: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
+EXAMPLE_MARKER = ".ram-trl-example"
+
 #: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
 _FILE_SYSTEM_ERRORS = {
     errno.ENOSPC,
@@ -301,22 +304,31 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_example(args: argparse.Namespace) -> int:
-    import shutil
     from pathlib import Path
 
+    from ram_trl.output import OutputDir
     from ram_trl.synthetic import generate_example
 
-    root = Path(args.output_root)
-    if root.exists():
-        if not args.overwrite:
-            raise RamTrlError(f"{root} already exists; pass --overwrite to replace it")
-        shutil.rmtree(root)
-    paths = generate_example(args.output_root, seed=args.seed)
-    print(f"base model: {paths['base']}")
+    root = Path(args.output_root).resolve()
+    # --overwrite replaces only a directory an earlier `ram-trl example` wrote (it holds the marker file)
+    output = OutputDir(root, overwrite=args.overwrite, markers=(EXAMPLE_MARKER,), what="example directory")
+    temp = output.begin()
+    try:
+        paths = generate_example(temp, seed=args.seed)
+        config = paths["config"]
+        config.write_text(
+            config.read_text(encoding="utf-8").replace(str(temp.resolve()), str(root)), encoding="utf-8"
+        )
+        (temp / EXAMPLE_MARKER).write_text("written by ram-trl example\n")
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    print(f"base model: {root / paths['base'].name}")
     for agent in paths["agents"]:
-        print(f"agent:      {agent}")
-    print(f"config:     {paths['config']}")
-    print(f"next: ram-trl merge {paths['config']} {args.output_root}/merged")
+        print(f"agent:      {root / agent.name}")
+    print(f"config:     {root / config.name}")
+    print(f"next: ram-trl merge {root / config.name} {args.output_root}/merged")
     return 0
 
 

@@ -578,3 +578,18 @@ def test_a_binary_prompts_file(ckpts, tmp_path, capsys):
         capsys, main(["fisher", str(ckpts.agents[0]), "--prompts", str(prompts), "--no-progress"])
     )
     assert str(prompts) in line and "UTF-8" in line
+
+
+def test_example_overwrite_only_replaces_an_earlier_example(tmp_path, capsys):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    line = error_line(capsys, main(["example", str(home), "--overwrite"]))
+    assert "would delete: notes.txt" in line and (home / "notes.txt").read_text() == "mine"
+    root = tmp_path / "example"
+    assert main(["example", str(root)]) == 0
+    assert main(["example", str(root), "--overwrite"]) == 0
+    config = yaml.safe_load((root / "merge.yaml").read_text())
+    assert config["base_model"] == str((root / "base").resolve())
+    assert all(Path(m["model"]).parent == root.resolve() for m in config["models"])
+    assert leftovers(root) == []
