@@ -394,6 +394,14 @@ def run_fisher(
     """``ram-trl fisher``: load the agent, estimate its Fisher on the prompts, save it beside the agent.
 
     Args:
+        agent_dir: The agent's checkpoint directory (or LoRA adapter directory); the Fisher goes beside it.
+        prompts_file: One prompt per line, or JSONL with a ``prompt`` field.
+        num_samples: Samples (default: one per prompt); at least 1.
+        max_new_tokens: Longest completion; at least 1.
+        sample: Sample completions (temperature 1, seeded) instead of greedy decoding.
+        seed: Seed of ``sample``.
+        base: Base model of a LoRA adapter (default: its ``base_model_name_or_path``).
+        progress: Show a progress bar.
         allow_pickle: Accept an agent (or LoRA base) whose weights exist only as pickles.
 
     Returns:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from ram_trl.cli import main
-from tests.test_bad_input import BIAS, DOWN, EMBED, UP, config_for, make_checkpoints, snapshot
+from tests.test_bad_input import BIAS, DOWN, EMBED, UP, make_checkpoints, snapshot
 
 NAMES = [EMBED, UP, BIAS, DOWN]
 PROFILE = settings(
@@ -249,15 +249,5 @@ def test_random_merge_configs(pristine, method, global_params, agent_params, ext
 def test_the_properties_hold_for_a_valid_merge(pristine):
     """The harness itself: a valid config merges (exit 0, finite output)."""
     with workspace(pristine) as root:
-        ckpts_config = config_for(
-            type(
-                "C",
-                (),
-                {
-                    "base": root / "inputs" / "base",
-                    "agents": [root / "inputs" / "agent0", root / "inputs" / "agent1"],
-                },
-            )
-        )
-        run_merge(root, ckpts_config)
+        run_merge(root, _base_config(root, "task_arithmetic"))
         assert (root / "outputs" / "merged" / "model.safetensors").is_file()
