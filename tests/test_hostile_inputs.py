@@ -548,6 +548,8 @@ def test_mergekit_linear_yaml_without_base_model(ckpts, tmp_path):
         expected = (ckpts.agent_tensors[0][name] + ckpts.agent_tensors[1][name]) / 2
         torch.testing.assert_close(value, expected, rtol=0, atol=1e-6)
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["vocab_size"] == VOCAB
+    # the lock file never reaches a committed output
+    assert not (tmp_path / "merged" / ".ram-trl-lock").exists()
 
 
 def test_other_methods_still_need_a_base_model(ckpts, tmp_path, capsys):
