@@ -38,14 +38,16 @@ from ram_trl.anatomy import classify, summarize
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.engine import MergeState, _check_densities, _task_input_bytes, open_inputs
-from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
+from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, TensorTask, build_plan, parse_size
 from ram_trl.stage import is_stage, read_manifest
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
 from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
+from ram_trl.validation import check_optional_number
 
 JSON_FILE = "analysis.json"
 MARKDOWN_FILE = "analysis.md"
@@ -87,6 +89,7 @@ def analyze(
     figures: bool = True,
     progress: bool = True,
     print_summary: bool = False,
+    allow_external_shards: bool = False,
 ) -> dict[str, Any]:
     """Measure the sparsity, overlap, anatomy and magnitudes of the task vectors of ``agents`` against ``base``.
 
@@ -97,8 +100,9 @@ def analyze(
     Args:
         base: The base checkpoint directory.
         agents: Agent checkpoint directories (fine-tuned from ``base``).
-        out_dir: Where to write ``analysis.json``, ``analysis.md`` and the figures (created if missing; existing
-            files of those names are replaced). ``None``: write nothing, only return the result.
+        out_dir: Where to write ``analysis.json``, ``analysis.md`` and the figures (created if missing; a previous
+            analysis or an empty directory is replaced when the new one is complete, any other existing directory
+            is refused). ``None``: write nothing, only return the result.
         eps: Activity threshold, ``|tau| > eps`` (default: the config's, else 1e-5).
         r: Rescale strength for the lambda_t of RAM+ and RAM+s (default: the config's, else 0.1).
         alpha: RAM+ clip bound of rho_t (default: the config's, else 2.0).
@@ -109,6 +113,7 @@ def analyze(
         figures: Write the PNG figures (needs matplotlib).
         progress: Show a progress bar while streaming.
         print_summary: Print the summary tables to the terminal (rank 0).
+        allow_external_shards: Accept index files whose shards resolve outside their checkpoint directory.
 
     Returns:
         The analysis (the content of ``analysis.json``): per-agent densities, counts, rho_t, lambda_t, overlap
@@ -124,7 +129,17 @@ def analyze(
     ctx = DistContext.from_env("cpu")
     try:
         out = None if out_dir is None else Path(out_dir)
-        return _run(inputs, out, ctx, allow_pickle, chunk_budget, figures, progress, print_summary)
+        return _run(
+            inputs,
+            out,
+            ctx,
+            allow_pickle,
+            chunk_budget,
+            figures,
+            progress,
+            print_summary,
+            allow_external_shards,
+        )
     finally:
         ctx.close()
 
@@ -146,8 +161,7 @@ def resolve_inputs(
     """
     given = {"eps": eps, "r": r, "alpha": alpha}
     for key, value in given.items():
-        if value is not None and not value >= 0:
-            raise ConfigError(f"{key}={value} must be a number >= 0")
+        check_optional_number(value, "analyze", f"--{key}", minimum=0.0)
     if config is not None:
         if base is not None or agents:
             raise ConfigError("give either a merge config or a base and agents, not both")
@@ -207,14 +221,16 @@ def _run(
     figures: bool,
     progress: bool,
     print_summary: bool,
+    allow_external_shards: bool = False,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     resolved = inputs.resolved
-    if out_dir is not None:
-        check_out_dir(out_dir, resolved)
+    output = None if out_dir is None else analysis_output(out_dir, resolved)
+    if output is not None:
+        ctx.guarded(output.check)
 
     def prepare() -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
-        base, agents = open_inputs(resolved, allow_pickle)
+        base, agents = open_inputs(resolved, allow_pickle, allow_external_shards)
         plan = build_plan(
             base,
             agents,
@@ -257,8 +273,15 @@ def _run(
             return None
         result = build_result(inputs, base, agents, floating, merged, magnitudes, wide)
         result.update(timings=timings, bytes_read=read.bytes, processes=ctx.world_size)
-        if out_dir is not None:
-            write_outputs(result, out_dir, figures)
+        if output is not None:
+            temp = output.begin()
+            try:
+                with guard_os_errors(f"output directory {out_dir}"):
+                    write_outputs(result, temp, figures)
+                output.commit()
+            except BaseException:
+                output.abort()
+                raise
         return result
 
     result = ctx.broadcast_object(ctx.guarded(finish))
@@ -267,25 +290,15 @@ def _run(
     return result
 
 
-def check_out_dir(out_dir: Path, resolved: ResolvedConfig) -> None:
-    """Refuse an output directory inside an input checkpoint (the analysis never writes into its inputs).
+def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
+    """The commit protocol of an analysis directory: never inside (nor holding) an input; a previous analysis
+    (``analysis.json``) or an empty directory is replaced, anything else is refused.
 
     Args:
         out_dir: The output directory.
         resolved: The inputs.
-
-    Raises:
-        RamTrlError: naming the input the directory is in.
     """
-    target = out_dir.resolve()
-    labelled = [("base model", resolved.base_path)]
-    labelled += [(f"agent {a.index} ({a.name})", a.path) for a in resolved.agents]
-    for label, path in labelled:
-        source = path.resolve()
-        if source.is_dir() and target.is_relative_to(source):
-            raise RamTrlError(
-                f"output directory {out_dir} is inside the {label} at {path}; write the analysis outside its inputs"
-            )
+    return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
 
 
 def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[TensorTask]) -> list[bool]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +24,20 @@ _COMMAND_MODULES = {
     "eval": "ram_trl.recipes.evaluate",
     "demo": "ram_trl.recipes.runner",
     "fisher": "ram_trl.fisher",
+}
+
+#: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
+EXAMPLE_MARKER = ".ram-trl-example"
+
+#: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
+_FILE_SYSTEM_ERRORS = {
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EDQUOT,
+    errno.ENOENT,
+    errno.EISDIR,
 }
 
 
@@ -54,6 +70,12 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
         "--chunk-budget",
         default=defaults.CHUNK_BUDGET,
         help=f"memory for one chunk's buffers; bounds peak memory (default: {defaults.CHUNK_BUDGET})",
+    )
+    parser.add_argument(
+        "--allow-external-shards",
+        action="store_true",
+        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
+        "symbolic links)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -139,6 +161,12 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--allow-external-shards",
+        action="store_true",
+        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
+        "symbolic links)",
+    )
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -245,6 +273,11 @@ def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
     parser.add_argument("--base", help="base model of a LoRA adapter (default: its base_model_name_or_path)")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept an agent (or LoRA base) whose weights exist only as pickles (pytorch_model*.bin)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -288,27 +321,37 @@ def _run_merge(args: argparse.Namespace) -> int:
         lora_rank=args.rank,
         lora_max_rank=args.max_rank,
         lora_energy=args.energy,
+        allow_external_shards=args.allow_external_shards,
     )
     return 0
 
 
 def _run_example(args: argparse.Namespace) -> int:
-    import shutil
     from pathlib import Path
 
+    from ram_trl.output import OutputDir
     from ram_trl.synthetic import generate_example
 
-    root = Path(args.output_root)
-    if root.exists():
-        if not args.overwrite:
-            raise RamTrlError(f"{root} already exists; pass --overwrite to replace it")
-        shutil.rmtree(root)
-    paths = generate_example(args.output_root, seed=args.seed)
-    print(f"base model: {paths['base']}")
+    root = Path(args.output_root).resolve()
+    # --overwrite replaces only a directory an earlier `ram-trl example` wrote (it holds the marker file)
+    output = OutputDir(root, overwrite=args.overwrite, markers=(EXAMPLE_MARKER,), what="example directory")
+    temp = output.begin()
+    try:
+        paths = generate_example(temp, seed=args.seed)
+        config = paths["config"]
+        config.write_text(
+            config.read_text(encoding="utf-8").replace(str(temp.resolve()), str(root)), encoding="utf-8"
+        )
+        (temp / EXAMPLE_MARKER).write_text("written by ram-trl example\n")
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    print(f"base model: {root / paths['base'].name}")
     for agent in paths["agents"]:
-        print(f"agent:      {agent}")
-    print(f"config:     {paths['config']}")
-    print(f"next: ram-trl merge {paths['config']} {args.output_root}/merged")
+        print(f"agent:      {root / agent.name}")
+    print(f"config:     {root / config.name}")
+    print(f"next: ram-trl merge {root / config.name} {args.output_root}/merged")
     return 0
 
 
@@ -351,6 +394,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         figures=not args.no_figures,
         progress=not args.no_progress,
         print_summary=True,
+        allow_external_shards=args.allow_external_shards,
     )
     return 0
 
@@ -479,6 +523,7 @@ def _run_fisher(args: argparse.Namespace) -> int:
             seed=args.seed,
             base=args.base,
             progress=not args.no_progress,
+            allow_pickle=args.allow_pickle,
         )
     except ValueError as exc:
         raise RamTrlError(str(exc)) from exc
@@ -516,9 +561,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RamTrlError as exc:
         print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"ram-trl {args.command}: interrupted; no output was left behind", file=sys.stderr)
-        return 130
+    except OSError as exc:
+        if exc.errno not in _FILE_SYSTEM_ERRORS:
+            raise
+        print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(
+            f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
+            file=sys.stderr,
+        )
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":

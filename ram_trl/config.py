@@ -18,7 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.fisher import default_fisher_path
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
+from ram_trl.validation import check_number
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -67,7 +69,8 @@ class MergeConfig(BaseModel):
     Args:
         merge_method: Method name or alias (``ram``, ``ram_plus``, ``ram_plus_soft``, ``task_arithmetic``, ``ties``,
             ``dare_linear``, ``dare_ties``, ``linear``; mergekit's ``ramplus_tl`` and others as aliases).
-        base_model: Path of the base checkpoint all agents were trained from.
+        base_model: Path of the base checkpoint all agents were trained from. Optional for ``linear`` (as in
+            mergekit): the first model then provides the layout, config and tokenizer.
         models: The agents.
         parameters: Global parameters, and defaults for per-agent parameters.
         dtype: mergekit's compute dtype. ram_trl always computes in float32; ``dtype`` only sets the output dtype
@@ -82,7 +85,7 @@ class MergeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     merge_method: str
-    base_model: str
+    base_model: str | None = None
     models: list[ModelEntry]
     parameters: dict[str, Any] = Field(default_factory=dict)
     dtype: str | None = None
@@ -133,6 +136,7 @@ class ResolvedConfig:
         out_dtype: Output dtype for floating tensors, or ``None`` for the base's dtype per tensor.
         tokenizer_source: Directory whose tokenizer files are copied.
         raw: The config as given (for the model card and report).
+        source: The YAML file the config came from (an input the output must never replace).
     """
 
     method: MergeMethod
@@ -147,6 +151,31 @@ class ResolvedConfig:
     allow_nonfinite: bool
     raw: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    source: Path | None = None
+
+    def inputs(self) -> list[tuple[str, Path]]:
+        """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
+        config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
+        inside) one of them (:class:`ram_trl.output.OutputDir`)."""
+        reads: list[tuple[str, Path]] = [
+            ("base model", self.base_path),
+            ("tokenizer_source", self.tokenizer_source),
+        ]
+        if self.source is not None:
+            reads.append(("merge config", self.source))
+        for agent in self.agents:
+            label = f"agent {agent.index} ({agent.name})"
+            reads.append((label, agent.path))
+            if agent.stage is not None:
+                reads.append((f"stage manifest of {label}", Path(agent.stage["manifest"])))
+            if self.method.needs_fisher:
+                reads.append(
+                    (
+                        f"Fisher file of {label}",
+                        Path(agent.parameters.get("fisher") or default_fisher_path(agent.path)),
+                    )
+                )
+        return reads
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
         """The value of per-agent parameter ``name`` for one tensor.
@@ -252,18 +281,13 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
                 f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}"
             )
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: parameter {parameter.name!r} must be a number, got {value!r}")
-    value = float(value)
-    if parameter.minimum is not None and value < parameter.minimum:
-        raise ConfigError(
-            f"{where}: parameter {parameter.name!r} must be >= {parameter.minimum}, got {value}"
-        )
-    if parameter.maximum is not None and value > parameter.maximum:
-        raise ConfigError(
-            f"{where}: parameter {parameter.name!r} must be <= {parameter.maximum}, got {value}"
-        )
-    return value
+    return check_number(
+        value,
+        where,
+        f"parameter {parameter.name!r}",
+        minimum=parameter.minimum,
+        maximum=parameter.maximum,
+    )
 
 
 def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
@@ -278,6 +302,11 @@ def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
             if extra:
                 raise ConfigError(
                     f"{where}: parameter {parameter.name!r}: unknown keys {sorted(extra)} in a filter rule"
+                )
+            if rule.get("filter") is not None and not isinstance(rule["filter"], str):
+                raise ConfigError(
+                    f"{where}: parameter {parameter.name!r}: a rule's filter must be a substring of tensor names, "
+                    f"got {rule['filter']!r}"
                 )
             _check_value(parameter, rule["value"], where)
         return value
@@ -307,11 +336,18 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
-    base_path = _resolve_path(config.base_model, config_dir)
+    base_model = config.base_model
+    if base_model is None:
+        first = config.models[0]
+        if not method.keeps_base_entries or first.model is None:
+            raise ConfigError(
+                f"{where}: base_model is missing; {method.name} needs the base all agents were trained from "
+                "(only linear, a plain weighted average, can take its layout from the first model)"
+            )
+        base_model = first.model
+    base_path = _resolve_path(base_model, config_dir)
     if not base_path.exists():
-        raise ConfigError(
-            f"{where}: base_model {config.base_model!r} does not exist (resolved to {base_path})"
-        )
+        raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
 
     params: dict[str, Any] = {}
     agent_defaults: dict[str, Any] = {}
@@ -342,7 +378,7 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
             label = f"{where}: models[{position}] ({entry.model})"
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
-        if method.name != "linear" and path.resolve() == base_path.resolve():
+        if not method.keeps_base_entries and path.resolve() == base_path.resolve():
             notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
             continue
         values = dict(agent_defaults)
@@ -394,4 +430,5 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         allow_nonfinite=config.allow_nonfinite,
         raw=config.model_dump(exclude_defaults=True),
         notes=notes,
+        source=config_path,
     )

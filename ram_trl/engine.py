@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ import torch
 
 from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.errors import CheckpointError, NonFiniteError, RamTrlError
+from ram_trl.errors import CheckpointError, NonFiniteError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from ram_trl.io.fisher import (
     check_fisher_headers,
@@ -40,6 +39,7 @@ from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
 from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
+from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.parallel import compute_pool, map_blocks, submit_blocks
 from ram_trl.planner import (
     DEFAULT_CHUNK_BUDGET,
@@ -61,10 +61,12 @@ from ram_trl.streaming import (
     statistics_blocks,
     to_deltas,
 )
+from ram_trl.validation import check_device, check_model_config, check_weight_sums, is_vocabulary_tensor
 
 logger = logging.getLogger(__name__)
 
 REPORT_FILE = "ram_merge_report.json"
+_NEGATIVE_ZERO_BITS = -(2**31)  # float32 -0.0 viewed as int32
 DENSE_AGENT_WARNING = 0.99
 
 
@@ -80,6 +82,7 @@ class MergeOptions:
         allow_pickle: Accept ``pytorch_model*.bin`` inputs.
         chunk_budget: Bytes allowed for one chunk's buffers, e.g. ``"256MB"``.
         progress: Show progress bars.
+        allow_external_shards: Accept checkpoint index files naming shards outside their directory.
     """
 
     overwrite: bool = False
@@ -89,6 +92,7 @@ class MergeOptions:
     allow_pickle: bool = False
     chunk_budget: str | int = DEFAULT_CHUNK_BUDGET
     progress: bool = True
+    allow_external_shards: bool = False
 
 
 @dataclass
@@ -118,6 +122,7 @@ def merge(
     lora_rank: int | None = None,
     lora_max_rank: int | None = None,
     lora_energy: float | None = None,
+    allow_external_shards: bool = False,
 ) -> dict[str, Any]:
     """Merge a base model and N agents into one model directory.
 
@@ -137,6 +142,8 @@ def merge(
         lora_max_rank: With ``"lora"`` and ``lora_energy``: the largest rank of a module.
         lora_energy: With ``"lora"``: per module, the smallest rank keeping this share (0, 1] of the squared
             singular values of its delta (at most ``lora_max_rank``).
+        allow_external_shards: Accept index files (``model.safetensors.index.json``) whose shards resolve outside
+            their checkpoint directory (refused by default).
 
     Returns:
         The merge report (also written to ``output_dir/ram_merge_report.json``): method, parameters, per-agent
@@ -159,7 +166,9 @@ def merge(
         allow_pickle=allow_pickle,
         chunk_budget=chunk_budget,
         progress=progress,
+        allow_external_shards=allow_external_shards,
     )
+    check_device(device)
     parsed, config_path = load_config(config)
     resolved = resolve_config(parsed, config_path)
     if lora is not None:
@@ -167,42 +176,55 @@ def merge(
     return run_merge(resolved, Path(output_dir), options)
 
 
-def open_inputs(resolved: ResolvedConfig, allow_pickle: bool) -> tuple[Checkpoint, list[Checkpoint]]:
-    """Open the base and every agent (headers only)."""
+def open_inputs(
+    resolved: ResolvedConfig, allow_pickle: bool, allow_external_shards: bool = False
+) -> tuple[Checkpoint, list[Checkpoint]]:
+    """Open the base and every agent (headers only; the base's ``config.json`` is validated too)."""
     base = open_checkpoint(
-        resolved.base_path, f"base model ({resolved.base_path})", allow_pickle=allow_pickle
+        resolved.base_path,
+        f"base model ({resolved.base_path})",
+        allow_pickle=allow_pickle,
+        allow_external_shards=allow_external_shards,
     )
+    if base.config_path is not None:
+        check_model_config(base.config_path, base.role)
     agents = [
         open_checkpoint(
-            agent.path, f"agent {agent.index} ({agent.name}, {agent.path})", allow_pickle=allow_pickle
+            agent.path,
+            f"agent {agent.index} ({agent.name}, {agent.path})",
+            allow_pickle=allow_pickle,
+            allow_external_shards=allow_external_shards,
         )
         for agent in resolved.agents
     ]
     return base, agents
 
 
+def output_for(resolved: ResolvedConfig, output_dir: Path, overwrite: bool) -> OutputDir:
+    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``)."""
+    return OutputDir(output_dir, overwrite=overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,))
+
+
+def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
+    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero."""
+    if not (resolved.method.divides_by_weight_sum and resolved.params.get("normalize")):
+        return
+    sums = {
+        t.name: sum(resolved.agent_value(a, "weight", t.name) for a in resolved.agents)
+        for t in plan.tasks
+        if t.floating
+    }
+    check_weight_sums(sums, str(resolved.source or "merge config"), resolved.method.name)
+
+
 def prepare(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions
 ) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
     """Everything that can fail cheaply: output checks, input headers, the plan."""
-    if output_dir.exists() and not options.overwrite and not options.dry_run:
-        raise RamTrlError(
-            f"output directory {output_dir} already exists; pass --overwrite (overwrite=True) to replace it"
-        )
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RamTrlError(f"--device {options.device}: no CUDA device is available; use --device cpu")
-    out = output_dir.resolve()
-    for label, path in [
-        ("base model", resolved.base_path),
-        ("tokenizer_source", resolved.tokenizer_source),
-        *((f"agent {a.index} ({a.name})", a.path) for a in resolved.agents),
-    ]:
-        source = path.resolve()
-        if source == out or source.is_relative_to(out) or out.is_relative_to(source):
-            raise RamTrlError(
-                f"output directory {output_dir} overlaps the {label} at {path}; write the merge outside its inputs"
-            )
-    base, agents = open_inputs(resolved, options.allow_pickle)
+    check_device(options.device)
+    if not options.dry_run:
+        output_for(resolved, output_dir, options.overwrite).check()
+    base, agents = open_inputs(resolved, options.allow_pickle, options.allow_external_shards)
     for spec, agent in zip(resolved.agents, agents, strict=True):
         spec.kind = agent.kind
         if agent.adapter is not None:
@@ -218,7 +240,9 @@ def prepare(
         chunk_budget=parse_size(options.chunk_budget),
         max_shard_size=parse_size(options.max_shard_size),
         fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
+        resizable=is_vocabulary_tensor,
     )
+    check_normalized_weights(resolved, plan)
     if fishers is not None:
         names = [t.name for t in plan.tasks if t.floating]
         for fisher, agent in zip(fishers, agents, strict=True):
@@ -298,40 +322,44 @@ def _run_merge(
             state.lambdas = _lambdas(resolved, state.stats)
             _check_densities(resolved, state, ctx.is_main)
 
-        temp_name = f".{output_dir.name}.ram-trl-tmp-{uuid.uuid4().hex[:8]}" if ctx.is_main else None
-        temp_dir = output_dir.parent / ctx.broadcast_object(temp_name)
+        output = output_for(resolved, output_dir, options.overwrite)
+        temp = ctx.guarded(lambda: str(output.begin()) if ctx.is_main else None)
+        temp_dir = Path(ctx.broadcast_object(temp))
         report: dict[str, Any] | None = None
         try:
-            ctx.guarded(lambda: _create_output(plan, temp_dir) if ctx.is_main else None)
-            tick = time.perf_counter()
-            ctx.guarded(
-                lambda: write_tensors(
-                    resolved, base, agents, plan, tasks, temp_dir, reader, state, device, progress
+            with guard_os_errors(f"output directory {output_dir}"):
+                ctx.guarded(lambda: _create_shards(plan, temp_dir) if ctx.is_main else None)
+                tick = time.perf_counter()
+                ctx.guarded(
+                    lambda: write_tensors(
+                        resolved, base, agents, plan, tasks, temp_dir, reader, state, device, progress
+                    )
                 )
-            )
-            written = ctx.all_reduce_int(state.bytes_written)
-            if written != plan.output_bytes:
-                raise RuntimeError(f"{temp_dir}: {written} of {plan.output_bytes} tensor bytes were written")
-            timings["merge_seconds"] = time.perf_counter() - tick
-            if not resolved.method.needs_statistics:
-                _reduce_statistics(ctx, state)
-                _check_densities(resolved, state, ctx.is_main)
-            state.read.bytes = ctx.all_reduce_int(state.read.bytes)
-            timings["total_seconds"] = time.perf_counter() - started
+                written = ctx.all_reduce_int(state.bytes_written)
+                if written != plan.output_bytes:
+                    raise RuntimeError(
+                        f"{temp_dir}: {written} of {plan.output_bytes} tensor bytes were written"
+                    )
+                timings["merge_seconds"] = time.perf_counter() - tick
+                if not resolved.method.needs_statistics:
+                    _reduce_statistics(ctx, state)
+                    _check_densities(resolved, state, ctx.is_main)
+                state.read.bytes = ctx.all_reduce_int(state.read.bytes)
+                timings["total_seconds"] = time.perf_counter() - started
 
-            def finish() -> dict[str, Any] | None:
-                if not ctx.is_main:
-                    return None
-                built = reporting.build_report(resolved, plan, state, timings, output_dir)
-                built["processes"] = ctx.world_size
-                finalize_output(resolved, base, plan, temp_dir, built)
-                _swap_into_place(temp_dir, output_dir)
-                return built
+                def finish() -> dict[str, Any] | None:
+                    if not ctx.is_main:
+                        return None
+                    built = reporting.build_report(resolved, plan, state, timings, output_dir)
+                    built["processes"] = ctx.world_size
+                    finalize_output(resolved, base, plan, temp_dir, built)
+                    output.commit()
+                    return built
 
-            report = ctx.broadcast_object(ctx.guarded(finish))
+                report = ctx.broadcast_object(ctx.guarded(finish))
         except BaseException:
             if ctx.is_main:
-                shutil.rmtree(temp_dir, ignore_errors=True)
+                output.abort()
             raise
     if ctx.is_main:
         reporting.print_summary(report)
@@ -366,9 +394,7 @@ def _reduce_statistics(ctx: DistContext, state: MergeState) -> None:
         state.tensor_stats = merged
 
 
-def _create_output(plan: MergePlan, temp_dir: Path) -> None:
-    temp_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir.mkdir()
+def _create_shards(plan: MergePlan, temp_dir: Path) -> None:
     for shard in plan.shards:
         ShardFile.create(temp_dir / shard.file_name, _planned(shard))
 
@@ -798,9 +824,43 @@ def _merge_block(
     )
     merged = resolved.method.merge(inputs)
     merged.add_(base_values)
-    if out is not None:
-        return out.copy_(merged), counts  # rounds to the output dtype as .to() does, without a temporary
-    return merged.to(task.out_dtype), counts
+    keep_signed_zeros(merged, base_values)
+    if not resolved.allow_nonfinite:
+        check_finite_output(merged, task.name, chunk.start, chunk.stop)
+    result = merged.to(task.out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
+    if (
+        task.out_dtype == torch.float16 and not resolved.allow_nonfinite
+    ):  # the one narrower range than float32
+        check_finite_output(result, task.name, chunk.start, chunk.stop, " in float16 (|x| > 65504)")
+    return result, counts
+
+
+def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
+    """Give merged elements that are zero where the base is zero the base's own zero (``-0.0`` stays ``-0.0``).
+
+    ``base + 0.0`` turns a base ``-0.0`` into ``+0.0``; every other sum is already the base's bits where nothing
+    changed. One integer reduction per block; the fix-up runs only in blocks whose base holds a ``-0.0``.
+    """
+    if base_values.dtype != torch.float32 or int(base_values.view(torch.int32).min()) != _NEGATIVE_ZERO_BITS:
+        return  # -0.0 is the smallest int32 bit pattern: no -0.0 in this block
+    zero = (merged == 0) & (base_values == 0)
+    torch.where(zero, base_values, merged, out=merged)
+
+
+def check_finite_output(merged: torch.Tensor, name: str, start: int, stop: int, where: str = "") -> None:
+    """Refuse merged values that overflowed (every input was finite: the parameters scaled them too far).
+
+    One sum per block decides; the values are counted only when it is not finite.
+    """
+    if math.isfinite(float(merged.sum(dtype=torch.float32))):
+        return
+    bad = int((~torch.isfinite(merged)).sum())
+    if bad:
+        raise NonFiniteError(
+            f"tensor {name!r}: {bad} merged values overflow{where or ' float32'} (rows {start}:{stop}); the inputs "
+            "are finite, so the weights / lambda / r scale the task vectors too far (or the output dtype is too "
+            "narrow): use smaller values or another out_dtype"
+        )
 
 
 def _extra_rows(
@@ -915,16 +975,6 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
         if vocab == task.base_rows:
             config["vocab_size"] = task.out_rows
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _swap_into_place(temp_dir: Path, output_dir: Path) -> None:
-    if output_dir.exists():
-        old = output_dir.parent / f".{output_dir.name}.ram-trl-old-{uuid.uuid4().hex[:8]}"
-        os.replace(output_dir, old)
-        os.replace(temp_dir, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(temp_dir, output_dir)
 
 
 def _json_default(value: Any) -> Any:

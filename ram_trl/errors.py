@@ -17,3 +17,8 @@ class CheckpointError(RamTrlError):
 
 class NonFiniteError(RamTrlError):
     """An input tensor holds NaN or Inf values."""
+
+
+class OutputError(RamTrlError):
+    """The output cannot be written or committed: it exists, overlaps an input, appeared meanwhile, or the file
+    system refuses it (read-only, full, no permission)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ import torch
 
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher import FISHER_FILE
+from ram_trl.output import atomic_file
+from ram_trl.validation import check_optional_number, read_json_object
 
 __all__ = [
     "FISHER_FILE",
@@ -276,12 +277,8 @@ def save_fisher(
     meta = {"format": "pt", "content": "ram_trl diagonal Fisher"}
     meta.update({str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
     target = agent_dir / FISHER_FILE
-    temp = agent_dir / f".{FISHER_FILE}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_file(target, "Fisher file") as temp:
         save_file(tensors, str(temp), metadata=meta)
-        os.replace(temp, target)
-    finally:
-        temp.unlink(missing_ok=True)
     return target
 
 
@@ -295,9 +292,11 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise RamTrlError(f"prompts file {path} does not exist")
-    lines = [
-        (i + 1, line) for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()) if line.strip()
-    ]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RamTrlError(f"prompts file {path} cannot be read as UTF-8 text ({exc})") from None
+    lines = [(i + 1, line) for i, line in enumerate(text.splitlines()) if line.strip()]
     if not lines:
         raise RamTrlError(f"prompts file {path} holds no prompts")
     jsonl = path.suffix in (".jsonl", ".json") or lines[0][1].lstrip().startswith("{")
@@ -317,8 +316,23 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
     return prompts
 
 
+def _check_weights_format(directory: Path, role: str, allow_pickle: bool) -> None:
+    """Refuse a directory whose weights exist only as pickles (``*.bin``) unless ``allow_pickle``."""
+    safe = [p for p in directory.glob("*.safetensors") if p.name != FISHER_FILE]
+    pickles = list(directory.glob("*.bin"))
+    if pickles and not safe and not allow_pickle:
+        raise RamTrlError(
+            f"{role} {directory} holds only pickle weights ({pickles[0].name}); pickle files can run arbitrary code "
+            "when loaded: convert it to safetensors (save_pretrained(..., safe_serialization=True)) or pass "
+            "--allow-pickle (allow_pickle=True)"
+        )
+
+
 def load_agent(
-    agent_dir: str | os.PathLike, base: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
+    agent_dir: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    allow_pickle: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
     """Load an agent for Fisher estimation: a model directory, or a LoRA adapter merged into its base.
 
@@ -326,6 +340,7 @@ def load_agent(
         agent_dir: A model checkpoint directory or a PEFT LoRA adapter directory.
         base: The adapter's base model (default: its ``base_model_name_or_path``); ignored for full models.
         dtype: Dtype to load in (float32 by default: gradients in full precision).
+        allow_pickle: Accept weights stored only as pickles (``pytorch_model*.bin``, ``adapter_model.bin``).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer comes from the agent's directory, else the base's.
@@ -340,18 +355,24 @@ def load_agent(
     agent_dir = Path(agent_dir)
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
+    _check_weights_format(agent_dir, "agent", allow_pickle)
     if not is_adapter_dir(agent_dir):
         model = AutoModelForCausalLM.from_pretrained(agent_dir, dtype=dtype)
         return model, AutoTokenizer.from_pretrained(agent_dir)
     from peft import PeftModel
 
-    claimed = json.loads((agent_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    claimed = read_json_object(agent_dir / ADAPTER_CONFIG, f"agent {agent_dir}").get(
+        "base_model_name_or_path"
+    )
+    if claimed is not None and not isinstance(claimed, str):
+        raise RamTrlError(f"agent {agent_dir}: base_model_name_or_path must be a path, got {claimed!r}")
     base_path = Path(base) if base is not None else (Path(claimed) if claimed else None)
     if base_path is None or not base_path.is_dir():
         raise RamTrlError(
             f"agent {agent_dir} is a LoRA adapter whose base ({base_path}) is not a local directory; pass --base "
             "(base=) to estimate its Fisher on the base with the adapter merged in"
         )
+    _check_weights_format(base_path, "base model", allow_pickle)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     model = PeftModel.from_pretrained(model, agent_dir).merge_and_unload()
     has_tokenizer = (agent_dir / "tokenizer_config.json").is_file()
@@ -368,15 +389,29 @@ def run_fisher(
     seed: int = 0,
     base: str | os.PathLike | None = None,
     progress: bool = True,
+    allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """``ram-trl fisher``: load the agent, estimate its Fisher on the prompts, save it beside the agent.
+
+    Args:
+        agent_dir: The agent's checkpoint directory (or LoRA adapter directory); the Fisher goes beside it.
+        prompts_file: One prompt per line, or JSONL with a ``prompt`` field.
+        num_samples: Samples (default: one per prompt); at least 1.
+        max_new_tokens: Longest completion; at least 1.
+        sample: Sample completions (temperature 1, seeded) instead of greedy decoding.
+        seed: Seed of ``sample``.
+        base: Base model of a LoRA adapter (default: its ``base_model_name_or_path``).
+        progress: Show a progress bar.
+        allow_pickle: Accept an agent (or LoRA base) whose weights exist only as pickles.
 
     Returns:
         A summary: file, samples, completion tokens, tensors, elements, total and largest Fisher, seconds.
     """
     started = time.perf_counter()
+    check_optional_number(num_samples, "fisher", "--num-samples", minimum=1, integer=True)
+    check_optional_number(max_new_tokens, "fisher", "--max-new-tokens", minimum=1, integer=True)
     prompts = read_prompts(prompts_file)
-    model, tokenizer = load_agent(agent_dir, base)
+    model, tokenizer = load_agent(agent_dir, base, allow_pickle=allow_pickle)
     completions = generate_completions(
         model, tokenizer, prompts, num_samples, max_new_tokens, sample=sample, seed=seed
     )

@@ -34,7 +34,6 @@ import math
 import os
 import re
 import shutil
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ram_trl.errors import CheckpointError, ConfigError, RamTrlError
+from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
+from ram_trl.output import OUTPUT_ERRNOS, OutputDir, as_output_error, temp_name
 
 if TYPE_CHECKING:
     from torch import nn
@@ -363,7 +363,13 @@ def export_lora(
     options = lora_options("lora", rank, max_rank, energy)
     assert options is not None
     base_dir, merged_dir, output_dir = Path(base_dir), Path(merged_dir), Path(output_dir)
-    _check_output(output_dir, overwrite, [("base model", base_dir), ("merged model", merged_dir)])
+    output = OutputDir(
+        output_dir,
+        overwrite=overwrite,
+        reads=[("base model", base_dir), ("merged model", merged_dir)],
+        markers=(REPORT_FILE,),
+    )
+    output.check()
     base = open_checkpoint(base_dir, f"base model ({base_dir})", allow_pickle=allow_pickle)
     merged = open_checkpoint(merged_dir, f"merged model ({merged_dir})")
     missing = [name for name in base.tensors if name not in merged.tensors]
@@ -378,11 +384,9 @@ def export_lora(
         report = json.loads(saved.read_text()) if saved.is_file() else {}
     report = dict(report)
 
-    from ram_trl.engine import _json_default, _swap_into_place
+    from ram_trl.engine import _json_default
 
-    temp_dir = output_dir.parent / f".{output_dir.name}.ram-trl-tmp-{uuid.uuid4().hex[:8]}"
-    temp_dir.parent.mkdir(parents=True, exist_ok=True)
-    temp_dir.mkdir()
+    temp_dir = output.begin()
     try:
         staged = _StagedTensors(temp_dir / ".lora-factors.staging")
         try:
@@ -402,9 +406,14 @@ def export_lora(
         report = _adapter_report(report, section, config, adapter_bytes, output_dir, base_dir, copied)
         (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
         (temp_dir / "README.md").write_text(adapter_card(report))
-        _swap_into_place(temp_dir, output_dir)
+        output.commit()
+    except OSError as exc:
+        output.abort()
+        if exc.errno in OUTPUT_ERRNOS:
+            raise as_output_error(exc, f"LoRA adapter directory {output_dir}") from exc
+        raise
     except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        output.abort()
         raise
     for item in section["not_exported"]:
         warnings.warn(f"LoRA export: {item['tensor']} is not exported: {item['reason']}", stacklevel=2)
@@ -828,21 +837,6 @@ def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
 # ram_trl.merge(..., output_format="lora")
 
 
-def _check_output(output_dir: Path, overwrite: bool, inputs: list[tuple[str, Path]]) -> None:
-    """Refuse an existing output (unless ``overwrite``) and an output that contains or lies inside an input."""
-    if output_dir.exists() and not overwrite:
-        raise RamTrlError(
-            f"output directory {output_dir} already exists; pass --overwrite (overwrite=True) to replace it"
-        )
-    out = output_dir.resolve()
-    for label, path in inputs:
-        source = path.resolve()
-        if source == out or source.is_relative_to(out) or out.is_relative_to(source):
-            raise RamTrlError(
-                f"output directory {output_dir} overlaps the {label} at {path}; write the adapter outside its inputs"
-            )
-
-
 def run_lora_merge(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, lora: LoraExportOptions
 ) -> dict[str, Any]:
@@ -863,13 +857,11 @@ def run_lora_merge(
         return summary
     ctx = DistContext.from_env(options.device)
     try:
-        inputs = [
-            ("base model", resolved.base_path),
-            ("tokenizer_source", resolved.tokenizer_source),
-            *((f"agent {a.index} ({a.name})", a.path) for a in resolved.agents),
-        ]
-        ctx.guarded(lambda: _check_output(output_dir, options.overwrite, inputs) if ctx.is_main else None)
-        name = f".{output_dir.name}.ram-trl-full-{uuid.uuid4().hex[:8]}" if ctx.is_main else None
+        output = OutputDir(
+            output_dir, overwrite=options.overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,)
+        )
+        ctx.guarded(lambda: output.check() if ctx.is_main else None)
+        name = temp_name(output_dir, "full").name if ctx.is_main else None
         full_dir = output_dir.parent / ctx.broadcast_object(name)
         try:
             merged_report = run_merge(resolved, full_dir, merge_options)

@@ -22,6 +22,7 @@ and does not grow with the number of tensors or the model's size beyond its larg
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -210,6 +211,7 @@ def build_plan(
     chunk_budget: int = DEFAULT_CHUNK_BUDGET,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     fisher_itemsize: int = 0,
+    resizable: Callable[[str], bool] | None = None,
 ) -> MergePlan:
     """Check all inputs against the base and plan the merge.
 
@@ -223,6 +225,8 @@ def build_plan(
         chunk_budget: Bytes allowed for one chunk's buffers.
         max_shard_size: Largest output file (a tensor larger than this gets a shard of its own).
         fisher_itemsize: Bytes per element of the stored Fisher inputs streamed beside the agents (0: none).
+        resizable: Which tensors ``merge_common_rows`` may resize (default: any); the merge passes the vocabulary
+            tensors (embeddings, output head).
 
     Returns:
         The :class:`MergePlan`.
@@ -262,16 +266,23 @@ def build_plan(
                     f"{agent.role}: tensor {name!r} has dtype {other.dtype} in {agent.path}, the base has {meta.dtype}"
                 )
             if other.shape != meta.shape:
-                resizable = (
+                rows_only = len(other.shape) == len(meta.shape) >= 1 and other.shape[1:] == meta.shape[1:]
+                if (
                     shape_mismatch == "merge_common_rows"
-                    and len(other.shape) == len(meta.shape) >= 1
-                    and other.shape[1:] == meta.shape[1:]
-                    and floating
-                )
-                if not resizable:
+                    and rows_only
+                    and resizable is not None
+                    and not resizable(name)
+                ):
+                    what = "its LoRA delta" if agent.kind == "lora" else "tensor"
+                    raise CheckpointError(
+                        f"{agent.role}: {what} {name!r} has shape {list(other.shape)} in {agent.path}, the base "
+                        f"{base.path} has {list(meta.shape)}; shape_mismatch: merge_common_rows only resizes "
+                        "vocabulary tensors (embeddings, output head): this agent does not fit the base"
+                    )
+                if not (shape_mismatch == "merge_common_rows" and rows_only and floating):
                     hint = (
                         " (rows differ only: set shape_mismatch: merge_common_rows for resized vocabularies)"
-                        if len(other.shape) == len(meta.shape) >= 1 and other.shape[1:] == meta.shape[1:]
+                        if rows_only and (resizable is None or resizable(name))
                         else ""
                     )
                     raise CheckpointError(

@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ram_trl.errors import ConfigError
+from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
 SCHEMA_VERSION = 1
@@ -116,11 +117,9 @@ def read_manifest(path: str | os.PathLike) -> StageManifest:
     file = manifest_path(path)
     if not file.is_file():
         raise ConfigError(f"stage manifest {file} does not exist (a finished stage writes {MANIFEST_NAME})")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"stage manifest {file}: not valid JSON ({exc})") from exc
-    if isinstance(data, dict) and int(data.get("schema_version", SCHEMA_VERSION)) > SCHEMA_VERSION:
+    data = read_json_object(file, "stage manifest", ConfigError)
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise ConfigError(
             f"stage manifest {file}: schema_version {data['schema_version']} is newer than this ram_trl "
             f"understands ({SCHEMA_VERSION}); upgrade ram_trl"

@@ -234,25 +234,51 @@ def to_deltas(
     for t, (values, lora) in enumerate(zip(chunk.agents, chunk.lora, strict=True)):
         fill_delta(deltas[t], values, lora, base_values)
     if not allow_nonfinite and not math.isfinite(float(deltas.sum())):
-        raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop)
+        raise_nonfinite(chunk.task, base, agents, reader, chunk.start, chunk.stop, deltas)
     return deltas, base_values
 
 
 def raise_nonfinite(
-    task: TensorTask, base: Checkpoint, agents: list[Checkpoint], reader: RowReader, start: int, stop: int
+    task: TensorTask,
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    reader: RowReader,
+    start: int,
+    stop: int,
+    deltas: torch.Tensor | None = None,
 ) -> None:
-    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so."""
+    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so.
+
+    Checks the base's stored values, each agent's stored values and LoRA delta (its factors), and finally the task
+    vectors themselves (finite inputs whose difference overflows float32). Returns when everything is finite (only
+    the sum used as a quick check overflowed).
+
+    Raises:
+        NonFiniteError: naming the input, the tensor and the rows.
+    """
     hint = "set allow_nonfinite: true in the config to merge anyway"
-    for checkpoint, rows in [
-        (base, stop),
-        *((a, min(stop, r)) for a, r in zip(agents, task.agent_rows, strict=True)),
-    ]:
-        if rows <= start:
-            continue
-        values = checkpoint.read_rows(task.name, reader, start, rows).to(torch.float32)
-        bad = int((~torch.isfinite(values)).sum())
-        if bad:
-            raise NonFiniteError(
-                f"{checkpoint.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{rows}); {hint}"
-            )
-    # every input is finite: a difference overflowed float32 (values near 3e38); nothing to refuse
+    base_values = base.read_rows(task.name, reader, start, stop).to(torch.float32)
+    bad = int((~torch.isfinite(base_values)).sum())
+    if bad:
+        raise NonFiniteError(
+            f"{base.role}: tensor {task.name!r} holds {bad} NaN/Inf values (rows {start}:{stop}); {hint}"
+        )
+    for index, agent in enumerate(agents):
+        values, lora = read_agent_rows(agent, task, index, reader, start, stop)
+        for what, part in (("holds", values), ("has a LoRA delta (B @ A * scaling) with", lora)):
+            if part is None:
+                continue
+            bad = int((~torch.isfinite(part.to(torch.float32))).sum())
+            if bad:
+                raise NonFiniteError(
+                    f"{agent.role}: tensor {task.name!r} {what} {bad} NaN/Inf values (rows {start}:"
+                    f"{min(stop, task.agent_rows[index])}); fix the agent's weights or {hint}"
+                )
+    if deltas is not None:
+        for index, agent in enumerate(agents):
+            if not bool(torch.isfinite(deltas[index]).all()):
+                raise NonFiniteError(
+                    f"{agent.role}: tensor {task.name!r}: its difference from the base overflows float32 "
+                    f"(|agent - base| > 3.4e38, rows {start}:{stop}); these weights are not a fine-tune of this "
+                    "base, check the agent and the base"
+                )

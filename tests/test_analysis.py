@@ -335,8 +335,8 @@ def test_cli_with_config(synthetic, tmp_path):
         (["--base", "BASE", "AGENT", "MISSING"], "agent 1: MISSING_PATH does not exist"),
         (["--base", "MISSING", "AGENT"], "base model: MISSING_PATH does not exist"),
         (["--base", "BASE", "BASE"], "every agent is the base model"),
-        (["--base", "BASE", "AGENT", "--r", "-1"], "r=-1.0 must be a number >= 0"),
-        (["--config", "CONFIG", "--eps", "nan"], "eps=nan must be a number >= 0"),
+        (["--base", "BASE", "AGENT", "--r", "-1"], "--r must be >= 0.0, got -1.0"),
+        (["--config", "CONFIG", "--eps", "nan"], "--eps must be a finite number, got nan"),
         (["--base", "BASE", "AGENT", "--names", "x", "y"], "2 names given for 1 agents"),
         (["--config", "CONFIG", "--names", "x", "y"], "2 names given for 1 agents"),
         (["--config", "MISSING"], "merge config MISSING_PATH does not exist"),
@@ -366,7 +366,7 @@ def test_cli_refuses_bad_arguments(golden, tmp_path, capsys, argv, message):
 
 def test_refuses_output_inside_an_input(golden):
     base, agents = golden
-    with pytest.raises(RamTrlError, match=r"inside the agent 1 \(agent1\)"):
+    with pytest.raises(RamTrlError, match=r"overlaps the agent 1 \(agent1\)"):
         ram_trl.analyze(base, agents, agents[1] / "analysis", progress=False)
     assert not (agents[1] / "analysis").exists()
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import ram_trl
-from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
+from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, OutputError, RamTrlError
 from tests.helpers import (
     ALL_METHODS,
     BIAS,
@@ -399,7 +399,9 @@ def test_agent_that_differs_everywhere_warns_derived(tmp_path, out):
 
 
 def _old_output(out: Path) -> dict[str, tuple[bytes, int]]:
+    """A previous merge output (recognisable by its report: --overwrite may replace it)."""
     out.mkdir()
+    (out / "ram_merge_report.json").write_text("{}\n")
     (out / "model.safetensors").write_bytes(b"old weights")
     (out / "old_marker.txt").write_text("from an earlier merge\n")
     return snapshot(out)
@@ -410,7 +412,7 @@ def test_output_exists_without_overwrite(ckpts, out):
     before = snapshot(ckpts.root)
     with pytest.raises(RamTrlError) as info:
         ram_trl.merge(config_for(ckpts), out, progress=False)
-    assert type(info.value) is RamTrlError
+    assert type(info.value) is OutputError
     assert str(out) in str(info.value) and "overwrite" in str(info.value)
     assert snapshot(out) == old
     assert leftovers(out) == []
@@ -456,7 +458,7 @@ def test_output_dir_that_contains_the_inputs(tmp_path):
     ckpts = make_checkpoints(tmp_path / "inputs")
     before = snapshot(ckpts.root)
     try:
-        with pytest.raises(RamTrlError, match="write the merge outside its inputs"):
+        with pytest.raises(RamTrlError, match="which this run reads"):
             ram_trl.merge(config_for(ckpts), ckpts.root, overwrite=True, progress=False)
     finally:
         assert snapshot(ckpts.root) == before, "the inputs were deleted"

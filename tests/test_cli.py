@@ -191,6 +191,12 @@ def test_output_exists_exits_2(config_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "ram-trl merge: error: " in err and "--overwrite" in err and "Traceback" not in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces only a recognisable previous output, and says what it would have deleted
+    assert main(["merge", str(config_path), str(out), "--no-progress", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "not a previous ram_trl output" in err and "keep.txt" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "ram_merge_report.json").write_text("{}\n")
     assert main(["merge", str(config_path), str(out), "--no-progress", "--overwrite"]) == 0
     assert {p.name for p in out.iterdir()} >= OUTPUT_FILES
     assert not (out / "keep.txt").exists()

@@ -6,7 +6,6 @@ whole merge can be validated before its first tensor is read.
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta, read_safetensors_header
+from ram_trl.validation import check_pickle_state, check_weight_map, read_json_object
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -112,7 +112,9 @@ class Checkpoint:
         return tensor[start:stop].clone()
 
 
-def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) -> Checkpoint:
+def open_checkpoint(
+    path: str | Path, role: str, *, allow_pickle: bool = False, allow_external_shards: bool = False
+) -> Checkpoint:
     """Open a checkpoint directory and read every tensor's metadata.
 
     Args:
@@ -120,6 +122,8 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
             or a single ``.safetensors`` file.
         role: How error messages refer to this input.
         allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
+        allow_external_shards: Accept index files whose shards resolve outside ``path`` (absolute paths, ``..``,
+            symbolic links out of the directory); refused by default.
 
     Returns:
         The opened :class:`Checkpoint`.
@@ -138,7 +142,7 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
         return _from_safetensors_files(path.parent, role, [path])
     index = path / SAFE_INDEX
     if index.is_file():
-        return _from_index(path, role, index)
+        return _from_index(path, role, index, allow_external_shards)
     single = path / SAFE_SINGLE
     if single.is_file():
         return _from_safetensors_files(path, role, [single])
@@ -153,7 +157,7 @@ def open_checkpoint(path: str | Path, role: str, *, allow_pickle: bool = False) 
                 "safe_serialization=True), or pass --allow-pickle (allow_pickle=True) to load it with "
                 "torch.load(weights_only=True)"
             )
-        return _from_pickle(path, role)
+        return _from_pickle(path, role, allow_external_shards)
     others = [p for p in sorted(path.glob("*.safetensors")) if p.name != FISHER_FILE]
     if others:
         return _from_safetensors_files(path, role, others)
@@ -181,20 +185,17 @@ def _from_adapter(path: Path, role: str) -> Checkpoint:
     return Checkpoint(path=path, role=role, tensors=metas, format="safetensors", files=files, adapter=content)
 
 
-def _from_index(path: Path, role: str, index: Path) -> Checkpoint:
-    try:
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{role}: {index} is not a valid safetensors index ({exc})") from exc
-    files = sorted({path / f for f in weight_map.values()})
+def _from_index(path: Path, role: str, index: Path, allow_external: bool = False) -> Checkpoint:
+    data = read_json_object(index, f"{role}: safetensors index")
+    file_of = check_weight_map(data, index, path, role, allow_external)
+    files = sorted(set(file_of.values()))
     headers: dict[Path, dict[str, TensorInfo]] = {}
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"{role}: shard {file} listed in {index.name} is missing")
         headers[file] = _read_header(file, role)
     infos: dict[str, TensorInfo] = {}
-    for name, file_name in weight_map.items():
-        file = path / file_name
+    for name, file in file_of.items():
         if name not in headers[file]:
             raise CheckpointError(
                 f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it"
@@ -232,14 +233,15 @@ def _checkpoint(path: Path, role: str, infos: dict[str, TensorInfo], files: list
 
 def _load_pickle(file: Path, role: str) -> dict[str, torch.Tensor]:
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
         raise CheckpointError(
             f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})"
         ) from exc
+    return check_pickle_state(state, file, role)
 
 
-def _from_pickle(path: Path, role: str) -> Checkpoint:
+def _from_pickle(path: Path, role: str, allow_external: bool = False) -> Checkpoint:
     warnings.warn(
         f"{role}: loading pickle checkpoint {path} (--allow-pickle); memory is bounded by one .bin file, not by "
         "one tensor",
@@ -247,14 +249,15 @@ def _from_pickle(path: Path, role: str) -> Checkpoint:
     )
     index = path / PICKLE_INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{role}: {index} is not a valid checkpoint index ({exc})") from exc
-        file_of = {name: path / f for name, f in weight_map.items()}
+        file_of = check_weight_map(
+            read_json_object(index, f"{role}: checkpoint index"), index, path, role, allow_external
+        )
     else:
         file_of = None
     files = sorted(set(file_of.values())) if file_of else [path / PICKLE_SINGLE]
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{role}: pickle shard {file} listed in {PICKLE_INDEX} is missing")
     metas: dict[str, TensorMeta] = {}
     pickle_files: dict[str, Path] = {}
     for file in files:

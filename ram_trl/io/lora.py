@@ -15,7 +15,6 @@ Tensors the adapter does not touch have a zero task vector. Deltas are computed 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
+from ram_trl.validation import check_lora_config, read_json_object
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -127,10 +127,7 @@ def read_adapter(path: Path, role: str) -> AdapterContent:
             LoRA feature, naming the adapter.
     """
     config_path = path / ADAPTER_CONFIG
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{role}: {config_path} is not a valid adapter config ({exc})") from exc
+    config = read_json_object(config_path, f"{role}: adapter config")
     method = str(config.get("peft_type", "LORA")).upper()
     if method != "LORA":
         raise CheckpointError(
@@ -161,9 +158,10 @@ def read_adapter(path: Path, role: str) -> AdapterContent:
     except CheckpointError as exc:
         raise CheckpointError(f"{role}: {exc}") from exc
 
-    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
-    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rslora, fan_in_fan_out = bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
+    settings = check_lora_config(config, config_path, role)
+    rank, alpha = settings.rank, settings.alpha
+    rank_pattern, alpha_pattern = settings.rank_pattern, settings.alpha_pattern
+    rslora, fan_in_fan_out = settings.rslora, settings.fan_in_fan_out
     content = AdapterContent(config=config)
     pairs: dict[str, dict[str, TensorInfo]] = {}
     for key, info in tensors.items():

@@ -22,6 +22,7 @@ import os
 import struct
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.validation import check_safetensors_header
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -116,46 +118,47 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], di
         raise CheckpointError(f"{path}: cannot read safetensors file ({exc.strerror})") from exc
     if size < 8:
         raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes; truncated or empty)")
-    with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        if header_len == 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-            raise CheckpointError(
-                f"{path}: corrupt or truncated safetensors file (header claims {header_len} bytes, "
-                f"file has {size} bytes)"
-            )
-        raw = handle.read(header_len)
+    try:
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len == 0 or header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated safetensors file (header claims {header_len} bytes, "
+                    f"file has {size} bytes)"
+                )
+            raw = handle.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({exc.strerror or exc})") from exc
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + header_len
-    tensors: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        try:
-            dtype_name = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from exc
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype_name!r}")
-        dtype = SAFETENSORS_DTYPES[dtype_name]
-        expected = math.prod(shape) * dtype_itemsize(dtype)
-        if end - begin != expected or begin < 0:
-            raise CheckpointError(
-                f"{path}: corrupt safetensors header: tensor {name!r} spans {end - begin} bytes, "
-                f"its shape {list(shape)} and dtype {dtype_name} need {expected}"
-            )
-        if data_start + end > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, "
-                f"the file has {size} bytes"
-            )
-        tensors[name] = TensorInfo(name, dtype, shape, path, data_start + begin, data_start + end)
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    itemsizes = {name: dtype_itemsize(dtype) for name, dtype in SAFETENSORS_DTYPES.items()}
+    entries, metadata = check_safetensors_header(header, path, size - data_start, itemsizes)
+    tensors = {
+        e.name: TensorInfo(
+            e.name, SAFETENSORS_DTYPES[e.dtype], e.shape, path, data_start + e.begin, data_start + e.end
+        )
+        for e in entries
+    }
+    return tensors, metadata
+
+
+class _Handle:
+    """An open file descriptor shared by reads, with the number of reads holding it."""
+
+    __slots__ = ("fd", "users", "evicted")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.evicted = False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class RowReader:
@@ -173,22 +176,35 @@ class RowReader:
     """
 
     def __init__(self, max_open_files: int = 64, map_min_bytes: int | None = MAP_MIN_BYTES) -> None:
-        self._handles: dict[Path, int] = {}
+        self._handles: OrderedDict[Path, _Handle] = OrderedDict()
         self._max_open = max_open_files
         self._map_min_bytes = map_min_bytes
         self._lock = threading.Lock()
 
-    def _fd(self, path: Path) -> int:
+    def _acquire(self, path: Path) -> _Handle:
+        """An open descriptor of ``path``, held until :meth:`_release`: eviction (least recently used first, beyond
+        ``max_open_files``) and :meth:`close` close a descriptor only once no read holds it, so a read in flight on
+        another thread never sees its descriptor closed or reused."""
         with self._lock:
-            fd = self._handles.get(path)
-            if fd is None:
-                if len(self._handles) >= self._max_open:
-                    old_path, old_fd = next(iter(self._handles.items()))
-                    os.close(old_fd)
-                    del self._handles[old_path]
-                fd = os.open(path, os.O_RDONLY)
-                self._handles[path] = fd
-            return fd
+            handle = self._handles.get(path)
+            if handle is None:
+                while len(self._handles) >= self._max_open:
+                    _, old = self._handles.popitem(last=False)
+                    old.evicted = True
+                    if old.users == 0:
+                        old.close()
+                handle = _Handle(os.open(path, os.O_RDONLY))
+                self._handles[path] = handle
+            else:
+                self._handles.move_to_end(path)
+            handle.users += 1
+            return handle
+
+    def _release(self, handle: _Handle) -> None:
+        with self._lock:
+            handle.users -= 1
+            if handle.evicted and handle.users == 0:
+                handle.close()
 
     def read_rows(self, info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype.
@@ -224,31 +240,43 @@ class RowReader:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             view = memoryview(buffer.numpy())
-            fd = self._fd(info.file)
-            done = 0
-            while done < nbytes:
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if got <= 0:
-                    raise CheckpointError(
-                        f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
-                    )
-                done += got
+            handle = self._acquire(info.file)
+            try:
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(handle.fd, [view[done:]], offset + done)
+                    if got <= 0:
+                        raise CheckpointError(
+                            f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
+                        )
+                    done += got
+            finally:
+                self._release(handle)
         return buffer
 
     def _map(self, info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor:
-        fd = self._fd(info.file)
-        if os.fstat(fd).st_size < offset + nbytes:  # a mapping past the end would fault (SIGBUS) on access
-            raise CheckpointError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}")
-        skip = offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, nbytes + skip, access=mmap.ACCESS_COPY, offset=offset - skip)
+        handle = self._acquire(info.file)
+        try:
+            if os.fstat(handle.fd).st_size < offset + nbytes:  # a mapping past the end would fault (SIGBUS)
+                raise CheckpointError(
+                    f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
+                )
+            skip = offset % mmap.ALLOCATIONGRANULARITY
+            # the mapping keeps its own duplicate of the descriptor: releasing ours afterwards is safe
+            mapped = mmap.mmap(handle.fd, nbytes + skip, access=mmap.ACCESS_COPY, offset=offset - skip)
+        finally:
+            self._release(handle)
         if hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_WILLNEED)  # start reading ahead now if the pages are not cached
         return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=skip)
 
     def close(self) -> None:
+        """Close every descriptor (those held by a read in flight when that read ends)."""
         with self._lock:
-            for fd in self._handles.values():
-                os.close(fd)
+            for handle in self._handles.values():
+                handle.evicted = True
+                if handle.users == 0:
+                    handle.close()
             self._handles.clear()
 
     def __enter__(self) -> RowReader:

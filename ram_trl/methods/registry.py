@@ -91,6 +91,10 @@ class MergeMethod:
         needs_statistics: Whether global overlap statistics (a full pass over the inputs) must precede merging.
         trims_by_magnitude: Whether each tensor needs a per-agent magnitude cut before merging.
         needs_fisher: Whether each agent's diagonal Fisher is streamed beside its task vector.
+        keeps_base_entries: Whether a ``models`` entry equal to the base is merged (a weighted average of models)
+            rather than left out, and the base may be omitted (the first model then stands for it).
+        divides_by_weight_sum: Whether, with ``normalize``, the merge divides by the plain sum of the agents'
+            weights (which must then not be zero for any tensor).
         reference: Paper URL.
     """
 
@@ -102,6 +106,8 @@ class MergeMethod:
     needs_statistics: bool = False
     trims_by_magnitude: bool = False
     needs_fisher: bool = False
+    keeps_base_entries: bool = False
+    divides_by_weight_sum: bool = False
     reference: str = ""
 
     def parameter(self, name: str) -> Parameter | None:
@@ -383,6 +389,8 @@ register(
         description="sum_t w_t theta_t / sum_t w_t",
         parameters=(Parameter("normalize", bool, True, "global", "divide by the sum of weights"), _WEIGHT),
         merge=_merge_linear,
+        keeps_base_entries=True,
+        divides_by_weight_sum=True,
         reference="https://arxiv.org/abs/2203.05482",
     ),
     aliases={"average": Alias("linear"), "model_soup": Alias("linear")},

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.output import OutputDir
 from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
 from ram_trl.recipes.schema import (
     MergeRow,
@@ -168,17 +169,17 @@ class Run:
         if record.is_file() and record.read_text(encoding="utf-8") == spec:
             return
         start = time.perf_counter()
-        tmp = target.with_name(".base_init.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         import torch
 
         build = dict(self.recipe.base.build)
         if isinstance(build.get("dtype"), str):
             build["dtype"] = getattr(torch, build["dtype"])
-        make_base_checkpoint(tmp, **build)
-        (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
+        output = OutputDir(
+            target, markers=("ram_build.json",), replace_previous=True, what="base model directory"
+        )
+        with output as tmp:
+            make_base_checkpoint(tmp, **build)
+            (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
         self._timed("build_base", start)
         self.console.print(f"[green]built[/] base model {target}")
 

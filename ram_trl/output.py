@@ -1,0 +1,479 @@
+"""The one output-commit protocol: merge, LoRA export, analysis, Fisher files and recipe runs write through it.
+
+A run writes into a temporary sibling of its target (``.NAME.ram-trl-tmp-PID-XXXXXXXX``, with a lock file naming the
+process and the host), and renames it into place only when everything is written:
+
+- **inputs are never removed**: an output directory that holds (or is) a file or directory the run reads is refused,
+  with or without ``--overwrite``;
+- **``--overwrite`` only replaces a recognisable previous output** (a directory holding one of the run's marker
+  files, e.g. ``ram_merge_report.json``, or an empty one); anything else is refused with the list of what would be
+  deleted;
+- **the commit never replaces a directory that appeared meanwhile**: the final rename is atomic and no-replace
+  (``renameat2(RENAME_NOREPLACE)`` on Linux, else a ``mkdir`` reservation), so two concurrent runs cannot silently
+  replace each other's output;
+- **SIGINT, SIGTERM and SIGHUP** are turned into :class:`Interrupted` while the temporary directory exists, so it is
+  removed, together with any parent directory the run created;
+- **leftovers of a killed run** (``kill -9``, a power cut) are recognised by the dead process id in their lock file
+  (or name) and removed, naming them, by the next run writing to the same place;
+- file-system errors (read-only, full, no permission) become an :class:`OutputError` naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ram_trl.errors import OutputError
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".ram-trl-lock"
+_LEFTOVER = re.compile(r"\.ram-trl-(?:tmp|full|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+#: File-system errors of an output that are the user's to fix (space, read-only, permissions, quota, size).
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG})
+_CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A catchable termination signal (SIGTERM, SIGHUP) arrived while an output was being written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Atomic no-replace rename
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _load_renameat2()
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(source: Path, target: Path) -> None:
+    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists (even if it appears meanwhile).
+
+    Uses ``renameat2(RENAME_NOREPLACE)`` on Linux; where the kernel or file system lacks it, reserves ``target``
+    with ``mkdir`` (atomic, fails if it exists) and renames onto that empty directory.
+
+    Raises:
+        FileExistsError: if ``target`` exists.
+        OSError: for other file-system errors.
+    """
+    if _RENAMEAT2 is not None:
+        result = _RENAMEAT2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE)
+        if result == 0:
+            return
+        code = ctypes.get_errno()
+        if code == errno.EEXIST or code == errno.ENOTEMPTY:
+            raise FileExistsError(code, os.strerror(code), str(target))
+        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(code, os.strerror(code), str(target))
+    _rename_reserved(source, target)
+
+
+def _rename_reserved(source: Path, target: Path) -> None:
+    """The portable fallback of :func:`rename_noreplace`: reserve ``target`` with ``mkdir``, then rename onto it."""
+    if source.is_dir():
+        os.mkdir(target)  # FileExistsError if it exists: only one process wins the reservation
+        try:
+            os.rename(source, target)  # replaces the empty directory this process just made
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
+            raise
+        return
+    os.link(source, target)  # FileExistsError if it exists
+    os.unlink(source)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Signals
+
+
+@contextlib.contextmanager
+def catch_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into :class:`Interrupted` (SIGINT already raises ``KeyboardInterrupt``), so that
+    ``finally`` blocks and ``except BaseException`` cleanups run. A handler installed before (e.g. by the
+    distributed launcher support) is called instead when it is a Python function. No-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        before = previous.get(signum)
+        if callable(before):
+            before(signum, frame)
+        raise Interrupted(signum)
+
+    for signum in _CAUGHT_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signum, before if before is not None else signal.SIG_DFL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Leftovers of killed runs
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(entry: Path) -> tuple[int | None, str | None]:
+    """The process id and host that made a temporary entry (from its lock file, else its name)."""
+    lock = entry / LOCK_FILE
+    if lock.is_file():
+        with contextlib.suppress(OSError, ValueError, TypeError, json.JSONDecodeError):
+            data = json.loads(lock.read_text())
+            return int(data["pid"]), str(data.get("host") or "")
+    match = _LEFTOVER.search(entry.name)
+    return (int(match.group("pid")), None) if match else (None, None)
+
+
+def remove_stale(target: Path) -> list[Path]:
+    """Remove the temporary siblings of ``target`` left by runs that were killed (their process is gone).
+
+    Only entries named like this protocol's temporaries, made on this host by a process that no longer exists, are
+    removed; each is named in a warning. Entries of live processes, of other hosts, or without a process id are
+    left alone (the latter named in a warning).
+
+    Returns:
+        The entries removed.
+    """
+    parent, name = target.parent, target.name
+    if not parent.is_dir():
+        return []
+    removed = []
+    host = socket.gethostname()
+    for entry in sorted(parent.iterdir()):
+        if not (entry.name.startswith(f".{name}.ram-trl-") or entry.name.startswith(f"..{name}.ram-trl-")):
+            continue
+        pid, owner_host = _owner(entry)
+        if pid is None:
+            if entry.name.startswith(f".{name}.ram-trl-tmp-") or entry.name.startswith(
+                f".{name}.ram-trl-old-"
+            ):
+                warnings.warn(
+                    f"{entry} looks like the leftover of an interrupted ram_trl run (an older version, no process "
+                    "id); remove it if no run is writing there",
+                    stacklevel=3,
+                )
+            continue
+        if (owner_host and owner_host != host) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+        if not entry.exists():
+            removed.append(entry)
+            message = f"removed {entry}: the leftover of a ram_trl run (process {pid}) that was killed"
+            warnings.warn(message, stacklevel=3)
+            logger.warning(message)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The protocol
+
+
+def _describe(path: Path, limit: int = 8) -> str:
+    entries = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(entries[:limit])
+    return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
+
+
+def as_output_error(exc: OSError, what: str) -> OutputError:
+    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it."""
+    reason = exc.strerror or str(exc)
+    hint = {
+        errno.ENOSPC: "free some space or choose another output location",
+        errno.EROFS: "the file system is read-only: choose another output location",
+        errno.EACCES: "no permission: choose another output location",
+        errno.EPERM: "no permission: choose another output location",
+    }.get(exc.errno or 0, "choose another output location")
+    where = exc.filename or what
+    return OutputError(f"cannot write {what} ({where}: {reason}); {hint}")
+
+
+def temp_name(target: Path, kind: str = "tmp") -> Path:
+    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old)."""
+    return target.parent / f".{target.name}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class OutputDir:
+    """The commit protocol of one output directory.
+
+    Args:
+        target: The directory the run produces.
+        overwrite: Replace an existing ``target`` that is a recognisable previous output.
+        reads: ``(label, path)`` of everything the run reads (config, checkpoints, Fisher files, prompt files,
+            manifests): the target must neither be nor hold any of them, nor lie inside an input directory.
+        markers: File names that make an existing directory a recognisable previous output (any one suffices).
+        what: How messages name the output (e.g. ``"output directory"``).
+        replace_previous: Replace a recognisable previous output even without ``overwrite`` (the analysis and
+            recipe steps, which always rewrite their own outputs).
+
+    Example::
+
+        out = OutputDir(Path("merged"), overwrite=False, reads=[("merge config", cfg)], markers=("report.json",))
+        out.check()
+        temp = out.begin()
+        try:
+            ...  # write into temp
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        reads: Sequence[tuple[str, Path]] = (),
+        markers: Sequence[str] = (),
+        what: str = "output directory",
+        replace_previous: bool = False,
+    ) -> None:
+        self.target = Path(target)
+        self.overwrite = overwrite
+        self.reads = [(label, Path(path)) for label, path in reads]
+        self.markers = tuple(markers)
+        self.what = what
+        self.replace_previous = replace_previous
+        self.temp: Path | None = None
+        self._created: list[Path] = []
+        self._signals: contextlib.ExitStack | None = None
+
+    # -- checks -------------------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse an output that overlaps an input, or that exists and may not be replaced. Cheap; call it before
+        reading any tensor (and :meth:`commit` checks again)."""
+        self._check_inputs()
+        self._check_existing()
+
+    def _check_inputs(self) -> None:
+        out = self.target.resolve()
+        for label, path in self.reads:
+            if not path.exists():
+                continue
+            source = path.resolve()
+            inside = source == out or source.is_relative_to(out)
+            if inside or (path.is_dir() and out.is_relative_to(source)):
+                raise OutputError(
+                    f"{self.what} {self.target} overlaps the {label} at {path}, which this run reads; write the "
+                    "output elsewhere (--overwrite never removes an input)"
+                )
+
+    def replaceable(self) -> bool:
+        """Whether the existing target may be replaced: an empty directory or one holding a marker file."""
+        if not self.target.is_dir() or self.target.is_symlink():
+            return False
+        return not any(self.target.iterdir()) or any((self.target / m).is_file() for m in self.markers)
+
+    def _check_existing(self) -> None:
+        if not (self.target.exists() or self.target.is_symlink()):
+            return
+        if not (self.overwrite or self.replace_previous):
+            raise OutputError(
+                f"{self.what} {self.target} already exists; pass --overwrite (overwrite=True) to replace it, or "
+                "choose another location"
+            )
+        if not self.replaceable():
+            if not self.target.is_dir() or self.target.is_symlink():
+                found = "a symbolic link" if self.target.is_symlink() else "a file"
+                raise OutputError(
+                    f"{self.what} {self.target} exists and is {found}, not a previous ram_trl output; remove it "
+                    "yourself or choose another location"
+                )
+            markers = " or ".join(self.markers) or "a ram_trl marker file"
+            raise OutputError(
+                f"{self.what} {self.target} exists and is not a previous ram_trl output (no {markers}); replacing "
+                f"it would delete: {_describe(self.target)}. Remove it yourself or choose another location"
+            )
+
+    # -- the run ------------------------------------------------------------------------------------------------
+
+    def begin(self, temp: Path | None = None) -> Path:
+        """Remove killed runs' leftovers, create missing parents and the temporary directory (with its lock file),
+        and start catching SIGTERM/SIGHUP. Returns the temporary directory."""
+        self.check()
+        remove_stale(self.target)
+        self.temp = temp or temp_name(self.target)
+        stack = contextlib.ExitStack()
+        stack.enter_context(catch_signals())
+        self._signals = stack
+        try:
+            self._make_parents(self.temp.parent)
+            self.temp.mkdir()
+            lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            (self.temp / LOCK_FILE).write_text(json.dumps({**lock, "target": str(self.target)}) + "\n")
+        except OSError as exc:
+            self.abort()
+            raise as_output_error(exc, f"{self.what} {self.target}") from exc
+        except BaseException:
+            self.abort()
+            raise
+        return self.temp
+
+    def _make_parents(self, parent: Path) -> None:
+        missing = []
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        for directory in reversed(missing):
+            directory.mkdir()
+            self._created.append(directory)
+
+    def commit(self) -> None:
+        """Move the temporary directory into place: atomically, never onto a directory that appeared meanwhile;
+        with ``overwrite``, the previous output is moved aside first and removed after."""
+        assert self.temp is not None, "begin() first"
+        try:
+            (self.temp / LOCK_FILE).unlink(missing_ok=True)
+            old = None
+            if self.target.exists() or self.target.is_symlink():
+                if not (self.overwrite or self.replace_previous):
+                    raise OutputError(self._appeared())
+                self._check_existing()
+                old = temp_name(self.target, "old")
+                os.rename(self.target, old)
+            try:
+                rename_noreplace(self.temp, self.target)
+            except FileExistsError:
+                raise OutputError(self._appeared()) from None
+            except BaseException:
+                if old is not None:
+                    with contextlib.suppress(OSError):
+                        rename_noreplace(old, self.target)
+                raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            self.abort()
+            raise as_output_error(exc, f"{self.what} {self.target}") from exc
+        except BaseException:
+            self.abort()
+            raise
+        self.temp = None
+        self._created = []
+        self._release()
+
+    def _appeared(self) -> str:
+        return (
+            f"{self.what} {self.target} appeared while this run was writing (another run writing to the same place?); "
+            "this run's output was discarded and the other left untouched. Choose another location or pass --overwrite"
+        )
+
+    def abort(self) -> None:
+        """Remove the temporary directory and the parent directories this run created."""
+        if self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            self.temp = None
+        for directory in reversed(self._created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()  # only if empty
+        self._created = []
+        self._release()
+
+    def _release(self) -> None:
+        if self._signals is not None:
+            self._signals.close()
+            self._signals = None
+
+    def __enter__(self) -> Path:
+        return self.begin()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterator[Path]:
+    """Write one file atomically: yields a temporary sibling path (named after this process); on success it
+    replaces ``target``, on any failure or catchable signal it is removed. Killed runs' leftovers beside
+    ``target`` are removed first.
+
+    Raises:
+        OutputError: for file-system errors (read-only, full, no permission), naming the file.
+    """
+    target = Path(target)
+    remove_stale(target)
+    temp = temp_name(target)
+    try:
+        with catch_signals():
+            yield temp
+            os.replace(temp, target)
+    except OSError as exc:
+        raise as_output_error(exc, f"{what} {target}") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+
+
+def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
+    """A context that turns file-system errors of the output (``ENOSPC``, ``EROFS``, ...) into :class:`OutputError`."""
+
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in OUTPUT_ERRNOS:
+                raise as_output_error(exc, what) from exc
+            raise
+
+    return guard()

@@ -1,0 +1,257 @@
+"""The output-commit protocol (ram_trl.output): temporary sibling, signals, leftovers of killed runs, atomic
+no-replace commit, --overwrite rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from ram_trl import output
+from ram_trl.errors import OutputError
+from ram_trl.output import LOCK_FILE, Interrupted, OutputDir, atomic_file, remove_stale, rename_noreplace
+
+
+def _siblings(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
+
+
+def test_commit_moves_the_temporary_directory_into_place(tmp_path):
+    target = tmp_path / "a" / "b" / "out"
+    out = OutputDir(target, markers=("report.json",))
+    temp = out.begin()
+    assert temp.parent == target.parent and (temp / LOCK_FILE).is_file()
+    assert json.loads((temp / LOCK_FILE).read_text())["pid"] == os.getpid()
+    (temp / "report.json").write_text("{}")
+    out.commit()
+    assert sorted(p.name for p in target.iterdir()) == ["report.json"]  # the lock file is gone
+    assert _siblings(target) == []
+
+
+def test_abort_removes_the_temporary_and_the_parents_it_created(tmp_path):
+    target = tmp_path / "a" / "b" / "out"
+    out = OutputDir(target)
+    out.begin()
+    out.abort()
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_abort_keeps_parents_that_existed(tmp_path):
+    (tmp_path / "a").mkdir()
+    out = OutputDir(tmp_path / "a" / "out")
+    out.begin()
+    out.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and not any((tmp_path / "a").iterdir())
+
+
+def test_commit_refuses_a_target_that_appeared_meanwhile(tmp_path):
+    target = tmp_path / "out"
+    out = OutputDir(target)
+    temp = out.begin()
+    (temp / "mine.txt").write_text("mine")
+    target.mkdir()
+    (target / "theirs.txt").write_text("theirs")
+    with pytest.raises(OutputError, match="appeared while this run was writing"):
+        out.commit()
+    assert sorted(p.name for p in target.iterdir()) == ["theirs.txt"]
+    assert _siblings(target) == []
+
+
+def test_commit_refuses_even_an_empty_directory_that_appeared(tmp_path):
+    target = tmp_path / "out"
+    out = OutputDir(target)
+    out.begin()
+    target.mkdir()
+    with pytest.raises(OutputError, match="appeared"):
+        out.commit()
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_rename_noreplace(tmp_path, monkeypatch, portable):
+    if portable:
+        monkeypatch.setattr(output, "_RENAMEAT2", None)
+    source, target = tmp_path / "source", tmp_path / "target"
+    source.mkdir()
+    (source / "f").write_text("x")
+    target.mkdir()
+    with pytest.raises(FileExistsError):
+        rename_noreplace(source, target)
+    assert (source / "f").is_file()
+    target.rmdir()
+    rename_noreplace(source, target)
+    assert (target / "f").read_text() == "x" and not source.exists()
+
+
+def test_overwrite_replaces_a_previous_output(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "report.json").write_text("old")
+    (target / "old.bin").write_text("old")
+    out = OutputDir(target, overwrite=True, markers=("report.json",))
+    temp = out.begin()
+    (temp / "report.json").write_text("new")
+    out.commit()
+    assert sorted(p.name for p in target.iterdir()) == ["report.json"]
+    assert (target / "report.json").read_text() == "new"
+    assert _siblings(target) == []
+
+
+def test_overwrite_refuses_a_directory_that_is_not_an_output_and_names_its_content(tmp_path):
+    target = tmp_path / "home"
+    target.mkdir()
+    (target / "thesis.tex").write_text("years of work")
+    with pytest.raises(OutputError, match=r"not a previous ram_trl output.*would delete: thesis\.tex"):
+        OutputDir(target, overwrite=True, markers=("report.json",)).check()
+    assert (target / "thesis.tex").read_text() == "years of work"
+
+
+def test_overwrite_refuses_a_file(tmp_path):
+    target = tmp_path / "out"
+    target.write_text("a file")
+    with pytest.raises(OutputError, match="is a file"):
+        OutputDir(target, overwrite=True).check()
+
+
+def test_an_output_holding_an_input_file_is_refused(tmp_path):
+    target = tmp_path / "d"
+    target.mkdir()
+    (target / "report.json").write_text("{}")
+    config = target / "merge.yaml"
+    config.write_text("merge_method: ram")
+    with pytest.raises(OutputError, match="merge config"):
+        OutputDir(target, overwrite=True, reads=[("merge config", config)], markers=("report.json",)).check()
+    assert config.is_file()
+
+
+def test_an_output_inside_an_input_directory_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(OutputError, match="overlaps the agent"):
+        OutputDir(model / "merged", reads=[("agent", model)]).check()
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_a_dead_process_are_removed_and_named(tmp_path):
+    target = tmp_path / "out"
+    pid = _dead_pid()
+    stale = tmp_path / f".out.ram-trl-tmp-{pid}-0123abcd"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 100)
+    (stale / LOCK_FILE).write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))
+    old = tmp_path / f".out.ram-trl-old-{pid}-0123abcd"  # a previous output moved aside, then killed
+    old.mkdir()
+    with pytest.warns(UserWarning, match=f"process {pid}"):
+        removed = remove_stale(target)
+    assert sorted(p.name for p in removed) == sorted([stale.name, old.name])
+    assert not stale.exists() and not old.exists()
+
+
+def test_leftovers_of_a_live_process_or_another_host_are_kept(tmp_path):
+    target = tmp_path / "out"
+    live = tmp_path / f".out.ram-trl-tmp-{os.getppid()}-0123abcd"
+    live.mkdir()
+    other = tmp_path / f".out.ram-trl-tmp-{_dead_pid()}-89abcdef"
+    other.mkdir()
+    (other / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-node"}))
+    unrelated = tmp_path / ".outer.ram-trl-tmp-1-0123abcd"
+    unrelated.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert remove_stale(target) == []
+    assert live.exists() and other.exists() and unrelated.exists()
+
+
+def test_a_kill_9_run_is_cleaned_up_by_the_next_run(tmp_path):
+    target = tmp_path / "out"
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from pathlib import Path
+        from ram_trl.output import OutputDir
+        temp = OutputDir(Path({str(target)!r})).begin()
+        (temp / "big.bin").write_bytes(b"x" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], check=False)
+    assert result.returncode == -signal.SIGKILL
+    assert len(_siblings(target)) == 1
+    out = OutputDir(target)
+    with pytest.warns(UserWarning, match="was killed"):
+        out.begin()
+    out.abort()
+    assert _siblings(target) == [] and not target.exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_catchable_signals_remove_the_temporary_directory(tmp_path, signum):
+    target = tmp_path / "x" / "out"
+    before = signal.getsignal(signum)
+    out = OutputDir(target)
+    with pytest.raises(Interrupted) as info:
+        try:
+            out.begin()
+            os.kill(os.getpid(), signum)
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+    assert info.value.signum == signum
+    assert not (tmp_path / "x").exists()
+    assert signal.getsignal(signum) == before  # the handler is restored
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signalled_cli_merge_leaves_nothing(tmp_path, monkeypatch, capsys, signum):
+    from ram_trl.cli import main
+    from ram_trl.io import safetensors_io
+    from tests.helpers import config_for, make_checkpoints
+
+    ckpts = make_checkpoints(tmp_path / "inputs")
+    config = tmp_path / "merge.json"
+    config.write_text(json.dumps(config_for(ckpts)))
+    out = tmp_path / "deep" / "merged"
+
+    def write_rows(self, *args, **kwargs):
+        os.kill(os.getpid(), signum)  # delivered to the main thread, whichever thread writes
+
+    monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
+    assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
+    assert "interrupted" in capsys.readouterr().err
+    assert not (tmp_path / "deep").exists()
+
+
+def test_atomic_file_replaces_or_leaves_nothing(tmp_path):
+    target = tmp_path / "fisher.safetensors"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), atomic_file(target) as temp:
+        temp.write_text("half")
+        raise RuntimeError("failed")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+    with atomic_file(target) as temp:
+        temp.write_text("new")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_file_system_errors_become_output_errors(tmp_path, monkeypatch):
+    import errno
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    out = OutputDir(tmp_path / "out")
+    with pytest.raises(OutputError, match="read-only"):
+        out.begin()
