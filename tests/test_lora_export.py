@@ -9,31 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 import ram_trl
 from ram_trl import lora_export
 from ram_trl.cli import main
 from ram_trl.errors import ConfigError
 from ram_trl.lora_export import LoraExportOptions, choose_rank
+from tests.helpers import qwen_model
 
 peft = pytest.importorskip("peft", reason="peft is needed to load the exported adapters")
 
-SETTINGS = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 96,
-    "tie_word_embeddings": False,
-}
 PROMPT = torch.tensor([[1, 5, 9, 2]])
 
 
-def _qwen(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**{**SETTINGS, **overrides})).float().eval()
+def _qwen(seed: int = 0, **overrides) -> torch.nn.Module:
+    return qwen_model(seed, **overrides).eval()
 
 
 def _save_base(path: Path, **overrides) -> Path:
