@@ -201,6 +201,8 @@ class Run:
                 return
         from ram_trl.recipes.tasks import mixture
 
+        if spec.abstain_share:
+            self.check_abstain_reply(spec.abstain_reply)
         rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
         start = time.perf_counter()
         self.console.print(f"warm start: {spec.steps} steps on {len(rows)} rows ...")
@@ -212,6 +214,24 @@ class Run:
             f"[green]warm start[/] {spec.steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
             f"({result['seconds']:.0f}s)"
         )
+
+    def check_abstain_reply(self, reply: str) -> None:
+        """Refuse a warm-start ``abstain_reply`` that earns a reward on some stage's validation or test rows (it would
+        no longer be an abstention: RL could keep it).
+
+        Raises:
+            ConfigError: naming the stage and the mean reward the reply earns there.
+        """
+        from ram_trl.recipes.evaluate import score_completions
+
+        for task in self.eval_tasks():
+            earned = score_completions(task.functions(), task.rows, [reply] * len(task.rows))
+            if any(value > 0 for value in earned):
+                raise ConfigError(
+                    f"recipe {self.recipe.name!r}: warm_start.abstain_reply {reply!r} earns a reward on stage "
+                    f"{task.stage!r} ({task.split} mean {sum(earned) / len(earned):.3f}): choose a reply that "
+                    "no stage rewards (an abstention must score 0)"
+                )
 
     def _warm_files(self) -> list[Path]:
         """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage

@@ -132,8 +132,15 @@ class WarmStartSpec(_Strict):
         batch_size: Sequences per step.
         learning_rate: AdamW learning rate (cosine decay to 10%).
         weight_decay: AdamW weight decay.
-        seed: Seed of the batches.
+        seed: Seed of the batches (and of which rows abstain).
         save_dtype: Dtype of the saved base.
+        abstain_share: Share of the warm-start rows whose answer is replaced by ``abstain_reply`` (a seeded draw).
+            The warm-started base then knows the tasks but often declines to answer, greedy included, while its
+            samples still answer often enough that GRPO groups carry a signal: RL has headroom on every vertical,
+            including tasks the warm start teaches fully, and the verifiable reward (which gives an abstention
+            nothing) teaches each specialist to answer in its own vertical. ``0`` (the default) trains on the
+            answers only. See ``docs/small-model-rl.md`` for what this does and does not show.
+        abstain_reply: The reply of the abstaining rows (one line; it must earn no reward on any stage).
     """
 
     steps: int = Field(300, ge=1)
@@ -142,6 +149,17 @@ class WarmStartSpec(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     seed: int = 0
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    abstain_share: float = Field(0.0, ge=0, lt=1)
+    abstain_reply: str = Field("(I don't know)", min_length=1)
+
+    @field_validator("abstain_reply")
+    @classmethod
+    def _one_line(cls, value: str) -> str:
+        if "\n" in value or not value.strip():
+            raise ValueError(
+                "abstain_reply must be one non-blank line (rewards read a completion's first line)"
+            )
+        return value
 
 
 class PromptSpec(_Strict):

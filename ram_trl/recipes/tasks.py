@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
@@ -104,6 +104,44 @@ def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwarg
         text = completion_text(completion)
         rewards.append(1.0 if text == want else 0.5 * _prefix_share(text, want))
     return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# program output (coding)
+
+#: Function name -> what it does to a lowercase word: the "programs" whose output :func:`program_prompts` asks for.
+PROGRAMS: dict[str, Callable[[str], str]] = {
+    "rev": lambda word: word[::-1],
+    "sort": lambda word: "".join(sorted(word)),
+    "upper": str.upper,
+    "next": lambda word: "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in word),
+}
+
+
+def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, str]]:
+    """Predict a one-line program's output (CRUXEval-style, at toy scale): ``'rev("kqfzb")='`` -> ``"bzfqk"``.
+
+    The programs (:data:`PROGRAMS`) reverse, sort, upper-case or shift each letter of a random lowercase word.
+
+    Args:
+        n: Number of distinct prompts.
+        seed: Seed of the draw.
+        length: Letters of the word.
+    """
+    if length < 1:
+        raise ValueError(f"length={length} must be at least 1")
+
+    def make(rng: random.Random) -> dict[str, str]:
+        name = rng.choice(sorted(PROGRAMS))
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
+        return {"prompt": f'{name}("{word}")=', "answer": PROGRAMS[name](word)}
+
+    return _unique_rows(make, n, seed)
+
+
+def program_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 for exactly the program's output, else 0.5 x (share of its characters right from the left)."""
+    return arithmetic_reward(completions, answer)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,7 +280,7 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
 # recall (memory)
 
 
-def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6) -> list[dict[str, str]]:
+def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 2) -> list[dict[str, str]]:
     """A context of ``num_pairs`` ``key=digit`` pairs, then a question for one key: ``"ka=3;qb=7;...;qb?"`` -> ``"7"``.
 
     Keys are two distinct lowercase letters; values are digits.
@@ -250,15 +288,16 @@ def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6) -> list[dict[str, 
     Args:
         n: Number of distinct prompts.
         seed: Seed of the draw.
-        num_pairs: Pairs in the context (the context is ``5 * num_pairs`` characters long).
+        num_pairs: Pairs in the context (the context is ``(key_length + 3) * num_pairs`` characters long).
+        key_length: Letters per key.
     """
-    if num_pairs < 1:
-        raise ValueError(f"num_pairs={num_pairs} must be at least 1")
+    if num_pairs < 1 or num_pairs > 26**key_length:
+        raise ValueError(f"num_pairs={num_pairs} must be between 1 and 26**key_length")
 
     def make(rng: random.Random) -> dict[str, str]:
         keys: list[str] = []
         while len(keys) < num_pairs:
-            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(2))
+            key = "".join(rng.choice(string.ascii_lowercase) for _ in range(key_length))
             if key not in keys:
                 keys.append(key)
         values = [str(rng.randint(0, 9)) for _ in keys]

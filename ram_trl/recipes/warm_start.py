@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import WarmStartSpec
 
-__all__ = ["WARM_START_RECORD", "encode_rows", "warm_start"]
+__all__ = ["WARM_START_RECORD", "encode_rows", "warm_start", "with_abstentions"]
 
 #: Written into the warm-started base; its presence marks the warm start as complete (for ``--resume``).
 WARM_START_RECORD = "ram_warm_start.json"
@@ -39,6 +39,23 @@ def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[i
         answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((prompt + answer, [-100] * len(prompt) + answer))
     return encoded
+
+
+def with_abstentions(rows: list[dict[str, Any]], share: float, reply: str, seed: int) -> list[dict[str, Any]]:
+    """``rows`` with the answer of a seeded ``share`` of them replaced by ``reply`` (each row independently, so
+    every task abstains at about the same rate).
+
+    Args:
+        rows: Warm-start rows (``prompt``, ``answer``).
+        share: Probability that a row abstains, in ``[0, 1)``.
+        reply: The abstaining answer.
+        seed: Seed of the draw.
+
+    Returns:
+        New rows (the input rows are not modified).
+    """
+    rng = random.Random(f"abstain-{seed}")
+    return [dict(row, answer=reply) if rng.random() < share else row for row in rows]
 
 
 def _batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -75,6 +92,8 @@ def warm_start(
     tokenizer = AutoTokenizer.from_pretrained(str(base_in))
     model = AutoModelForCausalLM.from_pretrained(str(base_in), dtype=torch.float32)
     model.train()
+    if spec.abstain_share:
+        rows = with_abstentions(rows, spec.abstain_share, spec.abstain_reply, spec.seed)
     encoded = encode_rows(tokenizer, rows)
     if not encoded:
         raise ConfigError("warm start: no rows to train on")
@@ -105,6 +124,9 @@ def warm_start(
         "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]),
         "rows": len(encoded),
+        "abstaining_rows": sum(row["answer"] == spec.abstain_reply for row in rows)
+        if spec.abstain_share
+        else 0,
         "spec": spec.model_dump(),
         "base": str(base_in),
         "seconds": round(time.perf_counter() - start, 2),

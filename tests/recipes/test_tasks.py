@@ -11,6 +11,8 @@ from ram_trl.recipes.tasks import (
     completion_text,
     mixture,
     parse_call,
+    program_prompts,
+    program_reward,
     recall_prompts,
     recall_reward,
     tool_call_prompts,
@@ -107,6 +109,54 @@ def test_recall_prompts_answer_is_the_asked_keys_value():
         context = dict(p.split("=") for p in pairs)
         assert len(context) == 4
         assert row["answer"] == context[question.removesuffix("?")]
+
+
+def test_recall_prompts_with_one_letter_keys():
+    rows = recall_prompts(30, seed=2, num_pairs=3, key_length=1)
+    for row in rows:
+        *pairs, question = row["prompt"].split(";")
+        keys = [p.split("=")[0] for p in pairs]
+        assert len(keys) == 3 and len(set(keys)) == 3 and all(len(k) == 1 for k in keys)
+        assert row["answer"] == dict(p.split("=") for p in pairs)[question.removesuffix("?")]
+    with pytest.raises(ValueError, match="num_pairs=27"):
+        recall_prompts(1, num_pairs=27, key_length=1)
+
+
+def test_program_prompts_answers_are_the_programs_outputs():
+    rows = program_prompts(200, seed=0, length=4)
+    assert len({r["prompt"] for r in rows}) == 200
+    assert rows == program_prompts(200, seed=0, length=4)
+    seen = set()
+    for row in rows:
+        name, rest = row["prompt"].split("(", 1)
+        word = rest.removesuffix('")=').removeprefix('"')
+        assert len(word) == 4 and word.islower()
+        expected = {
+            "rev": word[::-1],
+            "sort": "".join(sorted(word)),
+            "upper": word.upper(),
+            "next": "".join("a" if c == "z" else chr(ord(c) + 1) for c in word),
+        }[name]
+        assert row["answer"] == expected
+        seen.add(name)
+    assert seen == {"rev", "sort", "upper", "next"}
+    assert program_prompts(1, seed=3, length=3)[0]["prompt"].endswith('")=')
+    with pytest.raises(ValueError, match="length=0"):
+        program_prompts(1, length=0)
+
+
+def test_program_reward_golden():
+    # exact 1.0; else half the share of characters right from the left (cut at the first wrong one)
+    assert program_reward(
+        ["bzfqk", "bzfxk", "xzfqk", "bz", "bzfqk\nmore", "(I don't know)"], ["bzfqk"] * 6
+    ) == [
+        1.0,
+        0.5 * 3 / 5,
+        0.0,
+        0.5 * 2 / 5,
+        1.0,
+        0.0,
+    ]
 
 
 def test_mixture_is_a_seeded_shuffle_of_all_rows():
