@@ -20,7 +20,7 @@ DEMO_RECIPE = Path(__file__).with_name("demo-cpu.yaml")
 #: ``ram-trl demo --quick``: the demo's pipeline with tiny sizes (a smoke test of every part in a few minutes).
 QUICK_OVERRIDES: dict = {
     "base": {"build": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64}},
-    "warm_start": {"steps": 20, "batch_size": 16},
+    "warm_start": {"steps": 20, "batch_size": 16, "abstain_steps": 10},
     "stages": {
         "*": {
             "prompts": {"train_size": 16, "eval_size": 8, "val_size": 8, "warm_size": 16},

@@ -194,6 +194,8 @@ class Run:
             if self.recipe.base.build is not None
             else _resolve(self.recipe.base.path, self.root)
         )
+        if spec.abstain_share:
+            spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
         record = self.base / WARM_START_RECORD
         if record.is_file():
             done = json.loads(record.read_text(encoding="utf-8"))
@@ -201,37 +203,52 @@ class Run:
                 return
         from ram_trl.recipes.tasks import mixture
 
-        if spec.abstain_share:
-            self.check_abstain_reply(spec.abstain_reply)
         rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
         start = time.perf_counter()
-        self.console.print(f"warm start: {spec.steps} steps on {len(rows)} rows ...")
+        steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
+        self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
         result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
         result["rows_digest"] = self._rows_digest()
         (self.base / WARM_START_RECORD).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         self._timed("warm_start", start)
         self.console.print(
-            f"[green]warm start[/] {spec.steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
+            f"[green]warm start[/] {steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
             f"({result['seconds']:.0f}s)"
         )
 
-    def check_abstain_reply(self, reply: str) -> None:
-        """Refuse a warm-start ``abstain_reply`` that earns a reward on some stage's validation or test rows (it would
-        no longer be an abstention: RL could keep it).
+    def abstain_reply(self, reply: str | None) -> str:
+        """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
+        :data:`~ram_trl.recipes.schema.ABSTAIN_REPLIES` that earns no reward on any stage's validation or test rows.
 
         Raises:
-            ConfigError: naming the stage and the mean reward the reply earns there.
+            ConfigError: when ``reply`` earns a reward on some stage (it would no longer be an abstention: RL could
+                keep it), naming the stage and the mean reward; or when every default reply does.
         """
         from ram_trl.recipes.evaluate import score_completions
+        from ram_trl.recipes.schema import ABSTAIN_REPLIES
 
-        for task in self.eval_tasks():
-            earned = score_completions(task.functions(), task.rows, [reply] * len(task.rows))
-            if any(value > 0 for value in earned):
+        def earning(candidate: str) -> tuple[str, str, float] | None:
+            for task in self.eval_tasks():
+                earned = score_completions(task.functions(), task.rows, [candidate] * len(task.rows))
+                if any(value > 0 for value in earned):
+                    return task.stage, task.split, sum(earned) / len(earned)
+            return None
+
+        for candidate in ABSTAIN_REPLIES if reply is None else (reply,):
+            found = earning(candidate)
+            if found is None:
+                return candidate
+            if reply is not None:
+                stage, split, mean = found
                 raise ConfigError(
                     f"recipe {self.recipe.name!r}: warm_start.abstain_reply {reply!r} earns a reward on stage "
-                    f"{task.stage!r} ({task.split} mean {sum(earned) / len(earned):.3f}): choose a reply that "
-                    "no stage rewards (an abstention must score 0)"
+                    f"{stage!r} ({split} mean {mean:.3f}): choose a reply that no stage rewards (an abstention must "
+                    "score 0)"
                 )
+        raise ConfigError(
+            f"recipe {self.recipe.name!r}: every default warm_start.abstain_reply {list(ABSTAIN_REPLIES)} earns a "
+            "reward on some stage: set warm_start.abstain_reply to a reply that no stage rewards"
+        )
 
     def _warm_files(self) -> list[Path]:
         """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage

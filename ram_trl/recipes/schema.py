@@ -42,6 +42,7 @@ from ram_trl import defaults
 from ram_trl.errors import ConfigError
 
 __all__ = [
+    "ABSTAIN_REPLIES",
     "DEFAULT_METHODS",
     "BaseSpec",
     "EvaluationSpec",
@@ -121,6 +122,11 @@ class BaseSpec(_Strict):
         return self
 
 
+#: The warm start's abstaining replies tried in order when a recipe names none (``warm_start.abstain_reply``): the
+#: first that earns no reward on any stage is used.
+ABSTAIN_REPLIES: tuple[str, ...] = ("(I don't know)", "(I DON'T KNOW)", "(no answer)", "(NO ANSWER)")
+
+
 class WarmStartSpec(_Strict):
     """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
     and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
@@ -134,13 +140,18 @@ class WarmStartSpec(_Strict):
         weight_decay: AdamW weight decay.
         seed: Seed of the batches (and of which rows abstain).
         save_dtype: Dtype of the saved base.
-        abstain_share: Share of the warm-start rows whose answer is replaced by ``abstain_reply`` (a seeded draw).
+        abstain_share: Share of the rows whose answer is replaced by ``abstain_reply`` (a seeded draw) in a second
+            phase of ``abstain_steps`` steps, after the ``steps`` on the answers.
             The warm-started base then knows the tasks but often declines to answer, greedy included, while its
             samples still answer often enough that GRPO groups carry a signal: RL has headroom on every vertical,
             including tasks the warm start teaches fully, and the verifiable reward (which gives an abstention
             nothing) teaches each specialist to answer in its own vertical. ``0`` (the default) trains on the
             answers only. See ``docs/small-model-rl.md`` for what this does and does not show.
-        abstain_reply: The reply of the abstaining rows (one line; it must earn no reward on any stage).
+        abstain_steps: Optimizer steps of the abstaining phase.
+        abstain_learning_rate: Its AdamW learning rate (cosine decay to 10%).
+        abstain_reply: The reply of the abstaining rows (one line). It must earn no reward on any stage's validation
+            or test rows (the run refuses one that does). ``null`` (the default): the first of
+            :data:`ABSTAIN_REPLIES` that earns nothing on every stage.
     """
 
     steps: int = Field(300, ge=1)
@@ -150,12 +161,14 @@ class WarmStartSpec(_Strict):
     seed: int = 0
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     abstain_share: float = Field(0.0, ge=0, lt=1)
-    abstain_reply: str = Field("(I don't know)", min_length=1)
+    abstain_steps: int = Field(200, ge=1)
+    abstain_learning_rate: float = Field(1e-3, gt=0)
+    abstain_reply: str | None = Field(None, min_length=1)
 
     @field_validator("abstain_reply")
     @classmethod
-    def _one_line(cls, value: str) -> str:
-        if "\n" in value or not value.strip():
+    def _one_line(cls, value: str | None) -> str | None:
+        if value is not None and ("\n" in value or not value.strip()):
             raise ValueError(
                 "abstain_reply must be one non-blank line (rewards read a completion's first line)"
             )

@@ -1,18 +1,21 @@
-"""Three small verifiable tasks for the embedded CPU demo, one per vertical of the RAM paper.
+"""Small verifiable tasks for the embedded CPU demo (coding, tool use, memory: the verticals of the RAM paper).
 
 Each task is a prompt *generator* ``fn(n, seed, **kwargs) -> list[dict]`` (rows with a ``prompt`` and the reference
 ``answer``) and a *reward function* in TRL's signature ``fn(completions, answer, **kwargs) -> list[float]`` (TRL
 passes the dataset's extra columns, here ``answer``, as keyword arguments). Rewards are in ``[0, 1]``; a completion
 is read up to its first newline, surrounding spaces ignored.
 
-- ``arithmetic`` (coding-like: compute a small program's output): ``"37+45="`` -> ``"82"``. Exact answer 1.0,
-  otherwise 0.5 times the share of the answer's characters matched from the left (a shaped, still verifiable,
-  signal so a tiny model's GRPO groups are not all zero).
+- ``program`` (coding: predict a one-line program's output, the demo's coding vertical): ``'rev("kqfzb")='`` ->
+  ``"bzfqk"`` (reverse, sort, upper-case or shift a word). Exact answer 1.0, otherwise 0.5 times the share of the
+  answer's characters matched from the left (a shaped, still verifiable, signal so a tiny model's GRPO groups are
+  not all zero).
+- ``arithmetic`` (coding-like: compute a small expression): ``"37+45="`` -> ``"82"``, rewarded like ``program``. A
+  model of the demo's size learns only the answers' prior (docs/small-model-rl.md), so the demo no longer uses it.
 - ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"rain in Oslo mon? "`` ->
   ``"weather(city=Oslo,day=mon)"``. 0.2 for a well-formed call ``name(key=value,...)`` of the wrong tool; the
   right tool earns 0.5 plus 0.5 x the share of its arguments given exactly (1.0 for exactly the right call).
-- ``recall`` (memory: recall a key's value from a longer context): ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for
-  the exact value, else 0.
+- ``recall`` (memory: recall a key's value from a context; the demo uses 4 one-letter keys):
+  ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for the exact value, else 0.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
+    "PROGRAMS",
     "TOOLS",
     "arithmetic_prompts",
     "arithmetic_reward",
     "completion_text",
     "mixture",
+    "program_prompts",
+    "program_reward",
     "recall_prompts",
     "recall_reward",
     "tool_call_prompts",

@@ -70,6 +70,37 @@ def _batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, t
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def _train(
+    model: Any,
+    encoded: list[tuple[list[int], list[int]]],
+    steps: int,
+    learning_rate: float,
+    spec: WarmStartSpec,
+    rng: random.Random,
+    pad_id: int,
+    progress: bool,
+) -> list[float]:
+    """``steps`` AdamW steps on batches drawn from ``encoded`` (cosine decay to 10% of ``learning_rate``); the
+    losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=spec.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+    )
+    losses: list[float] = []
+    bar = tqdm(range(steps), desc="warm start", disable=not progress, leave=False)
+    for _ in bar:
+        batch = _batch(rng.sample(encoded, min(spec.batch_size, len(encoded))), pad_id)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
+
+
 def warm_start(
     base_in: str | Path,
     base_out: str | Path,
@@ -78,6 +109,10 @@ def warm_start(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
+
+    With ``spec.abstain_share``, a second phase of ``spec.abstain_steps`` steps follows on the same rows with that
+    share abstaining (:func:`with_abstentions`): the tasks are learned first, the habit of declining on top, so
+    the abstentions do not slow the learning of the tasks.
 
     The output (model in ``spec.save_dtype``, tokenizer, generation config, :data:`WARM_START_RECORD`) is written
     to a temporary sibling and renamed into place.
@@ -92,41 +127,37 @@ def warm_start(
     tokenizer = AutoTokenizer.from_pretrained(str(base_in))
     model = AutoModelForCausalLM.from_pretrained(str(base_in), dtype=torch.float32)
     model.train()
-    if spec.abstain_share:
-        rows = with_abstentions(rows, spec.abstain_share, spec.abstain_reply, spec.seed)
     encoded = encode_rows(tokenizer, rows)
     if not encoded:
         raise ConfigError("warm start: no rows to train on")
+    abstaining = 0
     rng = random.Random(spec.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=spec.learning_rate, weight_decay=spec.weight_decay
+        losses = _train(
+            model, encoded, spec.steps, spec.learning_rate, spec, rng, tokenizer.pad_token_id, progress
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, spec.steps) / spec.steps)),
-        )
-        losses: list[float] = []
-        bar = tqdm(range(spec.steps), desc="warm start", disable=not progress, leave=False)
-        for _ in bar:
-            batch = _batch(rng.sample(encoded, min(spec.batch_size, len(encoded))), tokenizer.pad_token_id)
-            loss = model(**batch).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if spec.abstain_share:
+            if spec.abstain_reply is None:
+                raise ConfigError("warm start: abstain_share needs an abstain_reply (the runner chooses one)")
+            mixed = with_abstentions(rows, spec.abstain_share, spec.abstain_reply, spec.seed)
+            abstaining = sum(row["answer"] == spec.abstain_reply for row in mixed)
+            losses += _train(
+                model,
+                encode_rows(tokenizer, mixed),
+                spec.abstain_steps,
+                spec.abstain_learning_rate,
+                spec,
+                rng,
+                tokenizer.pad_token_id,
+                progress,
+            )
     record = {
-        "steps": spec.steps,
+        "steps": len(losses),
         "loss_first": losses[0],
         "loss_last": sum(losses[-10:]) / len(losses[-10:]),
         "rows": len(encoded),
-        "abstaining_rows": sum(row["answer"] == spec.abstain_reply for row in rows)
-        if spec.abstain_share
-        else 0,
+        "abstaining_rows": abstaining,
         "spec": spec.model_dump(),
         "base": str(base_in),
         "seconds": round(time.perf_counter() - start, 2),

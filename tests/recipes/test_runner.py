@@ -78,6 +78,10 @@ def test_quick_demo_rows_and_files(quick_demo):
         assert not prompts[3] & (prompts[1] | prompts[2])
     analysis = json.loads((out / "analysis" / "analysis.json").read_text())
     assert [a["name"] for a in analysis["agents"]] == STAGES
+    # the demo's warm start: 20 steps on the answers, then 10 with about half the rows declining
+    record = json.loads((out / "base" / "ram_warm_start.json").read_text())
+    assert record["steps"] == 30 and record["spec"]["abstain_reply"] == "(I don't know)"
+    assert 0.3 * record["rows"] < record["abstaining_rows"] < 0.7 * record["rows"]
     for agent in analysis["agents"]:
         assert results["regime"][agent["name"]]["density"] == agent["density"]
 

@@ -3,9 +3,12 @@ earns a reward."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
+from ram_trl.errors import ConfigError
 from ram_trl.recipes.schema import WarmStartSpec
 from ram_trl.recipes.warm_start import with_abstentions
 
@@ -56,20 +59,94 @@ def test_abstention_fields_are_validated(fields, message):
 def test_abstention_defaults_are_off():
     spec = WarmStartSpec()
     assert spec.abstain_share == 0.0
-    assert spec.abstain_reply == "(I don't know)"
+    assert spec.abstain_reply is None  # the runner picks the first of ABSTAIN_REPLIES that no stage rewards
 
 
 def test_a_reply_that_earns_a_reward_is_refused_before_the_warm_start(tmp_path):
-    from ram_trl.errors import ConfigError
     from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
     from ram_trl.recipes.runner import RunOptions, run_recipe
     from ram_trl.recipes.schema import apply_overrides
 
     overrides = apply_overrides(QUICK_OVERRIDES, {"warm_start": {"abstain_share": 0.5, "abstain_reply": "7"}})
     options = RunOptions(out=tmp_path / "run", progress=False, figures=False, overrides=overrides)
-    # "7" starts some sums (partial credit on coding): an abstention must earn nothing on every stage
+    # "7" is the value asked for in some recall prompts: an abstention must earn nothing on every stage
     with pytest.raises(
-        ConfigError, match=r"abstain_reply '7' earns a reward on stage 'coding' \(test mean 0\.\d+\)"
+        ConfigError, match=r"abstain_reply '7' earns a reward on stage 'memory' \(test mean 0\.\d+\)"
     ):
         run_recipe(DEMO_RECIPE, options)
     assert not (tmp_path / "run" / "base" / "config.json").exists()
+
+
+def test_the_default_reply_is_the_first_that_no_stage_rewards(tmp_path, monkeypatch):
+    from ram_trl.recipes import DEMO_RECIPE
+    from ram_trl.recipes.data import draw_splits, write_jsonl
+    from ram_trl.recipes.runner import Run, RunOptions
+    from ram_trl.recipes.schema import ABSTAIN_REPLIES, load_recipe
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    for recipe_file, expected in (
+        (DEMO_RECIPE, ABSTAIN_REPLIES[0]),
+        # position_reward credits a reversed or sorted word whose 4th letter is "d" (as in "(I don't know)")
+        (examples / "string-tasks.yaml", ABSTAIN_REPLIES[1]),
+    ):
+        recipe, root = load_recipe(recipe_file)
+        run = Run(recipe, root, tmp_path / recipe.name, RunOptions(progress=False))
+        for stage in recipe.stages:
+            _, held, val = draw_splits(stage, root)
+            write_jsonl(held, run.dir / "data" / stage.name / "eval.jsonl")
+            write_jsonl(val, run.dir / "data" / stage.name / "val.jsonl")
+        assert run.abstain_reply(None) == expected
+        assert run.abstain_reply(expected) == expected
+    with pytest.raises(
+        ConfigError, match=r"abstain_reply \"\(I don't know\)\" earns a reward on stage 'reverse'"
+    ):
+        run.abstain_reply(ABSTAIN_REPLIES[0])
+
+
+def test_the_abstaining_phase_follows_the_answers_and_teaches_the_reply(tmp_path):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
+    common = {"batch_size": 16, "learning_rate": 1e-2, "save_dtype": "float32"}
+    plain = warm_start(
+        tmp_path / "init", tmp_path / "plain", rows, WarmStartSpec(steps=30, **common), progress=False
+    )
+    assert plain["steps"] == 30 and plain["abstaining_rows"] == 0
+    spec = WarmStartSpec(
+        steps=30,
+        abstain_share=0.5,
+        abstain_steps=40,
+        abstain_learning_rate=1e-2,
+        abstain_reply="zz",
+        **common,
+    )
+    record = warm_start(tmp_path / "init", tmp_path / "abstains", rows, spec, progress=False)
+    assert record["steps"] == 70  # 30 on the answers, then 40 with half the rows abstaining
+    assert record["abstaining_rows"] == sum(r["answer"] == "zz" for r in with_abstentions(rows, 0.5, "zz", 0))
+    assert 10 < record["abstaining_rows"] < 30
+    assert json.loads((tmp_path / "abstains" / WARM_START_RECORD).read_text())["spec"]["abstain_share"] == 0.5
+    # the first phase is the plain warm start: same losses step for step
+    assert record["loss_first"] == plain["loss_first"]
+
+    def next_token_probs(path):
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        ids = tokenizer("7=", return_tensors="pt", add_special_tokens=False)["input_ids"]
+        probs = model(ids).logits[0, -1].softmax(-1)
+        a, z = tokenizer.convert_tokens_to_ids(["a", "z"])
+        return probs[a].item(), probs[z].item()
+
+    plain_a, plain_z = next_token_probs(tmp_path / "plain")
+    abstain_a, abstain_z = next_token_probs(tmp_path / "abstains")
+    assert plain_a > 0.9 and plain_z < 0.01
+    assert 0.2 < abstain_z < 0.8 and 0.2 < abstain_a < 0.8  # it answers or declines, about half and half
