@@ -29,16 +29,16 @@ def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict
     """Per-agent lambda_t: one number (global scope) or its spread over tensors (tensor scope)."""
     if not resolved.method.needs_statistics:
         return {"lambda": None}
-    if resolved.params.get("rho_scope") != "tensor":
+    if not resolved.method.tensor_local_statistics(resolved.params):
         assert state.lambdas is not None
         return {"lambda": state.lambdas[t]}
-    from ram_trl.engine import _lambdas
-
+    factors = resolved.method.factors
+    assert factors is not None
     values, weights = [], []
     for _, stats in sorted(state.tensor_stats.items()):  # a fixed order: the same sum on any number of ranks
         if stats.unique(t) == 0:
             continue
-        values.append(_lambdas(resolved, stats)[t])
+        values.append(factors(stats, resolved.params)[t])
         weights.append(stats.unique(t))
     if not values:
         return {"lambda": None, "lambda_scope": "tensor"}
