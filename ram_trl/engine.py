@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ram_trl import report as reporting
 from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError
@@ -35,7 +36,7 @@ from ram_trl.io.fisher import (
     open_fisher,
 )
 from ram_trl.io.prefetch import BackgroundWriter
-from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, dtype_itemsize
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
 from ram_trl.methods.ties import HISTOGRAM_BLOCK
@@ -242,6 +243,8 @@ def prepare(
         max_shard_size=parse_size(options.max_shard_size),
         fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
         resizable=is_vocabulary_tensor,
+        merges_weights=resolved.method.merges_weights,
+        prepare_bytes=resolved.method.prepare_bytes,
     )
     check_normalized_weights(resolved, plan)
     if fishers is not None:
@@ -296,8 +299,6 @@ def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions)
 def _run_merge(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, ctx: DistContext
 ) -> dict[str, Any]:
-    from ram_trl import report as reporting
-
     started = time.perf_counter()
     base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
@@ -306,7 +307,7 @@ def _run_merge(
             reporting.print_plan(resolved, plan)
         return summary
 
-    owned = partition_by_bytes([_task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]
+    owned = partition_by_bytes([task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]
     tasks = [plan.tasks[i] for i in owned]
     progress = options.progress and ctx.is_main
     state = MergeState(stats=OverlapStatistics.zeros(len(agents)))
@@ -321,7 +322,7 @@ def _run_merge(
             _reduce_statistics(ctx, state)
             timings["statistics_seconds"] = time.perf_counter() - tick
             state.lambdas = _factors(resolved, state.stats)
-            _check_densities(resolved, state, ctx.is_main)
+            check_densities(resolved, state, ctx.is_main)
 
         output = output_for(resolved, output_dir, options.overwrite)
         temp = ctx.guarded(lambda: str(output.begin()) if ctx.is_main else None)
@@ -344,7 +345,7 @@ def _run_merge(
                 timings["merge_seconds"] = time.perf_counter() - tick
                 if not resolved.method.needs_statistics:
                     _reduce_statistics(ctx, state)
-                    _check_densities(resolved, state, ctx.is_main)
+                    check_densities(resolved, state, ctx.is_main)
                 state.read.bytes = ctx.all_reduce_int(state.read.bytes)
                 timings["total_seconds"] = time.perf_counter() - started
 
@@ -368,9 +369,9 @@ def _run_merge(
     return report
 
 
-def _task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
-    from ram_trl.io.safetensors_io import dtype_itemsize
-
+def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
+    """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
+    balances over processes)."""
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(
@@ -513,9 +514,11 @@ class _TensorInputs:
         pool: ThreadPoolExecutor | None,
     ) -> None:
         self.name = task.name
+        self.shape = tuple(task.base.shape)
         self.numel = task.base.numel
         self.num_agents = len(agents)
         self.params = params
+        self.seed = resolved.seed
         self._resolved, self._task, self._base_checkpoint, self._agents = resolved, task, base, agents
         self._reader, self._device, self._pool = reader, device, pool
         self._base: torch.Tensor | None = None
@@ -941,7 +944,14 @@ def _tensor_factors(resolved: ResolvedConfig, task: TensorTask, state: MergeStat
     return state.lambdas
 
 
-def _check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
+def check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
+    """Warn about agents whose task vector is zero, or differs from the base almost everywhere (another base?).
+
+    Args:
+        resolved: The merge config.
+        state: The accumulated overlap statistics; the warnings are appended to ``state.warnings``.
+        emit: Also raise them as Python warnings and log them (the main process only).
+    """
     for t, agent in enumerate(resolved.agents):
         density = state.stats.density(t)
         if state.stats.active(t) == 0:
@@ -970,8 +980,6 @@ def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
     """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
-    from ram_trl import report as reporting
-
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": plan.output_bytes},
@@ -991,7 +999,7 @@ def finalize_output(
             copied += 1
     if copied == 0:
         report["warnings"].append(f"no tokenizer files found in {resolved.tokenizer_source}")
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=reporting.json_default) + "\n")
     (out_dir / "README.md").write_text(reporting.model_card(report))
 
 
@@ -1013,16 +1021,6 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
         if vocab == task.base_rows:
             config["vocab_size"] = task.out_rows
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
 __all__ = ["MergeOptions", "merge", "run_merge", "CheckpointError"]

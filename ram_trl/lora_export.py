@@ -384,7 +384,7 @@ def export_lora(
         report = json.loads(saved.read_text()) if saved.is_file() else {}
     report = dict(report)
 
-    from ram_trl.engine import _json_default
+    from ram_trl.report import json_default
 
     temp_dir = output.begin()
     try:
@@ -404,7 +404,7 @@ def export_lora(
             shutil.copy2(merged_dir / name, temp_dir / name)
         section = _section(plan, options, config, entries, adapter_bytes)
         report = _adapter_report(report, section, config, adapter_bytes, output_dir, base_dir, copied)
-        (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+        (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=json_default) + "\n")
         (temp_dir / "README.md").write_text(adapter_card(report))
         output.commit()
     except OSError as exc:

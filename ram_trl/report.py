@@ -6,8 +6,10 @@ import math
 import platform
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import yaml
 
 import ram_trl
@@ -15,10 +17,19 @@ from ram_trl import defaults
 from ram_trl.planner import MergePlan, format_bytes
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from ram_trl.config import ResolvedConfig
     from ram_trl.engine import MergeState
+
+
+def json_default(value: Any) -> Any:
+    """``json.dumps(default=...)`` for reports: paths as strings, infinities as ``"inf"``, dtypes by name."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
 def _finite(value: float) -> float | str:

@@ -65,15 +65,19 @@ class TensorView(Protocol):
 
     Attributes:
         name: The tensor's name.
+        shape: The base's shape of the tensor.
         numel: Elements of the base's tensor.
         num_agents: Agents merged.
         params: Global parameter values for this tensor.
+        seed: The merge's random seed.
     """
 
     name: str
+    shape: tuple[int, ...]
     numel: int
     num_agents: int
     params: dict[str, Any]
+    seed: int
 
     def agent_value(self, t: int, parameter: str) -> float:
         """Agent ``t``'s value of a per-agent number for this tensor (filter rules resolved)."""
@@ -148,6 +152,8 @@ class MergeMethod:
         prepare_tensor: Per-tensor preparation over whole tensors, read through a :class:`TensorView` (one
             float32 task vector in memory at a time; the planner budgets for it); its result is
             :attr:`ChunkInputs.prepared` for every chunk of the tensor.
+        prepare_bytes: Bytes per element of the largest tensor that ``prepare_tensor`` holds at once (the base's
+            float32 copy, its own buffers and one agent's stored values being read); the planner's memory estimate.
         scan: ``(deltas of a block, prepared) -> counts`` (``scan_width`` per agent, agent after agent) that the
             kernel of every later block of the tensor needs summed (:attr:`ChunkInputs.seen`); lets the engine merge
             a tensor's blocks in parallel.
@@ -173,6 +179,7 @@ class MergeMethod:
     prepare_tensor: Callable[[TensorView], Any] | None = None
     scan: Callable[[torch.Tensor, Any], list[int]] | None = None
     scan_width: int = 1
+    prepare_bytes: int = 12
     needs_fisher: bool = False
     merges_weights: bool = False
     keeps_base_entries: bool = False

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ram_trl import defaults
-from ram_trl.methods import dare, fisher, linear, ram, ties
+from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, slerp, ties
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter, TensorView
 
 __all__ = [
@@ -345,3 +345,14 @@ register(
     ),
     aliases={"fisher_merging": Alias("fisher")},
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods that live whole in their own file (imported above): one line each
+
+register(slerp.SLERP)
+register(breadcrumbs.BREADCRUMBS)
+register(breadcrumbs.BREADCRUMBS_TIES)
+register(model_stock.MODEL_STOCK)
+register(della.DELLA)
+register(della.DELLA_LINEAR)

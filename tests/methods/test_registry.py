@@ -20,6 +20,64 @@ from ram_trl.methods.ties import magnitude_cut
 
 #: name -> (needs_statistics, prepares_tensors, needs_fisher, {parameter: (default, scope)})
 EXPECTED = {
+    "breadcrumbs": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (False, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "gamma": (0.01, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "breadcrumbs_ties": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (False, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "gamma": (0.01, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "slerp": (False, True, False, {"t": (0.5, "global")}),
+    "model_stock": (False, True, False, {"filter_wise": (False, "global")}),
+    "della": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (True, "global"),
+            "rescale": (True, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "epsilon": (0.15, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "della_linear": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (True, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "epsilon": (0.15, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
     "dare_linear": (
         False,
         False,
@@ -155,7 +213,7 @@ def test_parameter_lookup_by_name_or_alias():
 
 def test_unknown_method():
     with pytest.raises(KeyError):
-        resolve_method("slerp")
+        resolve_method("nuslerp")
 
 
 def test_register_refuses_taken_names(monkeypatch):
