@@ -37,7 +37,7 @@ from ram_trl import defaults
 from ram_trl.anatomy import classify, summarize
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.engine import MergeState, _check_densities, _task_input_bytes, open_inputs
+from ram_trl.engine import MergeState, check_densities, open_inputs, task_input_bytes
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
@@ -244,7 +244,7 @@ def _run(
 
     base, agents, plan = ctx.guarded(prepare)
     floating = [t for t in plan.tasks if t.floating]
-    owned = partition_by_bytes([_task_input_bytes(t, agents) for t in floating], ctx.world_size)[ctx.rank]
+    owned = partition_by_bytes([task_input_bytes(t, agents) for t in floating], ctx.world_size)[ctx.rank]
     wide = bf16_view_agents(base, agents, floating)
     magnitudes = MagnitudeStatistics.zeros(len(agents))
     read = ReadCounter()
@@ -460,7 +460,7 @@ def build_result(
         total = total + record
     stats = total.eps
     state = MergeState(stats=stats)
-    _check_densities(resolved, state, emit=True)
+    check_densities(resolved, state, emit=True)
     lambdas_plus = stats.lambdas(inputs.r, inputs.alpha)
     lambdas_soft = stats.lambdas(inputs.r, None, soft=True)
     bound = magnitudes.relative_bin_width

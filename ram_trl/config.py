@@ -2,8 +2,8 @@
 
 The field names of shared concepts are mergekit's (``merge_method``, ``base_model``, ``models[].model``,
 ``models[].parameters``, top-level ``parameters``, ``dtype``, ``out_dtype``, ``tokenizer_source``), so a mergekit
-YAML for ``task_arithmetic``, ``ties``, ``dare_linear``, ``dare_ties``, ``linear``, ``ram`` or ``ramplus_tl`` runs
-unchanged. Differences are listed in the README ("Differences from mergekit").
+YAML for any method ``ram-trl methods`` lists runs unchanged. Nothing here knows a method by name: what a method
+accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are listed in ``docs/methods.md``.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ class MergeConfig(BaseModel):
     """A merge config (the YAML file), before resolution against the method registry and the file system.
 
     Args:
-        merge_method: Method name or alias (``ram``, ``ram_plus``, ``ram_plus_soft``, ``task_arithmetic``, ``ties``,
-            ``dare_linear``, ``dare_ties``, ``linear``; mergekit's ``ramplus_tl`` and others as aliases).
-        base_model: Path of the base checkpoint all agents were trained from. Optional for ``linear`` (as in
-            mergekit): the first model then provides the layout, config and tokenizer.
+        merge_method: Method name or alias, as ``ram-trl methods`` lists them (mergekit's ``ramplus_tl`` and
+            others as aliases).
+        base_model: Path of the base checkpoint all agents were trained from. Optional for methods that average
+            models (``linear``, as in mergekit): the first model then provides the layout, config and tokenizer.
         models: The agents.
         parameters: Global parameters, and defaults for per-agent parameters.
         dtype: mergekit's compute dtype. ram_trl always computes in float32; ``dtype`` only sets the output dtype
@@ -177,6 +177,18 @@ class ResolvedConfig:
                 )
         return reads
 
+    def params_for(self, tensor_name: str) -> dict[str, Any]:
+        """The global parameters for one tensor: mergekit filter rules (``per_tensor`` parameters) resolved.
+
+        Returns :attr:`params` itself when no parameter is a filter list.
+        """
+        if not any(isinstance(value, list) for value in self.params.values()):
+            return self.params
+        return {
+            name: _rule_value(value, tensor_name, f"parameter {name!r}") if isinstance(value, list) else value
+            for name, value in self.params.items()
+        }
+
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
         """The value of per-agent parameter ``name`` for one tensor.
 
@@ -185,14 +197,17 @@ class ResolvedConfig:
         """
         value = agent.parameters[name]
         if isinstance(value, list):
-            for rule in value:
-                pattern = rule.get("filter")
-                if pattern is None or pattern == "*" or pattern in tensor_name:
-                    return float(rule["value"])
-            raise ConfigError(
-                f"agent {agent.name}: no rule of parameter {name!r} matches tensor {tensor_name!r}"
-            )
+            return _rule_value(value, tensor_name, f"agent {agent.name}: parameter {name!r}")
         return float(value)
+
+
+def _rule_value(rules: list[dict[str, Any]], tensor_name: str, what: str) -> float:
+    """The value of the first mergekit filter rule matching ``tensor_name``."""
+    for rule in rules:
+        pattern = rule.get("filter")
+        if pattern is None or pattern == "*" or pattern in tensor_name:
+            return float(rule["value"])
+    raise ConfigError(f"{what}: no rule matches tensor {tensor_name!r}")
 
 
 def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tuple[MergeConfig, Path | None]:
@@ -342,7 +357,7 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         if not method.keeps_base_entries or first.model is None:
             raise ConfigError(
                 f"{where}: base_model is missing; {method.name} needs the base all agents were trained from "
-                "(only linear, a plain weighted average, can take its layout from the first model)"
+                "(only a plain weighted average of models, such as linear, can take its layout from the first model)"
             )
         base_model = first.model
     base_path = _resolve_path(base_model, config_dir)
@@ -358,7 +373,9 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
                 f"{where}: parameters.{key}: {method.name} takes no parameter {key!r}; it accepts "
                 f"{', '.join(p.name for p in method.parameters)}"
             )
-        if parameter.scope == "global":
+        if parameter.scope == "global" and parameter.per_tensor:
+            params[parameter.name] = _check_agent_value(parameter, value, f"{where}: parameters")
+        elif parameter.scope == "global":
             params[parameter.name] = _check_value(parameter, value, f"{where}: parameters")
         else:
             agent_defaults[parameter.name] = _check_agent_value(parameter, value, f"{where}: parameters")
@@ -403,6 +420,19 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
     if not agents:
         raise ConfigError(f"{where}: no agent left to merge (every entry of 'models' is the base model)")
+    fewest, most = method.agents
+    if len(agents) < fewest or (most is not None and len(agents) > most):
+        wanted = (
+            f"exactly {fewest}"
+            if fewest == most
+            else f"at least {fewest}"
+            if most is None
+            else f"{fewest} to {most}"
+        )
+        raise ConfigError(
+            f"{where}: {method.name} merges {wanted} model(s) besides base_model; 'models' lists {len(agents)} "
+            f"({', '.join(a.name for a in agents)})"
+        )
     names = [a.name for a in agents]
     if len(set(names)) != len(names):
         for agent in agents:

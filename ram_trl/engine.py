@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ram_trl import report as reporting
 from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError
@@ -35,10 +36,10 @@ from ram_trl.io.fisher import (
     open_fisher,
 )
 from ram_trl.io.prefetch import BackgroundWriter
-from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile
+from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, dtype_itemsize
 from ram_trl.methods import ChunkInputs
 from ram_trl.methods.ram import DEFAULT_EPS, active_flags, float32_threshold
-from ram_trl.methods.ties import HISTOGRAM_BLOCK, MagnitudeCut, count_at_cut, keep_count, magnitude_cut
+from ram_trl.methods.ties import HISTOGRAM_BLOCK
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.parallel import compute_pool, map_blocks, submit_blocks
 from ram_trl.planner import (
@@ -56,6 +57,7 @@ from ram_trl.streaming import (
     ReadCounter,
     compute_blocks,
     fill_delta,
+    fill_weights,
     iter_chunks,
     read_agent_rows,
     statistics_blocks,
@@ -236,11 +238,13 @@ def prepare(
         out_dtype=resolved.out_dtype,
         shape_mismatch=resolved.shape_mismatch,
         needs_statistics=resolved.method.needs_statistics,
-        trims_by_magnitude=resolved.method.trims_by_magnitude,
+        trims_by_magnitude=resolved.method.prepares_tensors,
         chunk_budget=parse_size(options.chunk_budget),
         max_shard_size=parse_size(options.max_shard_size),
         fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
         resizable=is_vocabulary_tensor,
+        merges_weights=resolved.method.merges_weights,
+        prepare_bytes=resolved.method.prepare_bytes,
     )
     check_normalized_weights(resolved, plan)
     if fishers is not None:
@@ -295,8 +299,6 @@ def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions)
 def _run_merge(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, ctx: DistContext
 ) -> dict[str, Any]:
-    from ram_trl import report as reporting
-
     started = time.perf_counter()
     base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
@@ -305,7 +307,7 @@ def _run_merge(
             reporting.print_plan(resolved, plan)
         return summary
 
-    owned = partition_by_bytes([_task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]
+    owned = partition_by_bytes([task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]
     tasks = [plan.tasks[i] for i in owned]
     progress = options.progress and ctx.is_main
     state = MergeState(stats=OverlapStatistics.zeros(len(agents)))
@@ -319,8 +321,8 @@ def _run_merge(
             )
             _reduce_statistics(ctx, state)
             timings["statistics_seconds"] = time.perf_counter() - tick
-            state.lambdas = _lambdas(resolved, state.stats)
-            _check_densities(resolved, state, ctx.is_main)
+            state.lambdas = _factors(resolved, state.stats)
+            check_densities(resolved, state, ctx.is_main)
 
         output = output_for(resolved, output_dir, options.overwrite)
         temp = ctx.guarded(lambda: str(output.begin()) if ctx.is_main else None)
@@ -343,7 +345,7 @@ def _run_merge(
                 timings["merge_seconds"] = time.perf_counter() - tick
                 if not resolved.method.needs_statistics:
                     _reduce_statistics(ctx, state)
-                    _check_densities(resolved, state, ctx.is_main)
+                    check_densities(resolved, state, ctx.is_main)
                 state.read.bytes = ctx.all_reduce_int(state.read.bytes)
                 timings["total_seconds"] = time.perf_counter() - started
 
@@ -367,9 +369,9 @@ def _run_merge(
     return report
 
 
-def _task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
-    from ram_trl.io.safetensors_io import dtype_itemsize
-
+def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
+    """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
+    balances over processes)."""
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(
@@ -432,7 +434,7 @@ def statistics_pass(
 ) -> None:
     """Count shared/unique/active elements of every agent over the given tensors (default: all)."""
     eps = _eps(resolved)
-    per_tensor = resolved.params.get("rho_scope") == "tensor"
+    per_tensor = resolved.method.tensor_local_statistics(resolved.params)
     tasks = plan.tasks if tasks is None else tasks
     floating = [t for t in tasks if t.floating]
     bar = _progress(None, len(floating), "statistics", progress) if progress else None
@@ -496,35 +498,55 @@ def statistics_pass(
         bar.close()
 
 
-def _magnitude_cuts(
-    resolved: ResolvedConfig,
-    task: TensorTask,
-    base: Checkpoint,
-    agents: list[Checkpoint],
-    reader: RowReader,
-    device: torch.device,
-    pool: ThreadPoolExecutor | None = None,
-) -> list[MagnitudeCut]:
-    """Per-agent TIES cut of one tensor (one whole float32 task vector in memory at a time; its blocks on ``pool``)."""
-    base_values = base.read_rows(task.name, reader).to(device=device, dtype=torch.float32).reshape(-1)
-    numel = base_values.numel()
-    cuts = []
-    for t, (spec, agent) in enumerate(zip(resolved.agents, agents, strict=True)):
-        density = resolved.agent_value(spec, "density", task.name)
-        k = keep_count(numel, density)
-        if k >= numel:
-            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
-            continue
-        values, lora = read_agent_rows(agent, task, t, reader, 0, task.base_rows)
+class _TensorInputs:
+    """One whole tensor of the inputs, for a method's ``prepare_tensor`` hook (a
+    :class:`~ram_trl.methods.registry.TensorView`)."""
+
+    def __init__(
+        self,
+        resolved: ResolvedConfig,
+        task: TensorTask,
+        params: dict[str, Any],
+        base: Checkpoint,
+        agents: list[Checkpoint],
+        reader: RowReader,
+        device: torch.device,
+        pool: ThreadPoolExecutor | None,
+    ) -> None:
+        self.name = task.name
+        self.shape = tuple(task.base.shape)
+        self.numel = task.base.numel
+        self.num_agents = len(agents)
+        self.params = params
+        self.seed = resolved.seed
+        self._resolved, self._task, self._base_checkpoint, self._agents = resolved, task, base, agents
+        self._reader, self._device, self._pool = reader, device, pool
+        self._base: torch.Tensor | None = None
+
+    def agent_value(self, t: int, parameter: str) -> float:
+        return self._resolved.agent_value(self._resolved.agents[t], parameter, self.name)
+
+    def base(self) -> torch.Tensor:
+        if self._base is None:
+            rows = self._base_checkpoint.read_rows(self.name, self._reader)
+            self._base = rows.to(device=self._device, dtype=torch.float32).reshape(-1)
+        return self._base
+
+    def model(self, t: int) -> torch.Tensor:
+        values, lora = read_agent_rows(self._agents[t], self._task, t, self._reader, 0, self._task.base_rows)
+        out = torch.empty_like(self.base())
+        fill_weights(out, values, lora, self.base())
+        return out
+
+    def magnitudes(self, t: int) -> tuple[torch.Tensor, int]:
+        base_values = self.base()
+        values, lora = read_agent_rows(self._agents[t], self._task, t, self._reader, 0, self._task.base_rows)
         magnitudes = torch.empty_like(base_values)
-        nonzero = _fill_magnitudes(magnitudes, values, lora, base_values, pool)
-        del values, lora
-        if nonzero <= k:  # every nonzero element is kept (the k-th largest is 0): no selection needed
-            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
-        else:
-            cuts.append(magnitude_cut(magnitudes, k, lambda fn, items: map_blocks(pool, fn, items)))
-        del magnitudes
-    return cuts
+        nonzero = _fill_magnitudes(magnitudes, values, lora, base_values, self._pool)
+        return magnitudes, nonzero
+
+    def map_blocks(self, fn: Callable[[Any], Any], items) -> list[Any]:
+        return map_blocks(self._pool, fn, items)
 
 
 def _fill_magnitudes(
@@ -562,12 +584,14 @@ def _flat_slice(values: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor |
 
 @dataclass
 class _TensorContext:
-    """Per-tensor inputs of the merge pass."""
+    """Per-tensor inputs of the merge pass: parameters, factors, the method's preparation, the running scan."""
 
+    params: dict[str, Any]
     agent_params: dict[str, torch.Tensor]
-    lambdas: list[float] | None
-    cuts: list[MagnitudeCut] | None
-    equal_seen: list[int]
+    factors: list[float] | None
+    prepared: Any
+    ordered: bool
+    seen: list[int]
     stats: OverlapStatistics | None
 
 
@@ -591,17 +615,20 @@ def _tensor_context(
         for p in method.parameters
         if p.scope == "agent" and p.kind is float
     }
-    cuts = (
-        _magnitude_cuts(resolved, task, base, agents, reader, device, pool)
-        if method.trims_by_magnitude and task.floating
-        else None
-    )
+    params = resolved.params_for(task.name)
+    prepared = None
+    if method.prepare_tensor is not None and task.floating:
+        view = _TensorInputs(resolved, task, params, base, agents, reader, device, pool)
+        prepared = method.prepare_tensor(view)
+        del view
     count_inline = task.floating and not method.needs_statistics
     return _TensorContext(
+        params=params,
         agent_params=agent_params,
-        lambdas=_tensor_lambdas(resolved, task, state),
-        cuts=cuts,
-        equal_seen=[0] * len(agents),
+        factors=_tensor_factors(resolved, task, state),
+        prepared=prepared,
+        ordered=method.scan is not None and prepared is not None,
+        seen=[0] * (len(agents) * method.scan_width),
         stats=OverlapStatistics.zeros(len(agents)) if count_inline else None,
     )
 
@@ -698,9 +725,9 @@ def _start_chunk(
     """Start merging one chunk; the returned function waits for it and returns the chunk's output values (in the
     output dtype, on the CPU).
 
-    Blocks of methods without a TIES cut are queued on ``pool`` and return at once, so that the caller can start the
-    next chunk before this one is done; the returned function adds the chunk's overlap counts to ``context``, so
-    call it in chunk order. Everything else is computed before returning.
+    Blocks of methods without a ``scan`` hook are queued on ``pool`` and return at once, so that the caller can
+    start the next chunk before this one is done; the returned function adds the chunk's overlap counts to
+    ``context``, so call it in chunk order. Everything else is computed before returning.
     """
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
@@ -712,8 +739,8 @@ def _start_chunk(
         extra = _extra_rows(chunk, shape, agents, resolved.allow_nonfinite)
         return lambda: extra
     blocks = compute_blocks(chunk, device)
-    if len(blocks) == 1 and (context.cuts is None or pool is None):
-        parallel = pool if context.cuts is None else None
+    if len(blocks) == 1 and (not context.ordered or pool is None):
+        parallel = pool if not context.ordered else None
 
         def single(block: RawChunk) -> tuple[torch.Tensor, OverlapStatistics | None]:
             return _merge_block(resolved, block, context, base, agents, reader, device, eps)
@@ -729,37 +756,40 @@ def _start_chunk(
     out = torch.empty(shape, dtype=task.out_dtype)
     flat = out.reshape(-1)
     checked = resolved.allow_nonfinite or resolved.method.needs_statistics
-    cuts = context.cuts
-    if cuts is not None and pool is not None:
-        # TIES ranks the elements tied at its cut in flat order: count them per block first (in parallel), so that
-        # every block knows how many came before it, then merge the blocks in parallel
+    scan = resolved.method.scan
+    if context.ordered and pool is not None:
+        assert scan is not None
+
+        # the method's kernel needs counts of the tensor's earlier blocks (TIES: its ties at the cut, ranked in flat
+        # order): scan every block first (in parallel), so that each knows what came before it, then merge the
+        # blocks in parallel
         def prepare(block: RawChunk) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
             deltas, base_values = to_deltas(block, device, base, agents, reader, checked)
-            return deltas, base_values, [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
+            return deltas, base_values, scan(deltas, context.prepared)
 
         prepared = map_blocks(pool, prepare, blocks)
         seen = []
-        for _, _, equal in prepared:
-            seen.append(list(context.equal_seen))
-            context.equal_seen[:] = [a + b for a, b in zip(context.equal_seen, equal, strict=True)]
+        for _, _, counts in prepared:
+            seen.append(list(context.seen))
+            context.seen[:] = [a + b for a, b in zip(context.seen, counts, strict=True)]
         work = [
             (block, ready[:2], before) for block, ready, before in zip(blocks, prepared, seen, strict=True)
         ]
         del prepared
         parallel = pool
-    elif cuts is not None:
+    elif context.ordered:
         work = [(block, None, None) for block in blocks]
-        parallel = None  # in order on this thread, counting on context.equal_seen
+        parallel = None  # in order on this thread, the kernel counting on context.seen
     else:
         work = [(block, None, None) for block in blocks]
         parallel = pool
 
     def run(item: tuple[RawChunk, tuple[torch.Tensor, torch.Tensor] | None, list[int] | None]):
-        block, ready, equal_seen = item
+        block, ready, seen = item
         lo = (block.start - chunk.start) * task.row_numel
         hi = (block.stop - chunk.start) * task.row_numel
         _, counts = _merge_block(
-            resolved, block, context, base, agents, reader, device, eps, ready, equal_seen, flat[lo:hi]
+            resolved, block, context, base, agents, reader, device, eps, ready, seen, flat[lo:hi]
         )
         return counts
 
@@ -789,15 +819,16 @@ def _merge_block(
     device: torch.device,
     eps: float,
     ready: tuple[torch.Tensor, torch.Tensor] | None = None,
-    equal_seen: list[int] | None = None,
+    seen: list[int] | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OverlapStatistics | None]:
     """The flat output values of a block of the base's rows, in the output dtype, on ``device``, and its overlap
     counts (methods without a statistics pass count them while merging).
 
-    ``ready`` holds the block's task vectors and base values if they are already computed; ``equal_seen`` the TIES
-    threshold-equal elements before the block (default: the tensor's running count, updated); ``out`` a flat
-    tensor of the output dtype the values are written into (and returned) instead of a new one.
+    ``ready`` holds the block's task vectors and base values if they are already computed; ``seen`` the method's
+    scan counts of the tensor's blocks before this one (default: the tensor's running count, which the kernel
+    updates); ``out`` a flat tensor of the output dtype the values are written into (and returned) instead of a
+    new one.
     """
     task = chunk.task
     if ready is None:
@@ -809,22 +840,25 @@ def _merge_block(
     if context.stats is not None:
         counts = OverlapStatistics.zeros(len(agents))
         counts.update(active_flags(deltas, eps))
+    method = resolved.method
     inputs = ChunkInputs(
         name=task.name,
         start=chunk.start * task.row_numel,
         deltas=deltas,
         base=base_values,
-        params=resolved.params,
+        params=context.params,
         agent_params=context.agent_params,
-        lambdas=context.lambdas,
-        cuts=context.cuts,
-        equal_seen=context.equal_seen if equal_seen is None else equal_seen,
+        factors=context.factors,
+        prepared=context.prepared,
+        seen=context.seen if seen is None else seen,
         seed=resolved.seed,
         fishers=None if chunk.fishers is None else chunk.fishers.to(device),
+        models=_models(chunk, base_values) if method.merges_weights else None,
     )
-    merged = resolved.method.merge(inputs)
-    merged.add_(base_values)
-    keep_signed_zeros(merged, base_values)
+    merged = method.merge(inputs)
+    if not method.merges_weights:
+        merged.add_(base_values)
+        keep_signed_zeros(merged, base_values)
     if not resolved.allow_nonfinite:
         check_finite_output(merged, task.name, chunk.start, chunk.stop)
     result = merged.to(task.out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
@@ -886,24 +920,38 @@ def _extra_rows(
     return (total / count).to(chunk.task.out_dtype)
 
 
-def _lambdas(resolved: ResolvedConfig, stats: OverlapStatistics) -> list[float]:
-    name = resolved.method.name
-    if name == "ram_plus":
-        return stats.lambdas(resolved.params["r"], resolved.params["alpha"])
-    if name == "ram_plus_soft":
-        return stats.lambdas(resolved.params["r"], None, soft=True)
-    return [1.0] * stats.num_agents
+def _models(chunk: RawChunk, base_values: torch.Tensor) -> torch.Tensor:
+    """The agents' float32 weights of a block of the base's rows, shape ``(num_agents, n)``."""
+    models = torch.empty(
+        (len(chunk.agents), base_values.numel()), dtype=torch.float32, device=base_values.device
+    )
+    for t, (values, lora) in enumerate(zip(chunk.agents, chunk.lora, strict=True)):
+        fill_weights(models[t], values, lora, base_values)
+    return models
 
 
-def _tensor_lambdas(resolved: ResolvedConfig, task: TensorTask, state: MergeState) -> list[float] | None:
+def _factors(resolved: ResolvedConfig, stats: OverlapStatistics) -> list[float]:
+    """The method's per-agent factors from overlap statistics (its ``factors`` hook)."""
+    assert resolved.method.factors is not None
+    return resolved.method.factors(stats, resolved.params)
+
+
+def _tensor_factors(resolved: ResolvedConfig, task: TensorTask, state: MergeState) -> list[float] | None:
     if not resolved.method.needs_statistics:
         return None
-    if resolved.params.get("rho_scope") == "tensor":
-        return _lambdas(resolved, state.tensor_stats[task.name])
+    if resolved.method.tensor_local_statistics(resolved.params):
+        return _factors(resolved, state.tensor_stats[task.name])
     return state.lambdas
 
 
-def _check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
+def check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
+    """Warn about agents whose task vector is zero, or differs from the base almost everywhere (another base?).
+
+    Args:
+        resolved: The merge config.
+        state: The accumulated overlap statistics; the warnings are appended to ``state.warnings``.
+        emit: Also raise them as Python warnings and log them (the main process only).
+    """
     for t, agent in enumerate(resolved.agents):
         density = state.stats.density(t)
         if state.stats.active(t) == 0:
@@ -932,8 +980,6 @@ def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
     """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
-    from ram_trl import report as reporting
-
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": plan.output_bytes},
@@ -953,7 +999,7 @@ def finalize_output(
             copied += 1
     if copied == 0:
         report["warnings"].append(f"no tokenizer files found in {resolved.tokenizer_source}")
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=reporting.json_default) + "\n")
     (out_dir / "README.md").write_text(reporting.model_card(report))
 
 
@@ -975,16 +1021,6 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
         if vocab == task.base_rows:
             config["vocab_size"] = task.out_rows
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
 __all__ = ["MergeOptions", "merge", "run_merge", "CheckpointError"]

@@ -41,10 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.output import OUTPUT_ERRNOS, OutputDir, as_output_error, temp_name
+from ram_trl.planner import format_bytes
+from ram_trl.report import json_default, model_card
 
 if TYPE_CHECKING:
     from torch import nn
@@ -384,8 +387,6 @@ def export_lora(
         report = json.loads(saved.read_text()) if saved.is_file() else {}
     report = dict(report)
 
-    from ram_trl.engine import _json_default
-
     temp_dir = output.begin()
     try:
         staged = _StagedTensors(temp_dir / ".lora-factors.staging")
@@ -404,7 +405,7 @@ def export_lora(
             shutil.copy2(merged_dir / name, temp_dir / name)
         section = _section(plan, options, config, entries, adapter_bytes)
         report = _adapter_report(report, section, config, adapter_bytes, output_dir, base_dir, copied)
-        (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+        (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=json_default) + "\n")
         (temp_dir / "README.md").write_text(adapter_card(report))
         output.commit()
     except OSError as exc:
@@ -764,7 +765,6 @@ def adapter_card(report: dict[str, Any]) -> str:
 
 def _merge_card_body(report: dict[str, Any]) -> str:
     """The merge's model card without its front matter, titled as an adapter ("" without a merge report)."""
-    from ram_trl.report import model_card
 
     try:
         card = model_card(report)
@@ -845,7 +845,6 @@ def run_lora_merge(
     Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
     fails every rank.
     """
-    from ram_trl.distributed import DistContext
     from ram_trl.engine import run_merge
 
     resolved.out_dtype = torch.float32  # exact deltas for the SVD
@@ -894,8 +893,6 @@ def run_lora_merge(
 
 def _print_export(report: dict[str, Any]) -> None:
     from rich.console import Console
-
-    from ram_trl.planner import format_bytes
 
     section = report["lora_export"]
     console = Console(stderr=True)

@@ -42,7 +42,11 @@ PROCESS_BASELINE_BYTES = 450 * 1024**2
 
 
 def bytes_per_element(
-    num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0
+    num_agents: int,
+    in_itemsize: int = 4,
+    out_itemsize: int = 4,
+    fisher_itemsize: int = 0,
+    model_buffers: bool = False,
 ) -> int:
     """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents.
 
@@ -51,19 +55,28 @@ def bytes_per_element(
     the chunk being merged and of the chunk read ahead (``2 (N + 1) in_itemsize``), and the cast output of this chunk
     and of two chunks queued for writing (``3 out_itemsize``). With Fisher inputs (``fisher_itemsize`` > 0, the
     stored Fisher's bytes per element): the float32 Fishers of the chunk being merged and of the one read ahead
-    (``8N``) and the stored rows being converted (``N fisher_itemsize``).
+    (``8N``) and the stored rows being converted (``N fisher_itemsize``). For methods that merge weights
+    (``model_buffers``): the agents' float32 weights (``4N``).
     """
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
     if fisher_itemsize:
         total += num_agents * (8 + fisher_itemsize)
+    if model_buffers:
+        total += 4 * num_agents
     return total
 
 
 def chunk_elements(
-    budget: int, num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0
+    budget: int,
+    num_agents: int,
+    in_itemsize: int = 4,
+    out_itemsize: int = 4,
+    fisher_itemsize: int = 0,
+    model_buffers: bool = False,
 ) -> int:
     """Largest chunk (in elements) whose buffers fit in ``budget`` bytes."""
-    return max(1, budget // bytes_per_element(num_agents, in_itemsize, out_itemsize, fisher_itemsize))
+    per = bytes_per_element(num_agents, in_itemsize, out_itemsize, fisher_itemsize, model_buffers)
+    return max(1, budget // per)
 
 
 @dataclass(frozen=True)
@@ -142,9 +155,12 @@ class MergePlan:
         chunk_budget: Bytes allowed for one chunk's buffers.
         passes: Reads of every input (2 when global statistics precede the merge).
         input_bytes: Bytes of base and agents read per pass.
-        trims_by_magnitude: Whether TIES cuts are computed (one extra read of each agent per tensor).
+        trims_by_magnitude: Whether the method prepares each tensor whole (TIES' cuts: one extra read of each
+            agent per tensor).
         fisher_itemsize: Bytes per element of the stored Fisher inputs (0: no Fisher inputs).
         fishers: Each agent's Fisher file (methods that need them), streamed beside its weights.
+        merges_weights: Whether each chunk also holds the agents' float32 weights.
+        prepare_bytes: Bytes per element of the largest tensor that the per-tensor preparation holds at once.
     """
 
     tasks: list[TensorTask]
@@ -157,6 +173,8 @@ class MergePlan:
     resized: list[str] = field(default_factory=list)
     fisher_itemsize: int = 0
     fishers: list[Checkpoint] | None = None
+    merges_weights: bool = False
+    prepare_bytes: int = 12
 
     @property
     def output_bytes(self) -> int:
@@ -188,6 +206,7 @@ class MergePlan:
                 dtype_itemsize(task.base.dtype),
                 dtype_itemsize(task.out_dtype),
                 self.fisher_itemsize,
+                self.merges_weights,
             )
             worst = max(worst, elements * per)
         return worst
@@ -196,7 +215,7 @@ class MergePlan:
         """Estimated peak resident memory of the whole process (see the module docstring)."""
         peak = PROCESS_BASELINE_BYTES + self.largest_chunk_bytes()
         if self.trims_by_magnitude:
-            peak += 12 * self.largest_tensor_numel
+            peak += self.prepare_bytes * self.largest_tensor_numel
         return peak
 
 
@@ -212,6 +231,8 @@ def build_plan(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     fisher_itemsize: int = 0,
     resizable: Callable[[str], bool] | None = None,
+    merges_weights: bool = False,
+    prepare_bytes: int = 12,
 ) -> MergePlan:
     """Check all inputs against the base and plan the merge.
 
@@ -227,6 +248,8 @@ def build_plan(
         fisher_itemsize: Bytes per element of the stored Fisher inputs streamed beside the agents (0: none).
         resizable: Which tensors ``merge_common_rows`` may resize (default: any); the merge passes the vocabulary
             tensors (embeddings, output head).
+        merges_weights: Whether each chunk also holds the agents' float32 weights (smaller chunks).
+        prepare_bytes: Bytes per element of the largest tensor that the method's per-tensor preparation holds.
 
     Returns:
         The :class:`MergePlan`.
@@ -300,7 +323,9 @@ def build_plan(
             [dtype_itemsize(meta.dtype)]
             + [dtype_itemsize(a.tensors[name].dtype) for a in agents if name in a.tensors]
         )
-        elements = chunk_elements(chunk_budget, num_agents, in_size, dtype_itemsize(dtype), fisher_itemsize)
+        elements = chunk_elements(
+            chunk_budget, num_agents, in_size, dtype_itemsize(dtype), fisher_itemsize, merges_weights
+        )
         rows_per_chunk = max(1, elements // max(row_numel, 1))
         tasks.append(
             TensorTask(
@@ -327,6 +352,8 @@ def build_plan(
         trims_by_magnitude=trims_by_magnitude,
         resized=resized,
         fisher_itemsize=fisher_itemsize,
+        merges_weights=merges_weights,
+        prepare_bytes=prepare_bytes,
     )
 
 

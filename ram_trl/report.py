@@ -6,8 +6,10 @@ import math
 import platform
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import yaml
 
 import ram_trl
@@ -15,10 +17,19 @@ from ram_trl import defaults
 from ram_trl.planner import MergePlan, format_bytes
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from ram_trl.config import ResolvedConfig
     from ram_trl.engine import MergeState
+
+
+def json_default(value: Any) -> Any:
+    """``json.dumps(default=...)`` for reports: paths as strings, infinities as ``"inf"``, dtypes by name."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
 def _finite(value: float) -> float | str:
@@ -29,16 +40,16 @@ def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict
     """Per-agent lambda_t: one number (global scope) or its spread over tensors (tensor scope)."""
     if not resolved.method.needs_statistics:
         return {"lambda": None}
-    if resolved.params.get("rho_scope") != "tensor":
+    if not resolved.method.tensor_local_statistics(resolved.params):
         assert state.lambdas is not None
         return {"lambda": state.lambdas[t]}
-    from ram_trl.engine import _lambdas
-
+    factors = resolved.method.factors
+    assert factors is not None
     values, weights = [], []
     for _, stats in sorted(state.tensor_stats.items()):  # a fixed order: the same sum on any number of ranks
         if stats.unique(t) == 0:
             continue
-        values.append(_lambdas(resolved, stats)[t])
+        values.append(factors(stats, resolved.params)[t])
         weights.append(stats.unique(t))
     if not values:
         return {"lambda": None, "lambda_scope": "tensor"}

@@ -213,6 +213,25 @@ def fill_delta(
         out[n:].zero_()
 
 
+def fill_weights(
+    out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
+) -> None:
+    """Write one agent's float32 weights for a chunk into ``out`` (flat, the chunk's length): for methods that
+    merge weights rather than task vectors.
+
+    The stored values where the agent stores them, the base's elsewhere (rows or tensors it does not touch), plus
+    its LoRA delta where it has one.
+    """
+    n = 0
+    if values is not None:
+        n = values.numel()
+        out[:n].copy_(values.reshape(-1))
+    if n < out.numel():
+        out[n:].copy_(base_values[n:])
+    if lora is not None:
+        out[: lora.numel()].add_(lora.reshape(-1).to(out.device))
+
+
 def to_deltas(
     chunk: RawChunk,
     device: torch.device,

@@ -354,3 +354,185 @@ def test_ramplus_tl_is_tensor_local_in_both(sparse, tmp_path):
     differing = [name for name in theirs if not torch.equal(global_rho[name], ours[name])]
     assert differing, "tensor-local and global rho gave the same output: the fixture cannot tell them apart"
     assert math.isfinite(sum(float(t.abs().sum()) for t in ours.values()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# slerp: bit-identical (mergekit's float32 operations, one by one)
+
+SLERP_CASES = {
+    "t 0.3": {"t": 0.3},
+    "t per filter": {
+        "t": [{"filter": "self_attn", "value": 0.2}, {"filter": "mlp", "value": 0.9}, {"value": 0.5}]
+    },
+    "t 0 (the base)": {"t": 0.0},
+    "t 1 (the other model)": {"t": 1.0},
+}
+
+
+def _slerp_config(ckpts: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """mergekit's form: both models listed, base_model one of them (ram_trl leaves that entry out, with a note)."""
+    return _config(ckpts, "slerp", [{}], params, base_in_models=True)
+
+
+@pytest.mark.parametrize("case", list(SLERP_CASES))
+def test_slerp_equals_mergekit(case, dense, tmp_path):
+    config = _slerp_config(dense, SLERP_CASES[case])
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(dense["base"])
+    _assert_identical(ours, theirs)
+    if case == "t 0.3":
+        _check_common(ours, theirs, dense["base"])
+
+
+def test_slerp_streamed_in_small_chunks_equals_mergekit(dense, tmp_path):
+    """The angle is found on whole tensors; merging them a few rows at a time changes nothing."""
+    config = _slerp_config(dense, SLERP_CASES["t per filter"])
+    ours, theirs = _run_both(config, tmp_path, chunk_budget=2048)
+    _assert_identical(ours, theirs)
+
+
+def test_slerp_takes_both_branches(dense):
+    """The fixture has spherical tensors (random weights moved by noise) and nearly parallel ones (norm weights,
+    all ones moved by 1e-2 noise, |cos| > 0.9995): both of mergekit's branches are compared above."""
+    from ram_trl.methods.slerp import DOT_THRESHOLD
+
+    agent = load_file(str(dense["agents"][0] / "model.safetensors"))
+    cosines = [
+        float(torch.nn.functional.cosine_similarity(base.reshape(1, -1), agent[name].reshape(1, -1)))
+        for name, base in dense["base"].items()
+    ]
+    assert any(abs(c) > DOT_THRESHOLD for c in cosines) and any(abs(c) <= DOT_THRESHOLD for c in cosines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# breadcrumbs, breadcrumbs_ties: bit-identical where the cuts are unambiguous (no magnitude ties, see TIES)
+
+BREADCRUMBS_CASES = {
+    "breadcrumbs, 2 agents": (
+        "breadcrumbs",
+        [{"weight": 0.7, "density": 0.5, "gamma": 0.1}, {"weight": 0.3, "density": 0.25}],
+        {},
+        False,
+    ),
+    "breadcrumbs, 3 agents, normalize, lambda, rescale": (
+        "breadcrumbs",
+        [
+            {"weight": 1.0, "density": 0.5, "gamma": 0.2},
+            {"weight": 0.45, "density": 0.75, "gamma": 0.25},
+            {"weight": 0.6, "density": 0.3},
+        ],
+        {"normalize": True, "lambda": 0.8, "rescale": True},
+        True,
+    ),
+    "breadcrumbs_ties, 3 agents, filter lists": (
+        "breadcrumbs_ties",
+        [
+            {
+                "weight": [{"filter": "self_attn", "value": 0.4}, {"value": 1.0}],
+                "density": 0.5,
+                "gamma": 0.05,
+            },
+            {"weight": 0.8, "density": [{"filter": "mlp", "value": 0.25}, {"value": 0.6}], "gamma": 0.1},
+            {"weight": 0.6, "density": 0.4, "gamma": 0.5},
+        ],
+        {},
+        True,
+    ),
+    "breadcrumbs_ties, normalize, rescale, density 1": (
+        "breadcrumbs_ties",
+        [{"weight": 0.5, "density": 1.0}, {"weight": 1.5, "density": 0.5, "gamma": 0.125}],
+        {"normalize": True, "rescale": True, "lambda": 1.25},
+        False,
+    ),
+}
+
+
+def _check_breadcrumbs_premise(config: dict[str, Any], base: dict[str, torch.Tensor]) -> None:
+    """mergekit counts int(density * n) and int(gamma * n); ram_trl the exact decimal floors. The cases must not tell
+    them apart."""
+    from ram_trl.methods.breadcrumbs import floor_count
+
+    for entry in config["models"]:
+        for key in ("density", "gamma"):
+            value = entry.get("parameters", {}).get(key)
+            if value is None:
+                continue
+            for v in [r["value"] for r in value] if isinstance(value, list) else [value]:
+                for tensor in base.values():
+                    n = tensor.numel()
+                    assert floor_count(n, v) == (n if v >= 1 else int(v * n)), (key, v, n)
+
+
+@pytest.mark.parametrize("case", list(BREADCRUMBS_CASES))
+def test_breadcrumbs_equals_mergekit(case, dense, tmp_path):
+    method, agent_params, params, base_in_models = BREADCRUMBS_CASES[case]
+    config = _config(dense, method, agent_params, params, base_in_models)
+    _check_breadcrumbs_premise(config, dense["base"])
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, dense["base"])
+    _assert_identical(ours, theirs)
+
+
+def test_breadcrumbs_streamed_in_small_chunks_equals_mergekit(dense, tmp_path):
+    """Both cuts carried across row chunks (a 2 KB chunk budget) change nothing."""
+    method, agent_params, params, base_in_models = BREADCRUMBS_CASES[
+        "breadcrumbs_ties, 3 agents, filter lists"
+    ]
+    config = _config(dense, method, agent_params, params, base_in_models)
+    ours, theirs = _run_both(config, tmp_path, chunk_budget=2048)
+    _assert_identical(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model_stock: bit-identical (mergekit's float32 operations, one by one)
+
+MODEL_STOCK_CASES = {
+    "2 agents": (2, {}, False),
+    "3 agents, base listed": (3, {}, True),
+    "3 agents, filter_wise": (3, {"filter_wise": True}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_STOCK_CASES))
+def test_model_stock_equals_mergekit(case, dense, tmp_path):
+    count, params, base_in_models = MODEL_STOCK_CASES[case]
+    config = _config(dense, "model_stock", [{}] * count, params, base_in_models)
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, dense["base"])
+    _assert_identical(ours, theirs)
+
+
+def test_model_stock_streamed_in_small_chunks_equals_mergekit(dense, tmp_path):
+    """Per-row factors (filter_wise) picked by each row chunk change nothing."""
+    config = _config(dense, "model_stock", [{}] * 3, {"filter_wise": True})
+    ours, theirs = _run_both(config, tmp_path, chunk_budget=2048)
+    _assert_identical(ours, theirs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# della, della_linear: random drops (ram_trl's hash, mergekit's torch.bernoulli), so equal in distribution only
+
+
+@pytest.mark.parametrize("method", ["della_linear", "della"])
+def test_della_matches_mergekit_in_distribution(method, dense, tmp_path):
+    """Both tools keep about ``density`` of each tensor's elements, larger magnitudes more often (p from
+    density - epsilon to density + epsilon by rank), and rescale the survivors to the task vector's L1 norm."""
+    config = _config(dense, method, [{"weight": 1.0, "density": 0.5, "epsilon": 0.2}], {})
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, dense["base"])
+    agent = load_file(str(dense["agents"][0] / "model.safetensors"))
+    checked = 0
+    for name, base in dense["base"].items():
+        tau = agent[name] - base
+        if tau.numel() < 512:
+            continue  # too few elements for the shares below
+        checked += 1
+        big = tau.abs() >= tau.abs().median()
+        for merged in (ours, theirs):
+            kept = (merged[name] - base) != 0
+            assert abs(float(kept.float().mean()) - 0.5) < 0.05, name
+            # the larger half of the magnitudes survives more often (expected shares 0.6 and 0.4)
+            assert float(kept[big].float().mean()) > float(kept[~big].float().mean()) + 0.1, name
+            l1 = float((merged[name] - base).abs().sum())
+            assert l1 == pytest.approx(float(tau.abs().sum()), rel=1e-3), name
+    assert checked >= 4

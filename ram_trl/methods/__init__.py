@@ -1,9 +1,12 @@
-"""Merge methods: pure tensor maths per family, registered by name in :mod:`ram_trl.methods.registry`."""
+"""Merge methods: the method API (:mod:`~ram_trl.methods.base`), pure tensor maths per family, and the methods
+registered by name in :mod:`ram_trl.methods.registry`."""
 
 from ram_trl.methods.registry import (
+    Alias,
     ChunkInputs,
     MergeMethod,
     Parameter,
+    TensorView,
     alias_names,
     method_names,
     register,
@@ -11,9 +14,11 @@ from ram_trl.methods.registry import (
 )
 
 __all__ = [
+    "Alias",
     "ChunkInputs",
     "MergeMethod",
     "Parameter",
+    "TensorView",
     "alias_names",
     "method_names",
     "register",

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ram_trl import defaults
+
+if TYPE_CHECKING:
+    from ram_trl.statistics import OverlapStatistics
 
 DEFAULT_EPS = defaults.EPS
 
@@ -113,6 +117,26 @@ def soft_rescale_factor(rho: float, r: float) -> float:
     """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``."""
     saturation = 1.0 if math.isinf(rho) else rho / (1.0 + rho)
     return 1.0 + r * saturation
+
+
+def clipped_factors(stats: OverlapStatistics, params: dict[str, Any]) -> list[float]:
+    """RAM+'s factors hook: ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` per agent from overlap statistics.
+
+    Args:
+        stats: The overlap statistics (of the whole model, or of one tensor with ``rho_scope: tensor``).
+        params: The global parameters (``r``, ``alpha``).
+    """
+    return stats.lambdas(params["r"], params["alpha"])
+
+
+def soft_factors(stats: OverlapStatistics, params: dict[str, Any]) -> list[float]:
+    """RAM+s's factors hook: ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` per agent from overlap statistics.
+
+    Args:
+        stats: The overlap statistics (of the whole model, or of one tensor with ``rho_scope: tensor``).
+        params: The global parameters (``r``).
+    """
+    return stats.lambdas(params["r"], None, soft=True)
 
 
 def ram_merge(

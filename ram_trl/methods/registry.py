@@ -1,129 +1,33 @@
-"""Merge methods registered by name, with their parameters and what the engine must prepare for them.
+"""Merge methods registered by name: the built-in methods, their aliases, and :func:`register` for more.
 
-Each method is a thin adapter from a :class:`ChunkInputs` to the pure tensor functions of its family module
-(:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`, :mod:`~ram_trl.methods.ties`,
-:mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`).
+Each built-in method is a :class:`~ram_trl.methods.base.MergeMethod` whose kernel is a thin adapter to the pure
+tensor functions of its family module (:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`,
+:mod:`~ram_trl.methods.ties`, :mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`); newer methods live
+whole in their own file and are registered by one line at the end of this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ram_trl import defaults
-from ram_trl.methods import dare, fisher, linear, ram, ties
+from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, slerp, ties
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter, TensorView
 
-
-@dataclass(frozen=True)
-class Parameter:
-    """A method parameter.
-
-    Args:
-        name: Name in the config.
-        kind: Python type of the value (``float``, ``bool``, ``str``, or ``pathlib.Path`` for a file resolved
-            like the config's other paths and kept as a string).
-        default: Value when the config omits it.
-        scope: ``"global"`` (top-level ``parameters``) or ``"agent"`` (each entry of ``models``).
-        help: One line for docs and errors.
-        choices: Allowed values for ``str`` parameters.
-        minimum: Inclusive lower bound for numbers.
-        maximum: Inclusive upper bound for numbers.
-        aliases: Other accepted names (mergekit's, e.g. ``epsilon`` for ``eps``).
-    """
-
-    name: str
-    kind: type
-    default: Any
-    scope: Literal["global", "agent"]
-    help: str
-    choices: tuple[str, ...] = ()
-    minimum: float | None = None
-    maximum: float | None = None
-    aliases: tuple[str, ...] = ()
-
-
-@dataclass
-class ChunkInputs:
-    """Everything a method sees when merging one row chunk of one tensor.
-
-    Args:
-        name: The tensor's name.
-        start: Flat index (within the tensor) of the chunk's first element.
-        deltas: Float32 task vectors, shape ``(num_agents, n)``; methods may modify them in place.
-        base: Float32 base values, shape ``(n,)``.
-        params: Global parameter values.
-        agent_params: Per-agent parameter values for this tensor, each a float32 tensor of shape ``(num_agents,)``.
-        lambdas: Per-agent RAM rescale factors for this tensor (methods that need statistics).
-        cuts: Per-agent magnitude cuts for this tensor (methods that trim by magnitude).
-        equal_seen: Per-agent count of threshold-equal elements in earlier chunks of this tensor (updated in place).
-        seed: The merge's random seed.
-        fishers: Float32 diagonal Fishers of the agents for this chunk, shape ``(num_agents, n)`` (methods that
-            need them); methods may modify them in place.
-    """
-
-    name: str
-    start: int
-    deltas: torch.Tensor
-    base: torch.Tensor
-    params: dict[str, Any]
-    agent_params: dict[str, torch.Tensor]
-    lambdas: list[float] | None = None
-    cuts: list[ties.MagnitudeCut] | None = None
-    equal_seen: list[int] = field(default_factory=list)
-    seed: int = 0
-    fishers: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class MergeMethod:
-    """A registered merge method.
-
-    Args:
-        name: Canonical name.
-        pretty_name: Name for model cards.
-        description: One line.
-        parameters: Accepted parameters.
-        merge: Computes the merged task vector of one chunk.
-        needs_statistics: Whether global overlap statistics (a full pass over the inputs) must precede merging.
-        trims_by_magnitude: Whether each tensor needs a per-agent magnitude cut before merging.
-        needs_fisher: Whether each agent's diagonal Fisher is streamed beside its task vector.
-        keeps_base_entries: Whether a ``models`` entry equal to the base is merged (a weighted average of models)
-            rather than left out, and the base may be omitted (the first model then stands for it).
-        divides_by_weight_sum: Whether, with ``normalize``, the merge divides by the plain sum of the agents'
-            weights (which must then not be zero for any tensor).
-        reference: Paper URL.
-    """
-
-    name: str
-    pretty_name: str
-    description: str
-    parameters: tuple[Parameter, ...]
-    merge: Callable[[ChunkInputs], torch.Tensor]
-    needs_statistics: bool = False
-    trims_by_magnitude: bool = False
-    needs_fisher: bool = False
-    keeps_base_entries: bool = False
-    divides_by_weight_sum: bool = False
-    reference: str = ""
-
-    def parameter(self, name: str) -> Parameter | None:
-        for parameter in self.parameters:
-            if name == parameter.name or name in parameter.aliases:
-                return parameter
-        return None
-
-
-@dataclass(frozen=True)
-class Alias:
-    """Another name for a method, optionally with different parameter defaults (e.g. mergekit's ``ramplus_tl``)."""
-
-    method: str
-    defaults: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
+__all__ = [
+    "Alias",
+    "ChunkInputs",
+    "MergeMethod",
+    "Parameter",
+    "TensorView",
+    "alias_names",
+    "method_names",
+    "register",
+    "resolve_method",
+]
 
 
 _METHODS: dict[str, MergeMethod] = {}
@@ -209,9 +113,9 @@ _INT8_MASK = Parameter(
 
 
 def _ram_lambdas(inputs: ChunkInputs) -> list[float]:
-    if inputs.lambdas is None:
+    if inputs.factors is None:
         raise RuntimeError(f"{inputs.name}: RAM needs overlap statistics before merging")
-    return inputs.lambdas
+    return inputs.factors
 
 
 def _merge_ram(inputs: ChunkInputs) -> torch.Tensor:
@@ -231,10 +135,11 @@ def _merge_linear(inputs: ChunkInputs) -> torch.Tensor:
 
 
 def _trim(inputs: ChunkInputs) -> None:
-    assert inputs.cuts is not None
-    for t, cut in enumerate(inputs.cuts):
-        _, equal = ties.magnitude_trim(inputs.deltas[t], cut, inputs.equal_seen[t])
-        inputs.equal_seen[t] += equal
+    if inputs.prepared is None:
+        raise RuntimeError(f"{inputs.name}: TIES needs the tensor's magnitude cuts before merging")
+    for t, cut in enumerate(inputs.prepared):
+        _, equal = ties.magnitude_trim(inputs.deltas[t], cut, inputs.seen[t])
+        inputs.seen[t] += equal
 
 
 def _merge_ties(inputs: ChunkInputs) -> torch.Tensor:
@@ -284,7 +189,7 @@ register(
         description="RAM with unique elements rescaled by lambda_t = 1 + r * clip(rho_t, 0, alpha)",
         parameters=(_EPS, _R, _ALPHA, _RHO_SCOPE),
         merge=_merge_ram,
-        needs_statistics=True,
+        factors=ram.clipped_factors,
         reference=RAM_REFERENCE,
     ),
     aliases={
@@ -304,7 +209,7 @@ register(
         description="RAM with unique elements rescaled by lambda_t = 1 + r * rho_t / (1 + rho_t)",
         parameters=(_EPS, _R, _RHO_SCOPE),
         merge=_merge_ram,
-        needs_statistics=True,
+        factors=ram.soft_factors,
         reference=RAM_REFERENCE,
     ),
     aliases={
@@ -342,7 +247,8 @@ register(
             _INT8_MASK,
         ),
         merge=_merge_ties,
-        trims_by_magnitude=True,
+        prepare_tensor=ties.prepare_cuts,
+        scan=ties.scan_ties,
         reference="https://arxiv.org/abs/2306.01708",
     ),
 )
@@ -439,3 +345,14 @@ register(
     ),
     aliases={"fisher_merging": Alias("fisher")},
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods that live whole in their own file (imported above): one line each
+
+register(slerp.SLERP)
+register(breadcrumbs.BREADCRUMBS)
+register(breadcrumbs.BREADCRUMBS_TIES)
+register(model_stock.MODEL_STOCK)
+register(della.DELLA)
+register(della.DELLA_LINEAR)

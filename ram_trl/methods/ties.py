@@ -12,8 +12,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ram_trl.methods.base import TensorView
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -212,3 +216,36 @@ def disjoint_merge(
     if scale != 1.0:
         merged.mul_(scale)
     return merged
+
+
+def prepare_cuts(view: TensorView) -> list[MagnitudeCut]:
+    """TIES' per-tensor preparation hook: each agent's :class:`MagnitudeCut` of one whole tensor.
+
+    An agent whose density keeps everything is not read; otherwise its ``|tau|`` is (one float32 task vector in
+    memory at a time), and when it has at most ``k`` nonzero elements the cut keeps everything without a selection.
+
+    Args:
+        view: The tensor (each agent's ``density`` for it, and its magnitudes).
+
+    Returns:
+        One cut per agent.
+    """
+    cuts = []
+    for t in range(view.num_agents):
+        k = keep_count(view.numel, view.agent_value(t, "density"))
+        if k >= view.numel:
+            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
+            continue
+        magnitudes, nonzero = view.magnitudes(t)
+        if nonzero <= k:  # every nonzero element is kept (the k-th largest is 0): no selection needed
+            cuts.append(MagnitudeCut(0.0, 0, keep_all=True))
+        else:
+            cuts.append(magnitude_cut(magnitudes, k, view.map_blocks))
+        del magnitudes
+    return cuts
+
+
+def scan_ties(deltas: torch.Tensor, cuts: list[MagnitudeCut]) -> list[int]:
+    """TIES' scan hook: per agent, the elements of a block equal to its cut's threshold (:func:`count_at_cut`), so
+    that every block knows how many tied elements came before it (ties are kept lowest flat index first)."""
+    return [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]

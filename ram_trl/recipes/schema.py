@@ -681,6 +681,19 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
         except Exception as exc:  # noqa: BLE001 - the registry's message names the method
             problems.append(f"merge {row.name!r}: {exc}")
             continue
+        fewest, most = method.agents
+        if len(recipe.stages) < fewest or (most is not None and len(recipe.stages) > most):
+            wanted = (
+                f"exactly {fewest}"
+                if fewest == most
+                else f"{fewest} to {most}"
+                if most
+                else f"at least {fewest}"
+            )
+            problems.append(
+                f"merge {row.name!r}: method {row.method!r} merges {wanted} model(s) besides the base; the recipe "
+                f"has {len(recipe.stages)} stage(s)"
+            )
         known = {p.name for p in method.parameters}
         for key in row.parameters:
             if key not in known:

@@ -18,8 +18,66 @@ from ram_trl.methods import (
 )
 from ram_trl.methods.ties import magnitude_cut
 
-#: name -> (needs_statistics, trims_by_magnitude, needs_fisher, {parameter: (default, scope)})
+#: name -> (needs_statistics, prepares_tensors, needs_fisher, {parameter: (default, scope)})
 EXPECTED = {
+    "breadcrumbs": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (False, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "gamma": (0.01, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "breadcrumbs_ties": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (False, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "gamma": (0.01, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "slerp": (False, True, False, {"t": (0.5, "global")}),
+    "model_stock": (False, True, False, {"filter_wise": (False, "global")}),
+    "della": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (True, "global"),
+            "rescale": (True, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "epsilon": (0.15, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
+    "della_linear": (
+        False,
+        True,
+        False,
+        {
+            "lambda": (1.0, "global"),
+            "normalize": (False, "global"),
+            "rescale": (True, "global"),
+            "weight": (1.0, "agent"),
+            "density": (1.0, "agent"),
+            "epsilon": (0.15, "agent"),
+            "int8_mask": (False, "global"),
+        },
+    ),
     "dare_linear": (
         False,
         False,
@@ -107,7 +165,7 @@ def test_methods_flags_parameters_and_defaults():
     for name, (statistics, trims, fisher, parameters) in EXPECTED.items():
         method, overrides = resolve_method(name)
         assert (method.name, overrides) == (name, {})
-        assert (method.needs_statistics, method.trims_by_magnitude, method.needs_fisher) == (
+        assert (method.needs_statistics, method.prepares_tensors, method.needs_fisher) == (
             statistics,
             trims,
             fisher,
@@ -155,7 +213,7 @@ def test_parameter_lookup_by_name_or_alias():
 
 def test_unknown_method():
     with pytest.raises(KeyError):
-        resolve_method("slerp")
+        resolve_method("nuslerp")
 
 
 def test_register_refuses_taken_names(monkeypatch):
@@ -204,7 +262,7 @@ def test_chunk_functions_on_hand_computed_inputs():
     assert out.tolist() == [2.5, 3.5, 0.0, 0.5]
     # RAM: unique elements times lambda_t, shared ones averaged, inactive ones 0
     inputs = _inputs("ram_plus", [[0.5, 0.0, 0.25, 1e-5], [0.0, 0.0, 0.75, 0.0]])
-    inputs.lambdas = [1.25, 1.0]
+    inputs.factors = [1.25, 1.0]
     assert merge["ram_plus"](inputs).tolist() == [0.625, 0.0, 0.5, 0.0]
     with pytest.raises(RuntimeError, match="needs overlap statistics"):
         merge["ram_plus"](_inputs("ram_plus", tau))
@@ -216,7 +274,7 @@ def test_ties_chunk_function_with_a_cut():
     # density 0.5 keeps the 2 largest magnitudes per agent; the elected sign is that of the kept sum
     tau = [[4.0, -1.0, 2.0, -3.0], [-2.0, 5.0, 1.0, -0.5]]
     inputs = _inputs("ties", tau)
-    inputs.cuts = [magnitude_cut(torch.tensor(row).abs(), 2) for row in tau]
-    inputs.equal_seen = [0, 0]
+    inputs.prepared = [magnitude_cut(torch.tensor(row).abs(), 2) for row in tau]
+    inputs.seen = [0, 0]
     # kept: agent 0 {4, -3}, agent 1 {-2, 5}; sums 2, 5, 0, -3 -> signs +, +, +, -; disjoint means 4, 5, 0, -3
     assert resolve_method("ties")[0].merge(inputs).tolist() == [4.0, 5.0, 0.0, -3.0]

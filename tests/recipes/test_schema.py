@@ -81,6 +81,18 @@ def test_unknown_method_and_parameter_are_named():
         check(recipe(merges=[{"method": "ram_plus", "parameters": {"beta": 1}}]))
 
 
+def test_methods_check_how_many_stages_they_merge():
+    one_stage = recipe(
+        merges=["slerp", "breadcrumbs", {"method": "breadcrumbs_ties", "parameters": {"gamma": 0.05}}]
+    )
+    assert check(one_stage) == []
+    two_stages = recipe(merges=["slerp", "breadcrumbs"])
+    two_stages["stages"].append({**two_stages["stages"][0], "name": "math"})
+    with pytest.raises(ConfigError, match="merge 'slerp': method 'slerp' merges exactly 1 model") as info:
+        check(two_stages)
+    assert "breadcrumbs" not in str(info.value)
+
+
 def test_bad_import_paths_name_the_stage_and_path():
     bad_module = recipe(stages={"*": {"rewards": ["no_such_module:reward"]}})
     with pytest.raises(
