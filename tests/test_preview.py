@@ -30,18 +30,14 @@ from ram_trl.recipes.schema import EvaluationSpec  # noqa: E402
 from ram_trl.recipes.stats import retention  # noqa: E402
 from ram_trl.stage import read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
+from tests.helpers import distinct_chars  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
 P = PREVIEW_PREFIX
 STEPS = 4
-REWARD = "tests.test_preview:distinct_chars"
+REWARD = "tests.helpers:distinct_chars"
 EVALUATION = EvaluationSpec(max_new_tokens=8, batch_size=8)
-
-
-def distinct_chars(completions, **kwargs) -> list[float]:
-    """Share of distinct characters among 8 (a reward a tiny random model varies on)."""
-    return [len(set(c)) / 8 for c in completions]
 
 
 @pytest.fixture(scope="module")

@@ -704,6 +704,9 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
     ax.plot(steps, [h["average"] for h in history], "o-", label="merge: val average over the merged stages")
     ax.plot(steps, [h["agent_score"] for h in history], "s--", label=f"agent alone: val score on {stage}")
     ax.axvline(record["kept_step"], color="#2ca02c", linestyle=":", label=f"kept: step {record['kept_step']}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation score")
     handles, labels = ax.get_legend_handles_labels()
