@@ -28,8 +28,9 @@ was kept and why (``extra["preview"]``), so ``ram-trl merge`` of the manifests r
 
 Cost: one preview writes the policy once (its size in ``save_dtype``) and the merged model once (the base's dtype) to
 disk beside the output, reads the prior agents, and loads the merged model and the policy once each on the CPU in
-the evaluation dtype for generation; nothing is added on the accelerator. Under DDP every rank writes nothing but the
-main rank merges and scores while the others wait, and all ranks receive the scores. DeepSpeed ZeRO-3 and FSDP are
+the evaluation dtype for generation; nothing is added on the accelerator. Under DDP the main rank writes the checkpoint,
+every rank takes part in the merge (the engine's distributed merge: each rank merges its share of the tensors with the
+global statistics), the main rank scores while the others wait, and every rank receives the scores. DeepSpeed ZeRO-3 and FSDP are
 refused for now (see docs/merge-preview.md). The engine and the evaluation are imported when the callback is built,
 so ``import ram_trl.callbacks`` stays light.
 """
@@ -254,7 +255,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if accelerator.is_main_process:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             self.work_dir.mkdir(parents=True)
-            with torch.random.fork_rng(devices=[]):
+            with _training_rng_kept():
                 references = self._reference_scores()
         else:
             references = None
@@ -310,9 +311,13 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         accelerator = self.trainer.accelerator
         checkpoint = self.work_dir / f"step-{step}"
         save_agent(self.trainer, checkpoint, self.save_dtype)  # every rank: a sharded model is gathered
+        accelerator.wait_for_everyone()
+        merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a partition each under DDP
         if accelerator.is_main_process:
-            with torch.random.fork_rng(devices=[]):
-                record = self._merge_and_score(checkpoint, step)
+            with _training_rng_kept():
+                record = self._score(merged, checkpoint, step)
+            record["merge_seconds"] = round(merge_seconds, 4)
+            record["merge_processes"] = processes
             record["reward"] = last_reward_metrics(state.log_history).get("reward")
         else:
             record = None
@@ -330,9 +335,11 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self._last_step = step
         return self._metrics(record)
 
-    def _merge_and_score(self, checkpoint: Path, step: int) -> dict[str, Any]:
+    def _merge(self, checkpoint: Path) -> tuple[Path, float, int]:
+        """``ram-trl merge`` of the prior stages and ``checkpoint`` into the scratch directory; returns the merged
+        model's directory, the seconds taken and the processes that merged. Every rank calls it: in a multi-process run (``WORLD_SIZE`` > 1) it
+        is the engine's distributed merge, each rank merging its share of the tensors with the global statistics."""
         from ram_trl.engine import merge
-        from ram_trl.recipes.evaluate import evaluate_model
 
         merged = self.work_dir / "merged"
         config = preview_merge_config(
@@ -344,11 +351,16 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             self.parameters,
             self.seed,
         )
-        merge_start = time.perf_counter()
-        quiet = io.StringIO()  # the merge's report table and messages: the record below says what matters
+        start = time.perf_counter()
+        quiet = io.StringIO()  # the merge's report table and messages: the record says what matters
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            merge(config, merged, overwrite=True, progress=False)
-        merge_seconds = time.perf_counter() - merge_start
+            report = merge(config, merged, overwrite=True, progress=False)
+        return merged, time.perf_counter() - start, int(report.get("processes", 1))
+
+    def _score(self, merged: Path, checkpoint: Path, step: int) -> dict[str, Any]:
+        """The merged model's validation scores on every merged stage and the policy's on its own stage."""
+        from ram_trl.recipes.evaluate import evaluate_model
+
         tasks = [self.tasks[name] for name in self.merged_stages]
         scored = evaluate_model(merged, tasks, self.evaluation, base=self.base_model, progress=False)
         own = evaluate_model(
@@ -360,7 +372,6 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             "scores": dict(scores),
             "average": math.fsum(scores.values()) / len(scores),
             "agent_score": own["splits"]["val"]["scores"][self.stage_name],
-            "merge_seconds": round(merge_seconds, 4),
             "merged_sha256": weights_digest(merged),
         }
 
@@ -499,6 +510,12 @@ def weights_digest(model_dir: str | os.PathLike) -> str:
         digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _training_rng_kept() -> contextlib.AbstractContextManager:
+    """Save torch's CPU and CUDA random states and restore them on exit (the evaluation seeds torch)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=devices)
 
 
 def _move_files(source: Path, target: Path) -> None:

@@ -103,6 +103,7 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, tmp_path):
     logged = previews(trainer)
     assert [e["step"] for e in logged] == list(range(1, STEPS + 1))
     # the logged values are the records, through the trainer's metric path
+    assert all(record["merge_processes"] == 1 for record in callback.history)
     for entry, record in zip(logged, callback.history, strict=True):
         assert entry[f"{P}average"] == record["average"]
         assert entry[f"{P}score/first"] == record["scores"]["first"]
@@ -145,8 +146,9 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, tmp_path):
 
 
 def test_every_logged_preview_is_the_merge_of_that_step(base, first, tmp_path):
-    """keep='last' with a preview every 2 steps: the last step's checkpoint is left, and the preview at the last
-    step is its merge (weights and scores)."""
+    """keep='last' with a preview every 3 steps: the last step's checkpoint is left, the preview at the last step is
+    its merge, and the previews leave the training untouched (the same agent as a run without them: generation's
+    seeding does not leak into the training's random state)."""
     second = tmp_path / "second"
     callback = MergePreviewCallback(
         base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION,
@@ -164,6 +166,9 @@ def test_every_logged_preview_is_the_merge_of_that_step(base, first, tmp_path):
         {"merge_method": "ram_plus", "base_model": str(base), "models": models}, merged, progress=False
     )
     assert weights_digest(merged) == callback.history[-1]["merged_sha256"]
+    plain = tmp_path / "plain"
+    train(base, plain, TaskVectorSparsityCallback(base_model=base, stage_name="second"), seed=1)
+    assert (plain / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
 
 
 def test_missing_validation_prompts_are_refused(base, first):

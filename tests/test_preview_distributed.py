@@ -64,6 +64,7 @@ def test_ddp_preview_agrees_on_every_rank_and_is_the_merge(tmp_path):
     assert all(r["world_size"] == WORLD and r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
     assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["kept_step"] == ranks[1]["kept_step"]
     assert [h["step"] for h in ranks[0]["history"]] == [2, 3]
+    assert all(h["merge_processes"] == WORLD for h in ranks[0]["history"])  # each rank merged its share
     logged = ranks[0]["logged"]
     assert [e["merge_preview/average"] for e in logged] == [h["average"] for h in ranks[0]["history"]]
     record = read_manifest(second).extra["preview"]
