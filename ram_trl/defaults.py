@@ -58,3 +58,11 @@ MAGNITUDE_SAMPLE: int = 1 << 25
 METRIC_PREFIX: str = "task_vector/"
 #: dtype an agent is saved in at the end of an RL run (what a merge of real RL checkpoints sees).
 SAVE_DTYPE: str = "bfloat16"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Merge preview
+
+#: Optimizer steps between two merge previews (the final step is always previewed).
+PREVIEW_EVERY: int = 10
+#: Merge method of the preview: RAM+ at the paper's settings.
+PREVIEW_METHOD: str = "ram_plus"

@@ -296,3 +296,11 @@ def launch_merge(
         command += [f"--main_process_port={port}", "-m", "ram_trl"]
     command += ["merge", str(config), str(out), "--no-progress", *extra]
     return run_job(command, port, env=env, capture_output=True, text=True, timeout=300)
+
+
+def distinct_chars(completions, **kwargs) -> list[float]:
+    """A reward a tiny random model varies on: the share of distinct characters among 8 in each completion.
+
+    Reward functions given by import path (``tests.helpers:distinct_chars``) in recipe stages and merge previews.
+    """
+    return [len(set(c if isinstance(c, str) else str(c))) / 8 for c in completions]

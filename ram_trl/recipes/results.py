@@ -551,8 +551,44 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["Notes:", ""] + [f"- {note}" for note in results["notes"]] + [""]
     if results.get("figures"):
         lines += [f"![{Path(f).stem}]({f})" for f in results["figures"]] + [""]
+    lines += _preview_section(results)
     lines += ["## Verdict", "", results["verdict"], ""]
     return "\n".join(lines)
+
+
+def _preview_section(results: dict[str, Any]) -> list[str]:
+    """The merge previews of the stages trained with ``preview:``: the step kept per stage and its figure."""
+    previews = results.get("previews") or {}
+    if not previews:
+        return []
+    lines = [
+        "## Merge preview while training",
+        "",
+        "Each stage trained with `preview:` was merged with the earlier stages during training (the engine's own "
+        "merge of the saved-dtype policy), the merge scored on every merged stage's validation prompts. Kept: the "
+        "step whose checkpoint is the stage's agent (`keep: best`: the highest merged validation average). How to "
+        "read it: docs/merge-preview.md.",
+        "",
+        "| stage | method | previews | step kept | merged val average (kept) | (last step) | retention mean (kept) "
+        "| agent's own val score (kept) | (last step) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    figures = []
+    for stage, record in previews.items():
+        history = record.get("history") or []
+        if not history:
+            continue
+        kept = next((h for h in history if h["step"] == record["kept_step"]), history[-1])
+        last = history[-1]
+        lines.append(
+            f"| {stage} | {record.get('method', '')} | {len(history)} | {record['kept_step']} of {last['step']} | "
+            f"{_fmt3(kept['average'])} | {_fmt3(last['average'])} | {_pct(kept.get('retention_mean'))} | "
+            f"{_fmt3(kept['agent_score'])} | {_fmt3(last['agent_score'])} |"
+        )
+        figures += [f for f in record.get("figures", [])]
+    lines.append("")
+    lines += [f"![{Path(f).stem}]({f})" for f in figures]
+    return [*lines, ""] if figures else lines
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -654,6 +690,41 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
+    """One stage's merge preview over training: the merged validation average and the agent's own validation score
+    per previewed step, beside the agent's training reward (right axis), the kept step marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    history = record["history"]
+    steps = [h["step"] for h in history]
+    figure = Figure(figsize=(6.4, 3.8), dpi=110)
+    FigureCanvasAgg(figure)
+    ax = figure.subplots()
+    ax.plot(steps, [h["average"] for h in history], "o-", label="merge: val average over the merged stages")
+    ax.plot(steps, [h["agent_score"] for h in history], "s--", label=f"agent alone: val score on {stage}")
+    ax.axvline(record["kept_step"], color="#2ca02c", linestyle=":", label=f"kept: step {record['kept_step']}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation score")
+    handles, labels = ax.get_legend_handles_labels()
+    rewards = [(h["step"], h["reward"]) for h in history if h.get("reward") is not None]
+    if rewards:
+        twin = ax.twinx()
+        twin.plot(
+            *zip(*rewards, strict=True), "^:", color="#7f7f7f", label="agent: training reward (last logged)"
+        )
+        twin.set_ylabel("training reward")
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, fontsize=7, loc="best")
+    ax.set_title(f"{stage}: merge preview ({record.get('method', '')}) vs step", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
 def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) -> list[Path]:
     """Add the statistics (:func:`add_statistics`) and write ``results.json``, ``scores.png`` and
     ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
@@ -671,6 +742,12 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
         for name in reversed(names):
             if name not in results["figures"]:
                 results["figures"].insert(0, name)
+    for stage, record in (results.get("previews") or {}).items() if figures else ():
+        if record.get("history"):
+            name = f"preview-{stage}.png"
+            plot_preview(stage, record, out_dir / name)
+            record["figures"] = [name]
+            written.append(out_dir / name)
     from ram_trl.analysis import clean
 
     _atomic_write(out_dir / "results.json", json.dumps(clean(results), indent=2, sort_keys=False) + "\n")

@@ -308,6 +308,9 @@ class Run:
         prior = self._prior(stage)
         if prior:
             args += ["--prior", *map(str, prior)]
+        if stage.preview is not None:
+            merged = [p.parent.name for p in prior] + [stage.name]
+            args += ["--val", *(f"{name}={self.dir / 'data' / name / 'val.jsonl'}" for name in merged)]
         if stage.accelerate_config is None:
             return [sys.executable, "-m", "ram_trl.recipes.stage", *args]
         config = _resolve(stage.accelerate_config, self.root)
@@ -554,11 +557,25 @@ class Run:
             "timings": self.timings,
             "notes": self.notes,
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
+            "previews": self.previews(),
         }
         write_results(results, self.dir, figures=self.options.figures)
         print_table(results)
         self.console.print(f"results: {self.dir / 'results.md'}")
         return results
+
+    def previews(self) -> dict[str, dict[str, Any]]:
+        """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and
+        every preview's merged validation scores), for results.md."""
+        from ram_trl.stage import read_manifest
+
+        out = {}
+        for stage in self.recipe.stages:
+            if stage.trained and stage.preview is not None and stage_complete(self.stage_dir(stage)):
+                record = read_manifest(self.stage_dir(stage)).extra.get("preview")
+                if record:
+                    out[stage.name] = record
+        return out
 
     def sweeps(self) -> list[dict[str, Any]]:
         """The merge entries that sweep a parameter: their label, swept parameters and row names."""

@@ -48,6 +48,7 @@ __all__ = [
     "EvaluationSpec",
     "MergeRow",
     "MergeSpec",
+    "PreviewSpec",
     "PromptSpec",
     "Recipe",
     "StageSpec",
@@ -229,6 +230,26 @@ class PromptSpec(_Strict):
         return self.eval_size if self.val_size is None else self.val_size
 
 
+class PreviewSpec(_Strict):
+    """The merge preview of a trained stage (:class:`ram_trl.preview.MergePreviewCallback`): every ``every`` steps
+    and at the end, the merge of the policy with the earlier trained stages, scored on every merged stage's
+    validation prompts with the recipe's ``evaluation``; ``keep: best`` leaves the step that merges best as the
+    stage's agent.
+
+    Args:
+        every: Optimizer steps between previews (the final step is always previewed).
+        method: The merge method previewed (any registered method; default RAM+ at the paper's settings).
+        parameters: Its global parameters.
+        keep: ``best`` (the step with the highest merged validation average; the last step's agent goes to
+            ``stages/NAME/last``) or ``last``.
+    """
+
+    every: int = Field(defaults.PREVIEW_EVERY, ge=1)
+    method: str = defaults.PREVIEW_METHOD
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    keep: Literal["best", "last"] = "best"
+
+
 class StageSpec(_Strict):
     """One vertical: an RL run from the base (or, for merge-only recipes, an existing agent ``checkpoint``).
 
@@ -246,6 +267,7 @@ class StageSpec(_Strict):
         save_dtype: Dtype of the saved agent (RL checkpoints are usually bf16).
         checkpoint: An existing agent checkpoint (merge-only recipes): the stage is not trained.
         hub_id: The agent's hub id, for the record.
+        preview: Preview the merge with the earlier trained stages while this stage trains (off by default).
     """
 
     name: str = Field(pattern=_NAME_PATTERN)
@@ -259,6 +281,7 @@ class StageSpec(_Strict):
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     checkpoint: str | None = None
     hub_id: str | None = None
+    preview: PreviewSpec | None = None
 
     @model_validator(mode="after")
     def _trainable(self) -> StageSpec:
@@ -271,7 +294,18 @@ class StageSpec(_Strict):
                 )
             if not self.rewards:
                 raise ValueError("a trained stage needs 'rewards: [package.module:function, ...]'")
+        elif self.preview is not None:
+            raise ValueError("'preview:' applies to a trained stage; this one has an existing 'checkpoint:'")
         return self
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the stage has validation prompts (``val_file``, or a generator with a validation size > 0)."""
+        if self.prompts is None:
+            return False
+        if self.prompts.generator is None:
+            return self.prompts.val_file is not None
+        return self.prompts.validation_size > 0
 
     @property
     def trained(self) -> bool:
@@ -412,6 +446,27 @@ class Recipe(_Strict):
             raise ValueError(
                 "warm_start needs at least one trained stage (its prompts are the warm-start data)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _previews_have_validation(self) -> Recipe:
+        trained: list[StageSpec] = []
+        for stage in self.stages:
+            if not stage.trained:
+                continue
+            trained.append(stage)
+            if stage.preview is None:
+                continue
+            if not self.evaluation.enabled:
+                raise ValueError(
+                    f"stage {stage.name!r}: 'preview:' scores prompts; evaluation.enabled is false"
+                )
+            for other in trained:
+                if not other.has_validation:
+                    raise ValueError(
+                        f"stage {stage.name!r}: 'preview:' scores every merged stage on its validation prompts, "
+                        f"and stage {other.name!r} has none (give prompts.val_size > 0 or prompts.val_file)"
+                    )
         return self
 
     def stage(self, name: str) -> StageSpec:
@@ -664,6 +719,19 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
                     problems.append(f"{where}: invalid peft LoraConfig: {exc}")
             if stage.accelerate_config is not None:
                 _check_accelerate(stage, root, problems)
+            if stage.preview is not None:
+                try:
+                    method, _ = resolve_method(stage.preview.method)
+                except Exception as exc:  # noqa: BLE001 - the registry's message names the method
+                    problems.append(f"{where}: preview.method: {exc}")
+                else:
+                    known = {p.name for p in method.parameters}
+                    problems += [
+                        f"{where}: preview: method {stage.preview.method!r} has no parameter {key!r}; "
+                        f"its parameters: {', '.join(sorted(known)) or 'none'}"
+                        for key in stage.preview.parameters
+                        if key not in known
+                    ]
     for row in expand_merges(recipe):
         unknown = sorted(set(row.fisher) - FISHER_SETTINGS)
         if unknown:

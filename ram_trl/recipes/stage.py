@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import ConfigError
-from ram_trl.recipes.schema import StageSpec, import_object, load_recipe, trainer_settings
+from ram_trl.recipes.schema import Recipe, StageSpec, import_object, load_recipe, trainer_settings
 
 __all__ = ["StageFailure", "attach_telemetry", "build_trainer", "main", "run_stage", "wrap_reward"]
 
@@ -89,27 +89,71 @@ def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out:
     )
 
 
-def attach_telemetry(trainer: Any, base: Path, stage: StageSpec, prior: Sequence[Path]) -> Any:
+def attach_telemetry(
+    trainer: Any,
+    base: Path,
+    stage: StageSpec,
+    prior: Sequence[Path],
+    recipe: Recipe | None = None,
+    val_files: dict[str, Path] | None = None,
+) -> Any:
     """Bind the task-vector sparsity callback to ``trainer``: it logs the telemetry while the stage trains and, at
     train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
-    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them)."""
-    from ram_trl.callbacks import TaskVectorSparsityCallback
+    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them).
 
-    callback = TaskVectorSparsityCallback(
-        trainer=trainer,
-        base_model=str(base),
-        save_dtype=stage.save_dtype,
-        prior_stages=tuple(str(p) for p in prior),
-        stage_name=stage.name,
-        domain=stage.domain,
-    )
+    With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.preview.MergePreviewCallback`),
+    which needs the ``recipe`` (rewards, evaluation, seed) and every merged stage's validation file (``val_files``:
+    stage name to ``val.jsonl``)."""
+    common = {
+        "trainer": trainer,
+        "base_model": str(base),
+        "save_dtype": stage.save_dtype,
+        "prior_stages": tuple(str(p) for p in prior),
+        "stage_name": stage.name,
+        "domain": stage.domain,
+    }
+    if stage.preview is None:
+        from ram_trl.callbacks import TaskVectorSparsityCallback
+
+        callback = TaskVectorSparsityCallback(**common)
+    else:
+        from ram_trl.preview import MergePreviewCallback
+        from ram_trl.recipes.data import read_jsonl
+        from ram_trl.recipes.evaluate import EvalTask
+        from ram_trl.stage import read_manifest
+
+        if recipe is None:
+            raise ConfigError(f"stage {stage.name!r}: the merge preview needs the recipe")
+        files = val_files or {}
+        names = [read_manifest(p).stage for p in prior] + [stage.name]
+        tasks = []
+        for name in names:
+            file = files.get(name)
+            rows = read_jsonl(file, f"stage {name!r}: validation prompts") if file and file.is_file() else []
+            tasks.append(EvalTask(name, rows, recipe.stage(name).rewards, split="val"))
+        callback = MergePreviewCallback(
+            **common,
+            tasks=tasks,
+            evaluation=recipe.evaluation,
+            method=stage.preview.method,
+            parameters=stage.preview.parameters,
+            seed=recipe.seed,
+            preview_every=stage.preview.every,
+            keep=stage.preview.keep,
+        )
     trainer.add_callback(callback)
     callback.bind(trainer)
     return callback
 
 
 def run_stage(
-    recipe_path: Path, stage_name: str, base: Path, train_file: Path, out: Path, prior: Sequence[Path]
+    recipe_path: Path,
+    stage_name: str,
+    base: Path,
+    train_file: Path,
+    out: Path,
+    prior: Sequence[Path],
+    val_files: dict[str, Path] | None = None,
 ) -> None:
     """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
     from ram_trl.recipes.data import read_jsonl
@@ -125,7 +169,7 @@ def run_stage(
     (out / MANIFEST_NAME).unlink(missing_ok=True)
     seed = int(stage.config.get("seed", recipe.seed))
     trainer = build_trainer(stage, base, rows, out, seed)
-    attach_telemetry(trainer, base, stage, prior)
+    attach_telemetry(trainer, base, stage, prior, recipe, val_files)
     trainer.train()
     trainer.accelerator.wait_for_everyone()
 
@@ -143,9 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", required=True, type=Path, help="the stage directory (agent + ram_stage.json)"
     )
     parser.add_argument("--prior", nargs="*", type=Path, default=[], help="earlier stages' manifests")
+    parser.add_argument(
+        "--val", nargs="*", default=[], metavar="STAGE=FILE", help="validation prompts of the merge preview"
+    )
     args = parser.parse_args(argv)
+    val_files = {}
+    for item in args.val:
+        name, sep, file = item.partition("=")
+        if not sep:
+            parser.error(f"--val {item!r}: write STAGE=FILE")
+        val_files[name] = Path(file)
     try:
-        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior)
+        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)
     except Exception as exc:  # noqa: BLE001 - the runner reports it with the stage's log
         traceback.print_exc()
         cause = exc

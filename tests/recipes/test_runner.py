@@ -260,3 +260,41 @@ def test_seeds_run_the_pipeline_per_seed_and_report_t_intervals(tmp_path):
         )
     assert "over 2 seeds" in (out / "results.md").read_text()
     assert json.loads((out / "results.json").read_text())["selection"]["ship"] in ("ram", "dare_linear")
+
+
+def test_preview_stage_keeps_its_step_and_the_recipe_merge_reproduces_it(tmp_path, monkeypatch):
+    """A stage with ``preview:`` merges itself with the earlier stage while it trains; the recipe's own merge of
+    the two manifests, scored by the recipe's evaluation, is the logged preview at the kept step to the last digit,
+    and results.md reports the step kept with its figure."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    recipe = _recipe("tests.helpers:distinct_chars")  # a reward the tiny model varies on: the weights move
+    for stage in recipe["stages"]:
+        stage.pop("accelerate_config", None)
+        stage.pop("peft", None)
+        stage["rewards"] = ["tests.helpers:distinct_chars"]
+        stage["prompts"]["val_size"] = 4
+        stage["config"]["learning_rate"] = 1e-2  # task vectors that survive the bf16 save
+    recipe["stages"][1]["config"]["max_steps"] = 3
+    recipe["stages"][1]["preview"] = {"every": 1}
+    recipe["merges"] = ["ram_plus"]
+    recipe["analysis"] = {"enabled": False}
+    out = tmp_path / "run"
+    results = run_recipe(recipe, RunOptions(out=out, progress=False))
+    record = read_manifest(out / "stages" / "bad").extra["preview"]
+    assert [h["step"] for h in record["history"]] == [1, 2, 3]
+    averages = [h["average"] for h in record["history"]]
+    assert record["kept_step"] == record["history"][averages.index(max(averages))]["step"]
+    assert record["stages"] == ["good", "bad"] and record["method"] == "ram_plus"
+    kept = record["history"][record["kept_step"] - 1]
+    merge_row = next(r for r in results["rows"] if r["name"] == "ram_plus")
+    assert merge_row["val"]["scores"] == kept["scores"]
+    agent_row = next(r for r in results["rows"] if r["name"] == "bad")
+    assert agent_row["val"]["scores"]["bad"] == kept["agent_score"]
+    text = (out / "results.md").read_text()
+    assert "## Merge preview while training" in text
+    assert f"| bad | ram_plus | 3 | {record['kept_step']} of 3 |" in text
+    assert (out / "preview-bad.png").is_file() and "![preview-bad](preview-bad.png)" in text
+    assert "--val good=" in (out / "logs" / "bad.log").read_text()
+    assert all(
+        read_manifest(out / "stages" / s).telemetry["task_vector/density_saved"] > 0 for s in ("good", "bad")
+    )

@@ -240,3 +240,39 @@ def test_validation_split_settings():
     assert notes == [
         "stage 'coding' has no validation prompts (val_size: 0 / no val_file): nothing is chosen on its column"
     ]
+
+
+def test_preview_settings_are_validated():
+    parsed, _ = load_recipe(recipe(stages={"*": {"preview": {}}}))
+    preview = parsed.stages[0].preview
+    assert (preview.every, preview.method, preview.parameters, preview.keep) == (10, "ram_plus", {}, "best")
+    assert load_recipe(recipe())[0].stages[0].preview is None  # off unless asked for
+    assert (
+        check(recipe(stages={"*": {"preview": {"every": 5, "keep": "last", "parameters": {"r": 0.2}}}})) == []
+    )
+    with pytest.raises(ConfigError, match="stages.0.preview.every"):
+        load_recipe(recipe(stages={"*": {"preview": {"every": 0}}}))
+    with pytest.raises(ConfigError, match="stages.0.preview.keep"):
+        load_recipe(recipe(stages={"*": {"preview": {"keep": "first"}}}))
+    with pytest.raises(ConfigError, match="stage 'coding': 'preview:' .* and stage 'coding' has none"):
+        load_recipe(recipe(stages={"*": {"preview": {}, "prompts": {"val_size": 0}}}))
+    with pytest.raises(ConfigError, match="'preview:' scores prompts; evaluation.enabled is false"):
+        load_recipe(recipe(stages={"*": {"preview": {}}}, evaluation={"enabled": False}))
+    with pytest.raises(ConfigError, match="stage 'coding': preview.method"):
+        check(recipe(stages={"*": {"preview": {"method": "ram_minus"}}}))
+    with pytest.raises(ConfigError, match="preview: method 'ram_plus' has no parameter 'beta'"):
+        check(recipe(stages={"*": {"preview": {"parameters": {"beta": 1}}}}))
+
+
+def test_preview_needs_validation_prompts_on_every_earlier_stage():
+    data = recipe()
+    second = {**data["stages"][0], "name": "tools", "preview": {}}
+    data["stages"] = [
+        {**data["stages"][0], "prompts": {**data["stages"][0]["prompts"], "val_size": 0}},
+        second,
+    ]
+    with pytest.raises(ConfigError, match="stage 'tools': 'preview:' .* stage 'coding' has none"):
+        load_recipe(data)
+    existing = {"name": "old", "checkpoint": "agents/old", "preview": {}}
+    with pytest.raises(ConfigError, match="'preview:' applies to a trained stage"):
+        load_recipe({**recipe(), "stages": [existing]})

@@ -1,0 +1,526 @@
+"""Merge-aware RL: preview, while a stage trains, the merge of the current policy with the earlier stages' agents.
+
+:class:`MergePreviewCallback` is the task-vector telemetry callback
+(:class:`~ram_trl.callbacks.TaskVectorSparsityCallback`, whose tracker, prior stages, metric path and stage manifest it
+shares) plus a merge preview. Every ``preview_every`` optimizer steps, and at the final step, it
+
+1. saves the current policy in the stage's ``save_dtype`` exactly as the run will leave it
+   (:func:`~ram_trl.callbacks.save_agent`) into a scratch directory beside the output,
+2. merges it with the prior stages' agents (read from their manifests) with the real merge engine
+   (:func:`ram_trl.engine.merge`: global statistics, float32 arithmetic, the output in the base's dtype), so the
+   preview *is* the ``ram-trl merge`` of these checkpoints, bit for bit,
+3. scores the merged model and the policy itself on every stage's validation prompts with the recipes' evaluation
+   (:func:`ram_trl.recipes.evaluate.evaluate_model`, greedy by default, the RNG state of the training restored),
+
+and logs, through the trainer's metric path (``log_history`` and every reporting integration), the merged score per
+stage, the retention per stage ``(merged - base) / (specialist - base)`` and its mean, the merged average and the
+policy's own score. With ``keep="best"`` the checkpoint at the step with the highest merged validation average is
+the one left in the output directory (the last step's goes to ``OUTPUT/last``), and the manifest records which step
+was kept and why (``extra["preview"]``), so ``ram-trl merge`` of the manifests reproduces the logged preview::
+
+    cb = MergePreviewCallback(
+        base_model="models/base", prior_stages=["runs/coding"], stage_name="tools",
+        tasks=[EvalTask("coding", coding_val, ["pkg.rewards:coding"], "val"),
+               EvalTask("tools", tools_val, ["pkg.rewards:tools"], "val")],
+        preview_every=10,
+    )
+    trainer = GRPOTrainer(..., callbacks=[cb]); cb.bind(trainer); trainer.train()
+
+Cost: one preview writes the policy once (its size in ``save_dtype``) and the merged model once (the base's dtype) to
+disk beside the output, reads the prior agents, and loads the merged model and the policy once each on the CPU in
+the evaluation dtype for generation; nothing is added on the accelerator. Under DDP the main rank writes the checkpoint,
+every rank takes part in the merge (the engine's distributed merge: each rank merges its share of the tensors with the
+global statistics), the main rank scores while the others wait, and every rank receives the scores. DeepSpeed ZeRO-3 and FSDP are
+refused for now (see docs/merge-preview.md). The engine and the evaluation are imported when the callback is built,
+so ``import ram_trl.callbacks`` stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from ram_trl import defaults
+from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics, policy_of, save_agent
+from ram_trl.errors import ConfigError
+from ram_trl.stage import StageManifest
+from ram_trl.telemetry.priors import read_prior_stages
+
+#: Prefix of the preview's metric names.
+PREVIEW_PREFIX = "merge_preview/"
+#: Name of the scratch directory inside the output directory (removed at train end).
+WORK_DIR = ".ram_preview"
+#: Where the last step's agent goes when an earlier step is kept.
+LAST_DIR = "last"
+
+__all__ = ["LAST_DIR", "PREVIEW_PREFIX", "MergePreviewCallback", "preview_merge_config", "weights_digest"]
+
+
+def preview_merge_config(
+    base_model: str | os.PathLike,
+    prior_stages: Sequence[str | os.PathLike],
+    agent: str | os.PathLike,
+    stage_name: str,
+    method: str,
+    parameters: dict[str, Any],
+    seed: int,
+) -> dict[str, Any]:
+    """The merge config of a preview: the prior stages (by manifest), then the current agent, on the base.
+
+    ``ram-trl merge`` of the same config with ``{"stage": OUTPUT}`` in place of the agent's ``{"model": ...}`` is the
+    final merge of the finished stages.
+
+    Args:
+        base_model: The base checkpoint.
+        prior_stages: Manifests (or their directories) of the earlier stages, in merge order.
+        agent: The current agent's checkpoint directory.
+        stage_name: The current stage's name (its label in the merge report).
+        method: A registered merge method.
+        parameters: The method's global parameters.
+        seed: Seed of random drops (DARE).
+
+    Returns:
+        The config dict for :func:`ram_trl.engine.merge`.
+    """
+    return {
+        "merge_method": method,
+        "base_model": str(base_model),
+        "models": [{"stage": str(p)} for p in prior_stages] + [{"model": str(agent), "name": stage_name}],
+        "parameters": dict(parameters),
+        "seed": seed,
+    }
+
+
+class MergePreviewCallback(TaskVectorSparsityCallback):
+    """Task-vector telemetry plus a preview of the merge with the prior stages, keeping the step that merges best.
+
+    Args:
+        trainer: The trainer (or :meth:`bind` it later).
+        base_model: The base checkpoint on disk (required: the merge reads it).
+        prior_stages: Manifests (or their directories) of the stages merged with this one, in merge order. May be
+            empty (the preview is then the merge of this agent alone).
+        stage_name: This stage's name (required: it names its validation task).
+        tasks: Validation prompts and reward functions of every stage merged (each prior stage and this one), as
+            :class:`~ram_trl.recipes.evaluate.EvalTask` (their ``split`` is ignored: all are scored as validation).
+        evaluation: How prompts are scored (:class:`~ram_trl.recipes.schema.EvaluationSpec` or its fields; default
+            greedy decoding, 32 new tokens).
+        method: The merge method (any registered name or alias; default RAM+ at the paper's settings).
+        parameters: The method's global parameters.
+        seed: Seed of the merge's random drops (DARE).
+        preview_every: Preview every this many optimizer steps; the final step is always previewed.
+        keep: ``"best"``: leave the checkpoint with the highest merged validation average in the output directory
+            (ties: the earliest), the last step's in ``OUTPUT/last``; ``"last"``: leave the last step's.
+        **telemetry: The arguments of :class:`~ram_trl.callbacks.TaskVectorSparsityCallback` (``every_n_steps``,
+            ``eps``, ``save_dtype``, ``domain``, ...).
+
+    Raises:
+        ConfigError: at construction, for invalid arguments, a missing base, a prior stage trained from another base,
+            an unknown method or parameter, or a stage without validation prompts or rewards; at train begin, under
+            ZeRO-3 or FSDP.
+    """
+
+    def __init__(
+        self,
+        trainer: Any = None,
+        base_model: str | os.PathLike | None = None,
+        prior_stages: Sequence[str | os.PathLike] = (),
+        stage_name: str | None = None,
+        *,
+        tasks: Sequence[Any],
+        evaluation: Any = None,
+        method: str = defaults.PREVIEW_METHOD,
+        parameters: dict[str, Any] | None = None,
+        seed: int = 0,
+        preview_every: int = defaults.PREVIEW_EVERY,
+        keep: Literal["best", "last"] = "best",
+        **telemetry: Any,
+    ) -> None:
+        from ram_trl.recipes.schema import EvaluationSpec
+
+        if base_model is None:
+            raise ConfigError(
+                "MergePreviewCallback needs base_model=PATH: the merge reads the base checkpoint"
+            )
+        if not stage_name:
+            raise ConfigError(
+                "MergePreviewCallback needs stage_name=...: it names this stage's validation prompts"
+            )
+        if not isinstance(preview_every, int) or isinstance(preview_every, bool) or preview_every < 1:
+            raise ConfigError(f"preview_every={preview_every!r} must be a positive integer")
+        if keep not in ("best", "last"):
+            raise ConfigError(f"keep={keep!r}: use 'best' or 'last'")
+        super().__init__(trainer, base_model, prior_stages=prior_stages, stage_name=stage_name, **telemetry)
+        if not self.save_agent:
+            raise ConfigError(
+                "MergePreviewCallback saves the agent it previews: save_agent=False is not supported"
+            )
+        if isinstance(evaluation, EvaluationSpec):
+            self.evaluation = evaluation
+        else:
+            try:
+                self.evaluation = EvaluationSpec.model_validate(evaluation or {})
+            except Exception as exc:  # noqa: BLE001 - pydantic's message, with the argument named
+                raise ConfigError(f"MergePreviewCallback evaluation={evaluation!r}: {exc}") from None
+        self.priors = read_prior_stages(prior_stages)
+        self.prior_files = [p.manifest_file for p in self.priors]
+        self.method = method
+        self.parameters = dict(parameters or {})
+        self.seed = seed
+        self.preview_every = preview_every
+        self.keep = keep
+        self.tasks = self._validation_tasks(tasks)
+        # the whole config is validated now (method, parameters, each prior's base), with the base as a stand-in
+        # for the agent: the errors come before any training
+        from ram_trl.config import load_config, resolve_config
+
+        resolve_config(
+            load_config(
+                preview_merge_config(
+                    self.base_model,
+                    self.prior_files,
+                    self.base_model,
+                    stage_name,
+                    method,
+                    self.parameters,
+                    seed,
+                )
+            )[0]
+        )
+        self.history: list[dict[str, Any]] = []
+        self.base_scores: dict[str, float] = {}
+        self.specialist_scores: dict[str, float] = {}
+        self.kept_step: int | None = None
+        self._best: Path | None = None
+        self._best_average = -math.inf
+        self._last: Path | None = None
+        self._last_step: int | None = None
+
+    def _validation_tasks(self, tasks: Sequence[Any]) -> dict[str, Any]:
+        from ram_trl.recipes.evaluate import EvalTask
+
+        by_stage: dict[str, Any] = {}
+        for task in tasks:
+            if not isinstance(task, EvalTask):
+                raise ConfigError(
+                    f"tasks: expected ram_trl.recipes.evaluate.EvalTask, got {type(task).__name__}"
+                )
+            if task.stage in by_stage:
+                raise ConfigError(f"tasks: stage {task.stage!r} appears more than once")
+            by_stage[task.stage] = EvalTask(task.stage, list(task.rows), list(task.paths), split="val")
+        for name in [p.name for p in self.priors] + [self.stage_name]:
+            task = by_stage.get(name)
+            if task is None or not task.rows:
+                raise ConfigError(
+                    f"merge preview: stage {name!r} has no validation prompts; give every merged stage's validation "
+                    "split in tasks=[EvalTask(stage, rows, reward_paths), ...] (a recipe stage needs prompts.val_size)"
+                )
+            if not task.paths:
+                raise ConfigError(
+                    f"merge preview: stage {name!r} has no reward functions to score its prompts"
+                )
+            task.functions()  # import errors now, not at the first preview
+        return by_stage
+
+    # -- events --------------------------------------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        super().on_train_begin(args, state, control, **kwargs)
+        accelerator = self.trainer.accelerator
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            raise ConfigError(
+                "the merge preview does not support DeepSpeed ZeRO-3 yet (it would gather the full policy to one "
+                "rank); use ZeRO-1/2 or DDP, or train without the preview and merge afterwards"
+            )
+        if (
+            getattr(accelerator, "is_fsdp2", False)
+            or getattr(accelerator.state, "fsdp_plugin", None) is not None
+        ):
+            raise ConfigError(
+                "the merge preview does not support FSDP yet; use DDP or train without the preview"
+            )
+        self.work_dir = Path(args.output_dir) / WORK_DIR
+        if accelerator.is_main_process:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.work_dir.mkdir(parents=True)
+            with _training_rng_kept():
+                references = self._reference_scores()
+        else:
+            references = None
+        references = self._share(references)
+        self.base_scores, self.specialist_scores = references
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        step = state.global_step
+        final = step >= state.max_steps or control.should_training_stop
+        metrics: dict[str, float] = {}
+        if step % self.interval(args, state) == 0 or final:
+            model = policy_of(kwargs.get("model") or self.trainer.model)
+            metrics.update(self.tracker.measure(model, step))
+        if step % self.preview_every == 0 or final:
+            metrics.update(self.preview(state))
+        if metrics:
+            self.emit(metrics, control)
+        return control
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if not self.tracker.ready:
+            return
+        if self._last_step != state.global_step:  # training stopped between previews
+            self.trainer.log(self.preview(state))
+        out_dir = Path(args.output_dir)
+        main = self.trainer.accelerator.is_main_process
+        if main:
+            assert self._last is not None and self._best is not None
+            kept = self._best if self.keep == "best" else self._last
+            if kept != self._last:
+                _move_files(self._last, out_dir / LAST_DIR)
+            _move_files(kept, out_dir)
+            if self.write_stage and state.is_world_process_zero:
+                self.manifest_file = self._write_manifest(args, state)
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.trainer.accelerator.wait_for_everyone()
+
+    def _write_manifest(self, args: TrainingArguments, state: TrainerState) -> Path:
+        from ram_trl.stage import write_manifest
+
+        return write_manifest(self.manifest(args, state), Path(args.output_dir))
+
+    # -- the preview ---------------------------------------------------------------------------------------------
+
+    def preview(self, state: TrainerState) -> dict[str, float]:
+        """Preview the merge at the current step (every rank calls this); returns the metrics logged."""
+        step = state.global_step
+        start = time.perf_counter()
+        accelerator = self.trainer.accelerator
+        checkpoint = self.work_dir / f"step-{step}"
+        save_agent(self.trainer, checkpoint, self.save_dtype)  # every rank: a sharded model is gathered
+        accelerator.wait_for_everyone()
+        merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a partition each under DDP
+        if accelerator.is_main_process:
+            with _training_rng_kept():
+                record = self._score(merged, checkpoint, step)
+            record["merge_seconds"] = round(merge_seconds, 4)
+            record["merge_processes"] = processes
+            record["reward"] = last_reward_metrics(state.log_history).get("reward")
+        else:
+            record = None
+        record = self._share(record)
+        from ram_trl.recipes.stats import mean_retention
+
+        record["retention"] = self.retention(record)
+        record["retention_mean"] = mean_retention(record["retention"])
+        record["seconds"] = round(time.perf_counter() - start, 4)
+        self.history.append(record)
+        if accelerator.is_main_process:
+            self._keep(checkpoint, record)
+        best = max(self.history, key=lambda r: r["average"])  # max keeps the earliest of equal averages
+        self.kept_step = best["step"] if self.keep == "best" else step
+        self._last_step = step
+        return self._metrics(record)
+
+    def _merge(self, checkpoint: Path) -> tuple[Path, float, int]:
+        """``ram-trl merge`` of the prior stages and ``checkpoint`` into the scratch directory; returns the merged
+        model's directory, the seconds taken and the processes that merged. Every rank calls it: in a multi-process run (``WORLD_SIZE`` > 1) it
+        is the engine's distributed merge, each rank merging its share of the tensors with the global statistics."""
+        from ram_trl.engine import merge
+
+        merged = self.work_dir / "merged"
+        config = preview_merge_config(
+            self.base_model,
+            self.prior_files,
+            checkpoint,
+            self.stage_name,
+            self.method,
+            self.parameters,
+            self.seed,
+        )
+        start = time.perf_counter()
+        quiet = io.StringIO()  # the merge's report table and messages: the record says what matters
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            report = merge(config, merged, overwrite=True, progress=False)
+        return merged, time.perf_counter() - start, int(report.get("processes", 1))
+
+    def _score(self, merged: Path, checkpoint: Path, step: int) -> dict[str, Any]:
+        """The merged model's validation scores on every merged stage and the policy's on its own stage."""
+        from ram_trl.recipes.evaluate import evaluate_model
+
+        tasks = [self.tasks[name] for name in self.merged_stages]
+        scored = evaluate_model(merged, tasks, self.evaluation, base=self.base_model, progress=False)
+        own = evaluate_model(
+            checkpoint, [self.tasks[self.stage_name]], self.evaluation, base=self.base_model, progress=False
+        )
+        scores = scored["splits"]["val"]["scores"]
+        return {
+            "step": step,
+            "scores": dict(scores),
+            "average": math.fsum(scores.values()) / len(scores),
+            "agent_score": own["splits"]["val"]["scores"][self.stage_name],
+            "merged_sha256": weights_digest(merged),
+        }
+
+    def _reference_scores(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The base's validation score on every merged stage and each prior agent's on its own stage (retention's
+        reference points; this stage's specialist is the current policy)."""
+        from ram_trl.recipes.evaluate import evaluate_model
+
+        tasks = [self.tasks[name] for name in self.merged_stages]
+        base = evaluate_model(self.base_model, tasks, self.evaluation, progress=False)["splits"]["val"][
+            "scores"
+        ]
+        specialists = {}
+        for prior in self.priors:
+            scored = evaluate_model(
+                prior.checkpoint,
+                [self.tasks[prior.name]],
+                self.evaluation,
+                base=self.base_model,
+                progress=False,
+            )
+            specialists[prior.name] = scored["splits"]["val"]["scores"][prior.name]
+        return dict(base), specialists
+
+    @property
+    def merged_stages(self) -> list[str]:
+        """The stages in the merge, in merge order (the priors, then this one)."""
+        return [p.name for p in self.priors] + [self.stage_name]
+
+    def retention(self, record: dict[str, Any]) -> dict[str, float | None]:
+        """Per merged stage, the retention of a preview (``None`` where the specialist did not gain enough)."""
+        from ram_trl.recipes.stats import retention
+
+        specialists = {**self.specialist_scores, self.stage_name: record["agent_score"]}
+        return {
+            name: retention(
+                record["scores"][name],
+                self.base_scores[name],
+                specialists[name],
+                self.evaluation.retention_min_gain,
+            )
+            for name in self.merged_stages
+        }
+
+    def _metrics(self, record: dict[str, Any]) -> dict[str, float]:
+        p = PREVIEW_PREFIX
+        metrics = {f"{p}score/{name}": float(value) for name, value in record["scores"].items()}
+        metrics[f"{p}average"] = float(record["average"])
+        metrics[f"{p}agent_score"] = float(record["agent_score"])
+        metrics.update(
+            {f"{p}retention/{n}": float(v) for n, v in record["retention"].items() if v is not None}
+        )
+        if record["retention_mean"] is not None:
+            metrics[f"{p}retention_mean"] = float(record["retention_mean"])
+        metrics[f"{p}kept_step"] = float(self.kept_step)
+        metrics[f"{p}seconds"] = float(record["seconds"])
+        return metrics
+
+    def _keep(self, checkpoint: Path, record: dict[str, Any]) -> None:
+        """Keep the preview's checkpoint while it is the best or the last; delete the ones neither."""
+        previous_best, previous_last = self._best, self._last
+        if previous_best is None or record["average"] > self._best_average:
+            self._best, self._best_average = checkpoint, record["average"]
+        self._last = checkpoint
+        for old in {previous_best, previous_last} - {self._best, self._last, None}:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _share(self, value: Any) -> Any:
+        """The main process's ``value`` on every rank (a no-op in one process)."""
+        if self.trainer.accelerator.num_processes == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- the stage -----------------------------------------------------------------------------------------------
+
+    def manifest(self, args: TrainingArguments, state: TrainerState) -> StageManifest:
+        """The stage manifest, with the preview's record in ``extra["preview"]``: the step kept and why, the method
+        and every preview's scores."""
+        manifest = super().manifest(args, state)
+        kept_last = self.kept_step == self._last_step
+        best = max(self.history, key=lambda r: r["average"])
+        manifest.extra["preview"] = {
+            "kept_step": self.kept_step,
+            "keep": self.keep,
+            "reason": (
+                f"highest merged validation average ({best['average']:.6g}) over {len(self.history)} previews"
+                if self.keep == "best"
+                else "the last step (keep='last')"
+            ),
+            "checkpoint": ".",
+            "last_checkpoint": "." if kept_last else LAST_DIR,
+            "last_step": self._last_step,
+            "method": self.method,
+            "parameters": self.parameters,
+            "seed": self.seed,
+            "prior_stages": [str(f) for f in self.prior_files],
+            "stages": self.merged_stages,
+            "preview_every": self.preview_every,
+            "base_scores": self.base_scores,
+            "specialist_scores": self.specialist_scores,
+            "history": self.history,
+        }
+        if not kept_last:
+            manifest.extra["preview"]["note"] = (
+                "the telemetry and rewards of this manifest are those of the last step; the kept checkpoint is "
+                f"step {self.kept_step}'s"
+            )
+        return manifest
+
+
+def weights_digest(model_dir: str | os.PathLike) -> str:
+    """SHA-256 of a model directory's weights: every tensor of its safetensors files, in name order, as its name,
+    dtype, shape and raw bytes. Equal digests mean bit-for-bit equal weights, whatever the sharding.
+
+    Args:
+        model_dir: A directory of ``*.safetensors`` files.
+
+    Returns:
+        The hex digest.
+    """
+    import hashlib
+
+    from safetensors import safe_open
+
+    handles = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        handle = safe_open(str(file), framework="pt")
+        handles.update({name: handle for name in handle.keys()})  # noqa: SIM118 - safe_open has no __iter__
+    digest = hashlib.sha256()
+    for name in sorted(handles):
+        tensor = handles[name].get_tensor(name)
+        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _training_rng_kept() -> contextlib.AbstractContextManager:
+    """Save torch's CPU and CUDA random states and restore them on exit (the evaluation seeds torch)."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=devices)
+
+
+def _move_files(source: Path, target: Path) -> None:
+    """Move the files of ``source`` into ``target`` (created), replacing same-named files; removes ``source``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        os.replace(file, target / file.name)
+    shutil.rmtree(source, ignore_errors=True)

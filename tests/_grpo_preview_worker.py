@@ -1,0 +1,88 @@
+"""One rank of a real TRL GRPO run under DDP on 2 CPU processes (gloo), with MergePreviewCallback.
+
+Run by tests/test_preview_distributed.py through torchrun:
+``torchrun --nproc_per_node 2 _grpo_preview_worker.py BASE PRIOR OUT``. The preview merges the policy with the prior
+stage ``PRIOR`` every 2 steps; writes ``OUT/preview_rank{R}.json``: the distributed type, the preview records and the
+step kept as this rank sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accelerate import PartialState  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from ram_trl.distributed import exit_distributed  # noqa: E402
+from ram_trl.preview import MergePreviewCallback  # noqa: E402
+from ram_trl.recipes.evaluate import EvalTask  # noqa: E402
+from tests.helpers import distinct_chars  # noqa: E402
+
+STEPS = 3
+REWARD = "tests.helpers:distinct_chars"
+
+
+def tasks() -> list[EvalTask]:
+    return [
+        EvalTask("first", [{"prompt": f"a{i}"} for i in range(6)], [REWARD]),
+        EvalTask("second", [{"prompt": f"b{i}"} for i in range(6)], [REWARD]),
+    ]
+
+
+def main() -> None:
+    base, prior, out = (Path(a) for a in sys.argv[1:4])
+    state = PartialState(cpu=True, backend="gloo")
+    config = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=STEPS,
+        logging_steps=1,
+        learning_rate=3e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=1,
+        accelerator_config={"use_configured_state": True},
+    )
+    callback = MergePreviewCallback(
+        base_model=base,
+        prior_stages=[prior],
+        stage_name="second",
+        tasks=tasks(),
+        evaluation={"max_new_tokens": 8, "batch_size": 8},
+        preview_every=2,
+    )
+    trainer = GRPOTrainer(
+        model=str(base),
+        reward_funcs=distinct_chars,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 8}),
+        callbacks=[callback],
+    )
+    callback.bind(trainer)
+    trainer.train()
+    rank = dist.get_rank()
+    result = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "distributed_type": str(state.distributed_type),
+        "history": [{k: v for k, v in h.items() if k != "seconds"} for h in callback.history],
+        "kept_step": callback.kept_step,
+        "logged": [e for e in trainer.state.log_history if "merge_preview/average" in e],
+    }
+    (out / f"preview_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    exit_distributed()  # barrier, groups destroyed; exits without finalizing while gloo threads live on (docs/ci.md)
