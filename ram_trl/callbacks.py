@@ -19,9 +19,7 @@ import importlib.metadata
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
-from ram_trl.stage import StageManifest, write_manifest
+from ram_trl.output import OutputDir, guard_os_errors
+from ram_trl.stage import MANIFEST_NAME, StageManifest, write_manifest
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 
 #: Libraries whose versions a manifest records (those installed).
@@ -166,6 +165,11 @@ class TaskVectorSparsityCallback(TrainerCallback):
         reference = getattr(self.trainer, "ref_model", None)
         if getattr(self.trainer.args, "sync_ref_model", False):
             reference = None  # the reference model follows the policy: it is not the base
+        if self.save_agent and state.is_world_process_zero:
+            # refuse an output_dir that is (or holds) the base now, not after training
+            base = self.tracker.base_model
+            reads = [("base model", Path(base))] if base and Path(base).exists() else []
+            agent_output(args.output_dir, reads).check()
         self.tracker.reference_model = reference
         self.tracker.setup(model)
         if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
@@ -213,9 +217,12 @@ class TaskVectorSparsityCallback(TrainerCallback):
         if not self.tracker.ready:
             return
         out_dir = Path(args.output_dir)
-        if self.save_agent:
-            save_agent(self.trainer, out_dir, self.save_dtype)
-        if self.write_stage and state.is_world_process_zero:
+        if self.save_agent:  # the manifest is committed with the agent, last
+            manifest = (lambda: self.manifest(args, state)) if self.write_stage else None
+            written = save_agent(self.trainer, out_dir, self.save_dtype, manifest)
+            if written is not None:
+                self.manifest_file = written
+        elif self.write_stage and state.is_world_process_zero:
             self.manifest_file = write_manifest(self.manifest(args, state), out_dir)
 
     # -- the stage -----------------------------------------------------------------------------------------------
@@ -266,38 +273,79 @@ def _cast_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     return out
 
 
-def save_agent(trainer: Any, out_dir: Path, dtype: torch.dtype) -> None:
+def save_agent(
+    trainer: Any,
+    out_dir: Path,
+    dtype: torch.dtype,
+    manifest: Callable[[], StageManifest] | None = None,
+) -> Path | None:
     """Save the trainer's model in ``dtype`` to ``out_dir``: the full model (with the tokenizer), or the adapter of
-    a PEFT model. Files are written to a temporary directory first and moved into place.
+    a PEFT model, and with ``manifest`` the stage manifest beside it.
 
-    Every process must call this (a sharded model is gathered); the main process writes.
+    The output-commit protocol of :mod:`ram_trl.output`: everything is written to a temporary sibling of ``out_dir``
+    (with a lock file naming the process) and committed at once. A missing ``out_dir`` is created by an atomic
+    rename; an existing one (a trainer's ``output_dir`` also holds its checkpoints and logs) receives the files all
+    or nothing, the manifest last, so a save killed half-way leaves no manifest and the directory is not taken for
+    a finished stage. A failure (or SIGINT/SIGTERM/SIGHUP) while saving removes the temporary directory and leaves
+    ``out_dir`` as it was; a ``kill -9``'s leftovers are removed by the next save.
+
+    Every process must call this (under DeepSpeed ZeRO-3 the gather of the sharded model is collective); only the
+    main process writes.
+
+    Args:
+        trainer: The trainer (its ``accelerator``, ``model`` and ``processing_class``).
+        out_dir: The agent directory.
+        dtype: The dtype of the saved floating tensors.
+        manifest: Called on the main process for the stage manifest to write beside the agent.
+
+    Returns:
+        The manifest's path on the main process when ``manifest`` is given, else ``None``.
+
+    Raises:
+        OutputError: for file-system errors of ``out_dir`` (full, read-only, no permission).
     """
     accelerator = trainer.accelerator
     model = trainer.model_wrapped if getattr(trainer, "model_wrapped", None) is not None else trainer.model
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
-        return
+        return None
     unwrapped = policy_of(accelerator.unwrap_model(trainer.model))
     if unwrapped is not accelerator.unwrap_model(trainer.model):
         prefix = "policy."
         state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     cast = _cast_state(state_dict, dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ram_agent.", dir=out_dir))
+    output = agent_output(out_dir)
+    tmp = output.begin()
     try:
-        unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
-        config_file = tmp / "config.json"
-        if config_file.is_file():  # say what the weights hold (save_pretrained writes the training dtype)
-            config = json.loads(config_file.read_text())
-            config["dtype"] = str(dtype).removeprefix("torch.")
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        processing = getattr(trainer, "processing_class", None)
-        if processing is not None and hasattr(processing, "save_pretrained"):
-            processing.save_pretrained(str(tmp))
-        for file in tmp.iterdir():
-            os.replace(file, out_dir / file.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with guard_os_errors(f"agent directory {out_dir}"):
+            unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
+            config_file = tmp / "config.json"
+            if config_file.is_file():  # say what the weights hold (save_pretrained writes the training dtype)
+                config = json.loads(config_file.read_text())
+                config["dtype"] = str(dtype).removeprefix("torch.")
+                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            processing = getattr(trainer, "processing_class", None)
+            if processing is not None and hasattr(processing, "save_pretrained"):
+                processing.save_pretrained(str(tmp))
+            if manifest is not None:
+                write_manifest(manifest(), tmp)
+        output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    return out_dir / MANIFEST_NAME if manifest is not None else None
 
 
-__all__ = ["TaskVectorSparsityCallback", "last_reward_metrics", "library_versions", "save_agent"]
+def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
+    """The output-commit protocol of an agent directory (:func:`save_agent`): files merged into an existing
+    directory, ``ram_stage.json`` last; ``reads`` are inputs it must not overlap (the base model)."""
+    return OutputDir(out_dir, merge=True, markers=(MANIFEST_NAME,), reads=reads, what="agent directory")
+
+
+__all__ = [
+    "TaskVectorSparsityCallback",
+    "agent_output",
+    "last_reward_metrics",
+    "library_versions",
+    "save_agent",
+]

@@ -328,6 +328,18 @@ def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
     return _check_value(parameter, value, where)
 
 
+def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
+    """Check one value of a method parameter (global or per-agent, filter rules included) as a merge does: type,
+    finite, in range. Used by :func:`resolve_config` and by recipes before any training.
+
+    Raises:
+        ConfigError: naming ``where`` and the parameter.
+    """
+    if parameter.scope == "global":
+        return _check_value(parameter, value, where)
+    return _check_agent_value(parameter, value, where)
+
+
 def resolve_config(config: MergeConfig, config_path: Path | None = None) -> ResolvedConfig:
     """Check a config against the method registry and the file system (paths only; tensors come later).
 

@@ -260,6 +260,10 @@ class OutputDir:
         what: How messages name the output (e.g. ``"output directory"``).
         replace_previous: Replace a recognisable previous output even without ``overwrite`` (the analysis and
             recipe steps, which always rewrite their own outputs).
+        merge: Keep an existing target directory and move the new files into it (:func:`merge_into`): the agent
+            a training callback saves into a trainer's ``output_dir``, which also holds the trainer's own files.
+            The files named in ``markers`` mark a complete output: the previous ones are moved aside first and the
+            new ones moved in last, so a run killed half-way leaves a directory without them.
 
     Example::
 
@@ -283,8 +287,10 @@ class OutputDir:
         markers: Sequence[str] = (),
         what: str = "output directory",
         replace_previous: bool = False,
+        merge: bool = False,
     ) -> None:
         self.target = Path(target)
+        self.merge = merge
         self.overwrite = overwrite
         self.reads = [(label, Path(path)) for label, path in reads]
         self.markers = tuple(markers)
@@ -323,6 +329,8 @@ class OutputDir:
 
     def _check_existing(self) -> None:
         if not (self.target.exists() or self.target.is_symlink()):
+            return
+        if self.merge and self.target.is_dir():
             return
         if not (self.overwrite or self.replace_previous):
             raise OutputError(
@@ -381,6 +389,13 @@ class OutputDir:
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
+            if self.merge and self.target.is_dir():
+                merge_into(self.temp, self.target, last=self.markers)
+                shutil.rmtree(self.temp, ignore_errors=True)
+                self.temp = None
+                self._created = []
+                self._release()
+                return
             old = None
             if self.target.exists() or self.target.is_symlink():
                 if not (self.overwrite or self.replace_previous):
@@ -439,6 +454,56 @@ class OutputDir:
             self.commit()
         else:
             self.abort()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def merge_into(source: Path, target: Path, last: Sequence[str] = ()) -> None:
+    """Move every entry of the directory ``source`` into the existing directory ``target``, replacing entries of
+    the same name, all or nothing: on any failure (or signal) the entries moved in are removed and the replaced
+    ones restored.
+
+    The entries named in ``last`` (the markers of a complete output, e.g. ``ram_stage.json``) are moved aside
+    before anything else and the new ones moved in after everything else, so that a process killed half-way
+    (``kill -9``, where no rollback runs) leaves a ``target`` without them: detectably incomplete. The replaced
+    entries wait in a temporary sibling (``.NAME.ram-trl-old-PID-...``), which :func:`remove_stale` removes.
+
+    Args:
+        source: The directory holding the new entries (left empty on success).
+        target: The directory to move them into.
+        last: Entry names to hide first and move in last.
+    """
+    names = sorted(p.name for p in source.iterdir() if p.name != LOCK_FILE)
+    ordered = [n for n in names if n not in last] + [n for n in last if n in names]
+    aside_order = [n for n in last if (target / n).exists()] + [n for n in ordered if n not in last]
+    old = temp_name(target, "old")
+    old.mkdir()
+    aside: list[str] = []
+    moved: list[str] = []
+    try:
+        for name in aside_order:
+            if (target / name).exists() or (target / name).is_symlink():
+                os.rename(target / name, old / name)
+                aside.append(name)
+        for name in ordered:
+            os.rename(source / name, target / name)
+            moved.append(name)
+    except BaseException:
+        for name in reversed(moved):
+            _remove(target / name)
+        for name in reversed(aside):
+            with contextlib.suppress(OSError):
+                os.rename(old / name, target / name)
+        with contextlib.suppress(OSError):
+            old.rmdir()  # only if everything was restored
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ram_trl.errors import ConfigError
+from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
@@ -148,14 +148,8 @@ def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Pat
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / MANIFEST_NAME
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST_NAME}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(manifest.model_dump_json(indent=2) + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(target, "stage manifest") as tmp:
+        tmp.write_text(manifest.model_dump_json(indent=2) + "\n")
     return target
 
 

@@ -83,6 +83,50 @@ def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> f
     return None if value is None else check_number(value, where, name, **bounds)
 
 
+def check_reward_values(values: Any, count: int, where: str) -> list[float | None]:
+    """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion.
+
+    Args:
+        values: What the function returned.
+        count: The number of completions it was given.
+        where: The stage and the function, e.g. ``"stage 'coding': reward function pkg:fn"``.
+
+    Returns:
+        The values as floats (``None`` kept).
+
+    Raises:
+        ConfigError: naming the function, the completion and what to return instead.
+    """
+    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        raise ConfigError(
+            f"{where} returned {type(values).__name__}; return a list with one float per completion"
+        )
+    if len(values) != count:
+        raise ConfigError(
+            f"{where} returned {len(values)} values for {count} completions; return one float per completion"
+        )
+    out: list[float | None] = []
+    for index, value in enumerate(values):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            if isinstance(value, str | bytes):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: value {index} is {value!r:.40}, not a number; return a float (None: not scored)"
+            ) from None
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{where}: value {index} is {number}; return a finite float, or None for a completion the "
+                "function does not score"
+            )
+        out.append(number)
+    return out
+
+
 def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:
     """Refuse per-tensor weight sums that a normalising method would divide by: zero or not finite.
 

@@ -173,6 +173,13 @@ def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.glob(f".{out.name}.ram-trl-*"))
 
 
+def dead_pid() -> int:
+    """The process id of a process that has exited (for leftovers of a killed run)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def assert_no_output(out: Path) -> None:
     assert not out.exists(), f"{out} was left behind"
     assert leftovers(out) == [], f"temporary siblings left behind: {leftovers(out)}"

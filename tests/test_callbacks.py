@@ -34,7 +34,7 @@ from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  #
 from ram_trl.errors import ConfigError  # noqa: E402
 from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
-from tests.helpers import tensorboard_scalars  # noqa: E402
+from tests.helpers import leftovers, tensorboard_scalars  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -322,3 +322,77 @@ def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):
     callback = TaskVectorSparsityCallback(trainer=trainer, base_model=base)
     callback.on_train_begin(args, TrainerState(global_step=5), TrainerControl(), model=model)
     assert callback.tracker.base_description.startswith("base checkpoint")
+
+
+def test_save_is_atomic_a_failure_midway_leaves_no_agent(base, tmp_path, monkeypatch):
+    """The end-of-run save writes to a temporary sibling and commits at once: a failure after the weights and the
+    tokenizer were written (a full disk while writing the manifest) leaves neither a half-written agent directory
+    nor a temporary one; the error names the directory."""
+    import errno
+
+    import ram_trl.callbacks as callbacks
+    from ram_trl.errors import OutputError
+
+    def full_disk(manifest, directory):
+        assert (Path(directory) / "model.safetensors").is_file()  # the weights were written: we are midway
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+    monkeypatch.setattr(callbacks, "write_manifest", full_disk)
+    out = tmp_path / "agent"
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="s")
+    with pytest.raises(OutputError, match=f"agent directory {out}.*No space left"):
+        grpo_run(base, out, callback, max_steps=1, report_to=[])
+    assert list(out.iterdir()) == []  # the trainer made output_dir; nothing of the agent reached it
+    assert leftovers(out) == []
+
+
+def test_save_into_an_existing_output_dir_is_all_or_nothing(base, tmp_path, monkeypatch):
+    """A trainer's output_dir that already holds files (its logs, a previous agent and manifest): a failed save
+    leaves every previous file as it was; a successful one replaces the agent, keeps the trainer's other files and
+    leaves no lock file."""
+    from ram_trl.output import LOCK_FILE
+
+    out = tmp_path / "agent"
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="first")
+    grpo_run(base, out, callback, max_steps=1, report_to=[])
+    (out / "notes.txt").write_text("the user's file\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {"model.safetensors", MANIFEST_NAME, "notes.txt"} <= set(before)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("tokenizer save failed")
+
+    processing = type(AutoTokenizer.from_pretrained(base))
+    with monkeypatch.context() as patch:
+        patch.setattr(processing, "save_pretrained", broken)
+        with pytest.raises(RuntimeError, match="tokenizer save failed"):
+            grpo_run(
+                base,
+                out,
+                TaskVectorSparsityCallback(base_model=base, stage_name="second"),
+                max_steps=1,
+                report_to=[],
+            )
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert read_manifest(out).stage == "first"
+    assert leftovers(out) == []
+
+    grpo_run(
+        base, out, TaskVectorSparsityCallback(base_model=base, stage_name="third"), max_steps=1, report_to=[]
+    )
+    assert read_manifest(out).stage == "third"
+    assert (out / "notes.txt").read_text() == "the user's file\n"
+    assert not (out / LOCK_FILE).exists()
+    assert not any(p.name.startswith(".ram-trl") for p in out.iterdir())
+    assert leftovers(out) == []
+
+
+def test_output_dir_holding_the_base_is_refused_before_training(base, tmp_path):
+    """Saving the agent into the base's own directory would overwrite the base: refused at train begin."""
+    from ram_trl.errors import OutputError
+
+    before = {p.name: p.stat().st_mtime_ns for p in base.iterdir()}
+    callback = TaskVectorSparsityCallback(base_model=base)
+    with pytest.raises(OutputError, match="overlaps the base model"):
+        grpo_run(base, base, callback, max_steps=1, report_to=[])
+    assert {p.name: p.stat().st_mtime_ns for p in base.iterdir()} == before

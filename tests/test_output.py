@@ -17,6 +17,7 @@ import pytest
 from ram_trl import output
 from ram_trl.errors import OutputError
 from ram_trl.output import LOCK_FILE, Interrupted, OutputDir, atomic_file, remove_stale, rename_noreplace
+from tests.helpers import dead_pid
 
 
 def _siblings(target: Path) -> list[str]:
@@ -137,15 +138,9 @@ def test_an_output_inside_an_input_directory_is_refused(tmp_path):
         OutputDir(model / "merged", reads=[("agent", model)]).check()
 
 
-def _dead_pid() -> int:
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
-
-
 def test_leftovers_of_a_dead_process_are_removed_and_named(tmp_path):
     target = tmp_path / "out"
-    pid = _dead_pid()
+    pid = dead_pid()
     stale = tmp_path / f".out.ram-trl-tmp-{pid}-0123abcd"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"x" * 100)
@@ -162,7 +157,7 @@ def test_leftovers_of_a_live_process_or_another_host_are_kept(tmp_path):
     target = tmp_path / "out"
     live = tmp_path / f".out.ram-trl-tmp-{os.getppid()}-0123abcd"
     live.mkdir()
-    other = tmp_path / f".out.ram-trl-tmp-{_dead_pid()}-89abcdef"
+    other = tmp_path / f".out.ram-trl-tmp-{dead_pid()}-89abcdef"
     other.mkdir()
     (other / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-node"}))
     unrelated = tmp_path / ".outer.ram-trl-tmp-1-0123abcd"
@@ -255,3 +250,62 @@ def test_file_system_errors_become_output_errors(tmp_path, monkeypatch):
     out = OutputDir(tmp_path / "out")
     with pytest.raises(OutputError, match="read-only"):
         out.begin()
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_merge_mode_moves_files_into_an_existing_directory_marker_last(tmp_path, monkeypatch):
+    """``merge=True`` (an agent saved into a trainer's output_dir): the directory's other files are kept, files of
+    the same name replaced, and the marker is hidden first and moved in last."""
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "trainer_log.txt").write_text("kept")
+    (target / "model.bin").write_text("old")
+    (target / "stage.json").write_text("old")
+    order = []
+    rename = os.rename
+    monkeypatch.setattr(
+        output.os, "rename", lambda a, b: (order.append((Path(a).name, Path(b).parent)), rename(a, b))
+    )
+    out = OutputDir(target, merge=True, markers=("stage.json",))
+    out.check()  # an existing directory is not refused in merge mode
+    temp = out.begin()
+    (temp / "model.bin").write_text("new")
+    (temp / "stage.json").write_text("new")
+    out.commit()
+    assert _tree(target) == {"model.bin": b"new", "stage.json": b"new", "trainer_log.txt": b"kept"}
+    assert order[0][0] == "stage.json" and order[0][1] != target  # the old marker is moved aside first
+    assert order[-1] == ("stage.json", target)  # the new one moved in last
+    assert _siblings(target) == []
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 4, 6])
+def test_merge_mode_failure_midway_restores_the_directory(tmp_path, monkeypatch, fail_at):
+    """A failure at any rename of a merge commit (moving the old files aside or the new ones in) restores every
+    previous file and leaves no temporary directory."""
+    target = tmp_path / "out"
+    target.mkdir()
+    for name in ("a.bin", "b.bin", "stage.json", "other.txt"):
+        (target / name).write_text(f"old {name}")
+    before = _tree(target)
+    out = OutputDir(target, merge=True, markers=("stage.json",))
+    temp = out.begin()
+    for name in ("a.bin", "b.bin", "stage.json"):
+        (temp / name).write_text(f"new {name}")
+    calls = []
+    rename = os.rename
+
+    def failing(a, b):
+        calls.append(a)
+        if len(calls) == fail_at:  # 3 renames aside (the marker first), then 3 in (the marker last)
+            raise OSError(28, "No space left on device", str(b))
+        return rename(a, b)
+
+    monkeypatch.setattr(output.os, "rename", failing)
+    with pytest.raises(OutputError, match="No space left"):
+        out.commit()
+    monkeypatch.undo()
+    assert _tree(target) == before
+    assert _siblings(target) == []

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import ConfigError
+from ram_trl.output import atomic_file
 from ram_trl.recipes.schema import StageSpec, import_object
 
 __all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "write_jsonl"]
@@ -38,19 +38,58 @@ def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict
     return rows
 
 
+#: Keyword arguments TRL passes to reward functions itself: a prompt column of one of these names would clash.
+RESERVED_COLUMNS = frozenset(
+    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+)
+
+
+def check_rows(rows: Any, where: str, what: str, expected: int | None = None) -> list[dict[str, Any]]:
+    """Validate prompt rows (from a generator or a file): a list of objects with a non-empty string ``prompt``,
+    values JSON can write, no column TRL reserves, and (``expected``) as many rows as asked for.
+
+    Args:
+        rows: What the generator returned (or the rows read).
+        where: The stage, e.g. ``"stage 'coding'"``.
+        what: The source, e.g. ``"prompt generator 'pkg:fn'"`` or ``"train_file data/train.jsonl"``.
+        expected: The number of rows asked for.
+
+    Returns:
+        The rows as a list.
+
+    Raises:
+        ConfigError: naming the stage, the source, the row and what to change.
+    """
+    if isinstance(rows, dict | str | bytes) or rows is None or not hasattr(rows, "__iter__"):
+        raise ConfigError(f"{where}: {what} must return a list of rows, got {type(rows).__name__}")
+    rows = list(rows)
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ConfigError(
+                f"{where}: {what}: row {index} must be an object with a non-empty string 'prompt', got {row!r:.80}"
+            )
+        clash = sorted(RESERVED_COLUMNS & set(row))
+        if clash:
+            raise ConfigError(
+                f"{where}: {what}: row {index} has column {clash[0]!r}, a name TRL passes to reward functions "
+                "itself; rename the column"
+            )
+        try:
+            json.dumps(row, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {what}: row {index} cannot be written as JSON ({exc})") from None
+    if expected is not None and len(rows) < expected:
+        raise ConfigError(f"{where}: {what} returned {len(rows)} rows, {expected} were asked for")
+    return rows
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> Path:
     """Write rows as JSON Lines atomically (temporary sibling, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "prompts file") as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, sort_keys=True) + "\n")
     return path
 
 
@@ -90,9 +129,22 @@ def draw_splits(
     where = f"stage {stage.name!r}"
     val_size = spec.validation_size
     if spec.generator is None:
-        train = read_jsonl(_resolve(spec.train_file, root), f"{where}: train_file") if spec.train_file else []
-        held = read_jsonl(_resolve(spec.eval_file, root), f"{where}: eval_file") if spec.eval_file else []
-        val = read_jsonl(_resolve(spec.val_file, root), f"{where}: val_file") if spec.val_file else []
+        files = {}
+        for key in ("train_file", "eval_file", "val_file"):
+            name = getattr(spec, key)
+            path = _resolve(name, root) if name else None
+            files[key] = (
+                check_rows(read_jsonl(path, f"{where}: {key}"), where, f"{key} {path}") if path else []
+            )
+        train, held, val = files["train_file"], files["eval_file"], files["val_file"]
+        if spec.train_file and not train:
+            raise ConfigError(f"{where}: train_file {spec.train_file} holds no rows")
+        leaked = {r["prompt"] for r in held} & {r["prompt"] for r in train}
+        if leaked:
+            raise ConfigError(
+                f"{where}: {len(leaked)} eval_file prompts are also training prompts (e.g. {sorted(leaked)[0]!r}); "
+                "test prompts must be held out: remove them from one of the files"
+            )
         clash = {r["prompt"] for r in val} & ({r["prompt"] for r in train} | {r["prompt"] for r in held})
         if clash:
             raise ConfigError(
@@ -101,17 +153,15 @@ def draw_splits(
             )
         return train, held, val
     generate = import_object(spec.generator, f"{where}: prompt generator")
+    what = f"prompt generator {spec.generator!r}"
+    wanted = spec.eval_size + val_size
     try:
-        train = list(generate(spec.train_size, spec.seed, **spec.kwargs))
-        wanted = spec.eval_size + val_size
-        pool = list(generate(wanted + spec.train_size, spec.seed + 1, **spec.kwargs)) if wanted else []
+        train = generate(spec.train_size, spec.seed, **spec.kwargs)
+        pool = generate(wanted + spec.train_size, spec.seed + 1, **spec.kwargs) if wanted else []
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported with the stage's name
-        raise ConfigError(f"{where}: prompt generator {spec.generator!r} failed: {exc!r}") from exc
-    for row in (*train, *pool):
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(
-                f"{where}: prompt generator {spec.generator!r} must return dicts with a 'prompt' string"
-            )
+        raise ConfigError(f"{where}: {what} failed: {exc!r}") from exc
+    train = check_rows(train, where, what, expected=spec.train_size)
+    pool = check_rows(pool, where, what)
     seen = {row["prompt"] for row in train}
     others = []
     for row in pool:
@@ -119,6 +169,11 @@ def draw_splits(
             seen.add(row["prompt"])
             others.append(row)
     held, val = others[: spec.eval_size], others[spec.eval_size : spec.eval_size + val_size]
+    if len(held) < spec.eval_size:
+        raise ConfigError(
+            f"{where}: only {len(held)} of prompts.eval_size={spec.eval_size} test prompts are distinct from the "
+            f"{len(train)} training prompts; lower eval_size or train_size, or make the generator vary its prompts"
+        )
     if len(val) < val_size:
         raise ConfigError(
             f"{where}: only {len(val)} of prompts.val_size={val_size} validation prompts are distinct from the "
@@ -141,10 +196,11 @@ def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[st
     where = f"stage {stage.name!r}"
     generate = import_object(spec.generator, f"{where}: prompt generator")
     try:
-        pool = list(generate(spec.warm_size + len(held), spec.seed + 2, **spec.kwargs))
+        pool = generate(spec.warm_size + len(held), spec.seed + 2, **spec.kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported with the stage's name
         raise ConfigError(
             f"{where}: prompt generator {spec.generator!r} failed drawing warm-start rows: {exc!r}"
         ) from exc
+    pool = check_rows(pool, where, f"prompt generator {spec.generator!r} (warm-start rows)")
     excluded = {row["prompt"] for row in held}
     return [row for row in pool if row["prompt"] not in excluded][: spec.warm_size]

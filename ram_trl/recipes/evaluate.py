@@ -32,7 +32,12 @@ class EvalTask:
     split: str = "test"
 
     def functions(self) -> list[Any]:
-        return [import_object(p, f"stage {self.stage!r}: reward function") for p in self.paths]
+        from ram_trl.recipes.stage import wrap_reward
+
+        return [
+            wrap_reward(import_object(p, f"stage {self.stage!r}: reward function"), p, self.stage)
+            for p in self.paths
+        ]
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ram_trl.output import atomic_file
 from ram_trl.recipes import stats
 
 __all__ = [
@@ -592,14 +591,8 @@ def _preview_section(results: dict[str, Any]) -> list[str]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "results file") as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:

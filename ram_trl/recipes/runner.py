@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.output import OutputDir
+from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
 from ram_trl.recipes.schema import (
     MergeRow,
@@ -141,19 +141,51 @@ class Run:
         return data
 
     # -- phases ----------------------------------------------------------------------------------------------
-    def prepare(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
-        (self.dir / "recipe.yaml").write_text(text, encoding="utf-8")
-        start = time.perf_counter()
+    def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
+        """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
+        called once on them: the checks of user code that run before anything is written."""
+        from ram_trl.recipes.stage import preflight_rewards
+
+        drawn = {}
         for stage in self.recipe.stages:
             train, held, val = draw_splits(stage, self.root)
+            preflight_rewards(stage, train or held or val)
+            warm = draw_warm_rows(stage, held + val) if self.recipe.warm_start is not None else None
+            drawn[stage.name] = (train, held, val, warm)
+        return drawn
+
+    def check_dir(self, recipe_file: Path | None) -> None:
+        """Refuse a run directory that is or holds an input of the run (the recipe, the base, an agent, a prompt
+        file, an accelerate config), or that exists and is not a previous run (it would be written into)."""
+        data = self.resolved_recipe()
+        reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
+        if "path" in data["base"]:
+            reads.append(("base model", Path(data["base"]["path"])))
+        for stage in data["stages"]:
+            for key in ("checkpoint", "accelerate_config"):
+                if key in stage:
+                    reads.append((f"stage {stage['name']!r} {key}", Path(stage[key])))
+            for key in ("train_file", "eval_file", "val_file"):
+                if key in stage.get("prompts", {}):
+                    reads.append((f"stage {stage['name']!r} prompts.{key}", Path(stage["prompts"][key])))
+        markers = ("recipe.yaml", "results.json", "base_init/ram_build.json", "base/ram_warm_start.json")
+        OutputDir(self.dir, reads=reads, markers=markers, replace_previous=True, what="run directory").check()
+
+    def prepare(self, recipe_file: Path | None = None) -> None:
+        self.check_dir(recipe_file)
+        start = time.perf_counter()
+        drawn = self.draw()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
+        with atomic_file(self.dir / "recipe.yaml", "run recipe") as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        for stage in self.recipe.stages:
+            train, held, val, warm = drawn[stage.name]
             write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
             write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
             write_jsonl(val, self.dir / "data" / stage.name / "val.jsonl")
-            if self.recipe.warm_start is not None:
-                rows = draw_warm_rows(stage, held + val)
-                write_jsonl(rows, self.dir / "data" / stage.name / "warm.jsonl")
+            if warm is not None:
+                write_jsonl(warm, self.dir / "data" / stage.name / "warm.jsonl")
         self._timed("data", start)
         if self.recipe.base.build is not None:
             self.build_base()
@@ -198,18 +230,31 @@ class Run:
             spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
         record = self.base / WARM_START_RECORD
         if record.is_file():
-            done = json.loads(record.read_text(encoding="utf-8"))
-            if done.get("spec") == spec.model_dump() and done.get("rows_digest") == self._rows_digest():
+            try:
+                done = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                done = None  # unreadable: warm-start again (the protocol replaces the directory)
+            if (
+                isinstance(done, dict)
+                and done.get("spec") == spec.model_dump()
+                and done.get("rows_digest") == self._rows_digest()
+            ):
                 return
         from ram_trl.recipes.tasks import mixture
 
         rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
+        digest = self._rows_digest()
         start = time.perf_counter()
         steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
         self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
-        result = warm_start(source, self.base, rows, spec, progress=self.options.progress)
-        result["rows_digest"] = self._rows_digest()
-        (self.base / WARM_START_RECORD).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        result = warm_start(
+            source,
+            self.base,
+            rows,
+            spec,
+            progress=self.options.progress,
+            record_extra={"rows_digest": digest},
+        )
         self._timed("warm_start", start)
         self.console.print(
             f"[green]warm start[/] {steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
@@ -292,7 +337,8 @@ class Run:
                 prior.append(self.stage_dir(other) / MANIFEST_NAME)
         return prior
 
-    def stage_command(self, stage: StageSpec) -> list[str]:
+    def stage_command(self, stage: StageSpec, work: Path | None = None) -> list[str]:
+        """The stage process's command line; it writes into ``work`` (default: the stage directory)."""
         args = [
             "--recipe",
             str(self.dir / "recipe.yaml"),
@@ -303,7 +349,7 @@ class Run:
             "--train-file",
             str(self.dir / "data" / stage.name / "train.jsonl"),
             "--out",
-            str(self.stage_dir(stage)),
+            str(work or self.stage_dir(stage)),
         ]
         prior = self._prior(stage)
         if prior:
@@ -325,14 +371,69 @@ class Run:
             *args,
         ]
 
+    def stage_output(self, stage: StageSpec) -> OutputDir:
+        """The output-commit protocol of a stage directory: the stage process writes into a temporary sibling,
+        committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
+        the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
+        another stage's agent or a prompt file."""
+        from ram_trl.stage import MANIFEST_NAME
+
+        reads = [("base model", self.base)] + [
+            (f"stage {other.name!r} agent", self.agent_path(other))
+            for other in self.recipe.stages
+            if other.name != stage.name
+        ]
+        reads += [(f"stage {stage.name!r} prompt files", self.dir / "data" / stage.name)]
+        return OutputDir(
+            self.stage_dir(stage),
+            markers=(MANIFEST_NAME,),
+            replace_previous=True,
+            reads=reads,
+            what=f"stage {stage.name!r} directory",
+        )
+
     def train_stage(self, stage: StageSpec) -> None:
         out = self.stage_dir(stage)
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
+        output = self.stage_output(stage)
+        work = output.begin()  # removes a killed run's leftovers of this stage
+        try:
+            code, log, tail, started = self._run_stage_process(stage, work)
+            complete = code == 0 and stage_complete(work)
+            if complete:
+                output.commit()
+        except BaseException:
+            output.abort()
+            raise
+        if not complete:
+            output.abort()  # a failed stage leaves nothing behind; a previous result, if any, is kept as it was
+        self._timed(f"stage:{stage.name}", started)
+        if not complete:
+            errors = [t for t in tail if "error" in t.lower()]
+            reason = errors[-1] if errors else (tail[-1] if tail else "no output")
+            done = [
+                s.name
+                for s in self.recipe.stages
+                if s.trained and s.name != stage.name and stage_complete(self.stage_dir(s))
+            ]
+            raise StageError(
+                f"stage {stage.name!r} failed (exit code {code}): {reason}\n  log: {log}\n  "
+                + (f"finished stages kept: {', '.join(done)}; " if done else "")
+                + (
+                    f"the stage's previous result in {out} is kept as it was (--resume would reuse it); fix it "
+                    f"and rerun with --only {stage.name} to retrain it"
+                    if stage_complete(out)
+                    else f"fix it and rerun with --resume to continue from stage {stage.name!r}"
+                )
+            )
+        self.console.print(
+            f"[green]stage[/] {stage.name}: done in {self.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+        )
+
+    def _run_stage_process(self, stage: StageSpec, work: Path) -> tuple[int, Path, deque[str], float]:
+        """Run the stage process writing into ``work``; returns its exit code, log, last lines and start time."""
         log = self.dir / "logs" / f"{stage.name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        command = self.stage_command(stage)
+        command = self.stage_command(stage, work)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         if self.recipe.torch_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
@@ -354,31 +455,21 @@ class Run:
                 env=env,
                 bufsize=1,
             )
-            assert process.stdout is not None
-            for line in process.stdout:
-                handle.write(line)
-                text = line.strip()
-                if text:
-                    tail.append(text)
-                    status.update(f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}")
-            code = process.wait()
-        self._timed(f"stage:{stage.name}", start)
-        if code != 0 or not stage_complete(out):
-            errors = [t for t in tail if "error" in t.lower()]
-            reason = errors[-1] if errors else (tail[-1] if tail else "no output")
-            done = [
-                s.name
-                for s in self.recipe.stages
-                if s.trained and s.name != stage.name and stage_complete(self.stage_dir(s))
-            ]
-            raise StageError(
-                f"stage {stage.name!r} failed (exit code {code}): {reason}\n  log: {log}\n  "
-                + (f"finished stages kept: {', '.join(done)}; " if done else "")
-                + f"fix it and rerun with --resume to continue from stage {stage.name!r}"
-            )
-        self.console.print(
-            f"[green]stage[/] {stage.name}: done in {self.timings[f'stage:{stage.name}']:.0f}s -> {out}"
-        )
+            try:
+                assert process.stdout is not None
+                for line in process.stdout:
+                    handle.write(line)
+                    text = line.strip()
+                    if text:
+                        tail.append(text)
+                        status.update(
+                            f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}"
+                        )
+                code = process.wait()
+            except BaseException:  # interrupted: stop the stage process before its directory is removed
+                _stop(process)
+                raise
+        return code, log, tail, start
 
     def analyze(self) -> dict[str, Any] | None:
         if not self.recipe.analysis.enabled:
@@ -508,7 +599,8 @@ class Run:
             models, desc="evaluation", disable=not self.options.progress
         ):
             scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
-            (self.dir / "eval" / f"{safe_name(name)}.json").write_text(json.dumps(scored, indent=2) + "\n")
+            with atomic_file(self.dir / "eval" / f"{safe_name(name)}.json", "evaluation file") as tmp:
+                tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
             val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})
             results.append(
                 {
@@ -588,6 +680,18 @@ class Run:
         return out
 
 
+def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """Terminate a child process (SIGTERM, then SIGKILL after ``grace`` seconds) and wait for it."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def _has_cuda() -> bool:
     try:
         import torch
@@ -618,7 +722,9 @@ def run_recipe(
         return run_seeds(recipe_path, options)
     recipe, root = load_recipe(recipe_path, options.overrides)
     total = time.perf_counter()
-    notes = validate_recipe(recipe, root, check_paths=options.check_paths)
+    recipe_file = None if isinstance(recipe_path, dict) else Path(recipe_path).expanduser().resolve()
+    where = f"recipe {recipe_path}" if recipe_file else "recipe"
+    notes = validate_recipe(recipe, root, check_paths=options.check_paths, where=where)
     rows = expand_merges(recipe)
     console = _console()
     if options.dry_run:
@@ -653,7 +759,12 @@ def run_recipe(
         torch.set_num_threads(recipe.torch_threads)
     run = Run(recipe, root, Path(out).resolve(), options)
     run.notes.extend(notes)
-    run.prepare()
+    from ram_trl.recipes.stage import StageFailure
+
+    try:
+        run.prepare(recipe_file)
+    except (ConfigError, StageFailure) as exc:  # the prompt rows and reward functions: name the recipe
+        raise ConfigError(f"{where}: {exc}") from exc
     run.train_stages()
     if options.only is not None:
         console.print(
@@ -700,7 +811,8 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
             for name in ("base_init", "base"):
                 first = out / f"seed_{seeds[0]}" / name
                 if first.is_dir() and not (sub / name).exists():
-                    shutil.copytree(first, sub / name)
+                    with OutputDir(sub / name, what=f"seed {seed}'s copy of {name}") as tmp:
+                        shutil.copytree(first, tmp, dirs_exist_ok=True)
         overrides = apply_overrides(
             options.overrides, {"seed": seed, "evaluation": {"seed": recipe.evaluation.seed + k}}
         )

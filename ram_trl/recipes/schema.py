@@ -39,7 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl import defaults
-from ram_trl.errors import ConfigError
+from ram_trl.errors import ConfigError, RamTrlError
 
 __all__ = [
     "ABSTAIN_REPLIES",
@@ -97,8 +97,32 @@ def import_object(path: str, what: str = "object") -> Any:
     return obj
 
 
+#: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
+MAX_SEED = 2**32 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown keys, NaN/Inf and booleans given for numbers are refused (YAML's ``.nan``, ``yes``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and _numeric(field.annotation):
+                    raise ValueError(f"{name}: must be a number, got {value!r}")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type is a number (``int``, ``float``, optionally ``None``), not a ``bool``."""
+    import typing
+
+    options = typing.get_args(annotation) or (annotation,)
+    return bool(options) and bool not in options and any(o in (int, float) for o in options)
 
 
 class BaseSpec(_Strict):
@@ -159,7 +183,7 @@ class WarmStartSpec(_Strict):
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     abstain_share: float = Field(0.0, ge=0, lt=1)
     abstain_steps: int = Field(200, ge=1)
@@ -205,7 +229,7 @@ class PromptSpec(_Strict):
     train_size: int = Field(256, ge=1)
     eval_size: int = Field(64, ge=0)
     val_size: int | None = Field(None, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED - 2)
     warm_size: int = Field(0, ge=0)
     train_file: str | None = None
     eval_file: str | None = None
@@ -374,11 +398,11 @@ class EvaluationSpec(_Strict):
     max_new_tokens: int = Field(32, ge=1)
     do_sample: bool = False
     temperature: float = Field(1.0, gt=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     batch_size: int = Field(64, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     bootstrap_resamples: int = Field(2000, ge=100)
-    bootstrap_seed: int = 0
+    bootstrap_seed: int = Field(0, ge=0, le=MAX_SEED)
     retention_min_gain: float = Field(0.02, ge=0)
 
 
@@ -387,8 +411,8 @@ class AnalysisSpec(_Strict):
 
     enabled: bool = True
     eps: float = Field(defaults.EPS, ge=0)
-    r: float = defaults.R
-    alpha: float = defaults.ALPHA
+    r: float = Field(defaults.R, ge=0)
+    alpha: float = Field(defaults.ALPHA, ge=0)
 
 
 class Recipe(_Strict):
@@ -413,7 +437,7 @@ class Recipe(_Strict):
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
     output_dir: str | None = None
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     torch_threads: int | None = Field(None, ge=1)
     base: BaseSpec
     warm_start: WarmStartSpec | None = None
@@ -620,14 +644,80 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
     return settings
 
 
-def check_trainer_config(stage: StageSpec) -> None:
-    """Build the stage's ``GRPOConfig``/``RLOOConfig`` in a scratch directory to validate its keys and values.
+#: Ranges of common trainer-config numbers (:func:`ram_trl.validation.check_number` bounds) that the trainers
+#: check only when training starts, or never (a NaN learning rate trains a NaN model).
+TRAINER_BOUNDS: dict[str, dict[str, Any]] = {
+    "learning_rate": {"above": 0},
+    "num_train_epochs": {"above": 0},
+    "max_steps": {"minimum": -1, "integer": True},
+    "per_device_train_batch_size": {"minimum": 1, "integer": True},
+    "gradient_accumulation_steps": {"minimum": 1, "integer": True},
+    "num_generations": {"minimum": 1, "integer": True},
+    "max_completion_length": {"minimum": 1, "integer": True},
+    "max_prompt_length": {"minimum": 1, "integer": True},
+    "logging_steps": {"above": 0},
+    "temperature": {"above": 0},
+    "top_p": {"above": 0, "maximum": 1},
+    "beta": {"minimum": 0},
+    "epsilon": {"minimum": 0},
+    "weight_decay": {"minimum": 0},
+    "warmup_ratio": {"minimum": 0, "maximum": 1},
+    "warmup_steps": {"minimum": 0},
+    "max_grad_norm": {"minimum": 0},
+    "num_iterations": {"minimum": 1, "integer": True},
+    "seed": {"minimum": 0, "maximum": MAX_SEED, "integer": True},
+}
+
+
+def _field_kinds(cls: type) -> dict[str, type]:
+    """``int`` or ``float`` for each field of a trainer config typed as a number (optionally ``None``)."""
+    import dataclasses
+    import typing
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to the bounds table
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    kinds = {}
+    for name, hint in hints.items():
+        options = set(typing.get_args(hint) or (hint,)) - {type(None)}
+        if options == {int}:
+            kinds[name] = int
+        elif options and options <= {int, float}:
+            kinds[name] = float
+    return kinds
+
+
+def check_finite(value: Any, where: str) -> None:
+    """Refuse NaN and Inf anywhere in a nested value (``config:``, ``peft:``, generator ``kwargs:``).
 
     Raises:
-        ConfigError: naming the stage and the trainer's complaint.
+        ConfigError: naming ``where`` and the key path.
+    """
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} is {value!r}; give a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_finite(item, f"{where}[{index}]")
+
+
+def check_trainer_config(stage: StageSpec) -> None:
+    """Validate the stage's ``GRPOConfig``/``RLOOConfig`` keys and values: known fields, numbers where the config
+    takes numbers (finite, whole where it takes integers, within :data:`TRAINER_BOUNDS`), then build it in a
+    scratch directory for the trainer's own checks.
+
+    Raises:
+        ConfigError: naming the stage, the field and what to change.
     """
     import dataclasses
     import tempfile
+
+    from ram_trl.validation import check_number
 
     cls = _trainer_config_class(stage.trainer)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -637,6 +727,16 @@ def check_trainer_config(stage: StageSpec) -> None:
             f"stage {stage.name!r}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
             "see the TRL documentation of the trainer's config"
         )
+    where = f"stage {stage.name!r}"
+    kinds = _field_kinds(cls)
+    for key, value in stage.config.items():
+        check_finite(value, f"{where}: config.{key}")
+        if value is None or (key not in kinds and key not in TRAINER_BOUNDS):
+            continue
+        if key in kinds or isinstance(value, int | float):
+            bounds = dict(TRAINER_BOUNDS.get(key, {}))
+            bounds.setdefault("integer", kinds.get(key) is int)
+            check_number(value, where, f"config.{key}", **bounds)
     config = {k: v for k, v in trainer_settings(stage, 0, validate_only=True).items() if k != "deepspeed"}
     with tempfile.TemporaryDirectory() as scratch:
         try:
@@ -645,7 +745,9 @@ def check_trainer_config(stage: StageSpec) -> None:
             raise ConfigError(f"stage {stage.name!r}: invalid {cls.__name__}: {exc}") from None
 
 
-def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> list[str]:
+def validate_recipe(
+    recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe"
+) -> list[str]:
     """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths.
 
     Args:
@@ -653,6 +755,7 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
         root: Directory relative paths resolve against.
         check_paths: Check that model checkpoints and prompt files exist (turn off to validate a recipe for
             another machine, before downloading the models).
+        where: How messages name the recipe (``"recipe PATH"``).
 
     Returns:
         Notes for the user (e.g. what was not checked).
@@ -660,8 +763,11 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
     Raises:
         ConfigError: listing every problem found, each naming the stage/merge and what to change.
     """
+    from ram_trl.config import check_parameter
     from ram_trl.methods import method_names, resolve_method
+    from ram_trl.validation import check_number
 
+    source = where
     problems: list[str] = []
     notes: list[str] = []
     if recipe.base.path is not None and check_paths:
@@ -676,6 +782,33 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
             problems.append(
                 f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}"
             )
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            if key in recipe.base.build:
+                try:
+                    check_number(recipe.base.build[key], "base.build", key, minimum=1, integer=True)
+                except ConfigError as exc:
+                    problems.append(str(exc))
+        if recipe.base.build.get("vocab_size") is not None:
+            try:
+                check_number(
+                    recipe.base.build["vocab_size"], "base.build", "vocab_size", minimum=1, integer=True
+                )
+            except ConfigError as exc:
+                problems.append(str(exc))
+        build = recipe.base.build
+        heads, kv = build.get("num_attention_heads", 4), build.get("num_key_value_heads", 2)
+        if not problems and build.get("hidden_size", 64) % heads:
+            problems.append(
+                f"base.build: num_attention_heads {heads} must divide hidden_size {build.get('hidden_size', 64)}"
+            )
+        if not problems and heads % kv:
+            problems.append(f"base.build: num_key_value_heads {kv} must divide num_attention_heads {heads}")
         if recipe.base.build.get("dtype", "bfloat16") not in ("bfloat16", "float16", "float32"):
             problems.append(
                 f"base.build.dtype: {recipe.base.build['dtype']!r}; use bfloat16, float16 or float32"
@@ -685,6 +818,10 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
         if stage.checkpoint is not None and check_paths:
             _check_path(stage.checkpoint, root, f"{where}: checkpoint", problems, directory=True)
         if stage.prompts is not None:
+            try:
+                check_finite(stage.prompts.kwargs, f"{where}: prompts.kwargs")
+            except ConfigError as exc:
+                problems.append(str(exc))
             if stage.prompts.generator is not None:
                 try:
                     if not callable(import_object(stage.prompts.generator, f"{where}: prompt generator")):
@@ -712,9 +849,15 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
                 try:
                     from peft import LoraConfig
 
+                    from ram_trl.validation import check_lora_config
+
+                    check_finite(stage.peft, f"{where}: peft")
+                    check_lora_config(stage.peft, Path("recipe"), f"{where}: peft")
                     LoraConfig(**stage.peft)
                 except ImportError:
                     problems.append(f"{where}: 'peft:' needs the peft package (pip install peft)")
+                except RamTrlError as exc:
+                    problems.append(str(exc).replace(": recipe: ", ": "))
                 except (TypeError, ValueError) as exc:
                     problems.append(f"{where}: invalid peft LoraConfig: {exc}")
             if stage.accelerate_config is not None:
@@ -763,12 +906,18 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
                 f"has {len(recipe.stages)} stage(s)"
             )
         known = {p.name for p in method.parameters}
-        for key in row.parameters:
-            if key not in known:
+        for key, value in row.parameters.items():
+            parameter = method.parameter(key)
+            if parameter is None:
                 problems.append(
                     f"merge {row.name!r}: method {row.method!r} has no parameter {key!r}; "
                     f"its parameters: {', '.join(sorted(known)) or 'none'}"
                 )
+                continue
+            try:  # the merge's own checks (finite, in range), now rather than after training
+                check_parameter(parameter, value, f"merge {row.name!r}: parameters")
+            except ConfigError as exc:
+                problems.append(str(exc))
     if recipe.evaluation.enabled:
         for stage in recipe.stages:
             if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
@@ -785,8 +934,10 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True) -> 
                 )
     if not check_paths:
         notes.append("model checkpoints and prompt files were not checked (--skip-paths)")
+    if len(problems) == 1:
+        raise ConfigError(f"{source}: {problems[0]}")
     if problems:
-        raise ConfigError("recipe is invalid:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(f"{source} is invalid:\n  - " + "\n  - ".join(problems))
     return notes
 
 

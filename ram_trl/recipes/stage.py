@@ -20,34 +20,69 @@ from typing import Any
 
 import torch
 
-from ram_trl.errors import ConfigError
+from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.recipes.schema import Recipe, StageSpec, import_object, load_recipe, trainer_settings
+from ram_trl.validation import check_reward_values
 
-__all__ = ["StageFailure", "attach_telemetry", "build_trainer", "main", "run_stage", "wrap_reward"]
+__all__ = [
+    "StageFailure",
+    "attach_telemetry",
+    "build_trainer",
+    "main",
+    "preflight_rewards",
+    "run_stage",
+    "wrap_reward",
+]
 
 
-class StageFailure(RuntimeError):
+class StageFailure(RamTrlError, RuntimeError):
     """A stage's user code (reward function, generator) failed; the message names the stage and the function."""
 
 
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
-    """Wrap a reward function so that its exceptions and malformed outputs name the stage and the function."""
+    """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
+    finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
+    function."""
 
     @functools.wraps(fn)
-    def reward(*args: Any, **kwargs: Any) -> list[float]:
+    def reward(*args: Any, **kwargs: Any) -> list[float | None]:
         try:
             values = fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised with the stage and function named
             raise StageFailure(f"stage {stage!r}: reward function {path} raised {exc!r}") from exc
-        if values is None or len(values) != len(kwargs.get("completions", values)):
-            raise StageFailure(
-                f"stage {stage!r}: reward function {path} must return one float per completion"
-            )
-        return values
+        count = len(kwargs["completions"]) if "completions" in kwargs else len(args[0]) if args else 0
+        try:
+            return check_reward_values(values, count, f"stage {stage!r}: reward function {path}")
+        except ConfigError as exc:
+            raise StageFailure(str(exc)) from None
 
     if not hasattr(reward, "__name__"):
         reward.__name__ = path.rpartition(":")[2] or path
     return reward
+
+
+def preflight_rewards(stage: StageSpec, rows: list[dict[str, Any]], count: int = 2) -> None:
+    """Call each reward function of ``stage`` once on its first ``count`` rows, before any training: with an empty
+    completion and the row's ``answer`` as completions, as training and evaluation call them. A function that
+    cannot be called, raises or returns something other than one finite float (or ``None``) per completion is
+    reported now instead of after the base was built and warm-started.
+
+    Raises:
+        StageFailure: naming the stage and the function.
+    """
+    sample = rows[:count]
+    if not sample or not stage.rewards:
+        return
+    completions = ["" if i % 2 == 0 else str(row.get("answer", "")) for i, row in enumerate(sample)]
+    columns = {key: [row.get(key) for row in sample] for key in sample[0] if key != "prompt"}
+    for path in stage.rewards:
+        fn = wrap_reward(import_object(path, f"stage {stage.name!r}: reward function"), path, stage.name)
+        try:
+            fn(prompts=[row["prompt"] for row in sample], completions=completions, **columns)
+        except StageFailure as exc:
+            raise StageFailure(
+                f"{exc} (checked before training on {len(sample)} of its rows, completions {completions!r})"
+            ) from None
 
 
 def _trainer_classes(trainer: str) -> tuple[type, type]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ram_trl.errors import ConfigError
+from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.recipes.schema import WarmStartSpec
 
 __all__ = ["WARM_START_RECORD", "encode_rows", "warm_start", "with_abstentions"]
@@ -107,6 +107,7 @@ def warm_start(
     rows: list[dict[str, Any]],
     spec: WarmStartSpec,
     progress: bool = True,
+    record_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
 
@@ -114,8 +115,17 @@ def warm_start(
     share abstaining (:func:`with_abstentions`): the tasks are learned first, the habit of declining on top, so
     the abstentions do not slow the learning of the tasks.
 
-    The output (model in ``spec.save_dtype``, tokenizer, generation config, :data:`WARM_START_RECORD`) is written
-    to a temporary sibling and renamed into place.
+    The output (model in ``spec.save_dtype``, tokenizer, generation config, :data:`WARM_START_RECORD`) goes through
+    the output-commit protocol (:class:`~ram_trl.output.OutputDir`): written to a temporary sibling and renamed into
+    place, replacing a previous warm start (a directory holding :data:`WARM_START_RECORD`) and nothing else.
+
+    Args:
+        base_in: The checkpoint to train.
+        base_out: The warm-started checkpoint's directory.
+        rows: ``prompt`` / ``answer`` rows.
+        spec: The recipe's ``warm_start`` section.
+        progress: Show a progress bar.
+        record_extra: More fields of the record (the runner's digest of the rows).
 
     Returns:
         The record: steps, first and last losses, seconds.
@@ -123,6 +133,14 @@ def warm_start(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     base_in, base_out = Path(base_in), Path(base_out)
+    output = OutputDir(
+        base_out,
+        markers=(WARM_START_RECORD,),
+        replace_previous=True,
+        reads=[("base model", base_in)],
+        what="warm-started base directory",
+    )
+    output.check()
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(base_in))
     model = AutoModelForCausalLM.from_pretrained(str(base_in), dtype=torch.float32)
@@ -161,15 +179,12 @@ def warm_start(
         "spec": spec.model_dump(),
         "base": str(base_in),
         "seconds": round(time.perf_counter() - start, 2),
+        **(record_extra or {}),
     }
-    tmp = base_out.with_name(f".{base_out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(getattr(torch, spec.save_dtype)).save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    if (base_in / "generation_config.json").is_file():
-        GenerationConfig.from_pretrained(str(base_in)).save_pretrained(str(tmp))
-    (tmp / WARM_START_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    if base_out.exists():
-        shutil.rmtree(base_out)
-    tmp.rename(base_out)
+    with output as tmp, guard_os_errors(f"warm-started base directory {base_out}"):
+        model.to(getattr(torch, spec.save_dtype)).save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if (base_in / "generation_config.json").is_file():
+            GenerationConfig.from_pretrained(str(base_in)).save_pretrained(str(tmp))
+        (tmp / WARM_START_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record

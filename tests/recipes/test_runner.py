@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ import yaml
 from safetensors import safe_open
 
 from ram_trl.cli import main
+from ram_trl.output import LOCK_FILE
 from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
 from ram_trl.stage import fingerprint_checkpoint, read_manifest
+from tests.helpers import dead_pid, leftovers
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = ["coding", "tools", "memory"]
@@ -189,7 +192,7 @@ def _recipe(reward: str) -> dict:
 def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe("tests.recipes.failing:raising_reward")))
+    recipe.write_text(yaml.safe_dump(_recipe("tests.recipes.failing:batch_failing_reward")))
     (tmp_path / "accelerate_cpu.yaml").write_text(
         yaml.safe_dump(
             {
@@ -208,13 +211,20 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
         run_recipe(recipe, RunOptions(out=out, progress=False))
     message = str(info.value)
     assert message.startswith("stage 'bad' failed (exit code 1): ")
-    assert "reward function tests.recipes.failing:raising_reward raised ValueError('boom" in message
+    assert "reward function tests.recipes.failing:batch_failing_reward raised ValueError('boom" in message
     assert f"log: {out / 'logs' / 'bad.log'}" in message
     assert "finished stages kept: good" in message
     assert stage_complete(out / "stages" / "good")
     assert "-m accelerate.commands.launch --config_file " in (out / "logs" / "good.log").read_text()
     assert not stage_complete(out / "stages" / "bad")
+    assert not (out / "stages" / "bad").exists()  # the failed stage's temporary directory was removed
+    assert leftovers(out / "stages" / "bad") == []
     assert not (out / "results.json").exists()
+    # the leftover of a runner killed with kill -9 mid-stage: removed by the next run of the stage
+    killed = out / "stages" / f".bad.ram-trl-tmp-{dead_pid()}-0123abcd"
+    killed.mkdir()
+    (killed / LOCK_FILE).write_text(json.dumps({"pid": dead_pid(), "host": socket.gethostname()}))
+    (killed / "model.safetensors").write_bytes(b"half")
     good_manifest = (out / "stages" / "good" / "ram_stage.json").stat().st_mtime_ns
     good_weights = (out / "stages" / "good" / "model.safetensors").read_bytes()
 
@@ -224,6 +234,8 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert (out / "stages" / "good" / "model.safetensors").read_bytes() == good_weights
     assert "stage:good" not in results["timings"] and "stage:bad" in results["timings"]
     assert stage_complete(out / "stages" / "bad")
+    assert not killed.exists() and leftovers(out / "stages" / "bad") == []
+    assert not (out / "stages" / "bad" / LOCK_FILE).exists()
     assert read_manifest(out / "stages" / "bad").kind == "lora"
     assert (out / "stages" / "bad" / "adapter_config.json").is_file()
     assert [r["name"] for r in results["rows"]] == ["base", "good", "bad", "ram"]
