@@ -480,7 +480,10 @@ def _run_eval(args: argparse.Namespace) -> int:
         table.add_row(split, "average", f"{average:.3f} [{low:.3f}, {high:.3f}]", "", "")
     Console().print(table)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"model": args.model, **result}, indent=2) + "\n")
+        from ram_trl.output import atomic_file
+
+        with atomic_file(Path(args.json_out), "--json-out file") as tmp:
+            tmp.write_text(json.dumps({"model": args.model, **result}, indent=2) + "\n")
     return 0
 
 

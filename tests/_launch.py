@@ -1,14 +1,28 @@
-"""Launching multi-process jobs from the tests: a free port, and the clean-up DeepSpeed's CPU backend needs."""
+"""Launching multi-process jobs from the tests: a free port, and the clean-up DeepSpeed's CPU backend needs.
+
+A job runs in its own process group, killed as a whole when it ends or times out: ``subprocess.run(timeout=...)``
+kills only the launcher, and its ranks (and a compiler they started) would live on as orphans, holding ports, memory
+and the just-in-time build's ``lock`` file that makes every later DeepSpeed job wait forever. DeepSpeed's CPU
+communication extension is built once per session before the first DeepSpeed job (:func:`build_deepspeed_ops`), so
+a job's timeout never includes a compile (minutes on a loaded machine).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 SHM = Path("/dev/shm")
+#: The one-time build of DeepSpeed's CPU extension: a few minutes on a loaded 2-core machine.
+BUILD_TIMEOUT = 1800
 
 
 def free_port() -> int:
@@ -27,11 +41,70 @@ def deepspeed_shm_buffers(port: int) -> list[Path]:
     return sorted(SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
 
 
-def run_job(command: list[str], port: int, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run(command, **kwargs)`` of a job listening on ``port``, then the removal of the job's leftover
-    DeepSpeed shared-memory buffers (also when it failed or timed out)."""
+def _extension_locks(env: dict[str, str] | None) -> list[Path]:
+    root = (env or os.environ).get("TORCH_EXTENSIONS_DIR")
+    root_path = Path(root) if root else Path.home() / ".cache" / "torch_extensions"
+    return sorted(root_path.glob("**/lock")) if root_path.is_dir() else []
+
+
+@functools.cache
+def build_deepspeed_ops(extensions_dir: str | None) -> None:
+    """Build DeepSpeed's CPU shared-memory communication extension (what every rank of a CPU DeepSpeed job loads)
+    once, without a time limit, so that jobs only load it."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    if extensions_dir:
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
-        return subprocess.run(command, **kwargs)
+        _, stderr = process.communicate(timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise RuntimeError(
+            f"building DeepSpeed's CPU extension took over {BUILD_TIMEOUT} s: a stale build lock? "
+            f"{[str(p) for p in _extension_locks(env)]} (docs/ci.md)"
+        ) from None
+    if process.returncode != 0:
+        raise RuntimeError(f"building DeepSpeed's CPU extension failed:\n{stderr[-4000:]}")
+
+
+def run_job(
+    command: list[str], port: int, *, timeout: float | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, timeout=timeout, **kwargs)`` of a job listening on ``port``, in its own process
+    group, which is killed as a whole when the job ends or times out (no orphaned rank or compiler), then the removal
+    of the job's leftover DeepSpeed shared-memory buffers (also when it failed or timed out).
+
+    A DeepSpeed job (``DS_ACCELERATOR=cpu`` in its environment) first gets the extension built
+    (:func:`build_deepspeed_ops`). If the job had to be killed, a just-in-time build ``lock`` it created is removed
+    (its builder is dead; left behind it would hang every later job).
+    """
+    env = kwargs.get("env")
+    if (env or os.environ).get("DS_ACCELERATOR") == "cpu":
+        build_deepspeed_ops((env or os.environ).get("TORCH_EXTENSIONS_DIR"))
+    if kwargs.pop("capture_output", False):
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started = time.time()
+    killed = False
+    process = subprocess.Popen(command, start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    except BaseException:
+        killed = True
+        raise
     finally:
+        with contextlib.suppress(ProcessLookupError):  # ranks (and their children) that outlived the launcher
+            os.killpg(process.pid, signal.SIGKILL)
+        if killed:
+            process.communicate()
+            for lock in _extension_locks(env):
+                with contextlib.suppress(OSError):
+                    if lock.stat().st_mtime >= started:
+                        lock.unlink()
         for path in deepspeed_shm_buffers(port):
             path.unlink(missing_ok=True)

@@ -638,7 +638,13 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{results.get('recipe', 'recipe')}: test score per model per stage (merges hatched)")
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
-    figure.savefig(path)
+    _save_figure(figure, path)
+
+
+def _save_figure(figure: Any, path: Path) -> None:
+    """Save a matplotlib figure atomically (a temporary sibling file, then rename)."""
+    with atomic_file(path, "figure") as tmp:
+        figure.savefig(tmp, format=path.suffix.lstrip(".") or "png")
 
 
 def plot_retention(results: dict[str, Any], path: Path) -> bool:
@@ -679,7 +685,7 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
     ax.set_yticks(range(len(merges)), [r["name"] + (" (ship)" if r["name"] == ship else "") for r in merges])
     ax.set_title("Retention on test: (merge - base) / (specialist - base)", fontsize=9)
     figure.tight_layout()
-    figure.savefig(path)
+    _save_figure(figure, path)
     return True
 
 
