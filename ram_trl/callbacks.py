@@ -165,8 +165,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
         reference = getattr(self.trainer, "ref_model", None)
         if getattr(self.trainer.args, "sync_ref_model", False):
             reference = None  # the reference model follows the policy: it is not the base
-        if self.save_agent and state.is_world_process_zero:
-            # refuse an output_dir that is (or holds) the base now, not after training
+        if self.save_agent:
+            # refuse an output_dir that is (or holds) the base now, not after training; on every rank (only reads
+            # the file system), so that no rank goes on into a collective the others never reach
             base = self.tracker.base_model
             reads = [("base model", Path(base))] if base and Path(base).exists() else []
             agent_output(args.output_dir, reads).check()
