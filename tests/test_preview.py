@@ -11,26 +11,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
 
-os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-
-from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
-from ram_trl.cli import main as cli  # noqa: E402
-from ram_trl.errors import ConfigError  # noqa: E402
-from ram_trl.preview import LAST_DIR, PREVIEW_PREFIX, MergePreviewCallback, weights_digest  # noqa: E402
-from ram_trl.recipes.evaluate import EvalTask, evaluate_model  # noqa: E402
-from ram_trl.recipes.schema import EvaluationSpec  # noqa: E402
-from ram_trl.recipes.stats import retention  # noqa: E402
-from ram_trl.stage import read_manifest  # noqa: E402
-from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
-from tests.helpers import distinct_chars  # noqa: E402
+from ram_trl.callbacks import TaskVectorSparsityCallback
+from ram_trl.cli import main as cli
+from ram_trl.errors import ConfigError
+from ram_trl.preview import LAST_DIR, PREVIEW_PREFIX, MergePreviewCallback, weights_digest
+from ram_trl.recipes.evaluate import EvalTask, evaluate_model
+from ram_trl.recipes.schema import EvaluationSpec
+from ram_trl.recipes.stats import retention
+from ram_trl.stage import read_manifest
+from ram_trl.synthetic import make_base_checkpoint
+from tests.helpers import distinct_chars
 
 pytestmark = [pytest.mark.slow]
 

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("ACCELERATE_USE_CPU", "1")
-
-import ram_trl  # noqa: E402
-from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
-from ram_trl.preview import weights_digest  # noqa: E402
-from ram_trl.stage import read_manifest  # noqa: E402
-from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
-from tests._launch import free_port, run_job  # noqa: E402
-from tests.helpers import distinct_chars  # noqa: E402
+import ram_trl
+from ram_trl.callbacks import TaskVectorSparsityCallback
+from ram_trl.preview import weights_digest
+from ram_trl.stage import read_manifest
+from ram_trl.synthetic import make_base_checkpoint
+from tests._launch import free_port, run_job
+from tests.helpers import distinct_chars
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -53,7 +51,7 @@ def test_ddp_preview_agrees_on_every_rank_and_is_the_merge(tmp_path):
 
     second = tmp_path / "second"
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "ACCELERATE_USE_CPU": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
     command += ["--master_port", str(port), str(WORKER), str(base), str(first), str(second)]
     result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
