@@ -41,10 +41,10 @@ from ram_trl.engine import MergeState, check_densities, open_inputs, task_input_
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.manifest import is_stage, read_manifest
 from ram_trl.methods.ram import DEFAULT_EPS, active_mask
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, TensorTask, build_plan, parse_size
-from ram_trl.stage import is_stage, read_manifest
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
 from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
 from ram_trl.validation import check_optional_number

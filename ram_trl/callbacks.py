@@ -4,7 +4,7 @@
 :class:`~ram_trl.telemetry.tracker.TaskVectorTracker` and sends the metrics through the trainer's own logging path,
 so they reach ``trainer.state.log_history`` and every reporting integration (TensorBoard, W&B, ...) next to the
 reward curve. When training ends it saves the agent in ``save_dtype`` to ``args.output_dir`` (the full model, or the
-PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` beside it (:mod:`ram_trl.stage`)::
+PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` beside it (:mod:`ram_trl.manifest`)::
 
     cb = TaskVectorSparsityCallback(base_model="models/base", stage_name="coding", domain="coding")
     trainer = GRPOTrainer(model="models/base", reward_funcs=..., args=..., train_dataset=..., callbacks=[cb])
@@ -29,8 +29,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
+from ram_trl.manifest import MANIFEST_NAME, StageManifest, write_manifest
 from ram_trl.output import OutputDir, guard_os_errors
-from ram_trl.stage import MANIFEST_NAME, StageManifest, write_manifest
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 
 #: Libraries whose versions a manifest records (those installed).

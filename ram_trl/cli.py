@@ -23,7 +23,7 @@ _COMMAND_MODULES = {
     "run": "ram_trl.recipes.runner",
     "eval": "ram_trl.recipes.evaluate",
     "demo": "ram_trl.recipes.runner",
-    "fisher": "ram_trl.fisher",
+    "fisher": "ram_trl.fisher_estimation",
 }
 
 #: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
@@ -514,7 +514,7 @@ def _run_fisher(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ram_trl.fisher import run_fisher
+    from ram_trl.fisher_estimation import run_fisher
 
     try:
         summary = run_fisher(

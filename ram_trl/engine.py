@@ -28,7 +28,7 @@ from ram_trl.config import AgentSpec, MergeConfig, ResolvedConfig, load_config, 
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError, NonFiniteError
 from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
-from ram_trl.io.fisher import (
+from ram_trl.io.fisher_files import (
     check_fisher_headers,
     default_fisher_path,
     fisher_itemsize,

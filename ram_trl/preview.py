@@ -53,7 +53,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from ram_trl import defaults
 from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics, policy_of, save_agent
 from ram_trl.errors import ConfigError
-from ram_trl.stage import StageManifest
+from ram_trl.manifest import StageManifest
 from ram_trl.telemetry.priors import read_prior_stages
 
 #: Prefix of the preview's metric names.
@@ -298,7 +298,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self.trainer.accelerator.wait_for_everyone()
 
     def _write_manifest(self, args: TrainingArguments, state: TrainerState) -> Path:
-        from ram_trl.stage import write_manifest
+        from ram_trl.manifest import write_manifest
 
         return write_manifest(self.manifest(args, state), Path(args.output_dir))
 

@@ -15,7 +15,7 @@ import torch
 
 from ram_trl.errors import NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
-from ram_trl.io.fisher import fill_fisher, read_fisher_rows
+from ram_trl.io.fisher_files import fill_fisher, read_fisher_rows
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.planner import TensorTask

@@ -32,7 +32,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 import ram_trl  # noqa: E402
 from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  # noqa: E402
 from ram_trl.errors import ConfigError  # noqa: E402
-from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests.helpers import leftovers, tensorboard_scalars  # noqa: E402
 

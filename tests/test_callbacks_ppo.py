@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import ram_trl
 from ram_trl.callbacks import last_reward_metrics
-from ram_trl.stage import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
+from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]

@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
 
 import ram_trl  # noqa: E402
-from ram_trl.stage import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.manifest import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
 

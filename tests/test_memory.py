@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
 import ram_trl.streaming
-from ram_trl.io.fisher import FISHER_FILE
+from ram_trl.io.fisher_files import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.planner import bytes_per_element, chunk_elements
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint

@@ -20,11 +20,11 @@ from trl import GRPOConfig, GRPOTrainer
 from ram_trl.callbacks import TaskVectorSparsityCallback
 from ram_trl.cli import main as cli
 from ram_trl.errors import ConfigError
+from ram_trl.manifest import read_manifest
 from ram_trl.preview import LAST_DIR, PREVIEW_PREFIX, MergePreviewCallback, weights_digest
 from ram_trl.recipes.evaluate import EvalTask, evaluate_model
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.recipes.stats import retention
-from ram_trl.stage import read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 from tests.helpers import distinct_chars
 

@@ -16,8 +16,8 @@ import pytest
 
 import ram_trl
 from ram_trl.callbacks import TaskVectorSparsityCallback
+from ram_trl.manifest import read_manifest
 from ram_trl.preview import weights_digest
-from ram_trl.stage import read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 from tests._launch import free_port, run_job
 from tests.helpers import distinct_chars

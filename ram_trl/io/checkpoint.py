@@ -22,7 +22,7 @@ SAFE_SINGLE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 
-#: File name of an agent's diagonal Fisher beside its weights (:mod:`ram_trl.io.fisher`); never a weight file.
+#: File name of an agent's diagonal Fisher beside its weights (:mod:`ram_trl.io.fisher_files`); never a weight file.
 FISHER_FILE = "fisher.safetensors"
 
 #: Files copied from the base (or ``tokenizer_source``) into a merged output directory when present.

@@ -41,7 +41,7 @@ class EvalTask:
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
-    """Load a causal LM for evaluation (:func:`ram_trl.fisher.load_agent`: a model directory, or a PEFT adapter
+    """Load a causal LM for evaluation (:func:`ram_trl.fisher_estimation.load_agent`: a model directory, or a PEFT adapter
     merged into its base), in eval mode with left padding for batched generation.
 
     Args:
@@ -57,7 +57,7 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     """
     from transformers.utils import logging as hf_logging
 
-    from ram_trl.fisher import load_agent
+    from ram_trl.fisher_estimation import load_agent
 
     hf_logging.disable_progress_bar()
     model, tokenizer = load_agent(path, base, getattr(torch, dtype))

@@ -83,7 +83,7 @@ def _resolve(path: str, root: Path) -> Path:
 
 def stage_complete(stage_dir: Path) -> bool:
     """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage)."""
-    from ram_trl.stage import MANIFEST_NAME, checkpoint_path, read_manifest
+    from ram_trl.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
 
     try:
         manifest = read_manifest(stage_dir / MANIFEST_NAME)
@@ -327,7 +327,7 @@ class Run:
             self.train_stage(stage)
 
     def _prior(self, stage: StageSpec) -> list[Path]:
-        from ram_trl.stage import MANIFEST_NAME
+        from ram_trl.manifest import MANIFEST_NAME
 
         prior = []
         for other in self.recipe.stages:
@@ -376,7 +376,7 @@ class Run:
         committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
         the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
         another stage's agent or a prompt file."""
-        from ram_trl.stage import MANIFEST_NAME
+        from ram_trl.manifest import MANIFEST_NAME
 
         reads = [("base model", self.base)] + [
             (f"stage {other.name!r} agent", self.agent_path(other))
@@ -493,7 +493,7 @@ class Run:
         return result
 
     def _model_entry(self, stage: StageSpec) -> dict[str, Any]:
-        from ram_trl.stage import MANIFEST_NAME
+        from ram_trl.manifest import MANIFEST_NAME
 
         if stage.trained:
             return {"stage": str(self.stage_dir(stage) / MANIFEST_NAME), "name": stage.name}
@@ -506,7 +506,7 @@ class Run:
             return
         import torch
 
-        from ram_trl.fisher import estimate_fisher, load_agent, save_fisher
+        from ram_trl.fisher_estimation import estimate_fisher, load_agent, save_fisher
 
         settings = dict(next(r.fisher for r in rows if r.method == "fisher"))
         start = time.perf_counter()
@@ -659,7 +659,7 @@ class Run:
     def previews(self) -> dict[str, dict[str, Any]]:
         """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and
         every preview's merged validation scores), for results.md."""
-        from ram_trl.stage import read_manifest
+        from ram_trl.manifest import read_manifest
 
         out = {}
         for stage in self.recipe.stages:

@@ -64,7 +64,7 @@ __all__ = [
 #: Merge methods compared when a recipe gives no ``merges``.
 DEFAULT_METHODS: tuple[str, ...] = ("ram", "ram_plus", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 
-#: Keyword arguments of :func:`ram_trl.fisher.estimate_fisher` a ``fisher`` merge entry may set.
+#: Keyword arguments of :func:`ram_trl.fisher_estimation.estimate_fisher` a ``fisher`` merge entry may set.
 FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -346,7 +346,7 @@ class MergeSpec(_Strict):
         parameters: The method's global parameters.
         name: Row label (default: the method, plus the swept values).
         fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
-            (:func:`ram_trl.fisher.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
+            (:func:`ram_trl.fisher_estimation.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
             ``seed``); written as ``fisher.safetensors`` beside each trained agent.
     """
 

@@ -152,10 +152,10 @@ def attach_telemetry(
 
         callback = TaskVectorSparsityCallback(**common)
     else:
+        from ram_trl.manifest import read_manifest
         from ram_trl.preview import MergePreviewCallback
         from ram_trl.recipes.data import read_jsonl
         from ram_trl.recipes.evaluate import EvalTask
-        from ram_trl.stage import read_manifest
 
         if recipe is None:
             raise ConfigError(f"stage {stage.name!r}: the merge preview needs the recipe")
@@ -191,8 +191,8 @@ def run_stage(
     val_files: dict[str, Path] | None = None,
 ) -> None:
     """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
+    from ram_trl.manifest import MANIFEST_NAME
     from ram_trl.recipes.data import read_jsonl
-    from ram_trl.stage import MANIFEST_NAME
 
     recipe, _ = load_recipe(recipe_path)
     if recipe.torch_threads is not None:

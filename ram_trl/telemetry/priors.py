@@ -20,8 +20,8 @@ import torch
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
+from ram_trl.manifest import StageManifest, checkpoint_path, manifest_path, read_manifest
 from ram_trl.methods.ram import active_mask
-from ram_trl.stage import StageManifest, checkpoint_path, manifest_path, read_manifest
 
 
 @dataclass(frozen=True)

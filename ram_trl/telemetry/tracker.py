@@ -1,7 +1,7 @@
 """The task-vector tracker: measures a training model's task vector against its base, framework-agnostic.
 
 :class:`TaskVectorTracker` works with any ``torch.nn.Module`` whose parameter names map to the base checkpoint's
-(:func:`~ram_trl.telemetry.base.base_name`): a TRL / transformers trainer's model (through
+(:func:`~ram_trl.telemetry.base_weights.base_name`): a TRL / transformers trainer's model (through
 :class:`ram_trl.callbacks.TaskVectorSparsityCallback`), or the policy of a custom PPO loop (verl, OpenRLHF style)::
 
     tracker = TaskVectorTracker(base_model="path/to/base", prior_stages=["runs/coding"])
@@ -58,9 +58,9 @@ from ram_trl.anatomy import summarize
 from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
+from ram_trl.manifest import BaseFingerprint, fingerprint_checkpoint
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
 from ram_trl.parallel import compute_pool, imap_blocks
-from ram_trl.stage import BaseFingerprint, fingerprint_checkpoint
 from ram_trl.statistics import (
     MagnitudeStatistics,
     MagnitudeWorkspace,
@@ -69,7 +69,7 @@ from ram_trl.statistics import (
     magnitude_bin_edges,
     sum_of_squares,
 )
-from ram_trl.telemetry.base import (
+from ram_trl.telemetry.base_weights import (
     BaseSource,
     MappedCheckpointBase,
     ModelBase,

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ram_trl.distributed import exit_distributed  # noqa: E402
-from ram_trl.telemetry.base import MappedCheckpointBase, ModelBase  # noqa: E402
+from ram_trl.telemetry.base_weights import MappedCheckpointBase, ModelBase  # noqa: E402
 from ram_trl.telemetry.shards import iter_local_shards  # noqa: E402
 from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
 from tests.telemetry._counting import Counts  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ram_trl.stage import StageManifest, fingerprint_checkpoint, write_manifest
+from ram_trl.manifest import StageManifest, fingerprint_checkpoint, write_manifest
 
 S, M, L = 2.0**-20, 2.0**-10, 2.0**-6
 P = "task_vector/"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ram_trl.stage import fingerprint_checkpoint
+from ram_trl.manifest import fingerprint_checkpoint
 from ram_trl.telemetry.tracker import TaskVectorTracker
 from tests._launch import free_port, run_job
 from tests.telemetry._counting import Counts

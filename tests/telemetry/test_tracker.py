@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.manifest import fingerprint_checkpoint
 from ram_trl.methods.ram import active_mask
-from ram_trl.stage import fingerprint_checkpoint
 from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
 from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker, base_name
 from ram_trl.telemetry.tracker import model_layout

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import ram_trl
 from ram_trl.cli import main
 from ram_trl.errors import RamTrlError
-from ram_trl.fisher import (
+from ram_trl.fisher_estimation import (
     FISHER_FILE,
     Completion,
     estimate_fisher,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import RamTrlError
-from ram_trl.io.fisher import FISHER_FILE
+from ram_trl.io.fisher_files import FISHER_FILE
 from ram_trl.output import atomic_file
 from ram_trl.validation import check_optional_number, read_json_object
 
@@ -59,7 +59,7 @@ def _check_plain_model(model: torch.nn.Module) -> None:
     if getattr(model, "peft_config", None) or any("lora_" in name for name, _ in model.named_parameters()):
         raise RamTrlError(
             "estimate_fisher: the model carries PEFT/LoRA adapters; merge them in first (peft_model.merge_and_unload()"
-            ", or ram_trl.fisher.load_agent(ADAPTER_DIR)) so that the Fisher is keyed by the base model's tensor names"
+            ", or ram_trl.fisher_estimation.load_agent(ADAPTER_DIR)) so that the Fisher is keyed by the base model's tensor names"
         )
 
 

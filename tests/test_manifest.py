@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.errors import ConfigError
-from ram_trl.stage import (
+from ram_trl.manifest import (
     MANIFEST_NAME,
     StageManifest,
     check_base,

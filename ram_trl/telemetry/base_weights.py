@@ -26,7 +26,7 @@ import torch
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.safetensors_io import TensorInfo, dtype_itemsize
-from ram_trl.stage import FINGERPRINT_ELEMENTS, BaseFingerprint, fingerprint_heads, fingerprint_names
+from ram_trl.manifest import FINGERPRINT_ELEMENTS, BaseFingerprint, fingerprint_heads, fingerprint_names
 from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
 
 #: Wrapper prefixes stripped from parameter names: DDP / DeepSpeed (``module.``), torch.compile (``_orig_mod.``),
@@ -93,12 +93,12 @@ class BaseSource(Protocol):
 
 
 def source_fingerprint(source: BaseSource, names: Iterable[str] | None = None) -> BaseFingerprint:
-    """Fingerprint the base a source serves (equal to :func:`ram_trl.stage.fingerprint_checkpoint` of the same
+    """Fingerprint the base a source serves (equal to :func:`ram_trl.manifest.fingerprint_checkpoint` of the same
     weights saved to disk).
 
     Args:
         source: The base source.
-        names: The tensors to hash (default: :func:`ram_trl.stage.fingerprint_names` of the source's tensors).
+        names: The tensors to hash (default: :func:`ram_trl.manifest.fingerprint_names` of the source's tensors).
     """
     chosen = fingerprint_names(source.names()) if names is None else list(names)
 
