@@ -20,9 +20,9 @@ from decimal import Decimal
 
 import torch
 
-from ram_trl import defaults
 from ram_trl.methods import linear, ties
 from ram_trl.methods.base import ChunkInputs, MergeMethod, Parameter, TensorView
+from ram_trl.methods.parameters import sparsified_parameters
 
 #: Default share of the largest magnitudes dropped as outliers (mergekit's).
 DEFAULT_GAMMA = 0.01
@@ -162,50 +162,34 @@ def sparsify(inputs: ChunkInputs) -> None:
 def merge_linear(inputs: ChunkInputs) -> torch.Tensor:
     """``breadcrumbs``' chunk kernel: the cut, then task arithmetic."""
     sparsify(inputs)
-    return linear.task_arithmetic(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
+    return linear.merge_task_arithmetic(inputs)
 
 
 def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
     """``breadcrumbs_ties``' chunk kernel: the cut, then sign election and the disjoint sum (mean with normalize)."""
     sparsify(inputs)
-    return ties.disjoint_merge(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
+    return ties.merge_disjoint(inputs)
+
+
+_GAMMA = Parameter(
+    "gamma",
+    float,
+    DEFAULT_GAMMA,
+    "agent",
+    "fraction of the largest magnitudes dropped as outliers",
+    minimum=0.0,
+    maximum=1.0,
+)
 
 
 def _parameters(normalize_help: str) -> tuple[Parameter, ...]:
-    return (
-        Parameter(
-            "lambda",
-            float,
-            defaults.LAMBDA,
-            "global",
-            "global scaling term applied to the merged task vector",
-        ),
-        Parameter("normalize", bool, False, "global", normalize_help),
-        Parameter("rescale", bool, False, "global", "rescale the survivors to the task vector's L1 norm"),
-        Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t"),
-        Parameter(
-            "density",
-            float,
-            defaults.DENSITY,
-            "agent",
-            "fraction of each task vector kept, after the outliers",
-            minimum=0.0,
-            maximum=1.0,
-        ),
-        Parameter(
-            "gamma",
-            float,
-            DEFAULT_GAMMA,
-            "agent",
-            "fraction of the largest magnitudes dropped as outliers",
-            minimum=0.0,
-            maximum=1.0,
-        ),
-        Parameter("int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect"),
+    return sparsified_parameters(
+        False,
+        normalize_help,
+        False,
+        "rescale the survivors to the task vector's L1 norm",
+        "fraction of each task vector kept, after the outliers",
+        _GAMMA,
     )
 
 

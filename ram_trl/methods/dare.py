@@ -11,6 +11,10 @@ import hashlib
 
 import torch
 
+from ram_trl.methods import linear, ties
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod
+from ram_trl.methods.parameters import sparsified_parameters
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -75,3 +79,55 @@ def dare_drop(
     if rescale:
         delta.div_(density)
     return delta
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The methods: DARE with task arithmetic or with TIES (registered by :mod:`ram_trl.methods.registry`)
+
+
+def drop(inputs: ChunkInputs) -> None:
+    """Drop (and rescale) every agent's chunk of task vector in place, each with its own density and hash key."""
+    densities = inputs.agent_params["density"].tolist()
+    for t, density in enumerate(densities):
+        key = dare_key(inputs.seed, inputs.name, t)
+        dare_drop(inputs.deltas[t], density, key, inputs.start, inputs.params["rescale"])
+
+
+def merge_linear(inputs: ChunkInputs) -> torch.Tensor:
+    """``dare_linear``'s chunk kernel: the drop, then task arithmetic."""
+    drop(inputs)
+    return linear.merge_task_arithmetic(inputs)
+
+
+def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
+    """``dare_ties``' chunk kernel: the drop, then sign election and the disjoint sum (mean with normalize)."""
+    drop(inputs)
+    return ties.merge_disjoint(inputs)
+
+
+REFERENCE = "https://arxiv.org/abs/2311.03099"
+_RESCALE_HELP = "rescale survivors by 1 / density (= 1 / (1 - p))"
+_DENSITY_HELP = "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)"
+
+DARE_LINEAR = MergeMethod(
+    name="dare_linear",
+    pretty_name="DARE + Task Arithmetic",
+    description="random drop (p = 1 - density), rescale 1/(1-p), then task arithmetic",
+    parameters=sparsified_parameters(
+        False, "divide by the sum of weights", True, _RESCALE_HELP, _DENSITY_HELP
+    ),
+    merge=merge_linear,
+    reference=REFERENCE,
+)
+DARE_LINEAR_ALIASES = {"dare_ta": Alias("dare_linear")}
+
+DARE_TIES = MergeMethod(
+    name="dare_ties",
+    pretty_name="DARE + TIES",
+    description="random drop (p = 1 - density), rescale 1/(1-p), then sign election and disjoint sum/mean",
+    parameters=sparsified_parameters(
+        False, "disjoint mean (divide by the agreeing weights)", True, _RESCALE_HELP, _DENSITY_HELP
+    ),
+    merge=merge_ties,
+    reference=REFERENCE,
+)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ram_trl import defaults
 from ram_trl.errors import ConfigError
 from ram_trl.methods import dare, linear, ties
 from ram_trl.methods.base import ChunkInputs, MergeMethod, Parameter, TensorView
+from ram_trl.methods.parameters import sparsified_parameters
 
 #: Default half-width of the keep probabilities around ``density`` (mergekit's).
 DEFAULT_EPSILON = 0.15
@@ -159,44 +159,34 @@ def sparsify(inputs: ChunkInputs) -> None:
 def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
     """``della``'s chunk kernel: the drop, then sign election and the disjoint mean (sum without normalize)."""
     sparsify(inputs)
-    return ties.disjoint_merge(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
+    return ties.merge_disjoint(inputs)
 
 
 def merge_linear(inputs: ChunkInputs) -> torch.Tensor:
     """``della_linear``'s chunk kernel: the drop, then task arithmetic."""
     sparsify(inputs)
-    return linear.task_arithmetic(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
+    return linear.merge_task_arithmetic(inputs)
+
+
+_EPSILON = Parameter(
+    "epsilon",
+    float,
+    DEFAULT_EPSILON,
+    "agent",
+    "keep probabilities run from density - epsilon (smallest) to density + epsilon (largest)",
+    minimum=0.0,
+    maximum=1.0,
+)
 
 
 def _parameters(normalize: bool, normalize_help: str) -> tuple[Parameter, ...]:
-    return (
-        Parameter(
-            "lambda",
-            float,
-            defaults.LAMBDA,
-            "global",
-            "global scaling term applied to the merged task vector",
-        ),
-        Parameter("normalize", bool, normalize, "global", normalize_help),
-        Parameter("rescale", bool, True, "global", "rescale the survivors to the task vector's L1 norm"),
-        Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t"),
-        Parameter(
-            "density", float, defaults.DENSITY, "agent", "mean keep probability", minimum=0.0, maximum=1.0
-        ),
-        Parameter(
-            "epsilon",
-            float,
-            DEFAULT_EPSILON,
-            "agent",
-            "keep probabilities run from density - epsilon (smallest) to density + epsilon (largest)",
-            minimum=0.0,
-            maximum=1.0,
-        ),
-        Parameter("int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect"),
+    return sparsified_parameters(
+        normalize,
+        normalize_help,
+        True,
+        "rescale the survivors to the task vector's L1 norm",
+        "mean keep probability",
+        _EPSILON,
     )
 
 

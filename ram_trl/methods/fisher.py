@@ -21,9 +21,13 @@ results are bit-identical.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ram_trl import defaults
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
+from ram_trl.methods.parameters import LAMBDA
 
 #: Matena & Raffel's default ``fisher_floor``.
 DEFAULT_FISHER_FLOOR = defaults.FISHER_FLOOR
@@ -64,3 +68,50 @@ def fisher_merge(
     if scale != 1.0:
         merged.mul_(scale)
     return merged
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The method (registered by :mod:`ram_trl.methods.registry`)
+
+
+def merge_chunk(inputs: ChunkInputs) -> torch.Tensor:
+    """Fisher merging's chunk kernel: :func:`fisher_merge` with the agents' Fisher values streamed beside them."""
+    if inputs.fishers is None:
+        raise RuntimeError(f"{inputs.name}: Fisher merging needs the agents' Fisher values")
+    return fisher_merge(
+        inputs.deltas,
+        inputs.fishers,
+        inputs.agent_params["weight"],
+        inputs.params["lambda"],
+        inputs.params["fisher_floor"],
+    )
+
+
+FISHER = MergeMethod(
+    name="fisher",
+    pretty_name="Fisher merging",
+    description="lambda * sum_t w_t F_t tau_t / sum_t w_t F_t with each agent's diagonal Fisher F_t",
+    parameters=(
+        LAMBDA,
+        Parameter(
+            "fisher_floor",
+            float,
+            DEFAULT_FISHER_FLOOR,
+            "global",
+            "Fisher values below it are raised to it (Matena & Raffel's fisher_floor; 0: none)",
+            minimum=0.0,
+        ),
+        Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t", minimum=0.0),
+        Parameter(
+            "fisher",
+            Path,
+            "",
+            "agent",
+            "the agent's Fisher file (default: fisher.safetensors in the agent's directory)",
+        ),
+    ),
+    merge=merge_chunk,
+    needs_fisher=True,
+    reference="https://arxiv.org/abs/2111.09832",
+)
+FISHER_ALIASES = {"fisher_merging": Alias("fisher")}

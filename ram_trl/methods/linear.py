@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod
+from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, normalize
+
 
 def weighted_sum(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_t w_t * tau_t`` for task vectors of shape ``(num_agents, n)`` and weights of shape ``(num_agents,)``."""
@@ -64,3 +67,42 @@ def linear(
     if total != 1.0:
         merged.add_(base, alpha=total - 1.0)
     return merged
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The methods: task arithmetic and linear (registered by :mod:`ram_trl.methods.registry`)
+
+
+def merge_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor:
+    """Task arithmetic's chunk kernel (also the merge step of DARE, Breadcrumbs and DELLA's linear variants)."""
+    return task_arithmetic(
+        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
+    )
+
+
+def merge_linear(inputs: ChunkInputs) -> torch.Tensor:
+    """Linear merging's chunk kernel."""
+    return linear(inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"])
+
+
+TASK_ARITHMETIC = MergeMethod(
+    name="task_arithmetic",
+    pretty_name="Task Arithmetic",
+    description="lambda * sum_t w_t tau_t",
+    parameters=(LAMBDA, normalize(False, "divide by the sum of weights"), WEIGHT, INT8_MASK),
+    merge=merge_task_arithmetic,
+    reference="https://arxiv.org/abs/2212.04089",
+)
+TASK_ARITHMETIC_ALIASES = {"ta": Alias("task_arithmetic")}
+
+LINEAR = MergeMethod(
+    name="linear",
+    pretty_name="Linear (weighted average)",
+    description="sum_t w_t theta_t / sum_t w_t",
+    parameters=(normalize(True, "divide by the sum of weights"), WEIGHT),
+    merge=merge_linear,
+    keeps_base_entries=True,
+    divides_by_weight_sum=True,
+    reference="https://arxiv.org/abs/2203.05482",
+)
+LINEAR_ALIASES = {"average": Alias("linear"), "model_soup": Alias("linear")}

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ram_trl import defaults
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
 
 if TYPE_CHECKING:
     from ram_trl.statistics import OverlapStatistics
@@ -220,3 +221,87 @@ def subset_codes(mask: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _code_weights(num_agents: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.pow(2.0, torch.arange(num_agents, dtype=dtype, device=device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The methods: RAM, RAM+ and RAM+s (registered by :mod:`ram_trl.methods.registry`)
+
+EPS = Parameter(
+    "eps",
+    float,
+    DEFAULT_EPS,
+    "global",
+    "activity threshold: |tau| > eps (strict)",
+    minimum=0.0,
+    aliases=("epsilon",),
+)
+RHO_SCOPE = Parameter(
+    "rho_scope",
+    str,
+    "global",
+    "global",
+    "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
+    choices=("global", "tensor"),
+)
+R = Parameter(
+    "r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0
+)
+ALPHA = Parameter("alpha", float, defaults.ALPHA, "global", "clip bound alpha of rho_t", minimum=0.0)
+
+REFERENCE = "https://arxiv.org/abs/2601.13572"
+
+
+def merge_plain(inputs: ChunkInputs) -> torch.Tensor:
+    """RAM's chunk kernel: :func:`ram_merge` with every ``lambda_t = 1``."""
+    return ram_merge(inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"])
+
+
+def merge_rescaled(inputs: ChunkInputs) -> torch.Tensor:
+    """RAM+'s and RAM+s's chunk kernel: :func:`ram_merge` with the factors hook's ``lambda_t``."""
+    if inputs.factors is None:
+        raise RuntimeError(f"{inputs.name}: RAM needs overlap statistics before merging")
+    return ram_merge(inputs.deltas, inputs.factors, inputs.params["eps"])
+
+
+RAM = MergeMethod(
+    name="ram",
+    pretty_name="Reinforced Agent Merging (RAM)",
+    description="mean of shared elements, unique elements kept at full magnitude",
+    parameters=(EPS, RHO_SCOPE),
+    merge=merge_plain,
+    reference=REFERENCE,
+)
+
+RAM_PLUS = MergeMethod(
+    name="ram_plus",
+    pretty_name="Reinforced Agent Merging Plus (RAM+)",
+    description="RAM with unique elements rescaled by lambda_t = 1 + r * clip(rho_t, 0, alpha)",
+    parameters=(EPS, R, ALPHA, RHO_SCOPE),
+    merge=merge_rescaled,
+    factors=clipped_factors,
+    reference=REFERENCE,
+)
+RAM_PLUS_ALIASES = {
+    "ramplus": Alias("ram_plus"),
+    "ram+": Alias("ram_plus"),
+    "ramplus_tl": Alias(
+        "ram_plus",
+        {"rho_scope": "tensor", "alpha": defaults.MERGEKIT_TL_ALPHA},
+        "mergekit's tensor-local RAM+: rho per tensor, alpha default 0.2",
+    ),
+}
+
+RAM_PLUS_SOFT = MergeMethod(
+    name="ram_plus_soft",
+    pretty_name="Reinforced Agent Merging Plus, soft saturation (RAM+s)",
+    description="RAM with unique elements rescaled by lambda_t = 1 + r * rho_t / (1 + rho_t)",
+    parameters=(EPS, R, RHO_SCOPE),
+    merge=merge_rescaled,
+    factors=soft_factors,
+    reference=REFERENCE,
+)
+RAM_PLUS_SOFT_ALIASES = {
+    "ramplus_soft": Alias("ram_plus_soft"),
+    "ram+s": Alias("ram_plus_soft"),
+    "rams": Alias("ram_plus_soft"),
+}

@@ -1,19 +1,15 @@
 """Merge methods registered by name: the built-in methods, their aliases, and :func:`register` for more.
 
-Each built-in method is a :class:`~ram_trl.methods.base.MergeMethod` whose kernel is a thin adapter to the pure
-tensor functions of its family module (:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`,
-:mod:`~ram_trl.methods.ties`, :mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`); newer methods live
-whole in their own file and are registered by one line at the end of this module.
+Each built-in method is a :class:`~ram_trl.methods.base.MergeMethod` declared whole (parameters, hooks, chunk
+kernel) in its family's file (:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`,
+:mod:`~ram_trl.methods.ties`, :mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`, ...); this module only
+registers them, one line each, with the aliases their files declare.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from ram_trl import defaults
 from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, slerp, ties
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter, TensorView
 
@@ -35,7 +31,18 @@ _ALIASES: dict[str, Alias] = {}
 
 
 def register(method: MergeMethod, aliases: dict[str, Alias] | None = None) -> MergeMethod:
-    """Make ``method`` (and its aliases) available by name."""
+    """Make ``method`` (and its aliases) available by name, to configs, ``merge()`` and ``ram-trl methods``.
+
+    Args:
+        method (`MergeMethod`): The method; its ``name`` becomes a canonical name.
+        aliases (`dict[str, Alias]`, *optional*): Other names, each optionally with other parameter defaults.
+
+    Returns:
+        `MergeMethod`: ``method`` itself.
+
+    Raises:
+        ValueError: A name (canonical or alias) is already registered.
+    """
     for name in [method.name, *(aliases or {})]:
         if name in _METHODS or name in _ALIASES:
             raise ValueError(f"merge method name {name!r} is already registered")
@@ -45,7 +52,10 @@ def register(method: MergeMethod, aliases: dict[str, Alias] | None = None) -> Me
 
 
 def resolve_method(name: str) -> tuple[MergeMethod, dict[str, Any]]:
-    """Look a method up by canonical name or alias.
+    """Look a method up by canonical name or alias (case-insensitive, surrounding spaces ignored).
+
+    Args:
+        name (`str`): The name as the config gives it.
 
     Returns:
         ``(method, default_overrides)``: the method and the parameter defaults the alias implies.
@@ -63,293 +73,35 @@ def resolve_method(name: str) -> tuple[MergeMethod, dict[str, Any]]:
 
 
 def method_names() -> list[str]:
+    """The canonical names of the registered methods, sorted.
+
+    Returns:
+        `list[str]`: The names.
+    """
     return sorted(_METHODS)
 
 
 def alias_names() -> dict[str, Alias]:
+    """The registered aliases, in registration order.
+
+    Returns:
+        `dict[str, Alias]`: Alias name to the :class:`Alias` (its method and default overrides).
+    """
     return dict(_ALIASES)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parameters shared by several methods
+# The built-in methods, one line each, in the order ``ram-trl methods`` lists their aliases
 
-_EPS = Parameter(
-    "eps",
-    float,
-    ram.DEFAULT_EPS,
-    "global",
-    "activity threshold: |tau| > eps (strict)",
-    minimum=0.0,
-    aliases=("epsilon",),
-)
-_RHO_SCOPE = Parameter(
-    "rho_scope",
-    str,
-    "global",
-    "global",
-    "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
-    choices=("global", "tensor"),
-)
-_R = Parameter(
-    "r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0
-)
-_ALPHA = Parameter("alpha", float, defaults.ALPHA, "global", "clip bound alpha of rho_t", minimum=0.0)
-_LAMBDA = Parameter(
-    "lambda", float, defaults.LAMBDA, "global", "global scaling term applied to the merged task vector"
-)
-_WEIGHT = Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t")
-_DENSITY = Parameter(
-    "density",
-    float,
-    defaults.DENSITY,
-    "agent",
-    "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)",
-    minimum=0.0,
-    maximum=1.0,
-)
-_INT8_MASK = Parameter(
-    "int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect"
-)
-
-
-def _ram_lambdas(inputs: ChunkInputs) -> list[float]:
-    if inputs.factors is None:
-        raise RuntimeError(f"{inputs.name}: RAM needs overlap statistics before merging")
-    return inputs.factors
-
-
-def _merge_ram(inputs: ChunkInputs) -> torch.Tensor:
-    return ram.ram_merge(inputs.deltas, _ram_lambdas(inputs), inputs.params["eps"])
-
-
-def _merge_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor:
-    return linear.task_arithmetic(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
-
-
-def _merge_linear(inputs: ChunkInputs) -> torch.Tensor:
-    return linear.linear(
-        inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"]
-    )
-
-
-def _trim(inputs: ChunkInputs) -> None:
-    if inputs.prepared is None:
-        raise RuntimeError(f"{inputs.name}: TIES needs the tensor's magnitude cuts before merging")
-    for t, cut in enumerate(inputs.prepared):
-        _, equal = ties.magnitude_trim(inputs.deltas[t], cut, inputs.seen[t])
-        inputs.seen[t] += equal
-
-
-def _merge_ties(inputs: ChunkInputs) -> torch.Tensor:
-    _trim(inputs)
-    return ties.disjoint_merge(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
-
-
-def _drop(inputs: ChunkInputs) -> None:
-    densities = inputs.agent_params["density"].tolist()
-    for t, density in enumerate(densities):
-        key = dare.dare_key(inputs.seed, inputs.name, t)
-        dare.dare_drop(inputs.deltas[t], density, key, inputs.start, inputs.params["rescale"])
-
-
-def _merge_dare_linear(inputs: ChunkInputs) -> torch.Tensor:
-    _drop(inputs)
-    return _merge_task_arithmetic(inputs)
-
-
-def _merge_dare_ties(inputs: ChunkInputs) -> torch.Tensor:
-    _drop(inputs)
-    return ties.disjoint_merge(
-        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
-    )
-
-
-RAM_REFERENCE = "https://arxiv.org/abs/2601.13572"
-
-register(
-    MergeMethod(
-        name="ram",
-        pretty_name="Reinforced Agent Merging (RAM)",
-        description="mean of shared elements, unique elements kept at full magnitude",
-        parameters=(_EPS, _RHO_SCOPE),
-        merge=lambda inputs: ram.ram_merge(
-            inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"]
-        ),
-        reference=RAM_REFERENCE,
-    )
-)
-register(
-    MergeMethod(
-        name="ram_plus",
-        pretty_name="Reinforced Agent Merging Plus (RAM+)",
-        description="RAM with unique elements rescaled by lambda_t = 1 + r * clip(rho_t, 0, alpha)",
-        parameters=(_EPS, _R, _ALPHA, _RHO_SCOPE),
-        merge=_merge_ram,
-        factors=ram.clipped_factors,
-        reference=RAM_REFERENCE,
-    ),
-    aliases={
-        "ramplus": Alias("ram_plus"),
-        "ram+": Alias("ram_plus"),
-        "ramplus_tl": Alias(
-            "ram_plus",
-            {"rho_scope": "tensor", "alpha": defaults.MERGEKIT_TL_ALPHA},
-            "mergekit's tensor-local RAM+: rho per tensor, alpha default 0.2",
-        ),
-    },
-)
-register(
-    MergeMethod(
-        name="ram_plus_soft",
-        pretty_name="Reinforced Agent Merging Plus, soft saturation (RAM+s)",
-        description="RAM with unique elements rescaled by lambda_t = 1 + r * rho_t / (1 + rho_t)",
-        parameters=(_EPS, _R, _RHO_SCOPE),
-        merge=_merge_ram,
-        factors=ram.soft_factors,
-        reference=RAM_REFERENCE,
-    ),
-    aliases={
-        "ramplus_soft": Alias("ram_plus_soft"),
-        "ram+s": Alias("ram_plus_soft"),
-        "rams": Alias("ram_plus_soft"),
-    },
-)
-register(
-    MergeMethod(
-        name="task_arithmetic",
-        pretty_name="Task Arithmetic",
-        description="lambda * sum_t w_t tau_t",
-        parameters=(
-            _LAMBDA,
-            Parameter("normalize", bool, False, "global", "divide by the sum of weights"),
-            _WEIGHT,
-            _INT8_MASK,
-        ),
-        merge=_merge_task_arithmetic,
-        reference="https://arxiv.org/abs/2212.04089",
-    ),
-    aliases={"ta": Alias("task_arithmetic")},
-)
-register(
-    MergeMethod(
-        name="ties",
-        pretty_name="TIES",
-        description="per-tensor magnitude trim, sign election by sum, disjoint mean",
-        parameters=(
-            _LAMBDA,
-            Parameter("normalize", bool, True, "global", "disjoint mean (divide by the agreeing weights)"),
-            _WEIGHT,
-            _DENSITY,
-            _INT8_MASK,
-        ),
-        merge=_merge_ties,
-        prepare_tensor=ties.prepare_cuts,
-        scan=ties.scan_ties,
-        reference="https://arxiv.org/abs/2306.01708",
-    ),
-)
-_DARE_RESCALE = Parameter("rescale", bool, True, "global", "rescale survivors by 1 / density (= 1 / (1 - p))")
-register(
-    MergeMethod(
-        name="dare_linear",
-        pretty_name="DARE + Task Arithmetic",
-        description="random drop (p = 1 - density), rescale 1/(1-p), then task arithmetic",
-        parameters=(
-            _LAMBDA,
-            Parameter("normalize", bool, False, "global", "divide by the sum of weights"),
-            _DARE_RESCALE,
-            _WEIGHT,
-            _DENSITY,
-            _INT8_MASK,
-        ),
-        merge=_merge_dare_linear,
-        reference="https://arxiv.org/abs/2311.03099",
-    ),
-    aliases={"dare_ta": Alias("dare_linear")},
-)
-register(
-    MergeMethod(
-        name="dare_ties",
-        pretty_name="DARE + TIES",
-        description="random drop (p = 1 - density), rescale 1/(1-p), then sign election and disjoint sum/mean",
-        parameters=(
-            _LAMBDA,
-            Parameter("normalize", bool, False, "global", "disjoint mean (divide by the agreeing weights)"),
-            _DARE_RESCALE,
-            _WEIGHT,
-            _DENSITY,
-            _INT8_MASK,
-        ),
-        merge=_merge_dare_ties,
-        reference="https://arxiv.org/abs/2311.03099",
-    ),
-)
-register(
-    MergeMethod(
-        name="linear",
-        pretty_name="Linear (weighted average)",
-        description="sum_t w_t theta_t / sum_t w_t",
-        parameters=(Parameter("normalize", bool, True, "global", "divide by the sum of weights"), _WEIGHT),
-        merge=_merge_linear,
-        keeps_base_entries=True,
-        divides_by_weight_sum=True,
-        reference="https://arxiv.org/abs/2203.05482",
-    ),
-    aliases={"average": Alias("linear"), "model_soup": Alias("linear")},
-)
-
-
-def _merge_fisher(inputs: ChunkInputs) -> torch.Tensor:
-    if inputs.fishers is None:
-        raise RuntimeError(f"{inputs.name}: Fisher merging needs the agents' Fisher values")
-    return fisher.fisher_merge(
-        inputs.deltas,
-        inputs.fishers,
-        inputs.agent_params["weight"],
-        inputs.params["lambda"],
-        inputs.params["fisher_floor"],
-    )
-
-
-register(
-    MergeMethod(
-        name="fisher",
-        pretty_name="Fisher merging",
-        description="lambda * sum_t w_t F_t tau_t / sum_t w_t F_t with each agent's diagonal Fisher F_t",
-        parameters=(
-            _LAMBDA,
-            Parameter(
-                "fisher_floor",
-                float,
-                fisher.DEFAULT_FISHER_FLOOR,
-                "global",
-                "Fisher values below it are raised to it (Matena & Raffel's fisher_floor; 0: none)",
-                minimum=0.0,
-            ),
-            Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t", minimum=0.0),
-            Parameter(
-                "fisher",
-                Path,
-                "",
-                "agent",
-                "the agent's Fisher file (default: fisher.safetensors in the agent's directory)",
-            ),
-        ),
-        merge=_merge_fisher,
-        needs_fisher=True,
-        reference="https://arxiv.org/abs/2111.09832",
-    ),
-    aliases={"fisher_merging": Alias("fisher")},
-)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Methods that live whole in their own file (imported above): one line each
-
+register(ram.RAM)
+register(ram.RAM_PLUS, ram.RAM_PLUS_ALIASES)
+register(ram.RAM_PLUS_SOFT, ram.RAM_PLUS_SOFT_ALIASES)
+register(linear.TASK_ARITHMETIC, linear.TASK_ARITHMETIC_ALIASES)
+register(ties.TIES)
+register(dare.DARE_LINEAR, dare.DARE_LINEAR_ALIASES)
+register(dare.DARE_TIES)
+register(linear.LINEAR, linear.LINEAR_ALIASES)
+register(fisher.FISHER, fisher.FISHER_ALIASES)
 register(slerp.SLERP)
 register(breadcrumbs.BREADCRUMBS)
 register(breadcrumbs.BREADCRUMBS_TIES)

@@ -12,12 +12,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from ram_trl.methods.base import TensorView
+from ram_trl.methods.base import ChunkInputs, MergeMethod, TensorView
+from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, density, normalize
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -249,3 +248,48 @@ def scan_ties(deltas: torch.Tensor, cuts: list[MagnitudeCut]) -> list[int]:
     """TIES' scan hook: per agent, the elements of a block equal to its cut's threshold (:func:`count_at_cut`), so
     that every block knows how many tied elements came before it (ties are kept lowest flat index first)."""
     return [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The method (registered by :mod:`ram_trl.methods.registry`)
+
+
+def trim(inputs: ChunkInputs) -> None:
+    """Trim every agent's chunk of task vector at its cut (in place) and update the running tie counts."""
+    if inputs.prepared is None:
+        raise RuntimeError(f"{inputs.name}: TIES needs the tensor's magnitude cuts before merging")
+    for t, cut in enumerate(inputs.prepared):
+        _, equal = magnitude_trim(inputs.deltas[t], cut, inputs.seen[t])
+        inputs.seen[t] += equal
+
+
+def merge_disjoint(inputs: ChunkInputs) -> torch.Tensor:
+    """:func:`disjoint_merge` of a chunk's (already sparsified) task vectors with the method's ``weight``,
+    ``lambda`` and ``normalize``: the merge step of TIES, DARE-TIES, Breadcrumbs-TIES and DELLA."""
+    return disjoint_merge(
+        inputs.deltas, inputs.agent_params["weight"], inputs.params["lambda"], inputs.params["normalize"]
+    )
+
+
+def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
+    """TIES' chunk kernel: the magnitude trim, then sign election and the disjoint mean."""
+    trim(inputs)
+    return merge_disjoint(inputs)
+
+
+TIES = MergeMethod(
+    name="ties",
+    pretty_name="TIES",
+    description="per-tensor magnitude trim, sign election by sum, disjoint mean",
+    parameters=(
+        LAMBDA,
+        normalize(True, "disjoint mean (divide by the agreeing weights)"),
+        WEIGHT,
+        density("fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)"),
+        INT8_MASK,
+    ),
+    merge=merge_ties,
+    prepare_tensor=prepare_cuts,
+    scan=scan_ties,
+    reference="https://arxiv.org/abs/2306.01708",
+)
