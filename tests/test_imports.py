@@ -65,3 +65,25 @@ def test_public_names_load_on_first_use():
 def test_defaults_and_sizes_import_nothing_heavy():
     loaded = _loaded_after("import ram_trl.defaults, ram_trl.sizes")
     assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
+
+
+def test_no_test_folder_shadows_a_standard_library_module():
+    """The worker scripts in ``tests/`` (run by torchrun, DeepSpeed and accelerate as files) have ``tests/`` first on
+    ``sys.path``: a folder there named like a standard-library module (``tests/statistics/``) would replace that
+    module for every library the worker imports (DeepSpeed's optimizers import ``statistics``). Modules the
+    interpreter loads before the script's folder is on the path (``io``) cannot be shadowed."""
+    from pathlib import Path
+
+    loaded_at_startup = _loaded_after("pass")
+    tests = Path(__file__).parent
+    for root in (tests, *(p for p in tests.rglob("*") if p.is_dir())):
+        shadowing = sorted(
+            p.name
+            for p in root.iterdir()
+            if (p.is_dir() or p.suffix == ".py")
+            and p.stem in sys.stdlib_module_names
+            and p.stem not in loaded_at_startup
+        )
+        assert not shadowing, (
+            f"{root}: {shadowing} shadow standard-library modules for scripts run from there"
+        )

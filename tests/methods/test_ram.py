@@ -67,27 +67,6 @@ def test_threshold_is_exact_when_eps_rounds_up_in_float32():
     assert ram_merge(x.clone(), [1.0], 0.1).tolist() == pytest.approx([0.1, -0.1, 0.0])
 
 
-def test_statistics_subset_encoding_equals_direct_counts(monkeypatch):
-    generator = torch.Generator().manual_seed(0)
-    mask = torch.rand(5, 4000, generator=generator) < torch.tensor([[0.05], [0.3], [0.5], [0.7], [0.9]])
-    fast = OverlapStatistics.zeros(5)
-    fast.update(mask)
-    monkeypatch.setattr("ram_trl.statistics.MAX_SUBSET_AGENTS", 0)
-    slow = OverlapStatistics.zeros(5)
-    slow.update(mask)
-    assert torch.equal(fast.histogram, slow.histogram)
-    assert torch.equal(fast.pairwise, slow.pairwise)
-    counts = mask.sum(0)
-    for t in range(5):
-        for k in range(1, 6):
-            assert fast.histogram[t, k] == int((mask[t] & (counts == k)).sum())
-        for s in range(5):
-            assert fast.pairwise[s, t] == int((mask[s] & mask[t]).sum())
-    assert fast.jaccard(1, 2) == pytest.approx(
-        int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum())
-    )
-
-
 def test_statistics_accumulate_over_chunks_like_one_pass():
     whole = OverlapStatistics.zeros(3)
     whole.update(active_mask(TAUS, 1e-5))

@@ -1,4 +1,4 @@
-"""Golden values for the statistics library: overlap summaries, and magnitude metrics exact and streamed."""
+"""Golden values for the magnitude statistics: exact metrics, histogram estimates within their bounds, streaming."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from ram_trl.methods.ram import active_mask
-from ram_trl.statistics import (
+from ram_trl.statistics.magnitude import (
     MagnitudeStatistics,
-    OverlapStatistics,
     excess_kurtosis,
     gini_coefficient,
     histogram_gini,
@@ -19,60 +18,11 @@ from ram_trl.statistics import (
     magnitude_bin_edges,
     top_mass_share,
 )
-from tests.helpers import TAUS
 
-# TAUS: the seven elements of tests/methods/test_ram.py with dyadic values: e0 no agent; e1 agent 0; e2 agents 0, 1;
-# e3 all three; e4 agent 0 at exactly eps (inactive); e5 agent 1 (2e-5); e6 agent 0.
 F = torch.float32
 D = 2.0**-7  # the default relative bin width
 FOURTH_POWER_BOUND = 1.5 * D**2 + 4 * D**3 + D**4  # relative error of the estimated sum of tau**4
 THIRD_POWER_BOUND = 0.75 * D**2 + D**3  # error of the estimated sum of tau**3, relative to sum |tau|**3
-
-
-def _stats(taus: torch.Tensor = TAUS, eps: float = 1e-5) -> OverlapStatistics:
-    stats = OverlapStatistics.zeros(taus.shape[0])
-    stats.update(active_mask(taus, eps))
-    return stats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Overlap summaries
-
-
-def test_overlap_shares_element_counts_union_and_jaccard():
-    stats = _stats()
-    # agent 0: e1, e6 unique; e2 with one other; e3 with two others
-    assert stats.overlap_shares(0) == [0.5, 0.25, 0.25]
-    assert stats.overlap_shares(1) == pytest.approx([1 / 3, 1 / 3, 1 / 3])
-    assert stats.overlap_shares(2) == [0.0, 0.0, 1.0]
-    assert stats.element_counts() == [2, 3, 1, 1]  # e0, e4 | e1, e5, e6 | e2 | e3
-    assert stats.union() == 5
-    expected = [[1.0, 2 / 5, 1 / 4], [2 / 5, 1.0, 1 / 3], [1 / 4, 1 / 3, 1.0]]
-    assert torch.allclose(torch.tensor(stats.jaccard_matrix()), torch.tensor(expected))
-
-
-def test_exact_threshold_counts_every_changed_value():
-    stats = _stats(eps=0.0)
-    assert [stats.active(t) for t in range(3)] == [5, 3, 1]
-    assert stats.element_counts() == [1, 4, 1, 1]
-
-
-def test_agent_without_active_elements_has_zero_shares():
-    stats = _stats(torch.zeros(2, 4))
-    assert stats.overlap_shares(0) == [0.0, 0.0]
-    assert stats.element_counts() == [4, 0, 0]
-    assert stats.jaccard_matrix() == [[0.0, 0.0], [0.0, 0.0]]
-
-
-def test_sum_of_parts_equals_whole_and_leaves_parts_unchanged():
-    first, second = _stats(TAUS[:, :4]), _stats(TAUS[:, 4:])
-    before = first.histogram.clone()
-    total = first + second
-    whole = _stats()
-    assert torch.equal(total.histogram, whole.histogram)
-    assert torch.equal(total.pairwise, whole.pairwise)
-    assert total.numel == 7
-    assert torch.equal(first.histogram, before)
 
 
 # ---------------------------------------------------------------------------------------------------------------

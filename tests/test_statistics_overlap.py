@@ -1,0 +1,80 @@
+"""Golden values for the overlap statistics: shares, element counts, union, Jaccard, sums of parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ram_trl.methods.ram import active_mask
+from ram_trl.statistics.overlap import OverlapStatistics
+from tests.helpers import TAUS
+
+# TAUS: the seven elements of tests/methods/test_ram.py with dyadic values: e0 no agent; e1 agent 0; e2 agents 0, 1;
+# e3 all three; e4 agent 0 at exactly eps (inactive); e5 agent 1 (2e-5); e6 agent 0.
+
+
+def _stats(taus: torch.Tensor = TAUS, eps: float = 1e-5) -> OverlapStatistics:
+    stats = OverlapStatistics.zeros(taus.shape[0])
+    stats.update(active_mask(taus, eps))
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Overlap summaries
+
+
+def test_overlap_shares_element_counts_union_and_jaccard():
+    stats = _stats()
+    # agent 0: e1, e6 unique; e2 with one other; e3 with two others
+    assert stats.overlap_shares(0) == [0.5, 0.25, 0.25]
+    assert stats.overlap_shares(1) == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    assert stats.overlap_shares(2) == [0.0, 0.0, 1.0]
+    assert stats.element_counts() == [2, 3, 1, 1]  # e0, e4 | e1, e5, e6 | e2 | e3
+    assert stats.union() == 5
+    expected = [[1.0, 2 / 5, 1 / 4], [2 / 5, 1.0, 1 / 3], [1 / 4, 1 / 3, 1.0]]
+    assert torch.allclose(torch.tensor(stats.jaccard_matrix()), torch.tensor(expected))
+
+
+def test_exact_threshold_counts_every_changed_value():
+    stats = _stats(eps=0.0)
+    assert [stats.active(t) for t in range(3)] == [5, 3, 1]
+    assert stats.element_counts() == [1, 4, 1, 1]
+
+
+def test_agent_without_active_elements_has_zero_shares():
+    stats = _stats(torch.zeros(2, 4))
+    assert stats.overlap_shares(0) == [0.0, 0.0]
+    assert stats.element_counts() == [4, 0, 0]
+    assert stats.jaccard_matrix() == [[0.0, 0.0], [0.0, 0.0]]
+
+
+def test_sum_of_parts_equals_whole_and_leaves_parts_unchanged():
+    first, second = _stats(TAUS[:, :4]), _stats(TAUS[:, 4:])
+    before = first.histogram.clone()
+    total = first + second
+    whole = _stats()
+    assert torch.equal(total.histogram, whole.histogram)
+    assert torch.equal(total.pairwise, whole.pairwise)
+    assert total.numel == 7
+    assert torch.equal(first.histogram, before)
+
+
+def test_subset_encoding_equals_direct_counts(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.rand(5, 4000, generator=generator) < torch.tensor([[0.05], [0.3], [0.5], [0.7], [0.9]])
+    fast = OverlapStatistics.zeros(5)
+    fast.update(mask)
+    monkeypatch.setattr("ram_trl.statistics.overlap.MAX_SUBSET_AGENTS", 0)
+    slow = OverlapStatistics.zeros(5)
+    slow.update(mask)
+    assert torch.equal(fast.histogram, slow.histogram)
+    assert torch.equal(fast.pairwise, slow.pairwise)
+    counts = mask.sum(0)
+    for t in range(5):
+        for k in range(1, 6):
+            assert fast.histogram[t, k] == int((mask[t] & (counts == k)).sum())
+        for s in range(5):
+            assert fast.pairwise[s, t] == int((mask[s] & mask[t]).sum())
+    assert fast.jaccard(1, 2) == pytest.approx(
+        int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum())
+    )
