@@ -311,3 +311,117 @@ def distinct_chars(completions, **kwargs) -> list[float]:
     Reward functions given by import path (``tests.helpers:distinct_chars``) in recipe stages and merge previews.
     """
     return [len(set(c if isinstance(c, str) else str(c))) / 8 for c in completions]
+
+
+def distinct_char_count(completions, **kwargs) -> list[float]:
+    """A reward a tiny random model varies on: the number of distinct characters in each completion."""
+    return [float(len(set(c))) for c in completions]
+
+
+#: Prompts of the tiny RL runs of the callback and preview tests (repeated to fill the dataset).
+RL_PROMPTS = ("ab", "cd", "ef", "gh")
+#: Steps of those runs unless a test says otherwise.
+RL_STEPS = 3
+
+
+def rl_config(cls: type, out: Path, **overrides: Any) -> Any:
+    """A tiny TRL RL trainer config for the callback and preview tests: 4 prompts a device batch, 4 generations
+    of at most 8 tokens, :data:`RL_STEPS` steps, a log every 2, learning rate 1e-3, on the CPU in float32, seed 0,
+    no reports and no checkpoints.
+
+    Args:
+        cls (`type`): The config class (``trl.GRPOConfig``, ``trl.RLOOConfig``).
+        out (`Path`): Its ``output_dir``.
+        **overrides: Settings that replace (or add to) the above.
+
+    Returns:
+        The config.
+    """
+    settings: dict[str, Any] = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=RL_STEPS,
+        logging_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+    )
+    settings.update(overrides)
+    return cls(**settings)
+
+
+def rl_prompts(repeats: int, prompts: tuple[str, ...] = RL_PROMPTS) -> Any:
+    """The training dataset of a tiny RL run: ``prompts`` repeated ``repeats`` times (a ``datasets.Dataset``)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": list(prompts) * repeats})
+
+
+def train_rl(
+    trainer_cls: type,
+    base: Path,
+    config: Any,
+    callback: Any,
+    reward: Any,
+    dataset: Any,
+    peft_config: Any = None,
+) -> Any:
+    """Build a TRL RL trainer on the model at ``base`` with ``callback``, bind the callback to it and train.
+
+    Args:
+        trainer_cls (`type`): ``trl.GRPOTrainer`` or ``trl.RLOOTrainer``.
+        base (`Path`): The model directory.
+        config: Its config (:func:`rl_config`).
+        callback: A ram_trl callback (bound to the trainer before training).
+        reward: The reward function.
+        dataset: The prompts (:func:`rl_prompts`).
+        peft_config (*optional*): A PEFT config for a LoRA run.
+
+    Returns:
+        The trained trainer.
+    """
+    trainer = trainer_cls(
+        model=str(base),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[callback],
+        peft_config=peft_config,
+    )
+    callback.bind(trainer)
+    trainer.train()
+    return trainer
+
+
+def recipe_dict(**changes: Any) -> dict:
+    """A minimal valid recipe (one trained stage on the demo's arithmetic task) as a mapping, with ``changes``
+    applied by :func:`ram_trl.recipes.schema.apply_overrides` (``stages={"*": {...}}`` changes every stage)."""
+    from ram_trl.recipes.schema import apply_overrides
+
+    data = {
+        "name": "t",
+        "base": {"build": {"hidden_size": 16}},
+        "stages": [
+            {
+                "name": "coding",
+                "prompts": {"generator": "ram_trl.recipes.tasks:arithmetic_prompts", "train_size": 4},
+                "rewards": ["ram_trl.recipes.tasks:arithmetic_reward"],
+                "config": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4},
+            }
+        ],
+    }
+    return apply_overrides(data, changes)
+
+
+def check_recipe(data: dict, **kwargs: Any) -> list[str]:
+    """Load a recipe mapping and run the ``--dry-run`` environment checks on it; returns their notes."""
+    from ram_trl.recipes.environment import validate_recipe
+    from ram_trl.recipes.schema import load_recipe
+
+    parsed, root = load_recipe(data)
+    return validate_recipe(parsed, root, **kwargs)

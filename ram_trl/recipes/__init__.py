@@ -1,6 +1,8 @@
 """Specialize-then-merge recipes: ``ram-trl run RECIPE.yaml``, ``ram-trl eval``, ``ram-trl demo``.
 
-- :mod:`ram_trl.recipes.schema`: the recipe file (pydantic), sweeps, offline validation.
+- :mod:`ram_trl.recipes.schema`: the recipe file (pydantic models), overrides, sweeps.
+- :mod:`ram_trl.recipes.environment`: the ``--dry-run`` checks against the environment (imports, trainer
+  configs, config files, paths) and the trainer settings of a stage.
 - :mod:`ram_trl.recipes.tasks`: the demo's three verifiable tasks (prompt generators, reward functions).
 - :mod:`ram_trl.recipes.stage`: one stage as its own process (TRL trainer, telemetry callback, manifest).
 - :mod:`ram_trl.recipes.runner`: the pipeline (base, warm start, stages, analysis, merges, evaluation).

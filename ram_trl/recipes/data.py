@@ -10,7 +10,8 @@ from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.output import atomic_file
-from ram_trl.recipes.schema import StageSpec, import_object
+from ram_trl.recipes.environment import import_object
+from ram_trl.recipes.schema import StageSpec
 
 __all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "write_jsonl"]
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ram_trl.recipes.schema import EvaluationSpec, import_object
+from ram_trl.recipes.environment import import_object
+from ram_trl.recipes.schema import EvaluationSpec
 
 __all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_completions"]
 

@@ -38,6 +38,7 @@ import yaml
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.schema import (
     MergeRow,
     Recipe,
@@ -45,7 +46,6 @@ from ram_trl.recipes.schema import (
     apply_overrides,
     expand_merges,
     load_recipe,
-    validate_recipe,
 )
 
 __all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds", "stage_complete"]

@@ -1,9 +1,9 @@
 """The recipe file (YAML): a base model, stages (one RL run per vertical), merges to compare, and the evaluation.
 
 Everything is validated when the recipe is loaded, before any work, with errors naming the recipe file and the
-field to change. :func:`validate_recipe` adds the checks that touch the environment (import paths of prompt
-generators and reward functions, trainer configs, accelerate/DeepSpeed config files, model and data paths), which
-``ram-trl run RECIPE --dry-run`` runs offline.
+field to change. :func:`ram_trl.recipes.environment.validate_recipe` adds the checks that touch the environment
+(import paths of prompt generators and reward functions, trainer configs, accelerate/DeepSpeed config files, model
+and data paths), which ``ram-trl run RECIPE --dry-run`` runs offline.
 
 A recipe::
 
@@ -27,11 +27,8 @@ A recipe::
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl import defaults
-from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.errors import ConfigError
 
 __all__ = [
     "ABSTAIN_REPLIES",
@@ -55,10 +52,7 @@ __all__ = [
     "WarmStartSpec",
     "apply_overrides",
     "expand_merges",
-    "import_object",
     "load_recipe",
-    "trainer_settings",
-    "validate_recipe",
 ]
 
 #: Merge methods compared when a recipe gives no ``merges``.
@@ -68,33 +62,6 @@ DEFAULT_METHODS: tuple[str, ...] = ("ram", "ram_plus", "task_arithmetic", "ties"
 FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-
-
-def import_object(path: str, what: str = "object") -> Any:
-    """Import ``package.module:attribute`` (or ``package.module.attribute``).
-
-    Args:
-        path: The import path.
-        what: What it is, for the error message (e.g. ``"reward function"``).
-
-    Raises:
-        ConfigError: naming the path and what is wrong (module not found, no such attribute).
-    """
-    module_name, sep, attribute = path.partition(":")
-    if not sep:
-        module_name, _, attribute = path.rpartition(".")
-    if not module_name or not attribute:
-        raise ConfigError(f"{what} {path!r}: write it as 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from None
-    obj = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 #: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
@@ -520,7 +487,7 @@ def _format_errors(exc: ValidationError) -> str:
 def load_recipe(
     source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> tuple[Recipe, Path]:
-    """Read and validate a recipe (schema only; see :func:`validate_recipe` for the environment checks).
+    """Read and validate a recipe (schema only; see :func:`ram_trl.recipes.environment.validate_recipe` for the environment checks).
 
     Args:
         source: A YAML file, or a dict (paths then resolve against the working directory).
@@ -603,367 +570,3 @@ def expand_merges(recipe: Recipe) -> list[MergeRow]:
         if names.count(name) > 1:
             raise ConfigError(f"merges: two entries make the row {name!r}; give one of them a 'name:'")
     return rows
-
-
-def _check_path(path: str, root: Path, what: str, problems: list[str], directory: bool = False) -> Path:
-    resolved = Path(path).expanduser()
-    resolved = resolved if resolved.is_absolute() else root / resolved
-    if directory and not resolved.is_dir():
-        problems.append(f"{what} {resolved} is not a directory")
-    elif not directory and not resolved.is_file():
-        problems.append(f"{what} {resolved} does not exist")
-    return resolved
-
-
-def _trainer_config_class(trainer: str) -> type:
-    if trainer == "grpo":
-        from trl import GRPOConfig
-
-        return GRPOConfig
-    from trl import RLOOConfig
-
-    return RLOOConfig
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -> dict[str, Any]:
-    """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
-    (no reporting integrations, no intermediate checkpoints, the recipe's seed). Without a GPU, ``bf16`` defaults to
-    off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
-    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
-    settings: dict[str, Any] = {"report_to": [], "save_strategy": "no", "seed": seed, **stage.config}
-    if not _cuda():
-        if validate_only:
-            settings.update(bf16=False, fp16=False)
-        settings.setdefault("bf16", False)
-    return settings
-
-
-#: Ranges of common trainer-config numbers (:func:`ram_trl.validation.check_number` bounds) that the trainers
-#: check only when training starts, or never (a NaN learning rate trains a NaN model).
-TRAINER_BOUNDS: dict[str, dict[str, Any]] = {
-    "learning_rate": {"above": 0},
-    "num_train_epochs": {"above": 0},
-    "max_steps": {"minimum": -1, "integer": True},
-    "per_device_train_batch_size": {"minimum": 1, "integer": True},
-    "gradient_accumulation_steps": {"minimum": 1, "integer": True},
-    "num_generations": {"minimum": 1, "integer": True},
-    "max_completion_length": {"minimum": 1, "integer": True},
-    "max_prompt_length": {"minimum": 1, "integer": True},
-    "logging_steps": {"above": 0},
-    "temperature": {"above": 0},
-    "top_p": {"above": 0, "maximum": 1},
-    "beta": {"minimum": 0},
-    "epsilon": {"minimum": 0},
-    "weight_decay": {"minimum": 0},
-    "warmup_ratio": {"minimum": 0, "maximum": 1},
-    "warmup_steps": {"minimum": 0},
-    "max_grad_norm": {"minimum": 0},
-    "num_iterations": {"minimum": 1, "integer": True},
-    "seed": {"minimum": 0, "maximum": MAX_SEED, "integer": True},
-}
-
-
-def _field_kinds(cls: type) -> dict[str, type]:
-    """``int`` or ``float`` for each field of a trainer config typed as a number (optionally ``None``)."""
-    import dataclasses
-    import typing
-
-    try:
-        hints = typing.get_type_hints(cls)
-    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to the bounds table
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    kinds = {}
-    for name, hint in hints.items():
-        options = set(typing.get_args(hint) or (hint,)) - {type(None)}
-        if options == {int}:
-            kinds[name] = int
-        elif options and options <= {int, float}:
-            kinds[name] = float
-    return kinds
-
-
-def check_finite(value: Any, where: str) -> None:
-    """Refuse NaN and Inf anywhere in a nested value (``config:``, ``peft:``, generator ``kwargs:``).
-
-    Raises:
-        ConfigError: naming ``where`` and the key path.
-    """
-    import math
-
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where} is {value!r}; give a finite number")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            check_finite(item, f"{where}.{key}")
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            check_finite(item, f"{where}[{index}]")
-
-
-def check_trainer_config(stage: StageSpec) -> None:
-    """Validate the stage's ``GRPOConfig``/``RLOOConfig`` keys and values: known fields, numbers where the config
-    takes numbers (finite, whole where it takes integers, within :data:`TRAINER_BOUNDS`), then build it in a
-    scratch directory for the trainer's own checks.
-
-    Raises:
-        ConfigError: naming the stage, the field and what to change.
-    """
-    import dataclasses
-    import tempfile
-
-    from ram_trl.validation import check_number
-
-    cls = _trainer_config_class(stage.trainer)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(stage.config) - known)
-    if unknown:
-        raise ConfigError(
-            f"stage {stage.name!r}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
-            "see the TRL documentation of the trainer's config"
-        )
-    where = f"stage {stage.name!r}"
-    kinds = _field_kinds(cls)
-    for key, value in stage.config.items():
-        check_finite(value, f"{where}: config.{key}")
-        if value is None or (key not in kinds and key not in TRAINER_BOUNDS):
-            continue
-        if key in kinds or isinstance(value, int | float):
-            bounds = dict(TRAINER_BOUNDS.get(key, {}))
-            bounds.setdefault("integer", kinds.get(key) is int)
-            check_number(value, where, f"config.{key}", **bounds)
-    config = {k: v for k, v in trainer_settings(stage, 0, validate_only=True).items() if k != "deepspeed"}
-    with tempfile.TemporaryDirectory() as scratch:
-        try:
-            cls(output_dir=scratch, **config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"stage {stage.name!r}: invalid {cls.__name__}: {exc}") from None
-
-
-def validate_recipe(
-    recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe"
-) -> list[str]:
-    """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths.
-
-    Args:
-        recipe: The recipe.
-        root: Directory relative paths resolve against.
-        check_paths: Check that model checkpoints and prompt files exist (turn off to validate a recipe for
-            another machine, before downloading the models).
-        where: How messages name the recipe (``"recipe PATH"``).
-
-    Returns:
-        Notes for the user (e.g. what was not checked).
-
-    Raises:
-        ConfigError: listing every problem found, each naming the stage/merge and what to change.
-    """
-    from ram_trl.config import check_parameter
-    from ram_trl.methods import method_names, resolve_method
-    from ram_trl.validation import check_number
-
-    source = where
-    problems: list[str] = []
-    notes: list[str] = []
-    if recipe.base.path is not None and check_paths:
-        _check_path(recipe.base.path, root, "base.path", problems, directory=True)
-    if recipe.base.build is not None:
-        import inspect
-
-        from ram_trl.synthetic import make_base_checkpoint
-
-        accepted = set(inspect.signature(make_base_checkpoint).parameters) - {"output_dir"}
-        for key in sorted(set(recipe.base.build) - accepted):
-            problems.append(
-                f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}"
-            )
-        for key in (
-            "hidden_size",
-            "num_layers",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
-            if key in recipe.base.build:
-                try:
-                    check_number(recipe.base.build[key], "base.build", key, minimum=1, integer=True)
-                except ConfigError as exc:
-                    problems.append(str(exc))
-        if recipe.base.build.get("vocab_size") is not None:
-            try:
-                check_number(
-                    recipe.base.build["vocab_size"], "base.build", "vocab_size", minimum=1, integer=True
-                )
-            except ConfigError as exc:
-                problems.append(str(exc))
-        build = recipe.base.build
-        heads, kv = build.get("num_attention_heads", 4), build.get("num_key_value_heads", 2)
-        if not problems and build.get("hidden_size", 64) % heads:
-            problems.append(
-                f"base.build: num_attention_heads {heads} must divide hidden_size {build.get('hidden_size', 64)}"
-            )
-        if not problems and heads % kv:
-            problems.append(f"base.build: num_key_value_heads {kv} must divide num_attention_heads {heads}")
-        if recipe.base.build.get("dtype", "bfloat16") not in ("bfloat16", "float16", "float32"):
-            problems.append(
-                f"base.build.dtype: {recipe.base.build['dtype']!r}; use bfloat16, float16 or float32"
-            )
-    for stage in recipe.stages:
-        where = f"stage {stage.name!r}"
-        if stage.checkpoint is not None and check_paths:
-            _check_path(stage.checkpoint, root, f"{where}: checkpoint", problems, directory=True)
-        if stage.prompts is not None:
-            try:
-                check_finite(stage.prompts.kwargs, f"{where}: prompts.kwargs")
-            except ConfigError as exc:
-                problems.append(str(exc))
-            if stage.prompts.generator is not None:
-                try:
-                    if not callable(import_object(stage.prompts.generator, f"{where}: prompt generator")):
-                        problems.append(
-                            f"{where}: prompt generator {stage.prompts.generator!r} is not callable"
-                        )
-                except ConfigError as exc:
-                    problems.append(str(exc))
-            for key in ("train_file", "eval_file", "val_file"):
-                value = getattr(stage.prompts, key)
-                if value is not None and check_paths:
-                    _check_path(value, root, f"{where}: prompts.{key}", problems)
-        for path in stage.rewards:
-            try:
-                if not callable(import_object(path, f"{where}: reward function")):
-                    problems.append(f"{where}: reward function {path!r} is not callable")
-            except ConfigError as exc:
-                problems.append(str(exc))
-        if stage.trained:
-            try:
-                check_trainer_config(stage)
-            except ConfigError as exc:
-                problems.append(str(exc))
-            if stage.peft is not None:
-                try:
-                    from peft import LoraConfig
-
-                    from ram_trl.validation import check_lora_config
-
-                    check_finite(stage.peft, f"{where}: peft")
-                    check_lora_config(stage.peft, Path("recipe"), f"{where}: peft")
-                    LoraConfig(**stage.peft)
-                except ImportError:
-                    problems.append(f"{where}: 'peft:' needs the peft package (pip install peft)")
-                except RamTrlError as exc:
-                    problems.append(str(exc).replace(": recipe: ", ": "))
-                except (TypeError, ValueError) as exc:
-                    problems.append(f"{where}: invalid peft LoraConfig: {exc}")
-            if stage.accelerate_config is not None:
-                _check_accelerate(stage, root, problems)
-            if stage.preview is not None:
-                try:
-                    method, _ = resolve_method(stage.preview.method)
-                except Exception as exc:  # noqa: BLE001 - the registry's message names the method
-                    problems.append(f"{where}: preview.method: {exc}")
-                else:
-                    known = {p.name for p in method.parameters}
-                    problems += [
-                        f"{where}: preview: method {stage.preview.method!r} has no parameter {key!r}; "
-                        f"its parameters: {', '.join(sorted(known)) or 'none'}"
-                        for key in stage.preview.parameters
-                        if key not in known
-                    ]
-    for row in expand_merges(recipe):
-        unknown = sorted(set(row.fisher) - FISHER_SETTINGS)
-        if unknown:
-            problems.append(
-                f"merge {row.name!r}: unknown fisher setting {', '.join(map(repr, unknown))}; "
-                f"use some of {', '.join(sorted(FISHER_SETTINGS))}"
-            )
-        if row.fisher and row.method != "fisher":
-            problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
-        if row.method == "fisher" and "fisher" not in method_names():
-            problems.append(f"merge {row.name!r}: method 'fisher' is not available in this ram_trl build")
-            continue
-        try:
-            method, _ = resolve_method(row.method)
-        except Exception as exc:  # noqa: BLE001 - the registry's message names the method
-            problems.append(f"merge {row.name!r}: {exc}")
-            continue
-        fewest, most = method.agents
-        if len(recipe.stages) < fewest or (most is not None and len(recipe.stages) > most):
-            wanted = (
-                f"exactly {fewest}"
-                if fewest == most
-                else f"{fewest} to {most}"
-                if most
-                else f"at least {fewest}"
-            )
-            problems.append(
-                f"merge {row.name!r}: method {row.method!r} merges {wanted} model(s) besides the base; the recipe "
-                f"has {len(recipe.stages)} stage(s)"
-            )
-        known = {p.name for p in method.parameters}
-        for key, value in row.parameters.items():
-            parameter = method.parameter(key)
-            if parameter is None:
-                problems.append(
-                    f"merge {row.name!r}: method {row.method!r} has no parameter {key!r}; "
-                    f"its parameters: {', '.join(sorted(known)) or 'none'}"
-                )
-                continue
-            try:  # the merge's own checks (finite, in range), now rather than after training
-                check_parameter(parameter, value, f"merge {row.name!r}: parameters")
-            except ConfigError as exc:
-                problems.append(str(exc))
-    if recipe.evaluation.enabled:
-        for stage in recipe.stages:
-            if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
-                notes.append(f"stage {stage.name!r} has no held-out prompts: it gets no evaluation column")
-            elif (
-                stage.prompts.val_file if stage.prompts.generator is None else stage.prompts.validation_size
-            ) in (
-                None,
-                0,
-            ):
-                notes.append(
-                    f"stage {stage.name!r} has no validation prompts (val_size: 0 / no val_file): nothing is "
-                    "chosen on its column"
-                )
-    if not check_paths:
-        notes.append("model checkpoints and prompt files were not checked (--skip-paths)")
-    if len(problems) == 1:
-        raise ConfigError(f"{source}: {problems[0]}")
-    if problems:
-        raise ConfigError(f"{source} is invalid:\n  - " + "\n  - ".join(problems))
-    return notes
-
-
-def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None:
-    where = f"stage {stage.name!r}"
-    before = len(problems)
-    path = _check_path(stage.accelerate_config, root, f"{where}: accelerate_config", problems)
-    if len(problems) > before:
-        return
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        problems.append(f"{where}: accelerate_config {path} is not valid YAML ({exc})")
-        return
-    ds = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
-    if ds:
-        ds_path = Path(ds) if Path(ds).is_absolute() else path.parent / ds
-        if not ds_path.is_file():
-            problems.append(f"{where}: DeepSpeed config {ds_path} named by {path} does not exist")
-        else:
-            try:
-                json.loads(ds_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                problems.append(f"{where}: DeepSpeed config {ds_path} is not valid JSON ({exc})")
-
-
-def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:
-    """Import each path of ``paths`` (see :func:`import_object`)."""
-    return [import_object(p, what) for p in paths]

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.recipes.schema import Recipe, StageSpec, import_object, load_recipe, trainer_settings
+from ram_trl.recipes.environment import import_object, trainer_settings
+from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 from ram_trl.validation import check_reward_values
 
 __all__ = [

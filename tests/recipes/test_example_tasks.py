@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ram_trl.recipes.schema import expand_merges, load_recipe, validate_recipe
+from ram_trl.recipes.environment import validate_recipe
+from ram_trl.recipes.schema import expand_merges, load_recipe
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -1,7 +1,7 @@
 """Hostile recipes against ``ram-trl run``: each is refused with one ``error:`` line (exit 2) naming the recipe file
 and the field, stage or function, before anything is written (no run directory) and without a traceback.
 
-The checks live in the validation layer (:mod:`ram_trl.recipes.schema`, :func:`ram_trl.recipes.data.check_rows`,
+The checks live in the validation layer (:mod:`ram_trl.recipes.schema`, :mod:`ram_trl.recipes.environment`, :func:`ram_trl.recipes.data.check_rows`,
 :func:`ram_trl.validation.check_reward_values`, :class:`ram_trl.output.OutputDir`), not in these cases.
 """
 

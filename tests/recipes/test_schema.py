@@ -1,55 +1,27 @@
-"""Recipe validation: schema errors, import paths, methods, sweeps, trainer configs, the shipped recipes."""
+"""The recipe schema: errors that say what to change, methods, sweeps, overrides, preview and split settings."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ram_trl.errors import ConfigError
-from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
-from ram_trl.recipes.schema import (
-    DEFAULT_METHODS,
-    apply_overrides,
-    expand_merges,
-    import_object,
-    load_recipe,
-    validate_recipe,
-)
+from ram_trl.recipes import DEMO_RECIPE
+from ram_trl.recipes.schema import DEFAULT_METHODS, apply_overrides, expand_merges, load_recipe
+from tests.helpers import check_recipe, recipe_dict
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def recipe(**changes) -> dict:
-    data = {
-        "name": "t",
-        "base": {"build": {"hidden_size": 16}},
-        "stages": [
-            {
-                "name": "coding",
-                "prompts": {"generator": "ram_trl.recipes.tasks:arithmetic_prompts", "train_size": 4},
-                "rewards": ["ram_trl.recipes.tasks:arithmetic_reward"],
-                "config": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4},
-            }
-        ],
-    }
-    return apply_overrides(data, changes)
-
-
-def check(data: dict, **kwargs) -> list[str]:
-    parsed, root = load_recipe(data)
-    return validate_recipe(parsed, root, **kwargs)
-
-
 def test_minimal_recipe_is_valid_with_the_default_methods():
-    parsed, _ = load_recipe(recipe())
+    parsed, _ = load_recipe(recipe_dict())
     assert [row.name for row in expand_merges(parsed)] == list(DEFAULT_METHODS)
-    assert check(recipe()) == []
+    assert check_recipe(recipe_dict()) == []
 
 
 def test_sweeps_expand_to_one_row_per_point():
-    data = recipe(
+    data = recipe_dict(
         merges=["ram", {"method": "ram_plus", "parameters": {"r": [0, 0.05], "alpha": [1, 2.5], "eps": 0}}]
     )
     rows = expand_merges(load_recipe(data)[0])
@@ -60,79 +32,52 @@ def test_sweeps_expand_to_one_row_per_point():
         ("ram_plus(r=0.05,alpha=1)", {"eps": 0, "r": 0.05, "alpha": 1}),
         ("ram_plus(r=0.05,alpha=2.5)", {"eps": 0, "r": 0.05, "alpha": 2.5}),
     ]
-    named = recipe(merges=[{"method": "ties", "name": "ties20", "parameters": {"density": [0.2]}}])
+    named = recipe_dict(merges=[{"method": "ties", "name": "ties20", "parameters": {"density": [0.2]}}])
     assert [r.name for r in expand_merges(load_recipe(named)[0])] == ["ties20(density=0.2)"]
 
 
 def test_bad_sweeps_are_refused():
     with pytest.raises(ConfigError, match=r"merges\.0\.parameters: .*'r' sweeps an empty list"):
-        load_recipe(recipe(merges=[{"method": "ram_plus", "parameters": {"r": []}}]))
+        load_recipe(recipe_dict(merges=[{"method": "ram_plus", "parameters": {"r": []}}]))
     with pytest.raises(ConfigError, match="'r': give a value or a list of values"):
-        load_recipe(recipe(merges=[{"method": "ram_plus", "parameters": {"r": {"a": 1}}}]))
+        load_recipe(recipe_dict(merges=[{"method": "ram_plus", "parameters": {"r": {"a": 1}}}]))
     with pytest.raises(ConfigError, match="two entries make the row 'ram'; give one of them a 'name:'"):
-        load_recipe(recipe(merges=["ram", "ram"]))
+        load_recipe(recipe_dict(merges=["ram", "ram"]))
 
 
 def test_unknown_method_and_parameter_are_named():
     with pytest.raises(ConfigError, match="merge 'ram_minus'") as info:
-        check(recipe(merges=["ram_minus"]))
+        check_recipe(recipe_dict(merges=["ram_minus"]))
     assert "ram_minus" in str(info.value)
     with pytest.raises(ConfigError, match="merge 'ram_plus': method 'ram_plus' has no parameter 'beta'"):
-        check(recipe(merges=[{"method": "ram_plus", "parameters": {"beta": 1}}]))
+        check_recipe(recipe_dict(merges=[{"method": "ram_plus", "parameters": {"beta": 1}}]))
 
 
 def test_methods_check_how_many_stages_they_merge():
-    one_stage = recipe(
+    one_stage = recipe_dict(
         merges=["slerp", "breadcrumbs", {"method": "breadcrumbs_ties", "parameters": {"gamma": 0.05}}]
     )
-    assert check(one_stage) == []
-    two_stages = recipe(merges=["slerp", "breadcrumbs"])
+    assert check_recipe(one_stage) == []
+    two_stages = recipe_dict(merges=["slerp", "breadcrumbs"])
     two_stages["stages"].append({**two_stages["stages"][0], "name": "math"})
     with pytest.raises(ConfigError, match="merge 'slerp': method 'slerp' merges exactly 1 model") as info:
-        check(two_stages)
+        check_recipe(two_stages)
     assert "breadcrumbs" not in str(info.value)
-
-
-def test_bad_import_paths_name_the_stage_and_path():
-    bad_module = recipe(stages={"*": {"rewards": ["no_such_module:reward"]}})
-    with pytest.raises(
-        ConfigError, match=r"stage 'coding': reward function 'no_such_module:reward': cannot import"
-    ):
-        check(bad_module)
-    bad_attr = recipe(stages={"*": {"rewards": ["ram_trl.recipes.tasks:no_reward"]}})
-    with pytest.raises(ConfigError, match="module 'ram_trl.recipes.tasks' has no attribute 'no_reward'"):
-        check(bad_attr)
-    bad_generator = recipe(stages={"*": {"prompts": {"generator": "ram_trl.recipes.tasks"}}})
-    with pytest.raises(ConfigError, match="prompt generator 'ram_trl.recipes.tasks'"):
-        check(bad_generator)
-    with pytest.raises(ConfigError, match="write it as 'package.module:function'"):
-        import_object("reward", "reward function")
-
-
-def test_trainer_config_errors_name_the_stage():
-    with pytest.raises(ConfigError, match="stage 'coding': GRPOConfig has no field 'learning_rat'"):
-        check(recipe(stages={"*": {"config": {"learning_rat": 1e-5}}}))
-    with pytest.raises(ConfigError, match="stage 'coding': invalid GRPOConfig"):
-        check(recipe(stages={"*": {"config": {"per_device_train_batch_size": 3, "num_generations": 2}}}))
-    with pytest.raises(ConfigError, match="config.output_dir is set by the runner"):
-        load_recipe(recipe(stages={"*": {"config": {"output_dir": "x"}}}))
-    with pytest.raises(ConfigError, match="invalid peft LoraConfig"):
-        check(recipe(stages={"*": {"peft": {"rank": 4}}}))
 
 
 def test_schema_errors_say_what_to_change(tmp_path):
     with pytest.raises(ConfigError, match="base: give exactly one of 'path: CHECKPOINT_DIR' and 'build:"):
-        load_recipe(recipe(base={"path": "x"}))
+        load_recipe(recipe_dict(base={"path": "x"}))
     with pytest.raises(ConfigError, match="stage name 'coding' is used twice"):
-        data = recipe()
+        data = recipe_dict()
         data["stages"] = data["stages"] * 2
         load_recipe(data)
     with pytest.raises(ConfigError, match="a trained stage needs 'rewards:"):
-        load_recipe(recipe(stages={"*": {"rewards": []}}))
+        load_recipe(recipe_dict(stages={"*": {"rewards": []}}))
     with pytest.raises(ConfigError, match="stages.0.trainer"):
-        load_recipe(recipe(stages={"*": {"trainer": "ppo"}}))
+        load_recipe(recipe_dict(stages={"*": {"trainer": "ppo"}}))
     with pytest.raises(ConfigError, match="stages.0.learning_rate: Extra inputs are not permitted"):
-        load_recipe(recipe(stages={"*": {"learning_rate": 1}}))
+        load_recipe(recipe_dict(stages={"*": {"learning_rate": 1}}))
     file = tmp_path / "r.yaml"
     file.write_text("- a list\n")
     with pytest.raises(ConfigError, match=f"recipe {file}: expected a mapping"):
@@ -141,44 +86,14 @@ def test_schema_errors_say_what_to_change(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
 
 
-def test_paths_are_checked_unless_skipped(tmp_path):
-    data = recipe(base={"path": str(tmp_path / "nowhere"), "build": None})
-    data["base"].pop("build")
-    with pytest.raises(ConfigError, match=r"base.path .*nowhere is not a directory"):
-        check(data)
-    assert any("--skip-paths" in note for note in check(data, check_paths=False))
-    accelerate = recipe(stages={"*": {"accelerate_config": str(tmp_path / "acc.yaml")}})
-    with pytest.raises(ConfigError, match="accelerate_config .*acc.yaml does not exist"):
-        check(accelerate)
-    (tmp_path / "acc.yaml").write_text(
-        yaml.safe_dump({"deepspeed_config": {"deepspeed_config_file": "ds.json"}})
-    )
-    with pytest.raises(ConfigError, match="DeepSpeed config .*ds.json named by .*acc.yaml does not exist"):
-        check(accelerate)
-
-
 def test_overrides_update_every_stage():
-    data = apply_overrides(recipe(), {"stages": {"*": {"config": {"max_steps": 7}}}, "seed": 3})
+    data = apply_overrides(recipe_dict(), {"stages": {"*": {"config": {"max_steps": 7}}}, "seed": 3})
     assert data["seed"] == 3
     assert data["stages"][0]["config"] == {
         "max_steps": 7,
         "per_device_train_batch_size": 4,
         "num_generations": 4,
     }
-
-
-@pytest.mark.parametrize(
-    "path, overrides",
-    [
-        (DEMO_RECIPE, None),
-        (DEMO_RECIPE, QUICK_OVERRIDES),
-        (REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml", None),
-        (REPO / "recipes" / "qwen2.5-1.5b-grpo-zero3.yaml", None),
-    ],
-)
-def test_shipped_recipes_pass_dry_run_validation(path, overrides):
-    parsed, root = load_recipe(path, overrides)
-    validate_recipe(parsed, root, check_paths=False)
 
 
 def test_repository_demo_recipe_is_the_package_data():
@@ -198,28 +113,11 @@ def test_paper_recipe_uses_the_papers_agents_and_ram_plus_defaults():
     assert not any(s.trained for s in parsed.stages)
 
 
-def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
-    from ram_trl.cli import main
-
-    assert (
-        main(["run", str(REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml"), "--dry-run", "--skip-paths"])
-        == 0
-    )
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(recipe(merges=["ram", "ram_minus"])))
-    assert main(["run", str(bad), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert f"ram-trl run: error: recipe {bad}: merge 'ram_minus'" in err
-    assert main(["run", str(bad), "--skip-paths"]) == 2
-    assert "--skip-paths only applies to --dry-run" in capsys.readouterr().err
-    assert not (tmp_path / "runs").exists()
-
-
 def test_validation_split_settings():
-    parsed, _ = load_recipe(recipe())
+    parsed, _ = load_recipe(recipe_dict())
     prompts = parsed.stages[0].prompts
     assert (prompts.val_size, prompts.validation_size) == (None, 64)  # default: as many as eval_size
-    parsed, _ = load_recipe(recipe(stages={"*": {"prompts": {"val_size": 16, "eval_size": 32}}}))
+    parsed, _ = load_recipe(recipe_dict(stages={"*": {"prompts": {"val_size": 16, "eval_size": 32}}}))
     assert parsed.stages[0].prompts.validation_size == 16
     evaluation = parsed.evaluation
     assert (evaluation.bootstrap_resamples, evaluation.bootstrap_seed, evaluation.retention_min_gain) == (
@@ -230,42 +128,45 @@ def test_validation_split_settings():
     with pytest.raises(
         ConfigError, match="give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:'"
     ):
-        load_recipe(recipe(stages={"*": {"prompts": {"val_file": "v.jsonl"}}}))
+        load_recipe(recipe_dict(stages={"*": {"prompts": {"val_file": "v.jsonl"}}}))
     files = {"prompts": {"generator": None, "train_file": "t.jsonl", "val_size": 8}}
     with pytest.raises(ConfigError, match="val_size applies to a generator; with files, give 'val_file:'"):
-        load_recipe(recipe(stages={"*": files}))
+        load_recipe(recipe_dict(stages={"*": files}))
     with pytest.raises(ConfigError, match="evaluation.bootstrap_resamples"):
-        load_recipe(recipe(evaluation={"bootstrap_resamples": 10}))
-    notes = check(recipe(stages={"*": {"prompts": {"val_size": 0}}}))
+        load_recipe(recipe_dict(evaluation={"bootstrap_resamples": 10}))
+    notes = check_recipe(recipe_dict(stages={"*": {"prompts": {"val_size": 0}}}))
     assert notes == [
         "stage 'coding' has no validation prompts (val_size: 0 / no val_file): nothing is chosen on its column"
     ]
 
 
 def test_preview_settings_are_validated():
-    parsed, _ = load_recipe(recipe(stages={"*": {"preview": {}}}))
+    parsed, _ = load_recipe(recipe_dict(stages={"*": {"preview": {}}}))
     preview = parsed.stages[0].preview
     assert (preview.every, preview.method, preview.parameters, preview.keep) == (10, "ram_plus", {}, "best")
-    assert load_recipe(recipe())[0].stages[0].preview is None  # off unless asked for
+    assert load_recipe(recipe_dict())[0].stages[0].preview is None  # off unless asked for
     assert (
-        check(recipe(stages={"*": {"preview": {"every": 5, "keep": "last", "parameters": {"r": 0.2}}}})) == []
+        check_recipe(
+            recipe_dict(stages={"*": {"preview": {"every": 5, "keep": "last", "parameters": {"r": 0.2}}}})
+        )
+        == []
     )
     with pytest.raises(ConfigError, match="stages.0.preview.every"):
-        load_recipe(recipe(stages={"*": {"preview": {"every": 0}}}))
+        load_recipe(recipe_dict(stages={"*": {"preview": {"every": 0}}}))
     with pytest.raises(ConfigError, match="stages.0.preview.keep"):
-        load_recipe(recipe(stages={"*": {"preview": {"keep": "first"}}}))
+        load_recipe(recipe_dict(stages={"*": {"preview": {"keep": "first"}}}))
     with pytest.raises(ConfigError, match="stage 'coding': 'preview:' .* and stage 'coding' has none"):
-        load_recipe(recipe(stages={"*": {"preview": {}, "prompts": {"val_size": 0}}}))
+        load_recipe(recipe_dict(stages={"*": {"preview": {}, "prompts": {"val_size": 0}}}))
     with pytest.raises(ConfigError, match="'preview:' scores prompts; evaluation.enabled is false"):
-        load_recipe(recipe(stages={"*": {"preview": {}}}, evaluation={"enabled": False}))
+        load_recipe(recipe_dict(stages={"*": {"preview": {}}}, evaluation={"enabled": False}))
     with pytest.raises(ConfigError, match="stage 'coding': preview.method"):
-        check(recipe(stages={"*": {"preview": {"method": "ram_minus"}}}))
+        check_recipe(recipe_dict(stages={"*": {"preview": {"method": "ram_minus"}}}))
     with pytest.raises(ConfigError, match="preview: method 'ram_plus' has no parameter 'beta'"):
-        check(recipe(stages={"*": {"preview": {"parameters": {"beta": 1}}}}))
+        check_recipe(recipe_dict(stages={"*": {"preview": {"parameters": {"beta": 1}}}}))
 
 
 def test_preview_needs_validation_prompts_on_every_earlier_stage():
-    data = recipe()
+    data = recipe_dict()
     second = {**data["stages"][0], "name": "tools", "preview": {}}
     data["stages"] = [
         {**data["stages"][0], "prompts": {**data["stages"][0]["prompts"], "val_size": 0}},
@@ -275,4 +176,4 @@ def test_preview_needs_validation_prompts_on_every_earlier_stage():
         load_recipe(data)
     existing = {"name": "old", "checkpoint": "agents/old", "preview": {}}
     with pytest.raises(ConfigError, match="'preview:' applies to a trained stage"):
-        load_recipe({**recipe(), "stages": [existing]})
+        load_recipe({**recipe_dict(), "stages": [existing]})

@@ -1,0 +1,93 @@
+"""The environment checks of a recipe (``--dry-run``): import paths, trainer and PEFT configs, config files and
+paths, the shipped recipes, the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ram_trl.errors import ConfigError
+from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
+from ram_trl.recipes.environment import import_object, validate_recipe
+from ram_trl.recipes.schema import load_recipe
+from tests.helpers import check_recipe, recipe_dict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bad_import_paths_name_the_stage_and_path():
+    bad_module = recipe_dict(stages={"*": {"rewards": ["no_such_module:reward"]}})
+    with pytest.raises(
+        ConfigError, match=r"stage 'coding': reward function 'no_such_module:reward': cannot import"
+    ):
+        check_recipe(bad_module)
+    bad_attr = recipe_dict(stages={"*": {"rewards": ["ram_trl.recipes.tasks:no_reward"]}})
+    with pytest.raises(ConfigError, match="module 'ram_trl.recipes.tasks' has no attribute 'no_reward'"):
+        check_recipe(bad_attr)
+    bad_generator = recipe_dict(stages={"*": {"prompts": {"generator": "ram_trl.recipes.tasks"}}})
+    with pytest.raises(ConfigError, match="prompt generator 'ram_trl.recipes.tasks'"):
+        check_recipe(bad_generator)
+    with pytest.raises(ConfigError, match="write it as 'package.module:function'"):
+        import_object("reward", "reward function")
+
+
+def test_trainer_config_errors_name_the_stage():
+    with pytest.raises(ConfigError, match="stage 'coding': GRPOConfig has no field 'learning_rat'"):
+        check_recipe(recipe_dict(stages={"*": {"config": {"learning_rat": 1e-5}}}))
+    with pytest.raises(ConfigError, match="stage 'coding': invalid GRPOConfig"):
+        check_recipe(
+            recipe_dict(stages={"*": {"config": {"per_device_train_batch_size": 3, "num_generations": 2}}})
+        )
+    with pytest.raises(ConfigError, match="config.output_dir is set by the runner"):
+        load_recipe(recipe_dict(stages={"*": {"config": {"output_dir": "x"}}}))
+    with pytest.raises(ConfigError, match="invalid peft LoraConfig"):
+        check_recipe(recipe_dict(stages={"*": {"peft": {"rank": 4}}}))
+
+
+def test_paths_are_checked_unless_skipped(tmp_path):
+    data = recipe_dict(base={"path": str(tmp_path / "nowhere"), "build": None})
+    data["base"].pop("build")
+    with pytest.raises(ConfigError, match=r"base.path .*nowhere is not a directory"):
+        check_recipe(data)
+    assert any("--skip-paths" in note for note in check_recipe(data, check_paths=False))
+    accelerate = recipe_dict(stages={"*": {"accelerate_config": str(tmp_path / "acc.yaml")}})
+    with pytest.raises(ConfigError, match="accelerate_config .*acc.yaml does not exist"):
+        check_recipe(accelerate)
+    (tmp_path / "acc.yaml").write_text(
+        yaml.safe_dump({"deepspeed_config": {"deepspeed_config_file": "ds.json"}})
+    )
+    with pytest.raises(ConfigError, match="DeepSpeed config .*ds.json named by .*acc.yaml does not exist"):
+        check_recipe(accelerate)
+
+
+@pytest.mark.parametrize(
+    "path, overrides",
+    [
+        (DEMO_RECIPE, None),
+        (DEMO_RECIPE, QUICK_OVERRIDES),
+        (REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml", None),
+        (REPO / "recipes" / "qwen2.5-1.5b-grpo-zero3.yaml", None),
+    ],
+)
+def test_shipped_recipes_pass_dry_run_validation(path, overrides):
+    parsed, root = load_recipe(path, overrides)
+    validate_recipe(parsed, root, check_paths=False)
+
+
+def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
+    from ram_trl.cli import main
+
+    assert (
+        main(["run", str(REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml"), "--dry-run", "--skip-paths"])
+        == 0
+    )
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(recipe_dict(merges=["ram", "ram_minus"])))
+    assert main(["run", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"ram-trl run: error: recipe {bad}: merge 'ram_minus'" in err
+    assert main(["run", str(bad), "--skip-paths"]) == 2
+    assert "--skip-paths only applies to --dry-run" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
