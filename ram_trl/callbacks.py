@@ -38,7 +38,11 @@ VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "dee
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` and of ram_trl."""
+    """Installed versions of :data:`VERSIONED_PACKAGES` and of ram_trl.
+
+    Returns:
+        `dict[str, str]`: Package name to version, for those installed.
+    """
     versions = {"ram_trl": ram_trl.__version__}
     for package in VERSIONED_PACKAGES:
         try:
@@ -50,7 +54,14 @@ def library_versions() -> dict[str, str]:
 
 def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The most recent value of every logged metric whose name mentions ``reward`` (e.g. GRPO's ``reward``,
-    ``reward_std``, ``rewards/<func>/mean``), skipping non-finite values."""
+    ``reward_std``, ``rewards/<func>/mean``), skipping non-finite values.
+
+    Args:
+        log_history (`Sequence[dict[str, Any]]`): A trainer's ``state.log_history``.
+
+    Returns:
+        `dict[str, float]`: Metric name to its last finite value, sorted by name.
+    """
     out: dict[str, float] = {}
     for entry in reversed(log_history):
         for key, value in entry.items():
@@ -61,7 +72,14 @@ def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, floa
 
 
 def policy_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The policy inside a trainer's model: TRL's PPO wraps policy and value model in one module with ``.policy``."""
+    """The policy inside a trainer's model: TRL's PPO wraps policy and value model in one module with ``.policy``.
+
+    Args:
+        model (`torch.nn.Module`): The trainer's model.
+
+    Returns:
+        `torch.nn.Module`: Its ``policy`` when it has one, else ``model``.
+    """
     policy = getattr(model, "policy", None)
     return policy if isinstance(policy, torch.nn.Module) else model
 
@@ -70,30 +88,55 @@ class TaskVectorSparsityCallback(TrainerCallback):
     """Measure the task vector while a TRL / transformers trainer trains, and end the run as a merge stage.
 
     Args:
-        trainer: The trainer (or set it later with :meth:`bind`): the metrics go through its logging path, and its
+        trainer (`transformers.Trainer`, *optional*):
+            The trainer (or set it later with :meth:`bind`): the metrics go through its logging path, and its
             reference model (GRPO / RLOO with ``beta > 0``) is the cheapest base.
-        base_model: The base checkpoint on disk, read through memory maps when the trainer holds no reference
-            model. Also recorded in the manifest. Without it (and without a reference model or PEFT) the callback
-            snapshots the parameters at train begin.
-        every_n_steps: Measure every this many optimizer steps (default: the trainer's logging steps); the final
-            step is always measured.
-        eps: Activity threshold, ``|tau| > eps`` (strict), as RAM masks.
-        save_dtype: The dtype the agent is saved in at train end and the ``density_saved`` view (``"bfloat16"``,
+        base_model (`str` or `os.PathLike`, *optional*):
+            The base checkpoint on disk, read through memory maps when the trainer holds no reference model. Also
+            recorded in the manifest. Without it (and without a reference model or PEFT) the callback snapshots the
+            parameters at train begin.
+        every_n_steps (`int`, *optional*):
+            Measure every this many optimizer steps (default: the trainer's logging steps); the final step is
+            always measured.
+        eps (`float`, *optional*, defaults to `1e-5`):
+            Activity threshold, ``|tau| > eps`` (strict), as RAM masks (:data:`ram_trl.defaults.EPS`).
+        save_dtype (`str`, *optional*, defaults to `"bfloat16"`):
+            The dtype the agent is saved in at train end and the ``density_saved`` view (``"bfloat16"``,
             ``"float16"``, ``"float32"``).
-        prior_stages: Stage manifests (or their directories) of agents trained before this one from the same
-            base: the overlap and RAM+ rho_t / lambda_t metrics are reported against them.
-        stage_name: The stage's name in the manifest (default: the output directory's name).
-        domain: The vertical the stage specialises in (free text).
-        prefix: Prefix of every metric name.
-        r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
-        alpha: RAM+ clip bound of rho_t.
-        magnitudes: Also report the magnitude statistics.
-        magnitude_sample: Take them from a systematic sample of about this many elements when the model has more
-            (``None``: every element; see :class:`~ram_trl.telemetry.TaskVectorTracker`).
-        threads: Worker threads of a measurement (default: one per torch intra-op thread; see
+        prior_stages (`Sequence[str | os.PathLike]`, *optional*, defaults to `()`):
+            Stage manifests (or their directories) of agents trained before this one from the same base: the
+            overlap and RAM+ rho_t / lambda_t metrics are reported against them.
+        stage_name (`str`, *optional*):
+            The stage's name in the manifest (default: the output directory's name).
+        domain (`str`, *optional*):
+            The vertical the stage specialises in (free text).
+        prefix (`str`, *optional*, defaults to `"task_vector/"`):
+            Prefix of every metric name.
+        r (`float`, *optional*, defaults to `0.1`):
+            RAM+ / RAM+s rescale strength for the prior-stage lambda_t (keyword only).
+        alpha (`float`, *optional*, defaults to `2.0`):
+            RAM+ clip bound of rho_t (keyword only).
+        magnitudes (`bool`, *optional*, defaults to `True`):
+            Also report the magnitude statistics.
+        magnitude_sample (`int`, *optional*, defaults to `2**25`):
+            Take them from a systematic sample of about this many elements when the model has more (``None``:
+            every element; see :class:`~ram_trl.telemetry.TaskVectorTracker`).
+        threads (`int`, *optional*):
+            Worker threads of a measurement (default: one per torch intra-op thread; see
             :class:`~ram_trl.telemetry.TaskVectorTracker`).
-        save_agent: Save the agent in ``save_dtype`` to the output directory at train end.
-        write_stage: Write ``ram_stage.json`` at train end.
+        save_agent (`bool`, *optional*, defaults to `True`):
+            Save the agent in ``save_dtype`` to the output directory at train end.
+        write_stage (`bool`, *optional*, defaults to `True`):
+            Write ``ram_stage.json`` at train end.
+
+    Example::
+
+        from ram_trl.callbacks import TaskVectorSparsityCallback
+
+        callback = TaskVectorSparsityCallback(base_model="Qwen/Qwen2.5-0.5B-Instruct", stage_name="coding")
+        trainer = GRPOTrainer(model=..., args=..., callbacks=[callback])
+        callback.bind(trainer)
+        trainer.train()  # metrics in log_history; agent + ram_stage.json in args.output_dir
 
     Raises:
         ConfigError: for invalid arguments (at construction) and, at train begin, for a missing trainer, an
@@ -147,7 +190,15 @@ class TaskVectorSparsityCallback(TrainerCallback):
         self.manifest_file: Path | None = None
 
     def bind(self, trainer: Any) -> TaskVectorSparsityCallback:
-        """Attach the trainer (callbacks receive the model but never the trainer); returns ``self``."""
+        """Attach the trainer (callbacks receive the model but never the trainer).
+
+        Args:
+            trainer (`transformers.Trainer`): The trainer this callback was given to.
+
+        Returns:
+            `TaskVectorSparsityCallback`: ``self``, so that ``callback = TaskVectorSparsityCallback(...).bind(t)``
+            reads in one line.
+        """
         self.trainer = trainer
         return self
 
@@ -180,7 +231,16 @@ class TaskVectorSparsityCallback(TrainerCallback):
             )
 
     def interval(self, args: TrainingArguments, state: TrainerState) -> int:
-        """Steps between measurements: ``every_n_steps``, else the trainer's logging steps."""
+        """Steps between measurements: ``every_n_steps``, else the trainer's logging steps (a fraction of
+        ``max_steps`` when below 1, as transformers reads it).
+
+        Args:
+            args (`TrainingArguments`): The trainer's arguments.
+            state (`TrainerState`): The trainer's state.
+
+        Returns:
+            `int`: At least 1.
+        """
         if self.every_n_steps is not None:
             return self.every_n_steps
         steps = getattr(state, "logging_steps", None) or args.logging_steps
@@ -203,6 +263,10 @@ class TaskVectorSparsityCallback(TrainerCallback):
         TRL trainers with a metric store (GRPO, RLOO: ``_metrics["train"]``) get the values there and the step is
         logged now (``control.should_log``), so the metrics share one ``log_history`` entry with the rewards; other
         trainers get a ``trainer.log`` call. Either way every reporting integration sees them.
+
+        Args:
+            metrics (`dict[str, float]`): Metric name (with the prefix) to value.
+            control (`TrainerControl`): The trainer's control object of this step.
         """
         store = getattr(self.trainer, "_metrics", None)
         if isinstance(store, dict) and isinstance(store.get("train"), dict):
@@ -229,7 +293,15 @@ class TaskVectorSparsityCallback(TrainerCallback):
     # -- the stage -----------------------------------------------------------------------------------------------
 
     def manifest(self, args: TrainingArguments, state: TrainerState) -> StageManifest:
-        """The stage manifest of the finished run."""
+        """The stage manifest of the finished run.
+
+        Args:
+            args (`TrainingArguments`): The trainer's arguments (the output directory names the stage by default).
+            state (`TrainerState`): The trainer's state (steps, log history for the last rewards).
+
+        Returns:
+            `StageManifest`: The manifest (written by :meth:`on_train_end`).
+        """
         unwrapped = policy_of(self.trainer.accelerator.unwrap_model(self.trainer.model))
         config = getattr(unwrapped, "config", None)
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
@@ -339,7 +411,16 @@ def save_agent(
 
 def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
     """The output-commit protocol of an agent directory (:func:`save_agent`): files merged into an existing
-    directory, ``ram_stage.json`` last; ``reads`` are inputs it must not overlap (the base model)."""
+    directory, ``ram_stage.json`` last.
+
+    Args:
+        out_dir (`str` or `os.PathLike`): The agent directory.
+        reads (`Sequence[tuple[str, Path]]`, *optional*, defaults to `()`): Inputs it must not overlap, each with
+            what it is (the base model).
+
+    Returns:
+        `OutputDir`: The protocol object (``check()`` it before training, ``commit`` the files after).
+    """
     return OutputDir(out_dir, merge=True, markers=(MANIFEST_NAME,), reads=reads, what="agent directory")
 
 

@@ -67,19 +67,41 @@ class MergeConfig(BaseModel):
     """A merge config (the YAML file), before resolution against the method registry and the file system.
 
     Args:
-        merge_method: Method name or alias, as ``ram-trl methods`` lists them (mergekit's ``ramplus_tl`` and
-            others as aliases).
-        base_model: Path of the base checkpoint all agents were trained from. Optional for methods that average
-            models (``linear``, as in mergekit): the first model then provides the layout, config and tokenizer.
-        models: The agents.
-        parameters: Global parameters, and defaults for per-agent parameters.
-        dtype: mergekit's compute dtype. ram_trl always computes in float32; ``dtype`` only sets the output dtype
-            when ``out_dtype`` is absent (as in mergekit).
-        out_dtype: Output dtype of floating tensors (default: each tensor's dtype in the base).
-        tokenizer_source: ``base`` (default) or a path whose tokenizer files are copied to the output.
-        seed: Seed of DARE's random drops.
-        shape_mismatch: ``error`` (default) or ``merge_common_rows`` for resized vocabularies.
-        allow_nonfinite: Merge inputs holding NaN/Inf instead of refusing them.
+        merge_method (`str`):
+            Method name or alias, as ``ram-trl methods`` lists them (mergekit's ``ramplus_tl`` and others as
+            aliases).
+        base_model (`str`, *optional*):
+            Path of the base checkpoint all agents were trained from. Optional for methods that average models
+            (``linear``, as in mergekit): the first model then provides the layout, config and tokenizer.
+        models (`list[ModelEntry]`):
+            The agents: ``{model: PATH}`` or ``{stage: MANIFEST}``, each with optional ``parameters`` and ``name``.
+        parameters (`dict[str, Any]`, *optional*, defaults to `{}`):
+            Global parameters, and defaults for per-agent parameters (the method's defaults otherwise).
+        dtype (`str`, *optional*):
+            mergekit's compute dtype. ram_trl always computes in float32; ``dtype`` only sets the output dtype when
+            ``out_dtype`` is absent (as in mergekit).
+        out_dtype (`str`, *optional*):
+            Output dtype of floating tensors (default: each tensor's dtype in the base).
+        tokenizer_source (`str`, *optional*):
+            ``base`` (the default) or a path whose tokenizer files are copied to the output.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the random drops (DARE, DELLA).
+        shape_mismatch (`str`, *optional*, defaults to `"error"`):
+            ``error`` or ``merge_common_rows`` for resized vocabularies.
+        allow_nonfinite (`bool`, *optional*, defaults to `False`):
+            Merge inputs holding NaN/Inf instead of refusing them.
+        name (`str`, *optional*):
+            A name for the merged model's card.
+
+    Example::
+
+        config = MergeConfig(
+            merge_method="ram_plus",
+            base_model="Qwen/Qwen2.5-7B-Instruct",
+            models=[{"model": "agents/coding"}, {"model": "agents/tools"}, {"stage": "runs/memory"}],
+            parameters={"r": 0.1, "alpha": 2.0},
+        )
+        ram_trl.merge(config, "merged/")
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -156,7 +178,11 @@ class ResolvedConfig:
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
         config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
-        inside) one of them (:class:`ram_trl.output.OutputDir`)."""
+        inside) one of them (:class:`ram_trl.output.OutputDir`).
+
+        Returns:
+            `list[tuple[str, Path]]`: ``(label, path)`` pairs, the base first.
+        """
         reads: list[tuple[str, Path]] = [
             ("base model", self.base_path),
             ("tokenizer_source", self.tokenizer_source),
@@ -180,7 +206,11 @@ class ResolvedConfig:
     def params_for(self, tensor_name: str) -> dict[str, Any]:
         """The global parameters for one tensor: mergekit filter rules (``per_tensor`` parameters) resolved.
 
-        Returns :attr:`params` itself when no parameter is a filter list.
+        Args:
+            tensor_name (`str`): The tensor's name (filters match substrings of it).
+
+        Returns:
+            `dict[str, Any]`: Parameter name to value; :attr:`params` itself when no parameter is a filter list.
         """
         if not any(isinstance(value, list) for value in self.params.values()):
             return self.params
@@ -194,6 +224,17 @@ class ResolvedConfig:
 
         Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
         or absent) gives the value.
+
+        Args:
+            agent (`AgentSpec`): The agent.
+            name (`str`): The parameter's canonical name.
+            tensor_name (`str`): The tensor's name.
+
+        Returns:
+            `float`: The value.
+
+        Raises:
+            ConfigError: No rule of a filter list matches the tensor.
         """
         value = agent.parameters[name]
         if isinstance(value, list):
@@ -213,8 +254,12 @@ def _rule_value(rules: list[dict[str, Any]], tensor_name: str, what: str) -> flo
 def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tuple[MergeConfig, Path | None]:
     """Parse a config from a YAML path, a dict, or a :class:`MergeConfig`.
 
+    Args:
+        source (`str`, `os.PathLike`, `dict` or `MergeConfig`): The YAML file, its parsed mapping, or a config.
+
     Returns:
-        ``(config, yaml_path)``; ``yaml_path`` is ``None`` unless the config came from a file.
+        `tuple[MergeConfig, Path | None]`: ``(config, yaml_path)``; ``yaml_path`` is ``None`` unless the config
+        came from a file.
 
     Raises:
         ConfigError: naming the file and the field to change.
@@ -331,6 +376,14 @@ def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
 def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     """Check one value of a method parameter (global or per-agent, filter rules included) as a merge does: type,
     finite, in range. Used by :func:`resolve_config` and by recipes before any training.
+
+    Args:
+        parameter (`Parameter`): The method's declaration of the parameter.
+        value (`Any`): The value as the config gives it (a scalar, or a list of mergekit filter rules).
+        where (`str`): What names the value in errors (the config file and the entry).
+
+    Returns:
+        `Any`: The value converted to the parameter's type (filter rules with their values checked).
 
     Raises:
         ConfigError: naming ``where`` and the parameter.

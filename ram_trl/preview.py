@@ -105,23 +105,49 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
     """Task-vector telemetry plus a preview of the merge with the prior stages, keeping the step that merges best.
 
     Args:
-        trainer: The trainer (or :meth:`bind` it later).
-        base_model: The base checkpoint on disk (required: the merge reads it).
-        prior_stages: Manifests (or their directories) of the stages merged with this one, in merge order. May be
-            empty (the preview is then the merge of this agent alone).
-        stage_name: This stage's name (required: it names its validation task).
-        tasks: Validation prompts and reward functions of every stage merged (each prior stage and this one), as
+        trainer (`transformers.Trainer`, *optional*):
+            The trainer (or :meth:`bind` it later).
+        base_model (`str` or `os.PathLike`):
+            The base checkpoint on disk (required: the merge reads it).
+        prior_stages (`Sequence[str | os.PathLike]`, *optional*, defaults to `()`):
+            Manifests (or their directories) of the stages merged with this one, in merge order. May be empty (the
+            preview is then the merge of this agent alone).
+        stage_name (`str`):
+            This stage's name (required: it names its validation task).
+        tasks (`Sequence[EvalTask]`):
+            Validation prompts and reward functions of every stage merged (each prior stage and this one), as
             :class:`~ram_trl.recipes.evaluate.EvalTask` (their ``split`` is ignored: all are scored as validation).
-        evaluation: How prompts are scored (:class:`~ram_trl.recipes.schema.EvaluationSpec` or its fields; default
-            greedy decoding, 32 new tokens).
-        method: The merge method (any registered name or alias; default RAM+ at the paper's settings).
-        parameters: The method's global parameters.
-        seed: Seed of the merge's random drops (DARE).
-        preview_every: Preview every this many optimizer steps; the final step is always previewed.
-        keep: ``"best"``: leave the checkpoint with the highest merged validation average in the output directory
+            Keyword only, like every argument after it.
+        evaluation (`EvaluationSpec` or `dict`, *optional*):
+            How prompts are scored (:class:`~ram_trl.recipes.schema.EvaluationSpec` or its fields; default greedy
+            decoding, 32 new tokens).
+        method (`str`, *optional*, defaults to `"ram_plus"`):
+            The merge method (any registered name or alias; default RAM+ at the paper's settings).
+        parameters (`dict[str, Any]`, *optional*):
+            The method's global parameters (default: the method's defaults).
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the merge's random drops (DARE, DELLA).
+        preview_every (`int`, *optional*, defaults to `10`):
+            Preview every this many optimizer steps; the final step is always previewed.
+        keep (`str`, *optional*, defaults to `"best"`):
+            ``"best"``: leave the checkpoint with the highest merged validation average in the output directory
             (ties: the earliest), the last step's in ``OUTPUT/last``; ``"last"``: leave the last step's.
-        **telemetry: The arguments of :class:`~ram_trl.callbacks.TaskVectorSparsityCallback` (``every_n_steps``,
-            ``eps``, ``save_dtype``, ``domain``, ...).
+        **telemetry:
+            The arguments of :class:`~ram_trl.callbacks.TaskVectorSparsityCallback` (``every_n_steps``, ``eps``,
+            ``save_dtype``, ``domain``, ...).
+
+    Example::
+
+        from ram_trl.preview import MergePreviewCallback
+        from ram_trl.recipes.evaluate import EvalTask
+
+        tasks = [EvalTask("coding", coding_val_rows, ["my_rewards:coding"]),
+                 EvalTask("tools", tool_val_rows, ["my_rewards:tools"])]
+        callback = MergePreviewCallback(base_model=BASE, prior_stages=["runs/coding"], stage_name="tools",
+                                        tasks=tasks, preview_every=20)
+        trainer = GRPOTrainer(model=BASE, args=args, callbacks=[callback], ...)
+        callback.bind(trainer)
+        trainer.train()
 
     Raises:
         ConfigError: at construction, for invalid arguments, a missing base, a prior stage trained from another base,
@@ -305,7 +331,15 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
     # -- the preview ---------------------------------------------------------------------------------------------
 
     def preview(self, state: TrainerState) -> dict[str, float]:
-        """Preview the merge at the current step (every rank calls this); returns the metrics logged."""
+        """Preview the merge at the current step (every rank calls this): save the agent, merge it with the prior
+        stages, score the merge on every stage's validation prompts, and keep the step if it merges best.
+
+        Args:
+            state (`TrainerState`): The trainer's state (its ``global_step`` names the preview).
+
+        Returns:
+            `dict[str, float]`: The metrics logged (under ``merge_preview/``).
+        """
         step = state.global_step
         start = time.perf_counter()
         accelerator = self.trainer.accelerator
@@ -402,7 +436,15 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         return [p.name for p in self.priors] + [self.stage_name]
 
     def retention(self, record: dict[str, Any]) -> dict[str, float | None]:
-        """Per merged stage, the retention of a preview (``None`` where the specialist did not gain enough)."""
+        """Per merged stage, the retention of a preview (:func:`ram_trl.recipes.stats.retention`).
+
+        Args:
+            record (`dict[str, Any]`): One preview's record (its ``scores`` per stage and ``agent_score``).
+
+        Returns:
+            `dict[str, float | None]`: Stage name to retention, ``None`` where the specialist did not gain enough
+            over the base.
+        """
         from ram_trl.recipes.stats import retention
 
         specialists = {**self.specialist_scores, self.stage_name: record["agent_score"]}
@@ -453,7 +495,15 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
 
     def manifest(self, args: TrainingArguments, state: TrainerState) -> StageManifest:
         """The stage manifest, with the preview's record in ``extra["preview"]``: the step kept and why, the method
-        and every preview's scores."""
+        and every preview's scores.
+
+        Args:
+            args (`TrainingArguments`): The trainer's arguments.
+            state (`TrainerState`): The trainer's state.
+
+        Returns:
+            `StageManifest`: The manifest.
+        """
         manifest = super().manifest(args, state)
         kept_last = self.kept_step == self._last_step
         best = max(self.history, key=lambda r: r["average"])

@@ -80,23 +80,58 @@ class TensorView(Protocol):
     seed: int
 
     def agent_value(self, t: int, parameter: str) -> float:
-        """Agent ``t``'s value of a per-agent number for this tensor (filter rules resolved)."""
+        """Agent ``t``'s value of a per-agent number for this tensor (filter rules resolved).
+
+        Args:
+            t (`int`): The agent's index.
+            parameter (`str`): The parameter's canonical name.
+
+        Returns:
+            `float`: The value.
+        """
         ...
 
     def base(self) -> torch.Tensor:
-        """The base's values, float32, flat (read once, then kept)."""
+        """The base's values (read once, then kept).
+
+        Returns:
+            `torch.Tensor`: Float32, flat.
+        """
         ...
 
     def model(self, t: int) -> torch.Tensor:
-        """Agent ``t``'s weights (its stored values, or the base plus its LoRA delta), float32, flat."""
+        """Agent ``t``'s weights: its stored values, or the base plus its LoRA delta.
+
+        Args:
+            t (`int`): The agent's index.
+
+        Returns:
+            `torch.Tensor`: Float32, flat.
+        """
         ...
 
     def magnitudes(self, t: int) -> tuple[torch.Tensor, int]:
-        """``|tau_t|`` of agent ``t``, float32, flat (a new tensor), and how many are nonzero (NaN counts)."""
+        """``|tau_t|`` of agent ``t``.
+
+        Args:
+            t (`int`): The agent's index.
+
+        Returns:
+            `tuple[torch.Tensor, int]`: The magnitudes (float32, flat, a new tensor the hook may modify) and how
+            many are nonzero (NaN counts as nonzero).
+        """
         ...
 
     def map_blocks(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(item) for item in items]``, on the merge's compute threads when there are some."""
+        """``[fn(item) for item in items]``, on the merge's compute threads when there are some.
+
+        Args:
+            fn (`Callable`): The function.
+            items (`Iterable`): Its arguments.
+
+        Returns:
+            `list`: The results, in the order of ``items``.
+        """
         ...
 
 
@@ -198,10 +233,25 @@ class MergeMethod:
         return self.prepare_tensor is not None
 
     def tensor_local_statistics(self, params: dict[str, Any]) -> bool:
-        """Whether the factors come from each tensor's own statistics (``rho_scope: tensor``) or the model's."""
+        """Whether the factors come from each tensor's own statistics (``rho_scope: tensor``) or the model's.
+
+        Args:
+            params (`dict[str, Any]`): The merge's global parameters.
+
+        Returns:
+            `bool`: ``True`` for per-tensor statistics.
+        """
         return self.needs_statistics and params.get("rho_scope") == "tensor"
 
     def parameter(self, name: str) -> Parameter | None:
+        """The declared parameter called ``name`` (its canonical name or one of its aliases).
+
+        Args:
+            name (`str`): The name as a config gives it.
+
+        Returns:
+            `Parameter` or `None`: The parameter, ``None`` when the method has no such parameter.
+        """
         for parameter in self.parameters:
             if name == parameter.name or name in parameter.aliases:
                 return parameter

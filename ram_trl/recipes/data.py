@@ -19,6 +19,13 @@ __all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "write_js
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
     """Rows of a JSON Lines file; each must be an object with a string ``prompt``.
 
+    Args:
+        path (`str` or `os.PathLike`): The file.
+        what (`str`, *optional*, defaults to `"prompts file"`): What names it in errors.
+
+    Returns:
+        `list[dict[str, Any]]`: The rows.
+
     Raises:
         ConfigError: naming the file and line of a bad row.
     """
@@ -85,7 +92,15 @@ def check_rows(rows: Any, where: str, what: str, expected: int | None = None) ->
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Write rows as JSON Lines atomically (temporary sibling, then rename)."""
+    """Write rows as JSON Lines atomically (temporary sibling, then rename).
+
+    Args:
+        rows (`list[dict[str, Any]]`): The rows.
+        path (`str` or `os.PathLike`): The file.
+
+    Returns:
+        `Path`: The file written.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "prompts file") as tmp, open(tmp, "w", encoding="utf-8") as handle:
@@ -101,7 +116,15 @@ def _resolve(path: str, root: Path) -> Path:
 
 def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and held-out (test) rows of a stage (see :func:`draw_splits`, which also gives the validation
-    rows)."""
+    rows).
+
+    Args:
+        stage (`StageSpec`): The stage.
+        root (`Path`): Where relative prompt files resolve.
+
+    Returns:
+        `tuple[list[dict], list[dict]]`: ``(train, test)``.
+    """
     train, held, _ = draw_splits(stage, root)
     return train, held
 
@@ -119,6 +142,13 @@ def draw_splits(
 
     With files, ``train_file``, ``eval_file`` and ``val_file`` are read as given; validation rows whose prompt is a
     training or test prompt are refused.
+
+    Args:
+        stage (`StageSpec`): The stage.
+        root (`Path`): Where relative prompt files resolve.
+
+    Returns:
+        `tuple[list[dict], list[dict], list[dict]]`: ``(train, test, val)``.
 
     Raises:
         ConfigError: naming the stage when the generator fails, returns bad rows or too few distinct prompts for
@@ -187,6 +217,13 @@ def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[st
     """The stage's warm-start rows: ``prompts.warm_size`` rows from its generator (seed ``seed + 2``), none of
     them a prompt of ``held`` (pass the test and validation rows; ``[]`` without a generator or with
     ``warm_size: 0``).
+
+    Args:
+        stage (`StageSpec`): The stage.
+        held (`list[dict[str, Any]]`): Rows whose prompts the warm start must not see.
+
+    Returns:
+        `list[dict[str, Any]]`: The warm-start rows.
 
     Raises:
         ConfigError: naming the stage when the generator fails.

@@ -37,6 +37,9 @@ def import_object(path: str, what: str = "object") -> Any:
         path: The import path.
         what: What it is, for the error message (e.g. ``"reward function"``).
 
+    Returns:
+        `Any`: The imported object.
+
     Raises:
         ConfigError: naming the path and what is wrong (module not found, no such attribute).
     """
@@ -87,7 +90,16 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
     """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
     (no reporting integrations, no intermediate checkpoints, the recipe's seed). Without a GPU, ``bf16`` defaults to
     off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
-    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
+    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU.
+
+    Args:
+        stage (`StageSpec`): The stage.
+        seed (`int`): The run's seed (the stage's ``config.seed`` wins).
+        validate_only (`bool`, *optional*, defaults to `False`): Settings for validation, not training.
+
+    Returns:
+        `dict[str, Any]`: Keyword arguments of ``GRPOConfig`` / ``RLOOConfig`` (without ``output_dir``).
+    """
     settings: dict[str, Any] = {"report_to": [], "save_strategy": "no", "seed": seed, **stage.config}
     if not _cuda():
         if validate_only:
@@ -143,6 +155,10 @@ def _field_kinds(cls: type) -> dict[str, type]:
 def check_finite(value: Any, where: str) -> None:
     """Refuse NaN and Inf anywhere in a nested value (``config:``, ``peft:``, generator ``kwargs:``).
 
+    Args:
+        value (`Any`): The value (mappings and lists are walked).
+        where (`str`): What names it in the error.
+
     Raises:
         ConfigError: naming ``where`` and the key path.
     """
@@ -162,6 +178,9 @@ def check_trainer_config(stage: StageSpec) -> None:
     """Validate the stage's ``GRPOConfig``/``RLOOConfig`` keys and values: known fields, numbers where the config
     takes numbers (finite, whole where it takes integers, within :data:`TRAINER_BOUNDS`), then build it in a
     scratch directory for the trainer's own checks.
+
+    Args:
+        stage (`StageSpec`): The stage.
 
     Raises:
         ConfigError: naming the stage, the field and what to change.
@@ -417,5 +436,13 @@ def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None
 
 
 def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:
-    """Import each path of ``paths`` (see :func:`import_object`)."""
+    """Import each path of ``paths`` (see :func:`import_object`).
+
+    Args:
+        paths (`list[str]`): Import paths.
+        what (`str`): What they are, for error messages.
+
+    Returns:
+        `list[Callable]`: The imported objects.
+    """
     return [import_object(p, what) for p in paths]

@@ -42,8 +42,8 @@ class EvalTask:
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
-    """Load a causal LM for evaluation (:func:`ram_trl.fisher_estimation.load_agent`: a model directory, or a PEFT adapter
-    merged into its base), in eval mode with left padding for batched generation.
+    """Load a causal LM for evaluation (:func:`ram_trl.fisher_estimation.load_agent`: a model directory, or a PEFT
+    adapter merged into its base), in eval mode with left padding for batched generation.
 
     Args:
         path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
@@ -71,7 +71,17 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
 
 @torch.no_grad()
 def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpec) -> list[str]:
-    """Completions of ``prompts`` (new tokens only, special tokens dropped), batched, seeded."""
+    """Completions of ``prompts`` (new tokens only, special tokens dropped), batched, seeded.
+
+    Args:
+        model (`PreTrainedModel`): The model (:func:`load_model`).
+        tokenizer (`PreTrainedTokenizer`): Its tokenizer (left padding).
+        prompts (`list[str]`): The prompts.
+        spec (`EvaluationSpec`): Decoding settings (greedy or sampled, new tokens, batch size, seed).
+
+    Returns:
+        `list[str]`: One completion per prompt, in order.
+    """
     completions: list[str] = []
     torch.manual_seed(spec.seed)
     for start in range(0, len(prompts), spec.batch_size):
@@ -99,7 +109,16 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
 def score_completions(
     functions: list[Any], rows: list[dict[str, Any]], completions: list[str]
 ) -> list[float]:
-    """Per completion, the sum of the reward functions (called TRL-style with the rows' columns)."""
+    """Per completion, the sum of the reward functions (called TRL-style with the rows' columns).
+
+    Args:
+        functions (`list[Callable]`): Reward functions ``fn(prompts=..., completions=..., **columns)``.
+        rows (`list[dict[str, Any]]`): The prompts' rows.
+        completions (`list[str]`): One completion per row.
+
+    Returns:
+        `list[float]`: One score per completion.
+    """
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
     totals = [0.0] * len(completions)
     for fn in functions:
@@ -119,6 +138,14 @@ def evaluate_model(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Score one model on every task.
+
+    Args:
+        path (`str` or `Path`): Model or adapter directory (:func:`load_model`).
+        tasks (`list[EvalTask]`): The stages' prompts and rewards, per split.
+        spec (`EvaluationSpec`): Decoding settings.
+        base (`str` or `Path`, *optional*): Base model of an adapter.
+        samples (`int`, *optional*, defaults to `3`): Completions kept per stage as examples.
+        progress (`bool`, *optional*, defaults to `True`): Show a progress bar.
 
     Returns:
         ``{"splits": {split: {"scores": {stage: mean}, "n": {stage: prompts}, "rewards": {stage: [per prompt]},

@@ -57,7 +57,22 @@ class StageError(RamTrlError):
 
 @dataclass
 class RunOptions:
-    """Options of :func:`run_recipe` (see ``ram-trl run --help``)."""
+    """Options of :func:`run_recipe` (see ``ram-trl run --help``).
+
+    Args:
+        out (`Path`, *optional*): The run directory (default: the recipe's ``output_dir``, else ``runs/NAME``).
+        only (`str`, *optional*): Train only this stage (no merges, no evaluation).
+        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete.
+        dry_run (`bool`, *optional*, defaults to `False`): Validate the recipe and print the plan; run nothing.
+        check_paths (`bool`, *optional*, defaults to `True`): With ``dry_run``, check that model checkpoints and
+            prompt files exist.
+        progress (`bool`, *optional*, defaults to `True`): Show progress bars.
+        figures (`bool`, *optional*, defaults to `True`): Draw the results' charts.
+        overrides (`dict[str, Any]`, *optional*, defaults to `{}`): Values merged into the recipe
+            (:func:`~ram_trl.recipes.schema.apply_overrides`).
+        seeds (`int`, *optional*, defaults to `1`): Run the pipeline this many times with consecutive seeds
+            (:func:`run_seeds`).
+    """
 
     out: Path | None = None
     only: str | None = None
@@ -82,7 +97,14 @@ def _resolve(path: str, root: Path) -> Path:
 
 
 def stage_complete(stage_dir: Path) -> bool:
-    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage)."""
+    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage).
+
+    Args:
+        stage_dir (`Path`): The stage's output directory.
+
+    Returns:
+        `bool`: ``True`` for a finished stage (the runner skips it).
+    """
     from ram_trl.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
 
     try:
@@ -707,11 +729,18 @@ def run_recipe(
     """Run a recipe end to end (or validate it with ``options.dry_run``).
 
     Args:
-        recipe_path: The recipe YAML (or a dict).
-        options: :class:`RunOptions`.
+        recipe_path (`str`, `os.PathLike` or `dict`): The recipe YAML (or its mapping).
+        options (`RunOptions`, *optional*): Output directory, ``dry_run``, ``only``, overrides, ... (default:
+            ``RunOptions()``).
 
     Returns:
-        The results (the content of ``results.json``); with ``dry_run``, the plan.
+        `dict[str, Any]`: The results (the content of ``results.json``); with ``dry_run``, the plan.
+
+    Example::
+
+        from ram_trl.recipes.runner import RunOptions, run_recipe
+
+        results = run_recipe("recipes/demo-cpu.yaml", RunOptions(out=Path("runs/demo")))
 
     Raises:
         ConfigError: for an invalid recipe (before any work).
@@ -788,6 +817,13 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
     base is built and warm-started once and copied), so the intervals measure how much the results vary with the
     RL training and the merges' randomness, not with the choice of prompts. A stage whose ``config.seed`` is set
     trains with that seed in every run (a note says so).
+
+    Args:
+        recipe_path (`str`, `os.PathLike` or `dict`): The recipe YAML (or its mapping).
+        options (`RunOptions`): The run's options; ``options.seeds`` is ``N``.
+
+    Returns:
+        `dict[str, Any]`: The aggregated results (the content of ``OUT/results.json``).
 
     Raises:
         ConfigError: with ``--only`` (a seed run is a whole pipeline).

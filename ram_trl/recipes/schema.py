@@ -487,15 +487,18 @@ def _format_errors(exc: ValidationError) -> str:
 def load_recipe(
     source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> tuple[Recipe, Path]:
-    """Read and validate a recipe (schema only; see :func:`ram_trl.recipes.environment.validate_recipe` for the environment checks).
+    """Read and validate a recipe (schema only; :func:`ram_trl.recipes.environment.validate_recipe` runs the
+    environment checks).
 
     Args:
-        source: A YAML file, or a dict (paths then resolve against the working directory).
-        overrides: Values merged into the recipe before validation (nested mappings merge key by key; a
-            ``stages`` mapping of ``{"*": {...}}`` updates every stage), e.g. the demo's ``--quick`` settings.
+        source (`str`, `os.PathLike` or `dict`): A YAML file, or a mapping (paths then resolve against the working
+            directory).
+        overrides (`dict[str, Any]`, *optional*): Values merged into the recipe before validation (nested mappings
+            merge key by key; a ``stages`` mapping of ``{"*": {...}}`` updates every stage), e.g. the demo's
+            ``--quick`` settings.
 
     Returns:
-        The :class:`Recipe` and the directory relative paths resolve against.
+        `tuple[Recipe, Path]`: The :class:`Recipe` and the directory relative paths resolve against.
 
     Raises:
         ConfigError: naming the file and each invalid field.
@@ -524,7 +527,15 @@ def load_recipe(
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with ``overrides`` merged in (mappings key by key; ``stages: {"*": {...}}`` updates every stage)."""
+    """``data`` with ``overrides`` merged in (mappings key by key; ``stages: {"*": {...}}`` updates every stage).
+
+    Args:
+        data (`dict[str, Any]`): A recipe mapping (left unchanged).
+        overrides (`dict[str, Any]`): The values to merge in.
+
+    Returns:
+        `dict[str, Any]`: A new mapping.
+    """
     out = dict(data)
     for key, value in overrides.items():
         current = out.get(key)
@@ -549,6 +560,12 @@ def expand_merges(recipe: Recipe) -> list[MergeRow]:
 
     A list-valued parameter sweeps; the row is labelled ``method(name=value,...)`` with the swept values only, or
     ``NAME(...)`` when the entry has a ``name``.
+
+    Args:
+        recipe (`Recipe`): The recipe.
+
+    Returns:
+        `list[MergeRow]`: One row per merge, in the order of ``merges`` and of each sweep's values.
 
     Raises:
         ConfigError: when two rows would get the same label.
