@@ -22,7 +22,7 @@ from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.manifest import fingerprint_checkpoint
 from ram_trl.methods.ram import active_mask
 from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
-from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker, base_name
+from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker
 from ram_trl.telemetry.tracker import model_layout
 from tests.telemetry.helpers import (
     NUMEL,
@@ -393,21 +393,6 @@ def test_peft_layouts_that_are_refused():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Model layouts and names
-
-
-def test_base_names_of_wrapped_parameters():
-    cases = {
-        "module.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": (
-            "model.layers.0.self_attn.q_proj.weight"
-        ),
-        "base_model.model.lm_head.modules_to_save.default.weight": "lm_head.weight",
-        "base_model.model.lm_head.original_module.weight": "lm_head.weight",
-        "_orig_mod.model.layers.1._fsdp_wrapped_module.mlp.up_proj.weight": "model.layers.1.mlp.up_proj.weight",
-        "model.norm.weight": "model.norm.weight",
-        "model.module.weight": "model.module.weight",
-    }
-    for name, expected in cases.items():
-        assert base_name(name) == expected
 
 
 def test_wrapped_model_measures_like_the_plain_one(tmp_path):
