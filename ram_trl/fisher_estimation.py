@@ -58,8 +58,9 @@ class Completion:
 def _check_plain_model(model: torch.nn.Module) -> None:
     if getattr(model, "peft_config", None) or any("lora_" in name for name, _ in model.named_parameters()):
         raise RamTrlError(
-            "estimate_fisher: the model carries PEFT/LoRA adapters; merge them in first (peft_model.merge_and_unload()"
-            ", or ram_trl.fisher_estimation.load_agent(ADAPTER_DIR)) so that the Fisher is keyed by the base model's tensor names"
+            "estimate_fisher: the model carries PEFT/LoRA adapters; merge them in first "
+            "(peft_model.merge_and_unload(), or ram_trl.fisher_estimation.load_agent(ADAPTER_DIR)) so that the "
+            "Fisher is keyed by the base model's tensor names"
         )
 
 

@@ -15,8 +15,8 @@ Where the local range comes from:
   a contiguous flat range, found from the device mesh coordinate (uneven and empty last shards included). Mesh
   dimensions that replicate (HSDP) are counted by their first replica only, so a sum over all processes is exact.
 
-The base on the same flat range comes from :mod:`ram_trl.telemetry.base_weights` (the checkpoint on disk through memory
-maps, or a reference model, which ZeRO-3 and FSDP2 partition like the policy, so the ranges coincide). The counts
+The base on the same flat range comes from :mod:`ram_trl.telemetry.base_weights` (the checkpoint on disk through
+memory maps, or a reference model, which ZeRO-3 and FSDP2 partition like the policy, so the ranges coincide). The counts
 are summed over the processes with the :class:`~ram_trl.distributed.DistContext` of :func:`training_context`.
 """
 
