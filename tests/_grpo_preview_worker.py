@@ -17,15 +17,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import PartialState  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.preview import MergePreviewCallback  # noqa: E402
 from ram_trl.recipes.evaluate import EvalTask  # noqa: E402
-from tests.helpers import distinct_chars  # noqa: E402
+from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl  # noqa: E402
 
-STEPS = 3
 REWARD = "tests.helpers:distinct_chars"
 
 
@@ -39,18 +37,11 @@ def tasks() -> list[EvalTask]:
 def main() -> None:
     base, prior, out = (Path(a) for a in sys.argv[1:4])
     state = PartialState(cpu=True, backend="gloo")
-    config = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=STEPS,
+    config = rl_config(
+        GRPOConfig,
+        out,
         logging_steps=1,
         learning_rate=3e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
         seed=1,
         accelerator_config={"use_configured_state": True},
     )
@@ -62,15 +53,7 @@ def main() -> None:
         evaluation={"max_new_tokens": 8, "batch_size": 8},
         preview_every=2,
     )
-    trainer = GRPOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 8}),
-        callbacks=[callback],
-    )
-    callback.bind(trainer)
-    trainer.train()
+    trainer = train_rl(GRPOTrainer, base, config, callback, distinct_chars, rl_prompts(8))
     rank = dist.get_rank()
     result = {
         "rank": rank,

@@ -21,19 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import PartialState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
 from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
+from tests.helpers import distinct_char_count, rl_config, rl_prompts, train_rl  # noqa: E402
 from tests.telemetry._dist_worker import no_gathers  # noqa: E402
-
-STEPS = 3
-
-
-def distinct_chars(completions, **kwargs) -> list[float]:
-    return [float(len(set(c))) for c in completions]
 
 
 def main() -> None:
@@ -60,32 +54,16 @@ def main() -> None:
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     state = PartialState(backend="gloo")
     assert state.distributed_type == DistributedType.DEEPSPEED and state.num_processes == 2
-    config = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=STEPS,
-        logging_steps=2,
-        learning_rate=1e-3,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        seed=0,
+    config = rl_config(
+        GRPOConfig,
+        out,
+        use_cpu=False,  # TrainingArguments' default: the DeepSpeed state set up above decides
         beta=beta,
         deepspeed=ds_config,
         accelerator_config={"use_configured_state": True},
     )
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="grpo-zero3")
-    trainer = GRPOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 4}),
-        callbacks=[callback],
-    )
-    callback.bind(trainer)
-    trainer.train()
+    trainer = train_rl(GRPOTrainer, base, config, callback, distinct_char_count, rl_prompts(4))
     rank = dist.get_rank()
     result = {
         "rank": rank,

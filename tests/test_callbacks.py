@@ -34,12 +34,20 @@ from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  #
 from ram_trl.errors import ConfigError  # noqa: E402
 from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
-from tests.helpers import leftovers, tensorboard_scalars  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    RL_STEPS,
+    distinct_char_count,
+    leftovers,
+    rl_config,
+    rl_prompts,
+    tensorboard_scalars,
+    train_rl,
+)
 
 pytestmark = [pytest.mark.slow]
 
 P = "task_vector/"
-STEPS = 3
+STEPS = RL_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -49,46 +57,15 @@ def base(tmp_path_factory) -> Path:
     )
 
 
-def prompts() -> Dataset:
-    return Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 4})
-
-
-def distinct_chars(completions, **kwargs) -> list[float]:
-    return [float(len(set(c))) for c in completions]
-
-
 def rl_args(cls, out: Path, **overrides):
-    settings = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=STEPS,
-        logging_steps=2,
-        learning_rate=1e-3,
-        report_to=["tensorboard"],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-    )
-    settings.update(overrides)
-    return cls(**settings)
+    """:func:`tests.helpers.rl_config` with TensorBoard reports (where the metrics must also arrive)."""
+    return rl_config(cls, out, **{"report_to": ["tensorboard"], **overrides})
 
 
 def grpo_run(base: Path, out: Path, callback: TaskVectorSparsityCallback, **overrides) -> GRPOTrainer:
     peft_config = overrides.pop("peft_config", None)
-    trainer = GRPOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=rl_args(GRPOConfig, out, **overrides),
-        train_dataset=prompts(),
-        callbacks=[callback],
-        peft_config=peft_config,
-    )
-    callback.bind(trainer)
-    trainer.train()
-    return trainer
+    config = rl_args(GRPOConfig, out, **overrides)
+    return train_rl(GRPOTrainer, base, config, callback, distinct_char_count, rl_prompts(4), peft_config)
 
 
 def logged(trainer) -> list[dict]:
@@ -198,15 +175,9 @@ def test_grpo_lora_needs_no_base(base, tmp_path):
 def test_rloo(base, tmp_path):
     out = tmp_path / "rloo"
     callback = TaskVectorSparsityCallback(base_model=base)
-    trainer = RLOOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=rl_args(RLOOConfig, out),
-        train_dataset=prompts(),
-        callbacks=[callback],
+    trainer = train_rl(
+        RLOOTrainer, base, rl_args(RLOOConfig, out), callback, distinct_char_count, rl_prompts(4)
     )
-    callback.bind(trainer)
-    trainer.train()
     # RLOO's default beta > 0 loads a reference model
     assert callback.tracker.base_description == "reference model"
     check_run(trainer, callback, base, out, "full")
@@ -286,9 +257,9 @@ def test_callback_without_trainer_fails_clearly(base, tmp_path):
     callback = TaskVectorSparsityCallback(base_model=base)
     trainer = GRPOTrainer(
         model=str(base),
-        reward_funcs=distinct_chars,
+        reward_funcs=distinct_char_count,
         args=rl_args(GRPOConfig, tmp_path / "x"),
-        train_dataset=prompts(),
+        train_dataset=rl_prompts(4),
         callbacks=[callback],
     )
     with pytest.raises(ConfigError, match="bind"):

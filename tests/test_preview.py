@@ -14,7 +14,6 @@ import math
 from pathlib import Path
 
 import pytest
-from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from ram_trl.callbacks import TaskVectorSparsityCallback
@@ -26,7 +25,7 @@ from ram_trl.recipes.evaluate import EvalTask, evaluate_model
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.recipes.stats import retention
 from ram_trl.synthetic import make_base_checkpoint
-from tests.helpers import distinct_chars
+from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl
 
 pytestmark = [pytest.mark.slow]
 
@@ -52,30 +51,8 @@ def tasks() -> list[EvalTask]:
 
 
 def train(base: Path, out: Path, callback: TaskVectorSparsityCallback, seed: int = 0) -> GRPOTrainer:
-    args = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=STEPS,
-        logging_steps=2,
-        learning_rate=3e-3,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=seed,
-    )
-    trainer = GRPOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"] * 8}),
-        callbacks=[callback],
-    )
-    callback.bind(trainer)
-    trainer.train()
-    return trainer
+    config = rl_config(GRPOConfig, out, max_steps=STEPS, learning_rate=3e-3, seed=seed)
+    return train_rl(GRPOTrainer, base, config, callback, distinct_chars, rl_prompts(8))
 
 
 @pytest.fixture(scope="module")

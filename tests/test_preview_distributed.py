@@ -20,7 +20,7 @@ from ram_trl.manifest import read_manifest
 from ram_trl.preview import weights_digest
 from ram_trl.synthetic import make_base_checkpoint
 from tests._launch import free_port, run_job
-from tests.helpers import distinct_chars
+from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -29,25 +29,14 @@ WORLD = 2
 
 
 def test_ddp_preview_agrees_on_every_rank_and_is_the_merge(tmp_path):
-    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     base = make_base_checkpoint(tmp_path / "base", hidden_size=32, num_layers=2, intermediate_size=64)
     first = tmp_path / "first"
-    args = GRPOConfig(
-        output_dir=str(first), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-        max_steps=2, learning_rate=3e-3, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
-    )  # fmt: skip
+    # logging_steps 500: TrainingArguments' default
+    config = rl_config(GRPOConfig, first, max_steps=2, logging_steps=500, learning_rate=3e-3)
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="first")
-    trainer = GRPOTrainer(
-        model=str(base),
-        reward_funcs=distinct_chars,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"] * 8}),
-        callbacks=[callback],
-    )
-    callback.bind(trainer)
-    trainer.train()
+    train_rl(GRPOTrainer, base, config, callback, distinct_chars, rl_prompts(8, ("ab", "cd")))
 
     second = tmp_path / "second"
     port = free_port()
