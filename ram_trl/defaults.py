@@ -62,7 +62,11 @@ SAVE_DTYPE: str = "bfloat16"
 # ---------------------------------------------------------------------------------------------------------------
 # Merge preview
 
-#: Optimizer steps between two merge previews (the final step is always previewed).
-PREVIEW_EVERY: int = 10
+#: Merge previews per run at the default interval: every ``ceil(max_steps / PREVIEW_COUNT)`` optimizer steps (the
+#: final step is always previewed), so a run's preview cost does not grow with its length.
+PREVIEW_COUNT: int = 4
+#: Validation prompts per stage a merge preview scores (a seeded subset of the validation split, recorded in the
+#: manifest); ``None`` in the callback scores all of them.
+PREVIEW_PROMPTS: int = 24
 #: Merge method of the preview: RAM+ at the paper's settings.
 PREVIEW_METHOD: str = "ram_plus"

@@ -2,14 +2,16 @@
 
 :class:`MergePreviewCallback` is the task-vector telemetry callback
 (:class:`~ram_trl.callbacks.TaskVectorSparsityCallback`, whose tracker, prior stages, metric path and stage manifest it
-shares) plus a merge preview. Every ``preview_every`` optimizer steps, and at the final step, it
+shares) plus a merge preview. Every ``preview_every`` optimizer steps (default ``ceil(max_steps / 4)``), and at the
+final step, it
 
 1. saves the current policy in the stage's ``save_dtype`` exactly as the run will leave it
    (:func:`~ram_trl.callbacks.save_agent`) into a scratch directory beside the output,
 2. merges it with the prior stages' agents (read from their manifests) with the real merge engine
    (:func:`ram_trl.engine.merge`: global statistics, float32 arithmetic, the output in the base's dtype), so the
    preview *is* the ``ram-trl merge`` of these checkpoints, bit for bit,
-3. scores the merged model and the policy itself on every stage's validation prompts with the recipes' evaluation
+3. scores the merged model and the policy itself on every stage's validation prompts (a seeded subset of
+   ``prompts`` per stage, 24 by default, recorded) with the recipes' evaluation
    (:func:`ram_trl.recipes.evaluate.evaluate_model`, greedy by default, the RNG state of the training restored),
 
 and logs, through the trainer's metric path (``log_history`` and every reporting integration), the merged score per
@@ -22,7 +24,6 @@ was kept and why (``extra["preview"]``), so ``ram-trl merge`` of the manifests r
         base_model="models/base", prior_stages=["runs/coding"], stage_name="tools",
         tasks=[EvalTask("coding", coding_val, ["pkg.rewards:coding"], "val"),
                EvalTask("tools", tools_val, ["pkg.rewards:tools"], "val")],
-        preview_every=10,
     )
     trainer = GRPOTrainer(..., callbacks=[cb]); cb.bind(trainer); trainer.train()
 
@@ -30,17 +31,21 @@ Cost: one preview writes the policy once (its size in ``save_dtype``) and the me
 disk beside the output, reads the prior agents, and loads the merged model and the policy once each on the CPU in
 the evaluation dtype for generation; nothing is added on the accelerator. Under DDP the main rank writes the checkpoint,
 every rank takes part in the merge (the engine's distributed merge: each rank merges its share of the tensors with the
-global statistics), the main rank scores while the others wait, and every rank receives the scores. DeepSpeed ZeRO-3 and FSDP are
-refused for now (see docs/merge-preview.md). The engine and the evaluation are imported when the callback is built,
-so ``import ram_trl.callbacks`` stays light.
+global statistics), the main rank scores while the others wait, and every rank receives the scores. DeepSpeed ZeRO-3
+and FSDP are refused for now (see docs/merge-preview.md). Each trainer checkpoint holds the preview's state
+(``checkpoint-N/ram_preview``), which a resumed run restores. The engine and the evaluation are imported when the
+callback is built, so ``import ram_trl.callbacks`` stays light.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import logging
 import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Sequence
@@ -51,10 +56,18 @@ import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from ram_trl import defaults
-from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics, policy_of, save_agent
+from ram_trl.callbacks import (
+    TaskVectorSparsityCallback,
+    agent_output,
+    last_reward_metrics,
+    policy_of,
+    save_agent,
+)
 from ram_trl.errors import ConfigError
 from ram_trl.manifest import StageManifest
 from ram_trl.telemetry.priors import read_prior_stages
+
+logger = logging.getLogger(__name__)
 
 #: Prefix of the preview's metric names.
 PREVIEW_PREFIX = "merge_preview/"
@@ -62,8 +75,51 @@ PREVIEW_PREFIX = "merge_preview/"
 WORK_DIR = ".ram_preview"
 #: Where the last step's agent goes when an earlier step is kept.
 LAST_DIR = "last"
+#: The preview's state inside each trainer checkpoint (``checkpoint-N/ram_preview``): its history and the best and
+#: last previewed checkpoints (hard links), so a resumed run keeps the argmax over the whole run.
+CHECKPOINT_DIR = "ram_preview"
+STATE_FILE = "state.json"
 
-__all__ = ["LAST_DIR", "PREVIEW_PREFIX", "MergePreviewCallback", "preview_merge_config", "weights_digest"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "LAST_DIR",
+    "PREVIEW_PREFIX",
+    "MergePreviewCallback",
+    "default_preview_every",
+    "preview_merge_config",
+    "preview_prompt_indices",
+    "weights_digest",
+]
+
+
+def default_preview_every(max_steps: int) -> int:
+    """The default interval of the merge preview: ``ceil(max_steps / defaults.PREVIEW_COUNT)``, so a run previews
+    about :data:`~ram_trl.defaults.PREVIEW_COUNT` times (the final step always), whatever its length.
+
+    Args:
+        max_steps: The run's optimizer steps.
+
+    Returns:
+        Optimizer steps between previews (at least 1).
+    """
+    return max(1, math.ceil(max_steps / defaults.PREVIEW_COUNT))
+
+
+def preview_prompt_indices(total: int, prompts: int | None, seed: int) -> list[int]:
+    """Which validation prompts of a stage a preview scores: all when ``prompts`` is ``None`` or at least
+    ``total``, else ``prompts`` of them drawn without replacement with ``random.Random(seed)``, in file order.
+
+    Args:
+        total: The stage's validation prompts.
+        prompts: How many to score (``None``: all).
+        seed: Seed of the draw (the callback's ``seed``).
+
+    Returns:
+        The sorted row indices.
+    """
+    if prompts is None or prompts >= total:
+        return list(range(total))
+    return sorted(random.Random(seed).sample(range(total), prompts))
 
 
 def preview_merge_config(
@@ -127,8 +183,14 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             The method's global parameters (default: the method's defaults).
         seed (`int`, *optional*, defaults to `0`):
             Seed of the merge's random drops (DARE, DELLA).
-        preview_every (`int`, *optional*, defaults to `10`):
-            Preview every this many optimizer steps; the final step is always previewed.
+        preview_every (`int`, *optional*):
+            Preview every this many optimizer steps; the final step is always previewed. Default
+            :func:`default_preview_every` of the run's ``max_steps`` (about
+            :data:`~ram_trl.defaults.PREVIEW_COUNT` previews per run).
+        prompts (`int`, *optional*, defaults to `24`):
+            Validation prompts scored per stage: a seeded subset (:func:`preview_prompt_indices`, recorded in the
+            manifest) of each stage's validation split; ``None`` scores them all. Generation is most of a preview's
+            cost.
         keep (`str`, *optional*, defaults to `"best"`):
             ``"best"``: leave the checkpoint with the highest merged validation average in the output directory
             (ties: the earliest), the last step's in ``OUTPUT/last``; ``"last"``: leave the last step's.
@@ -167,7 +229,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         method: str = defaults.PREVIEW_METHOD,
         parameters: dict[str, Any] | None = None,
         seed: int = 0,
-        preview_every: int = defaults.PREVIEW_EVERY,
+        preview_every: int | None = None,
+        prompts: int | None = defaults.PREVIEW_PROMPTS,
         keep: Literal["best", "last"] = "best",
         **telemetry: Any,
     ) -> None:
@@ -181,8 +244,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             raise ConfigError(
                 "MergePreviewCallback needs stage_name=...: it names this stage's validation prompts"
             )
-        if not isinstance(preview_every, int) or isinstance(preview_every, bool) or preview_every < 1:
-            raise ConfigError(f"preview_every={preview_every!r} must be a positive integer")
+        for name, value in (("preview_every", preview_every), ("prompts", prompts)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a positive integer (or None for the default)")
         if keep not in ("best", "last"):
             raise ConfigError(f"keep={keep!r}: use 'best' or 'last'")
         super().__init__(trainer, base_model, prior_stages=prior_stages, stage_name=stage_name, **telemetry)
@@ -203,7 +267,12 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self.parameters = dict(parameters or {})
         self.seed = seed
         self.preview_every = preview_every
+        # the default interval is resolved at train begin (it needs max_steps)
+        self.every = preview_every or 1
+        self.prompts = prompts
         self.keep = keep
+        self.prompt_indices: dict[str, list[int]] = {}
+        self.validation_sizes: dict[str, int] = {}
         self.tasks = self._validation_tasks(tasks)
         # the whole config is validated now (method, parameters, each prior's base), with the base as a stand-in
         # for the agent: the errors come before any training
@@ -225,6 +294,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self.history: list[dict[str, Any]] = []
         self.base_scores: dict[str, float] = {}
         self.specialist_scores: dict[str, float] = {}
+        self.reference_seconds: float | None = None
+        self.resumed_from: int | None = None
         self.kept_step: int | None = None
         self._best: Path | None = None
         self._best_average = -math.inf
@@ -255,6 +326,10 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
                     f"merge preview: stage {name!r} has no reward functions to score its prompts"
                 )
             task.functions()  # import errors now, not at the first preview
+            indices = preview_prompt_indices(len(task.rows), self.prompts, self.seed)
+            self.prompt_indices[name] = indices
+            self.validation_sizes[name] = len(task.rows)
+            by_stage[name] = EvalTask(name, [task.rows[i] for i in indices], task.paths, split="val")
         return by_stage
 
     # -- events --------------------------------------------------------------------------------------------------
@@ -277,16 +352,26 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             raise ConfigError(
                 "the merge preview does not support FSDP yet; use DDP or train without the preview"
             )
+        self.every = self.preview_every or default_preview_every(state.max_steps)
         self.work_dir = Path(args.output_dir) / WORK_DIR
+        saved = self._saved_state(args, state) if state.global_step > 0 else None
         if accelerator.is_main_process:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             self.work_dir.mkdir(parents=True)
+            if saved is not None:
+                self._restore_checkpoints(saved)
+        accelerator.wait_for_everyone()
+        if saved is not None:
+            self._restore(saved)
+            return
+        if accelerator.is_main_process:
+            start = time.perf_counter()
             with _training_rng_kept():
                 references = self._reference_scores()
+            references = (*references, round(time.perf_counter() - start, 4))
         else:
             references = None
-        references = self._share(references)
-        self.base_scores, self.specialist_scores = references
+        self.base_scores, self.specialist_scores, self.reference_seconds = self._share(references)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -297,7 +382,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if step % self.interval(args, state) == 0 or final:
             model = policy_of(kwargs.get("model") or self.trainer.model)
             metrics.update(self.tracker.measure(model, step))
-        if step % self.preview_every == 0 or final:
+        if step % self.every == 0 or final:
             metrics.update(self.preview(state))
         if metrics:
             self.emit(metrics, control)
@@ -310,23 +395,119 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if self._last_step != state.global_step:  # training stopped between previews
             self.trainer.log(self.preview(state))
-        out_dir = Path(args.output_dir)
-        main = self.trainer.accelerator.is_main_process
-        if main:
-            assert self._last is not None and self._best is not None
-            kept = self._best if self.keep == "best" else self._last
-            if kept != self._last:
-                _move_files(self._last, out_dir / LAST_DIR)
-            _move_files(kept, out_dir)
-            if self.write_stage and state.is_world_process_zero:
-                self.manifest_file = self._write_manifest(args, state)
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+        if self.trainer.accelerator.is_main_process:
+            self._commit(args, state)
         self.trainer.accelerator.wait_for_everyone()
 
-    def _write_manifest(self, args: TrainingArguments, state: TrainerState) -> Path:
-        from ram_trl.manifest import write_manifest
+    def _commit(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Leave the kept checkpoint (and the last step's in ``OUTPUT/last``) and the manifest in the output
+        directory with the agent directory's commit protocol (:func:`~ram_trl.callbacks.agent_output`: all or
+        nothing, the manifest last), then remove the scratch directory."""
+        from ram_trl.manifest import MANIFEST_NAME, write_manifest
 
-        return write_manifest(self.manifest(args, state), Path(args.output_dir))
+        assert self._last is not None and self._best is not None
+        out_dir = Path(args.output_dir)
+        kept = self._best if self.keep == "best" else self._last
+        output = agent_output(out_dir)
+        tmp = output.begin()
+        try:
+            for file in kept.iterdir():
+                os.replace(file, tmp / file.name)
+            if kept != self._last:
+                os.replace(self._last, tmp / LAST_DIR)
+            if self.write_stage and state.is_world_process_zero:
+                write_manifest(self.manifest(args, state), tmp)
+                self.manifest_file = out_dir / MANIFEST_NAME
+            output.commit()
+        except BaseException:
+            output.abort()
+            raise
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Keep the preview's state in the trainer checkpoint just saved (``checkpoint-N/ram_preview``): the history
+        and hard links to the best and last previewed checkpoints, for :meth:`on_train_begin` of a resumed run."""
+        if not self.trainer.accelerator.is_main_process or not self.history:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        checkpoint = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not checkpoint.is_dir():
+            return
+        target = checkpoint / CHECKPOINT_DIR
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir()
+        for directory in {self._best, self._last} - {None}:
+            _link_tree(directory, target / directory.name)
+        saved = {
+            "settings": self._settings(),
+            "history": self.history,
+            "best": self._best.name if self._best else None,
+            "last": self._last.name if self._last else None,
+            "base_scores": self.base_scores,
+            "specialist_scores": self.specialist_scores,
+            "reference_seconds": self.reference_seconds,
+        }
+        (target / STATE_FILE).write_text(json.dumps(saved, indent=1) + "\n")
+
+    def _settings(self) -> dict[str, Any]:
+        """What makes two runs' previews comparable (a resumed run must preview as the interrupted one did)."""
+        return {
+            "method": self.method,
+            "parameters": self.parameters,
+            "seed": self.seed,
+            "stages": self.merged_stages,
+            "prior_stages": [str(f) for f in self.prior_files],
+            "prompt_indices": self.prompt_indices,
+            "evaluation": self.evaluation.model_dump(mode="json"),
+        }
+
+    def _saved_state(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any] | None:
+        """The preview state of the checkpoint a run resumes from (``None``, with a warning, when it has none)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / CHECKPOINT_DIR
+        file = folder / STATE_FILE
+        if not file.is_file():
+            logger.warning(
+                "merge preview: the run resumes at step %d without a preview state in %s; the previews before it are "
+                "unknown, and the step kept is chosen among the previews from now on",
+                state.global_step,
+                folder,
+            )
+            return None
+        saved = json.loads(file.read_text())
+        if saved["settings"] != json.loads(json.dumps(self._settings())):
+            raise ConfigError(
+                f"merge preview: the checkpoint {folder.parent} was previewed with other settings "
+                f"({saved['settings']}) than this run's ({self._settings()}); resume with the same method, "
+                "parameters, seed, prior stages, prompts and evaluation"
+            )
+        saved["folder"] = str(folder)
+        return saved
+
+    def _restore_checkpoints(self, saved: dict[str, Any]) -> None:
+        """Link the saved best and last previewed checkpoints back into the scratch directory (main process)."""
+        folder = Path(saved["folder"])
+        for name in {saved["best"], saved["last"]} - {None}:
+            _link_tree(folder / name, self.work_dir / name)
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        self.history = list(saved["history"])
+        self.base_scores = saved["base_scores"]
+        self.specialist_scores = saved["specialist_scores"]
+        self.reference_seconds = saved["reference_seconds"]
+        self.resumed_from = int(Path(saved["folder"]).parent.name.rsplit("-", 1)[1])
+        if saved["best"] is not None:
+            self._best = self.work_dir / saved["best"]
+            self._best_average = max(r["average"] for r in self.history)
+        if saved["last"] is not None:
+            self._last = self.work_dir / saved["last"]
+            self._last_step = self.history[-1]["step"]
+        best = max(self.history, key=lambda r: r["average"])
+        self.kept_step = best["step"] if self.keep == "best" else self._last_step
 
     # -- the preview ---------------------------------------------------------------------------------------------
 
@@ -392,21 +573,38 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         return merged, time.perf_counter() - start, int(report.get("processes", 1))
 
     def _score(self, merged: Path, checkpoint: Path, step: int) -> dict[str, Any]:
-        """The merged model's validation scores on every merged stage and the policy's on its own stage."""
+        """The merged model's validation scores on every merged stage and the policy's on its own stage. Weights
+        scored at an earlier preview (equal digests: bit-for-bit the same model) are not generated again: the
+        evaluation is seeded, so their scores are the earlier ones."""
         from ram_trl.recipes.evaluate import evaluate_model
 
-        tasks = [self.tasks[name] for name in self.merged_stages]
-        scored = evaluate_model(merged, tasks, self.evaluation, base=self.base_model, progress=False)
-        own = evaluate_model(
-            checkpoint, [self.tasks[self.stage_name]], self.evaluation, base=self.base_model, progress=False
-        )
-        scores = scored["splits"]["val"]["scores"]
+        merged_digest, agent_digest = weights_digest(merged), weights_digest(checkpoint)
+        earlier = {r["merged_sha256"]: r for r in self.history}
+        if merged_digest in earlier:
+            scores = dict(earlier[merged_digest]["scores"])
+        else:
+            tasks = [self.tasks[name] for name in self.merged_stages]
+            scored = evaluate_model(merged, tasks, self.evaluation, base=self.base_model, progress=False)
+            scores = dict(scored["splits"]["val"]["scores"])
+        earlier = {r.get("agent_sha256"): r for r in self.history}
+        if agent_digest in earlier:
+            agent_score = earlier[agent_digest]["agent_score"]
+        else:
+            own = evaluate_model(
+                checkpoint,
+                [self.tasks[self.stage_name]],
+                self.evaluation,
+                base=self.base_model,
+                progress=False,
+            )
+            agent_score = own["splits"]["val"]["scores"][self.stage_name]
         return {
             "step": step,
-            "scores": dict(scores),
+            "scores": scores,
             "average": math.fsum(scores.values()) / len(scores),
-            "agent_score": own["splits"]["val"]["scores"][self.stage_name],
-            "merged_sha256": weights_digest(merged),
+            "agent_score": agent_score,
+            "merged_sha256": merged_digest,
+            "agent_sha256": agent_digest,
         }
 
     def _reference_scores(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -523,7 +721,14 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             "seed": self.seed,
             "prior_stages": [str(f) for f in self.prior_files],
             "stages": self.merged_stages,
-            "preview_every": self.preview_every,
+            "preview_every": self.every,
+            "prompts": {
+                name: {"scored": len(indices), "of": self.validation_sizes[name], "indices": indices}
+                for name, indices in self.prompt_indices.items()
+            },
+            "evaluation": self.evaluation.model_dump(mode="json"),
+            "reference_seconds": self.reference_seconds,
+            "resumed_from_step": self.resumed_from,
             "base_scores": self.base_scores,
             "specialist_scores": self.specialist_scores,
             "history": self.history,
@@ -568,9 +773,12 @@ def _training_rng_kept() -> contextlib.AbstractContextManager:
     return torch.random.fork_rng(devices=devices)
 
 
-def _move_files(source: Path, target: Path) -> None:
-    """Move the files of ``source`` into ``target`` (created), replacing same-named files; removes ``source``."""
-    target.mkdir(parents=True, exist_ok=True)
+def _link_tree(source: Path, target: Path) -> None:
+    """Hard-link the files of the flat directory ``source`` into ``target`` (created); copies where the file system
+    cannot link."""
+    target.mkdir(parents=True)
     for file in source.iterdir():
-        os.replace(file, target / file.name)
-    shutil.rmtree(source, ignore_errors=True)
+        try:
+            os.link(file, target / file.name)
+        except OSError:
+            shutil.copy2(file, target / file.name)

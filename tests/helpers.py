@@ -370,6 +370,7 @@ def train_rl(
     reward: Any,
     dataset: Any,
     peft_config: Any = None,
+    resume_from_checkpoint: str | Path | None = None,
 ) -> Any:
     """Build a TRL RL trainer on the model at ``base`` with ``callback``, bind the callback to it and train.
 
@@ -381,6 +382,7 @@ def train_rl(
         reward: The reward function.
         dataset: The prompts (:func:`rl_prompts`).
         peft_config (*optional*): A PEFT config for a LoRA run.
+        resume_from_checkpoint (*optional*): A trainer checkpoint to resume from.
 
     Returns:
         The trained trainer.
@@ -394,7 +396,7 @@ def train_rl(
         peft_config=peft_config,
     )
     callback.bind(trainer)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume_from_checkpoint) if resume_from_checkpoint else None)
     return trainer
 
 

@@ -228,14 +228,18 @@ class PreviewSpec(_Strict):
     stage's agent.
 
     Args:
-        every: Optimizer steps between previews (the final step is always previewed).
+        every: Optimizer steps between previews (the final step is always previewed); default
+            ``ceil(max_steps / 4)`` (:func:`ram_trl.preview.default_preview_every`).
+        prompts: Validation prompts scored per merged stage, a seeded subset of its validation split recorded in
+            the manifest (default 24; ``null``: all of them).
         method: The merge method previewed (any registered method; default RAM+ at the paper's settings).
         parameters: Its global parameters.
         keep: ``best`` (the step with the highest merged validation average; the last step's agent goes to
             ``stages/NAME/last``) or ``last``.
     """
 
-    every: int = Field(defaults.PREVIEW_EVERY, ge=1)
+    every: int | None = Field(None, ge=1)
+    prompts: int | None = Field(defaults.PREVIEW_PROMPTS, ge=1)
     method: str = defaults.PREVIEW_METHOD
     parameters: dict[str, Any] = Field(default_factory=dict)
     keep: Literal["best", "last"] = "best"

@@ -175,6 +175,7 @@ def attach_telemetry(
             parameters=stage.preview.parameters,
             seed=recipe.seed,
             preview_every=stage.preview.every,
+            prompts=stage.preview.prompts,
             keep=stage.preview.keep,
         )
     trainer.add_callback(callback)

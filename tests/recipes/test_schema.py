@@ -143,7 +143,13 @@ def test_validation_split_settings():
 def test_preview_settings_are_validated():
     parsed, _ = load_recipe(recipe_dict(stages={"*": {"preview": {}}}))
     preview = parsed.stages[0].preview
-    assert (preview.every, preview.method, preview.parameters, preview.keep) == (10, "ram_plus", {}, "best")
+    assert (preview.every, preview.prompts, preview.method, preview.parameters, preview.keep) == (
+        None,
+        24,
+        "ram_plus",
+        {},
+        "best",
+    )
     assert load_recipe(recipe_dict())[0].stages[0].preview is None  # off unless asked for
     assert (
         check_recipe(
