@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ram_trl.recipes.environment import import_object
+from ram_trl.recipes.rewards import wrap_reward
 from ram_trl.recipes.schema import EvaluationSpec
 
 __all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_completions"]
@@ -33,8 +34,6 @@ class EvalTask:
     split: str = "test"
 
     def functions(self) -> list[Any]:
-        from ram_trl.recipes.stage import wrap_reward
-
         return [
             wrap_reward(import_object(p, f"stage {self.stage!r}: reward function"), p, self.stage)
             for p in self.paths

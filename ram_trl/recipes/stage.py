@@ -11,19 +11,18 @@ stage as complete.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.errors import ConfigError
 from ram_trl.recipes.environment import import_object, trainer_settings
+from ram_trl.recipes.rewards import StageFailure, wrap_reward
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
-from ram_trl.validation import check_reward_values
 
 __all__ = [
     "StageFailure",
@@ -34,32 +33,6 @@ __all__ = [
     "run_stage",
     "wrap_reward",
 ]
-
-
-class StageFailure(RamTrlError, RuntimeError):
-    """A stage's user code (reward function, generator) failed; the message names the stage and the function."""
-
-
-def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
-    """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
-    finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
-    function."""
-
-    @functools.wraps(fn)
-    def reward(*args: Any, **kwargs: Any) -> list[float | None]:
-        try:
-            values = fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the stage and function named
-            raise StageFailure(f"stage {stage!r}: reward function {path} raised {exc!r}") from exc
-        count = len(kwargs["completions"]) if "completions" in kwargs else len(args[0]) if args else 0
-        try:
-            return check_reward_values(values, count, f"stage {stage!r}: reward function {path}")
-        except ConfigError as exc:
-            raise StageFailure(str(exc)) from None
-
-    if not hasattr(reward, "__name__"):
-        reward.__name__ = path.rpartition(":")[2] or path
-    return reward
 
 
 def preflight_rewards(stage: StageSpec, rows: list[dict[str, Any]], count: int = 2) -> None:

@@ -1,0 +1,42 @@
+"""Reward functions as the recipe runs them: wrapped so that a failure names the stage and the function.
+
+Shared by the stage process (:mod:`ram_trl.recipes.stage`, training and the reward pre-flight) and the evaluation
+(:mod:`ram_trl.recipes.evaluate`), which therefore do not import each other.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.validation import check_reward_values
+
+__all__ = ["StageFailure", "wrap_reward"]
+
+
+class StageFailure(RamTrlError, RuntimeError):
+    """A stage's user code (reward function, generator) failed; the message names the stage and the function."""
+
+
+def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
+    """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
+    finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
+    function."""
+
+    @functools.wraps(fn)
+    def reward(*args: Any, **kwargs: Any) -> list[float | None]:
+        try:
+            values = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the stage and function named
+            raise StageFailure(f"stage {stage!r}: reward function {path} raised {exc!r}") from exc
+        count = len(kwargs["completions"]) if "completions" in kwargs else len(args[0]) if args else 0
+        try:
+            return check_reward_values(values, count, f"stage {stage!r}: reward function {path}")
+        except ConfigError as exc:
+            raise StageFailure(str(exc)) from None
+
+    if not hasattr(reward, "__name__"):
+        reward.__name__ = path.rpartition(":")[2] or path
+    return reward
