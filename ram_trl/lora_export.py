@@ -47,7 +47,7 @@ from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.output import OUTPUT_ERRNOS, OutputDir, as_output_error, temp_name
 from ram_trl.planner import format_bytes
-from ram_trl.report import json_default, model_card
+from ram_trl.report import adapter_card, json_default
 
 if TYPE_CHECKING:
     from torch import nn
@@ -738,99 +738,6 @@ def _adapter_report(
         found.append("no tokenizer files found beside the merged model; the adapter has none")
     report["warnings"] = found
     return report
-
-
-def adapter_card(report: dict[str, Any]) -> str:
-    """The model card of an exported adapter: the merge's card (method, parameters, agents) plus the export."""
-    import yaml
-
-    front = {
-        "base_model": report.get("base_model"),
-        "library_name": "peft",
-        "tags": ["merge", "ram_trl", "lora", *([report["merge_method"]] if "merge_method" in report else [])],
-    }
-    body = _merge_card_body(report) or "# LoRA adapter exported by ram_trl\n"
-    export = "\n".join(_export_lines(report, report["lora_export"]))
-    head, marker, tail = body.partition("\n## Configuration")
-    return (
-        "---\n"
-        + yaml.safe_dump(front, sort_keys=False).strip()
-        + "\n---\n\n"
-        + head.strip("\n")
-        + "\n"
-        + export
-        + (marker + tail if marker else "")
-    )
-
-
-def _merge_card_body(report: dict[str, Any]) -> str:
-    """The merge's model card without its front matter, titled as an adapter ("" without a merge report)."""
-
-    try:
-        card = model_card(report)
-    except (KeyError, TypeError):
-        return ""
-    parts = card.split("---\n", 2)
-    body = parts[2] if len(parts) == 3 else card
-    return body.replace("# Merged model:", "# Merged model as a LoRA adapter:", 1)
-
-
-def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
-    if section["mode"] == "rank":
-        how = f"rank {section['rank']} for every module (capped by the weight's smaller dimension)"
-    else:
-        how = (
-            f"per module the smallest rank keeping {section['energy']:g} of the delta's squared singular values, at "
-            f"most {section['max_rank']}"
-        )
-    lines = ["", "## LoRA export", ""]
-    lines.append(
-        f"The merged weights are stored as a PEFT LoRA adapter on `{report.get('base_model')}`: the delta of each "
-        f"nn.Linear weight is its truncated SVD (float64), B = U sqrt(S), A = sqrt(S) Vh, lora_alpha = r (scaling "
-        f"1), with {how}."
-    )
-    if section["lora_modules"]:
-        lines.append(
-            f"{section['lora_modules']} LoRA modules, ranks {section['rank_min']}-{section['rank_max']}; relative "
-            f"reconstruction error ||delta - B A||_F / ||delta||_F: max {section['relative_error_max']:.3g}, mean "
-            f"{section['relative_error_mean']:.3g}."
-        )
-    saved = section["modules_to_save"]
-    if saved or section["biases"]:
-        lines.append(
-            f"Stored in full (exact): {len(saved)} module(s) in modules_to_save"
-            + (
-                f" ({', '.join('`' + s['module'] + '`' for s in saved[:8])}{', ...' if len(saved) > 8 else ''})"
-                if saved
-                else ""
-            )
-            + f" and {len(section['biases'])} Linear bias(es)."
-        )
-    worst = sorted(section["tensors"], key=lambda item: -item["relative_error"])[:10]
-    if worst:
-        lines += ["", "| tensor | shape | rank | sigma^2 kept | relative error |", "|---|---|---|---|---|"]
-        lines += [
-            f"| `{item['tensor']}` | {item['shape'][0]}x{item['shape'][1]} | {item['rank']} | "
-            f"{item['energy_kept']:.6f} | {item['relative_error']:.3g} |"
-            for item in worst
-        ]
-        if len(section["tensors"]) > len(worst):
-            lines.append(f"\nThe {len(worst)} largest errors; every tensor is in `ram_merge_report.json`.")
-    if section["not_exported"]:
-        lines += ["", "**Not exported** (the adapter does not reproduce these merged tensors):", ""]
-        lines += [f"- `{item['tensor']}`: {item['reason']}" for item in section["not_exported"]]
-    lines += [
-        "",
-        "```python",
-        "from peft import PeftModel",
-        "from transformers import AutoModelForCausalLM",
-        "",
-        f'base = AutoModelForCausalLM.from_pretrained("{report.get("base_model")}")',
-        'model = PeftModel.from_pretrained(base, "PATH/TO/THIS/ADAPTER")',
-        "```",
-        "",
-    ]
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------------------------

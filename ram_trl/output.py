@@ -38,11 +38,13 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ram_trl.errors import OutputError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LOCK_FILE = ".ram-trl-lock"
 _LEFTOVER = re.compile(r"\.ram-trl-(?:tmp|full|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
@@ -445,6 +447,51 @@ class OutputDir:
         if self._signals is not None:
             self._signals.close()
             self._signals = None
+
+    # -- one place for the whole protocol -------------------------------------------------------------------------
+
+    def write(self, fill: Callable[[Path], T], what: str | None = None) -> T:
+        """Write the output in one go: :meth:`begin`, ``fill(temp)``, :meth:`commit`; :meth:`abort` on any failure.
+
+        Args:
+            fill: Writes every file into the temporary directory it is given; its result is returned.
+            what: How a file-system error of the output is named (default: ``"{what} {target}"``).
+
+        Returns:
+            What ``fill`` returned.
+
+        Raises:
+            OutputError: for file-system errors that are the user's to fix (space, permissions, read-only).
+        """
+        temp = self.begin()
+        try:
+            with guard_os_errors(what or f"{self.what} {self.target}"):
+                result = fill(temp)
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
+        return result
+
+    @contextlib.contextmanager
+    def shared(self, dist: Any) -> Iterator[Path]:
+        """The protocol over the processes of a distributed run: the main process begins (and aborts on any
+        failure), every process writes into the temporary directory it yields; the main process calls
+        :meth:`commit` once every file is written.
+
+        Args:
+            dist: The run's :class:`~ram_trl.distributed.DistContext` (``is_main``, ``guarded``,
+                ``broadcast_object``).
+        """
+        temp = dist.guarded(lambda: str(self.begin()) if dist.is_main else None)
+        temp_dir = Path(dist.broadcast_object(temp))
+        try:
+            with guard_os_errors(f"{self.what} {self.target}"):
+                yield temp_dir
+        except BaseException:
+            if dist.is_main:
+                self.abort()
+            raise
 
     def __enter__(self) -> Path:
         return self.begin()

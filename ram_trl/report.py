@@ -1,7 +1,13 @@
-"""Merge reports: the JSON report, the model card, and terminal tables for plans and results."""
+"""Merge reports: the JSON report, the model cards (merged model and LoRA adapter), and terminal tables for plans
+and results.
+
+Every output with a merge report (a merged model, an exported LoRA adapter) writes it and its card with
+:func:`write_report`, inside the output's temporary directory (:class:`~ram_trl.output.OutputDir`).
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import sys
@@ -19,6 +25,11 @@ from ram_trl.planner import MergePlan, format_bytes
 if TYPE_CHECKING:
     from ram_trl.config import ResolvedConfig
     from ram_trl.engine import MergeState
+
+#: The merge report of a merged model or an exported adapter (also the marker of a previous output).
+REPORT_FILE = "ram_merge_report.json"
+#: The model card.
+CARD_FILE = "README.md"
 
 
 def json_default(value: Any) -> Any:
@@ -118,6 +129,22 @@ def build_report(
     }
 
 
+def write_report(out_dir: Path, report: dict[str, Any], card: str) -> None:
+    """Write the report (``ram_merge_report.json``) and the model card (``README.md``) into an output directory.
+
+    Args:
+        out_dir: The output's temporary directory.
+        report: The report (paths, dtypes and infinities are serialised by :func:`json_default`).
+        card: The model card's Markdown (:func:`model_card` or :func:`adapter_card`).
+    """
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=json_default) + "\n")
+    (out_dir / CARD_FILE).write_text(card)
+
+
+def _front_matter(front: dict[str, Any]) -> str:
+    return "---\n" + yaml.safe_dump(front, sort_keys=False).strip() + "\n---\n"
+
+
 def model_card(report: dict[str, Any]) -> str:
     """A Hugging Face model card (README.md) for a merged model."""
     front = {
@@ -125,9 +152,17 @@ def model_card(report: dict[str, Any]) -> str:
         "library_name": "transformers",
         "tags": ["merge", "ram_trl", report["merge_method"]],
     }
-    lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", ""]
-    lines.append(f"# Merged model: {report['method_pretty_name']}")
-    lines.append("")
+    return _front_matter(front) + "\n" + card_body(report)
+
+
+def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
+    """The body of a merged model's card (no front matter): method, parameters, agents, stages, warnings, config.
+
+    Args:
+        report: The merge report.
+        title: The heading, followed by the method's name.
+    """
+    lines = [f"# {title}: {report['method_pretty_name']}", ""]
     lines.append(
         f"This model was merged with [ram_trl](https://pypi.org/project/ram-trl/) {report['ram_trl_version']} "
         f"from the base model `{report['base_model']}` and {report['num_agents']} agents using "
@@ -197,6 +232,85 @@ def model_card(report: dict[str, Any]) -> str:
     ]
     lines.append("")
     return "\n".join(lines)
+
+
+def adapter_card(report: dict[str, Any]) -> str:
+    """The model card of an exported adapter: the merge's card (method, parameters, agents) plus the export."""
+    front = {
+        "base_model": report.get("base_model"),
+        "library_name": "peft",
+        "tags": ["merge", "ram_trl", "lora", *([report["merge_method"]] if "merge_method" in report else [])],
+    }
+    body = _merge_card_body(report) or "# LoRA adapter exported by ram_trl\n"
+    export = "\n".join(_export_lines(report, report["lora_export"]))
+    head, marker, tail = body.partition("\n## Configuration")
+    return _front_matter(front) + "\n" + head.strip("\n") + "\n" + export + (marker + tail if marker else "")
+
+
+def _merge_card_body(report: dict[str, Any]) -> str:
+    """The merge's model card without its front matter, titled as an adapter ("" without a merge report)."""
+    try:
+        return card_body(report, "Merged model as a LoRA adapter")
+    except (KeyError, TypeError):
+        return ""
+
+
+def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
+    if section["mode"] == "rank":
+        how = f"rank {section['rank']} for every module (capped by the weight's smaller dimension)"
+    else:
+        how = (
+            f"per module the smallest rank keeping {section['energy']:g} of the delta's squared singular values, at "
+            f"most {section['max_rank']}"
+        )
+    lines = ["", "## LoRA export", ""]
+    lines.append(
+        f"The merged weights are stored as a PEFT LoRA adapter on `{report.get('base_model')}`: the delta of each "
+        f"nn.Linear weight is its truncated SVD (float64), B = U sqrt(S), A = sqrt(S) Vh, lora_alpha = r (scaling "
+        f"1), with {how}."
+    )
+    if section["lora_modules"]:
+        lines.append(
+            f"{section['lora_modules']} LoRA modules, ranks {section['rank_min']}-{section['rank_max']}; relative "
+            f"reconstruction error ||delta - B A||_F / ||delta||_F: max {section['relative_error_max']:.3g}, mean "
+            f"{section['relative_error_mean']:.3g}."
+        )
+    saved = section["modules_to_save"]
+    if saved or section["biases"]:
+        lines.append(
+            f"Stored in full (exact): {len(saved)} module(s) in modules_to_save"
+            + (
+                f" ({', '.join('`' + s['module'] + '`' for s in saved[:8])}{', ...' if len(saved) > 8 else ''})"
+                if saved
+                else ""
+            )
+            + f" and {len(section['biases'])} Linear bias(es)."
+        )
+    worst = sorted(section["tensors"], key=lambda item: -item["relative_error"])[:10]
+    if worst:
+        lines += ["", "| tensor | shape | rank | sigma^2 kept | relative error |", "|---|---|---|---|---|"]
+        lines += [
+            f"| `{item['tensor']}` | {item['shape'][0]}x{item['shape'][1]} | {item['rank']} | "
+            f"{item['energy_kept']:.6f} | {item['relative_error']:.3g} |"
+            for item in worst
+        ]
+        if len(section["tensors"]) > len(worst):
+            lines.append(f"\nThe {len(worst)} largest errors; every tensor is in `ram_merge_report.json`.")
+    if section["not_exported"]:
+        lines += ["", "**Not exported** (the adapter does not reproduce these merged tensors):", ""]
+        lines += [f"- `{item['tensor']}`: {item['reason']}" for item in section["not_exported"]]
+    lines += [
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'base = AutoModelForCausalLM.from_pretrained("{report.get("base_model")}")',
+        'model = PeftModel.from_pretrained(base, "PATH/TO/THIS/ADAPTER")',
+        "```",
+        "",
+    ]
+    return lines
 
 
 def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:

@@ -6,6 +6,7 @@ whole merge can be validated before its first tensor is read.
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,22 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+
+def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer files (:data:`TOKENIZER_FILES`) found in ``source`` into ``out_dir``.
+
+    Args:
+        source: The directory holding the tokenizer (the base, ``tokenizer_source`` or a merged model).
+        out_dir: The output directory being written.
+
+    Returns:
+        The names of the files copied (empty when ``source`` holds none).
+    """
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for name in copied:
+        shutil.copy2(source / name, out_dir / name)
+    return copied
 
 
 @dataclass
