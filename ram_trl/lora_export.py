@@ -16,292 +16,64 @@
 - a changed tensor that an adapter cannot express (a resized vocabulary, a buffer, a tensor transformers renames on
   load, a tie PEFT cannot keep) is left out and reported with the reason.
 
+The module has three neighbours: :mod:`ram_trl.lora_svd` (the rank options and the SVD), :mod:`ram_trl.peft_layout`
+(which module owns each tensor, the adapter's config and file layout) and :mod:`ram_trl.report` (the adapter's model
+card). This module is the orchestration: stream the tensors, factorise, stage, assemble, report, commit.
+
 Which module owns a tensor is read from the base architecture built on the meta device from the base's
 ``config.json`` (no weights, no ``trust_remote_code``). Memory is bounded by one tensor: its base and merged values
 in float32, the float64 delta and its SVD (about 28 bytes per element of the largest changed 2-D weight). The
 factors are staged on disk and the adapter file is assembled at the end. Output goes to a temporary sibling of the
 output directory, renamed into place when complete.
 
-:func:`run_lora_merge` is ``ram_trl.merge(..., output_format="lora")``: a float32 merge into a temporary full model,
-the export, and the removal of the temporary model.
+:func:`ram_trl.engine.run_lora_merge` is ``ram_trl.merge(..., output_format="lora")``: a float32 merge into a
+temporary full model, this export, and the removal of the temporary model.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import re
-import shutil
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from ram_trl.distributed import DistContext
-from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.io.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
+from ram_trl.errors import CheckpointError
+from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
+from ram_trl.io.lora import ADAPTER_CONFIG
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
-from ram_trl.output import OUTPUT_ERRNOS, OutputDir, as_output_error, temp_name
+from ram_trl.lora_svd import (
+    OUTPUT_FORMATS,
+    Factorization,
+    LoraExportOptions,
+    choose_rank,
+    factorize,
+    lora_options,
+    relative_error,
+)
+from ram_trl.output import OutputDir
+from ram_trl.peft_layout import (
+    DUMMY_TARGET_MODULES,
+    PEFT_PREFIX,
+    AdapterPlan,
+    Architecture,
+    adapter_layout,
+    build_architecture,
+    classify,
+)
 from ram_trl.planner import format_bytes
-from ram_trl.report import adapter_card, json_default
+from ram_trl.report import REPORT_FILE, adapter_card, write_report
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from ram_trl.config import ResolvedConfig
-    from ram_trl.engine import MergeOptions
-
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-REPORT_FILE = "ram_merge_report.json"
-OUTPUT_FORMATS = ("full", "lora")
-#: PEFT's ``target_modules`` value for an adapter without LoRA layers (only ``modules_to_save``).
-DUMMY_TARGET_MODULES = "dummy-target-modules"
-_PREFIX = "base_model.model."
+#: Rows of a tensor copied into the adapter file at a time are about this many bytes.
 _COPY_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Options
-
-
-@dataclass(frozen=True)
-class LoraExportOptions:
-    """How the rank of each LoRA factorisation is chosen.
-
-    Args:
-        rank: Fixed rank ``r`` of every LoRA module (capped by the weight's smaller dimension).
-        max_rank: Largest rank in energy mode.
-        energy: Energy mode: per tensor, the smallest rank whose cumulative share of ``sigma**2`` reaches it.
-    """
-
-    rank: int | None = None
-    max_rank: int | None = None
-    energy: float | None = None
-
-    @property
-    def mode(self) -> str:
-        return "rank" if self.rank is not None else "energy"
-
-    @property
-    def cap(self) -> int:
-        """The config's ``r``: the fixed rank, or the largest rank allowed."""
-        value = self.rank if self.rank is not None else self.max_rank
-        assert value is not None
-        return value
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "rank": self.rank, "max_rank": self.max_rank, "energy": self.energy}
-
-
-def _positive_int(value: Any, flag: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def lora_options(
-    output_format: str = "full",
-    rank: int | None = None,
-    max_rank: int | None = None,
-    energy: float | None = None,
-) -> LoraExportOptions | None:
-    """Validate the output options of :func:`ram_trl.merge` before any work starts.
-
-    Returns:
-        The LoRA export options, or ``None`` for a full-model output.
-
-    Raises:
-        ConfigError: naming the option to change.
-    """
-    if output_format not in OUTPUT_FORMATS:
-        raise ConfigError(f"--output-format must be one of {list(OUTPUT_FORMATS)}, got {output_format!r}")
-    given = {"--rank": rank, "--max-rank": max_rank, "--energy": energy}
-    if output_format == "full":
-        used = [flag for flag, value in given.items() if value is not None]
-        if used:
-            raise ConfigError(
-                f"{', '.join(used)} only apply to --output-format lora (output_format='lora'); the output format "
-                "is 'full'"
-            )
-        return None
-    if rank is not None and (max_rank is not None or energy is not None):
-        raise ConfigError(
-            "--output-format lora takes either --rank R (one rank for every module) or --max-rank R --energy E "
-            "(per-module rank by singular-value energy), not both"
-        )
-    if rank is not None:
-        return LoraExportOptions(rank=_positive_int(rank, "--rank"))
-    if max_rank is None and energy is None:
-        raise ConfigError(
-            "--output-format lora needs --rank R, or --max-rank R with --energy E (the smallest rank keeping the "
-            "share E of each delta's squared singular values, at most R)"
-        )
-    if max_rank is None:
-        raise ConfigError("--energy needs --max-rank R (the largest rank a module may get)")
-    max_rank = _positive_int(max_rank, "--max-rank")
-    if energy is None:
-        raise ConfigError("--max-rank needs --energy E, 0 < E <= 1 (or use --rank R for a fixed rank)")
-    if isinstance(energy, bool) or not isinstance(energy, int | float) or not 0.0 < float(energy) <= 1.0:
-        raise ConfigError(f"--energy must be a number in (0, 1], got {energy!r}")
-    return LoraExportOptions(max_rank=max_rank, energy=float(energy))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The SVD
-
-
-def choose_rank(singular_values: torch.Tensor, options: LoraExportOptions) -> int:
-    """The rank kept for a delta with these singular values (descending).
-
-    Fixed mode: ``min(rank, len(S))``. Energy mode: the smallest ``k`` with ``sum(S[:k]**2) >= energy * sum(S**2)``,
-    at most ``max_rank`` and ``len(S)``, at least 1.
-    """
-    n = singular_values.numel()
-    if options.rank is not None:
-        return max(1, min(options.rank, n))
-    assert options.energy is not None and options.max_rank is not None
-    cumulative = singular_values.to(torch.float64).square().cumsum(0)
-    total = float(cumulative[-1]) if n else 0.0
-    if total <= 0.0:
-        return 1
-    target = torch.tensor([options.energy * total], dtype=torch.float64)
-    k = int(torch.searchsorted(cumulative, target)) + 1
-    return max(1, min(k, options.max_rank, n))
-
-
-@dataclass
-class Factorization:
-    """``delta ~ b @ a`` in float32, with the rank, the share of ``sigma**2`` kept and the relative error."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    rank: int
-    energy_kept: float
-    relative_error: float
-
-
-def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
-    """Truncated float64 SVD of a 2-D delta into float32 LoRA factors (scaling 1).
-
-    The SVD runs as a Householder QR of the delta (of its transpose when wide) followed by the SVD of the small
-    triangular factor, which is how LAPACK itself reduces tall matrices but several times faster than
-    ``torch.linalg.svd`` of the whole delta; only the ``k`` kept singular vectors are formed. The relative error
-    ``||delta - b @ a||_F / ||delta||_F`` is measured with the float32 factors as stored.
-    """
-    d = delta.to(torch.float64)
-    wide = d.shape[0] < d.shape[1]
-    q, r = torch.linalg.qr(d.T if wide else d)  # tall = q @ r, r square
-    u_r, s, vh = torch.linalg.svd(r)  # tall = (q @ u_r) diag(s) vh
-    del r
-    k = choose_rank(s, options)
-    left = q @ u_r[:, :k]
-    del q, u_r
-    u, v = (vh[:k].T, left) if wide else (left, vh[:k].T)  # delta = u diag(s) v.T
-    root = s[:k].sqrt()
-    b = (u * root).to(torch.float32)
-    a = (root[:, None] * v.T).to(torch.float32)
-    del u, v, left
-    squares = s.square()
-    total = float(squares.sum())
-    kept = float(squares[:k].sum()) / total if total > 0 else 1.0
-    return Factorization(a, b, k, kept, relative_error(d, b, a))
-
-
-def relative_error(delta: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> float:
-    """``||delta - b @ a||_F / ||delta||_F`` in float64, a block of rows at a time."""
-    a64 = a.to(torch.float64)
-    rows, cols = delta.shape
-    block = max(1, _COPY_CHUNK_BYTES // max(1, cols * 8))
-    residual = 0.0
-    for start in range(0, rows, block):
-        stop = min(rows, start + block)
-        diff = delta[start:stop].to(torch.float64) - b[start:stop].to(torch.float64) @ a64
-        residual += float(diff.square().sum())
-    norm = float(delta.to(torch.float64).square().sum())
-    return math.sqrt(residual / norm) if norm > 0 else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The base architecture: which module owns each tensor
-
-
-@dataclass
-class _Architecture:
-    name: str
-    modules: dict[str, nn.Module]
-    aliases: dict[str, list[str]]  # parameter name -> every name of the same Parameter (tied weights)
-    input_embedding: str | None
-    output_embedding: str | None
-
-    def is_linear(self, module_name: str) -> bool:
-        from torch import nn
-
-        return isinstance(self.modules.get(module_name), nn.Linear)
-
-    def is_leaf(self, module_name: str) -> bool:
-        module = self.modules[module_name]
-        return not any(True for child in module.modules() if child is not module and any(child.parameters()))
-
-    def direct_parameters(self, module_name: str) -> list[str]:
-        module = self.modules[module_name]
-        return [f"{module_name}.{p}" if module_name else p for p, _ in module.named_parameters(recurse=False)]
-
-
-def _module_name(module: nn.Module | None, modules: dict[str, nn.Module]) -> str | None:
-    if module is None:
-        return None
-    return next((name for name, m in modules.items() if m is module), None)
-
-
-def build_architecture(base_dir: Path) -> _Architecture:
-    """The base's architecture on the meta device (no weights) from its ``config.json``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(base_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as exc:  # transformers raises many types for unknown or broken configs
-        raise CheckpointError(
-            f"base model {base_dir}: cannot build its architecture from config.json to find the nn.Linear weights "
-            f"for the LoRA export ({type(exc).__name__}: {exc}); --output-format lora supports causal LMs that "
-            "transformers builds without trust_remote_code"
-        ) from exc
-    modules = dict(model.named_modules())
-    by_object: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        by_object.setdefault(id(parameter), []).append(name)
-    aliases = {name: names for names in by_object.values() for name in names}
-    return _Architecture(
-        name=type(model).__name__,
-        modules=modules,
-        aliases=aliases,
-        input_embedding=_module_name(model.get_input_embeddings(), modules),
-        output_embedding=_module_name(model.get_output_embeddings(), modules),
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Export
-
-
-@dataclass
-class _Plan:
-    """What goes into the adapter, decided tensor by tensor."""
-
-    lora: list[dict[str, Any]] = field(default_factory=list)
-    biases: dict[str, str] = field(default_factory=dict)  # bias tensor -> its module
-    to_save: dict[str, list[str]] = field(default_factory=dict)  # module -> its changed tensors
-    not_exported: list[dict[str, str]] = field(default_factory=list)
-    tied: bool = False
-    unchanged: int = 0
-    changed_tensors: int = 0
-    changed_elements: int = 0
 
 
 class _StagedTensors:
@@ -385,37 +157,28 @@ def export_lora(
     if report is None:
         saved = merged_dir / REPORT_FILE
         report = json.loads(saved.read_text()) if saved.is_file() else {}
-    report = dict(report)
+    merge_report = dict(report)
 
-    temp_dir = output.begin()
-    try:
+    def fill(temp_dir: Path) -> dict[str, Any]:
         staged = _StagedTensors(temp_dir / ".lora-factors.staging")
         try:
             with RowReader() as reader:
                 plan = _factorize_all(base, merged, architecture, options, staged, reader, progress)
                 staged.close()
-                config, entries = _adapter_layout(plan, architecture, merged, options, base_dir, staged)
+                config, entries = adapter_layout(plan, architecture, merged, options, base_dir, staged.infos)
                 adapter_bytes = _write_adapter(temp_dir / ADAPTER_WEIGHTS, entries, merged, reader)
         finally:
             staged.close()
             staged.path.unlink(missing_ok=True)
         (temp_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied = [name for name in TOKENIZER_FILES if (merged_dir / name).is_file()]
-        for name in copied:
-            shutil.copy2(merged_dir / name, temp_dir / name)
+        copied = copy_tokenizer(merged_dir, temp_dir)
         section = _section(plan, options, config, entries, adapter_bytes)
-        report = _adapter_report(report, section, config, adapter_bytes, output_dir, base_dir, copied)
-        (temp_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=json_default) + "\n")
-        (temp_dir / "README.md").write_text(adapter_card(report))
-        output.commit()
-    except OSError as exc:
-        output.abort()
-        if exc.errno in OUTPUT_ERRNOS:
-            raise as_output_error(exc, f"LoRA adapter directory {output_dir}") from exc
-        raise
-    except BaseException:
-        output.abort()
-        raise
+        written = _adapter_report(merge_report, section, config, adapter_bytes, output_dir, base_dir, copied)
+        write_report(temp_dir, written, adapter_card(written))
+        return written
+
+    report = output.write(fill, what=f"LoRA adapter directory {output_dir}")
+    section = report["lora_export"]
     for item in section["not_exported"]:
         warnings.warn(f"LoRA export: {item['tensor']} is not exported: {item['reason']}", stacklevel=2)
     return report
@@ -424,13 +187,13 @@ def export_lora(
 def _factorize_all(
     base: Checkpoint,
     merged: Checkpoint,
-    architecture: _Architecture,
+    architecture: Architecture,
     options: LoraExportOptions,
     staged: _StagedTensors,
     reader: RowReader,
     progress: bool,
-) -> _Plan:
-    plan = _Plan()
+) -> AdapterPlan:
+    plan = AdapterPlan()
     names = list(base.tensors)
     iterator: Any = names
     if progress:
@@ -460,14 +223,14 @@ def _factorize_all(
         if not bool(torch.isfinite(after).all()):
             plan.not_exported.append({"tensor": name, "reason": "the merged tensor holds NaN/Inf values"})
             continue
-        where = _classify(name, architecture)
+        where = classify(name, architecture)
         if where[0] == "lora":
             delta = after.to(torch.float64) - before.to(torch.float64)
             del before, after
             result = factorize(delta, options)
             module = where[1]
-            staged.add(f"{_PREFIX}{module}.lora_A.weight", result.a)
-            staged.add(f"{_PREFIX}{module}.lora_B.weight", result.b)
+            staged.add(f"{PEFT_PREFIX}{module}.lora_A.weight", result.a)
+            staged.add(f"{PEFT_PREFIX}{module}.lora_B.weight", result.b)
             plan.lora.append(
                 {
                     "tensor": name,
@@ -487,156 +250,6 @@ def _factorize_all(
         else:
             plan.not_exported.append({"tensor": name, "reason": where[1]})
     return plan
-
-
-def _classify(name: str, architecture: _Architecture) -> tuple[str, str]:
-    """``("lora", module)``, ``("bias", module)``, ``("save", module)`` or ``("skip", reason)``."""
-    names = architecture.aliases.get(name)
-    if names is None:
-        return (
-            "skip",
-            f"{architecture.name} (built from the base's config.json) has no parameter of this name (a buffer, or a "
-            "checkpoint name transformers converts on load), so PEFT cannot address it",
-        )
-    module, _, parameter = name.rpartition(".")
-    tied = sorted(n for n in names if n != name)
-    if tied:
-        embeddings = {architecture.input_embedding, architecture.output_embedding}
-        owners = {n.rpartition(".")[0] for n in names}
-        if architecture.input_embedding is not None and owners == embeddings:
-            return ("save", architecture.input_embedding)
-        return (
-            "skip",
-            f"it is tied to {', '.join(tied)}; PEFT keeps only input/output embedding ties (ensure_weight_tying)",
-        )
-    if architecture.is_linear(module):
-        return ("lora", module) if parameter == "weight" else ("bias", module)
-    if not module:
-        return ("skip", "a parameter of the top-level model, not of a submodule PEFT can save")
-    if not architecture.is_leaf(module):
-        kind = type(architecture.modules[module]).__name__
-        return (
-            "skip",
-            f"it belongs to {module} ({kind}), which has submodules: modules_to_save would copy the whole subtree",
-        )
-    return ("save", module)
-
-
-def _peft_wrapped(modules_to_save: list[str], architecture: _Architecture) -> set[str]:
-    """The modules PEFT wraps for ``modules_to_save`` (its rule: the module name ends with an entry)."""
-    wrapped = {key for key in architecture.modules if any(key.endswith(m) for m in modules_to_save)}
-    if (
-        architecture.input_embedding in wrapped
-        and architecture.output_embedding is not None
-        and len(architecture.aliases.get(f"{architecture.output_embedding}.weight", [])) > 1
-    ):
-        wrapped.add(architecture.output_embedding)  # ensure_weight_tying wraps the tied output embedding too
-    return wrapped
-
-
-def _save_conflict(module: str, targets: set[str], architecture: _Architecture) -> str | None:
-    """Why PEFT would not restore ``module`` as a modules_to_save entry beside these LoRA targets, if it would not."""
-    for key in _peft_wrapped([module], architecture):
-        if key in targets or any(t.startswith(f"{key}.") for t in targets):
-            return f"PEFT's modules_to_save entry {module!r} would also wrap {key!r}, which holds LoRA layers"
-        if not architecture.is_leaf(key):
-            return f"PEFT's modules_to_save entry {module!r} would also wrap {key!r}, which has submodules"
-    excluded = [t for t in targets if re.match(rf"(^|.*\.){module}($|\..*)", t)]
-    if excluded:
-        return f"PEFT's modules_to_save entry {module!r} would exclude the LoRA module {excluded[0]!r}"
-    return None
-
-
-def _exact_list(names: list[str], candidates: list[str]) -> bool:
-    """Whether PEFT's list rule for ``target_modules`` (equal, or ends with ``.name``) selects exactly ``names``."""
-    chosen = set(names)
-    for key in candidates:
-        parts = key.split(".")
-        hit = any(".".join(parts[i:]) in chosen for i in range(len(parts)))
-        if hit != (key in chosen):
-            return False
-    return True
-
-
-def _pattern_keys(pattern: dict[str, int], targets: list[str]) -> dict[str, int]:
-    """``rank_pattern``/``alpha_pattern`` keyed by module name, escaped and anchored if PEFT's regex rule (first key
-    matching the end of the module name) would give a module another module's value."""
-    compiled = [(key, re.compile(rf"(.*\.)?({key})$")) for key in pattern]
-
-    def first(module: str) -> str | None:
-        return next((key for key, rule in compiled if rule.match(module)), None)
-
-    if all(first(t) == (t if t in pattern else None) for t in targets):
-        return pattern
-    return {f"^{re.escape(k)}": v for k, v in pattern.items()}
-
-
-def _adapter_layout(
-    plan: _Plan,
-    architecture: _Architecture,
-    merged: Checkpoint,
-    options: LoraExportOptions,
-    base_dir: Path,
-    staged: _StagedTensors,
-) -> tuple[dict[str, Any], dict[str, TensorInfo | str]]:
-    """The adapter config and every tensor of the adapter file: a staged factor, or a merged tensor's name."""
-    targets = {item["module"] for item in plan.lora}
-    # a modules_to_save entry PEFT would resolve to other modules too is left out (rare: suffix-sharing names)
-    for module in sorted(plan.to_save):
-        reason = _save_conflict(module, targets, architecture)
-        if reason is not None:
-            for name in plan.to_save.pop(module):
-                plan.not_exported.append({"tensor": name, "reason": reason})
-    modules_to_save = sorted(plan.to_save)
-    entries: dict[str, TensorInfo | str] = dict(staged.infos)
-    for key in sorted(_peft_wrapped(modules_to_save, architecture)):
-        for parameter in architecture.direct_parameters(key):
-            source = next((n for n in architecture.aliases[parameter] if n in merged.tensors), None)
-            if source is None:
-                raise CheckpointError(
-                    f"merged model {merged.path}: no tensor holds {parameter!r}, which the adapter must save in full "
-                    f"(module {key} is in modules_to_save)"
-                )
-            entries[f"{_PREFIX}{parameter}"] = source
-    lora_only = True
-    for name, module in plan.biases.items():
-        if module in targets:
-            entries[f"{_PREFIX}{module}.base_layer.bias"] = name
-        else:
-            entries[f"{_PREFIX}{name}"] = name
-            lora_only = False
-    ranks = {item["module"]: item["rank"] for item in plan.lora}
-    cap = options.cap
-    pattern = {m: r for m, r in sorted(ranks.items()) if options.mode == "energy" or r != cap}
-    target_list = sorted(targets)
-    pattern = _pattern_keys(pattern, target_list)
-    if not target_list:
-        target_modules: list[str] | str = DUMMY_TARGET_MODULES
-    elif _exact_list(target_list, list(architecture.modules)):
-        target_modules = target_list
-    else:
-        target_modules = "(?:" + "|".join(re.escape(t) for t in target_list) + ")"
-    config: dict[str, Any] = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_dir.resolve()),
-        "r": cap,
-        "lora_alpha": cap,
-        "rank_pattern": pattern,
-        "alpha_pattern": dict(pattern),
-        "target_modules": target_modules,
-        "modules_to_save": modules_to_save or None,
-        "bias": "none" if not plan.biases else ("lora_only" if lora_only else "all"),
-        "lora_dropout": 0.0,
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
-    if plan.tied and any(architecture.input_embedding == m for m in modules_to_save):
-        config["ensure_weight_tying"] = True
-    return config, entries
 
 
 def _write_adapter(
@@ -675,7 +288,7 @@ def _write_adapter(
 
 
 def _section(
-    plan: _Plan,
+    plan: AdapterPlan,
     options: LoraExportOptions,
     config: dict[str, Any],
     entries: dict[str, TensorInfo | str],
@@ -741,64 +354,11 @@ def _adapter_report(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ram_trl.merge(..., output_format="lora")
+# Terminal
 
 
-def run_lora_merge(
-    resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, lora: LoraExportOptions
-) -> dict[str, Any]:
-    """Merge in float32 into a temporary full model beside ``output_dir``, export it as LoRA, remove it.
-
-    Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
-    fails every rank.
-    """
-    from ram_trl.engine import run_merge
-
-    resolved.out_dtype = torch.float32  # exact deltas for the SVD
-    merge_options = dataclasses.replace(options, overwrite=False)
-    if options.dry_run:
-        summary = run_merge(resolved, output_dir, merge_options)
-        summary["output_format"] = "lora"
-        summary["lora_export"] = lora.as_dict()
-        return summary
-    ctx = DistContext.from_env(options.device)
-    try:
-        output = OutputDir(
-            output_dir, overwrite=options.overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,)
-        )
-        ctx.guarded(lambda: output.check() if ctx.is_main else None)
-        name = temp_name(output_dir, "full").name if ctx.is_main else None
-        full_dir = output_dir.parent / ctx.broadcast_object(name)
-        try:
-            merged_report = run_merge(resolved, full_dir, merge_options)
-
-            def export() -> dict[str, Any] | None:
-                if not ctx.is_main:
-                    return None
-                report = export_lora(
-                    resolved.base_path,
-                    full_dir,
-                    output_dir,
-                    rank=lora.rank,
-                    max_rank=lora.max_rank,
-                    energy=lora.energy,
-                    report=merged_report,
-                    overwrite=options.overwrite,
-                    allow_pickle=options.allow_pickle,
-                    progress=options.progress,
-                )
-                _print_export(report)
-                return report
-
-            return ctx.broadcast_object(ctx.guarded(export))
-        finally:
-            if ctx.is_main:
-                shutil.rmtree(full_dir, ignore_errors=True)
-    finally:
-        ctx.close()
-
-
-def _print_export(report: dict[str, Any]) -> None:
+def print_export(report: dict[str, Any]) -> None:
+    """Print a one-line summary of an export (and what was not exported) to the terminal."""
     from rich.console import Console
 
     section = report["lora_export"]
@@ -816,3 +376,24 @@ def _print_export(report: dict[str, Any]) -> None:
     )
     for item in section["not_exported"]:
         console.print(f"[yellow]not exported:[/yellow] {item['tensor']}: {item['reason']}")
+
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "DUMMY_TARGET_MODULES",
+    "OUTPUT_FORMATS",
+    "REPORT_FILE",
+    "AdapterPlan",
+    "Architecture",
+    "Factorization",
+    "LoraExportOptions",
+    "build_architecture",
+    "choose_rank",
+    "classify",
+    "export_lora",
+    "factorize",
+    "lora_options",
+    "print_export",
+    "relative_error",
+]

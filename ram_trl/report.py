@@ -24,7 +24,7 @@ from ram_trl.planner import MergePlan, format_bytes
 
 if TYPE_CHECKING:
     from ram_trl.config import ResolvedConfig
-    from ram_trl.engine import MergeState
+    from ram_trl.context import MergeState
 
 #: The merge report of a merged model or an exported adapter (also the marker of a previous output).
 REPORT_FILE = "ram_merge_report.json"
