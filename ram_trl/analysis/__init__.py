@@ -1,0 +1,233 @@
+"""Task-vector sparsity analysis: the numbers behind a choice of merge method, for a base and N agents.
+
+One streaming pass over the inputs (the merge's reader, :mod:`ram_trl.streaming`, and its plan,
+:func:`ram_trl.planner.build_plan`) measures, per agent and over the whole model:
+
+- density at ``eps`` (``|tau| > eps``, strict, as RAM masks) and at exact equality of the stored values, plus, when
+  an input is stored wider than bfloat16, the density the agent would have if base and agent were both saved in
+  bfloat16 (what a merge of bf16 checkpoints would see); the stored dtype of every input is recorded;
+- the overlap histogram, unique / shared / active counts, rho_t and the lambda_t it implies for RAM+ and RAM+s, and
+  pairwise Jaccard indices, all from :class:`~ram_trl.statistics.OverlapStatistics` (the merge's counts);
+- the anatomy: density per module type and per decoder layer (:mod:`ram_trl.anatomy`);
+- magnitude statistics of the active deltas (:class:`~ram_trl.statistics.MagnitudeStatistics`).
+
+Task vectors are ``float32(agent) - float32(base)`` of the stored values, exactly as the merge computes them, so
+every number shared with the merge report (active, unique, shared, density, rho, lambda) is the same.
+Like the merge, the pass runs over several processes under ``accelerate launch`` / ``torchrun``: tensors are
+partitioned by bytes, the statistics are summed over ranks, and rank 0 writes ``analysis.json``, ``analysis.md``
+and the figures (:mod:`ram_trl.plots`).
+
+The package splits along the seams of that work: :mod:`~ram_trl.analysis.inputs` (what to measure, validated),
+:mod:`~ram_trl.analysis.measure` (the streaming pass), :mod:`~ram_trl.analysis.result` (the numbers of
+``analysis.json``) and :mod:`~ram_trl.analysis.render` (Markdown, figures, terminal tables); this module runs them
+over the processes and commits the output directory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ram_trl.analysis.inputs import DEFAULT_ALPHA, DEFAULT_R, AnalysisInputs, resolve_inputs
+from ram_trl.analysis.measure import analysis_pass, as_bf16, bf16_view_agents
+from ram_trl.analysis.render import (
+    JSON_FILE,
+    MARKDOWN_FILE,
+    magnitude_rows,
+    markdown,
+    print_tables,
+    sparsity_rows,
+    write_outputs,
+)
+from ram_trl.analysis.result import build_result, clean, dtype_summary
+from ram_trl.config import MergeConfig, ResolvedConfig
+from ram_trl.context import open_inputs, task_input_bytes
+from ram_trl.distributed import DistContext, partition_by_bytes
+from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.output import OutputDir
+from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, build_plan, parse_size
+from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
+from ram_trl.streaming import ReadCounter
+
+
+def analyze(
+    base: str | os.PathLike | None = None,
+    agents: Sequence[str | os.PathLike] = (),
+    out_dir: str | os.PathLike | None = None,
+    eps: float | None = None,
+    r: float | None = None,
+    alpha: float | None = None,
+    *,
+    config: str | os.PathLike | dict[str, Any] | MergeConfig | None = None,
+    names: Sequence[str] | None = None,
+    allow_pickle: bool = False,
+    chunk_budget: str | int = DEFAULT_CHUNK_BUDGET,
+    figures: bool = True,
+    progress: bool = True,
+    print_summary: bool = False,
+    allow_external_shards: bool = False,
+) -> dict[str, Any]:
+    """Measure the sparsity, overlap, anatomy and magnitudes of the task vectors of ``agents`` against ``base``.
+
+    Give either ``base`` and ``agents`` or a merge ``config`` (its base, agents, and its ``eps``, ``r`` and
+    ``alpha`` when it has them). Reads every input once, chunk by chunk: memory is about ``chunk_budget`` plus
+    1.5 MB per agent, whatever the model's size.
+
+    Args:
+        base: The base checkpoint directory.
+        agents: Agent checkpoint directories (fine-tuned from ``base``).
+        out_dir: Where to write ``analysis.json``, ``analysis.md`` and the figures (created if missing; a previous
+            analysis or an empty directory is replaced when the new one is complete, any other existing directory
+            is refused). ``None``: write nothing, only return the result.
+        eps: Activity threshold, ``|tau| > eps`` (default: the config's, else 1e-5).
+        r: Rescale strength for the lambda_t of RAM+ and RAM+s (default: the config's, else 0.1).
+        alpha: RAM+ clip bound of rho_t (default: the config's, else 2.0).
+        config: A merge config (YAML path, dict or :class:`~ram_trl.config.MergeConfig`) instead of base/agents.
+        names: Agent labels for the reports (default: directory names).
+        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
+        chunk_budget: Bytes for one chunk's buffers, e.g. ``"256MB"``.
+        figures: Write the PNG figures (needs matplotlib).
+        progress: Show a progress bar while streaming.
+        print_summary: Print the summary tables to the terminal (rank 0).
+        allow_external_shards: Accept index files whose shards resolve outside their checkpoint directory.
+
+    Returns:
+        The analysis (the content of ``analysis.json``): per-agent densities, counts, rho_t, lambda_t, overlap
+        shares and magnitude statistics; pairwise Jaccard indices; the anatomy by module type, family and layer;
+        per-tensor counts. Infinite values are written as ``"inf"`` and undefined ones as ``None``.
+
+    Raises:
+        ConfigError: for missing or contradictory arguments, missing paths, or out-of-range parameters.
+        CheckpointError: for unreadable, corrupt or mismatched checkpoints (before any tensor is read).
+        NonFiniteError: for NaN/Inf in an input (unless the config sets ``allow_nonfinite``).
+    """
+    inputs = resolve_inputs(base, agents, eps, r, alpha, config=config, names=names)
+    ctx = DistContext.from_env("cpu")
+    try:
+        out = None if out_dir is None else Path(out_dir)
+        return _run(
+            inputs,
+            out,
+            ctx,
+            allow_pickle,
+            chunk_budget,
+            figures,
+            progress,
+            print_summary,
+            allow_external_shards,
+        )
+    finally:
+        ctx.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pass
+
+
+def _run(
+    inputs: AnalysisInputs,
+    out_dir: Path | None,
+    ctx: DistContext,
+    allow_pickle: bool,
+    chunk_budget: str | int,
+    figures: bool,
+    progress: bool,
+    print_summary: bool,
+    allow_external_shards: bool = False,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    resolved = inputs.resolved
+    output = None if out_dir is None else analysis_output(out_dir, resolved)
+    if output is not None:
+        ctx.guarded(output.check)
+
+    def prepare() -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
+        base, agents = open_inputs(resolved, allow_pickle, allow_external_shards)
+        plan = build_plan(
+            base,
+            agents,
+            out_dtype=None,
+            shape_mismatch="error",
+            needs_statistics=False,
+            trims_by_magnitude=False,
+            chunk_budget=parse_size(chunk_budget),
+        )
+        return base, agents, plan
+
+    base, agents, plan = ctx.guarded(prepare)
+    floating = [t for t in plan.tasks if t.floating]
+    owned = partition_by_bytes([task_input_bytes(t, agents) for t in floating], ctx.world_size)[ctx.rank]
+    wide = bf16_view_agents(base, agents, floating)
+    magnitudes = MagnitudeStatistics.zeros(len(agents))
+    read = ReadCounter()
+    records = ctx.guarded(
+        lambda: analysis_pass(
+            base,
+            agents,
+            [floating[i] for i in owned],
+            inputs.eps,
+            any(wide),
+            magnitudes,
+            read,
+            resolved.allow_nonfinite,
+            progress and ctx.is_main,
+        )
+    )
+    merged: dict[str, TensorAnalysis] = {}
+    for part in ctx.gather_objects(records):
+        merged.update(part)
+    magnitudes.all_reduce(ctx)
+    read.bytes = ctx.all_reduce_int(read.bytes)
+    timings = {"seconds": time.perf_counter() - started}
+
+    def finish() -> dict[str, Any] | None:
+        if not ctx.is_main:
+            return None
+        result = build_result(inputs, base, agents, floating, merged, magnitudes, wide)
+        result.update(timings=timings, bytes_read=read.bytes, processes=ctx.world_size)
+        if output is not None:
+            output.write(lambda temp: write_outputs(result, temp, figures))
+        return result
+
+    result = ctx.broadcast_object(ctx.guarded(finish))
+    if print_summary and ctx.is_main:
+        print_tables(result)
+    return result
+
+
+def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
+    """The commit protocol of an analysis directory: never inside (nor holding) an input; a previous analysis
+    (``analysis.json``) or an empty directory is replaced, anything else is refused.
+
+    Args:
+        out_dir: The output directory.
+        resolved: The inputs.
+    """
+    return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
+
+
+__all__ = [
+    "DEFAULT_ALPHA",
+    "DEFAULT_R",
+    "JSON_FILE",
+    "MARKDOWN_FILE",
+    "AnalysisInputs",
+    "TensorAnalysis",
+    "analysis_output",
+    "analysis_pass",
+    "analyze",
+    "as_bf16",
+    "bf16_view_agents",
+    "build_result",
+    "clean",
+    "dtype_summary",
+    "magnitude_rows",
+    "markdown",
+    "print_tables",
+    "resolve_inputs",
+    "sparsity_rows",
+    "write_outputs",
+]

@@ -1,0 +1,103 @@
+"""What :func:`ram_trl.analyze` measures: the inputs and the parameters, resolved and validated up front."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ram_trl import defaults
+from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
+from ram_trl.errors import ConfigError
+from ram_trl.methods.ram import DEFAULT_EPS
+from ram_trl.manifest import is_stage, read_manifest
+from ram_trl.validation import check_optional_number
+
+DEFAULT_R = defaults.R
+DEFAULT_ALPHA = defaults.ALPHA
+
+
+@dataclass
+class AnalysisInputs:
+    """What to analyse, resolved and validated (paths exist, parameters in range).
+
+    Args:
+        resolved: The inputs as a merge config (``merge_method`` is irrelevant to the analysis).
+        eps: Activity threshold (strict).
+        r: RAM+ / RAM+s rescale strength for the implied lambda_t.
+        alpha: RAM+ clip bound of rho_t.
+    """
+
+    resolved: ResolvedConfig
+    eps: float
+    r: float
+    alpha: float
+
+
+def resolve_inputs(
+    base: str | os.PathLike | None,
+    agents: Sequence[str | os.PathLike],
+    eps: float | None,
+    r: float | None,
+    alpha: float | None,
+    *,
+    config: str | os.PathLike | dict[str, Any] | MergeConfig | None = None,
+    names: Sequence[str] | None = None,
+) -> AnalysisInputs:
+    """Validate the arguments of :func:`analyze` (through the merge's config resolution).
+
+    Raises:
+        ConfigError: naming the argument or config field to change.
+    """
+    given = {"eps": eps, "r": r, "alpha": alpha}
+    for key, value in given.items():
+        check_optional_number(value, "analyze", f"--{key}", minimum=0.0)
+    if config is not None:
+        if base is not None or agents:
+            raise ConfigError("give either a merge config or a base and agents, not both")
+        parsed, config_path = load_config(config)
+        resolved = resolve_config(parsed, config_path)
+    else:
+        if base is None and agents and all(is_stage(a) for a in agents):
+            bases = {read_manifest(a).base_model for a in agents}
+            if len(bases) == 1 and Path(next(iter(bases))).exists():
+                base = next(iter(bases))
+        if base is None or not agents:
+            raise ConfigError(
+                "give a base model and at least one agent (or a merge config); the base may be left out only "
+                "when every agent is a stage manifest of the same local base"
+            )
+        for label, path in [("base model", base), *((f"agent {i}", a) for i, a in enumerate(agents))]:
+            if not Path(path).exists():
+                raise ConfigError(f"{label}: {path} does not exist (ram_trl reads local checkpoints)")
+        if all(Path(a).resolve() == Path(base).resolve() for a in agents):
+            raise ConfigError(f"every agent is the base model {base}: there is no task vector to analyse")
+        entries = [{"stage" if is_stage(path) else "model": str(path)} for path in agents]
+        parameters = {k: v for k, v in given.items() if v is not None}
+        raw = {
+            "merge_method": "ram_plus",
+            "base_model": str(base),
+            "models": entries,
+            "parameters": parameters,
+        }
+        resolved = resolve_config(load_config(raw)[0])
+    if names is not None:
+        if len(names) != len(resolved.agents):
+            raise ConfigError(
+                f"{len(names)} names given for {len(resolved.agents)} agents; give one per agent"
+            )
+        for agent, name in zip(resolved.agents, names, strict=True):
+            agent.name = name
+    defaults = {"eps": DEFAULT_EPS, "r": DEFAULT_R, "alpha": DEFAULT_ALPHA}
+    values = {
+        key: float(given[key] if given[key] is not None else resolved.params.get(key, defaults[key]))
+        for key in defaults
+    }
+    # the merge's density warnings read eps from the parameters
+    resolved.params = {**resolved.params, **values}
+    return AnalysisInputs(resolved, values["eps"], values["r"], values["alpha"])
+
+
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_R", "AnalysisInputs", "resolve_inputs"]

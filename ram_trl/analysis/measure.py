@@ -1,0 +1,128 @@
+"""The analysis pass: one streaming read of the floating tensors, measuring each tensor's task vectors.
+
+Per tensor: the overlap counts at ``eps`` and at exact equality, the bfloat16 view's counts for inputs stored wider,
+and (over the whole model) the magnitude statistics of the active deltas. The task vectors are the merge's
+(:func:`ram_trl.streaming.to_deltas`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.methods.ram import active_mask
+from ram_trl.planner import TensorTask
+from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
+from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
+
+#: Stored dtypes at most this wide (bytes per element) need no bfloat16 view: bf16 and fp16.
+BF16_ITEMSIZE = 2
+
+
+def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[TensorTask]) -> list[bool]:
+    """Which agents get a bfloat16 view: those whose task vector is held wider than bf16.
+
+    Args:
+        base: The base checkpoint.
+        agents: The agents.
+        tasks: The floating tensors.
+
+    Returns:
+        Per agent: the base or the agent stores a floating tensor wider than bf16 (float32, float64), or the agent is
+        a LoRA adapter (its deltas are computed in float32).
+    """
+    base_wide = any(dtype_itemsize(t.base.dtype) > BF16_ITEMSIZE for t in tasks)
+    return [
+        base_wide
+        or agent.kind == "lora"
+        or any(
+            dtype_itemsize(agent.tensors[t.name].dtype) > BF16_ITEMSIZE
+            for t in tasks
+            if t.name in agent.tensors
+        )
+        for agent in agents
+    ]
+
+
+def as_bf16(chunk: RawChunk) -> RawChunk:
+    """The chunk as bfloat16 checkpoints would store it.
+
+    Args:
+        chunk: Stored values (and LoRA deltas) of one row chunk.
+
+    Returns:
+        A chunk whose base and agent values are rounded to bf16 (round to nearest even, as ``save_pretrained`` in
+        bf16 does). A LoRA agent's values are the base (or its stored values) plus its delta, added in float32 and
+        then rounded, as ``merge_and_unload`` followed by a bf16 save gives; the new chunk has no LoRA deltas.
+    """
+    assert chunk.base is not None
+    agents: list[torch.Tensor | None] = []
+    for values, lora in zip(chunk.agents, chunk.lora, strict=True):
+        if lora is not None:
+            stored = chunk.base if values is None else values
+            full = stored.reshape(-1)[: lora.numel()].to(torch.float32) + lora.reshape(-1)
+            values = full
+        agents.append(None if values is None else values.to(torch.bfloat16))
+    return replace(chunk, base=chunk.base.to(torch.bfloat16), agents=agents, lora=[None] * len(agents))
+
+
+def analysis_pass(
+    base: Checkpoint,
+    agents: list[Checkpoint],
+    tasks: list[TensorTask],
+    eps: float,
+    bf16: bool,
+    magnitudes: MagnitudeStatistics,
+    read: ReadCounter,
+    allow_nonfinite: bool = False,
+    progress: bool = False,
+) -> dict[str, TensorAnalysis]:
+    """Stream the floating tensors ``tasks`` once and measure each of them.
+
+    Args:
+        base: The base checkpoint.
+        agents: The agents.
+        tasks: Floating tensors to read (this rank's share).
+        eps: Activity threshold.
+        bf16: Also measure the bfloat16 view.
+        magnitudes: Accumulates the magnitude statistics of the active deltas.
+        read: Accumulates the bytes read.
+        allow_nonfinite: Measure inputs holding NaN/Inf instead of refusing them.
+        progress: Show a progress bar.
+
+    Returns:
+        Per tensor name, its :class:`TensorAnalysis`.
+    """
+    from tqdm.auto import tqdm
+
+    records: dict[str, TensorAnalysis] = {}
+    device = torch.device("cpu")
+    with (
+        RowReader() as reader,
+        tqdm(total=len(tasks), desc="analyze", unit="tensor", disable=not progress) as bar,
+    ):
+        for chunk in iter_chunks(base, agents, tasks, reader, counter=read):
+            name = chunk.task.name
+            if name not in records:
+                if records:
+                    bar.update(1)
+                records[name] = TensorAnalysis.zeros(len(agents), bf16)
+            record = records[name]
+            deltas, _ = to_deltas(chunk, device, base, agents, reader, allow_nonfinite)
+            mask = active_mask(deltas, eps)
+            record.eps.update(mask)
+            record.exact.update(active_mask(deltas, 0.0))
+            magnitudes.update(deltas, mask)
+            del deltas, mask
+            if record.bf16 is not None:
+                rounded, _ = to_deltas(as_bf16(chunk), device, base, agents, reader, allow_nonfinite=True)
+                record.bf16.update(active_mask(rounded, eps))
+        if records:
+            bar.update(1)
+    return records
+
+
+__all__ = ["analysis_pass", "as_bf16", "bf16_view_agents"]
