@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,173 @@ def test_no_test_folder_shadows_a_standard_library_module():
         assert not shadowing, (
             f"{root}: {shadowing} shadow standard-library modules for scripts run from there"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The import graph of the package: acyclic, counting imports inside functions; no private names across modules
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ram_trl"
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+    files = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
+    return files
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, at any depth (functions included), except under ``TYPE_CHECKING``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for other in child.orelse:
+                    visit_statement(other)
+                continue
+            visit_statement(child)
+
+    def visit_statement(child: ast.AST) -> None:
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            found.append(child)
+        else:
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return found
+
+
+def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _owner(target: str, modules: set[str]) -> str | None:
+    """The package module ``target`` names (a module, or a name inside one); ``None`` outside the package."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from pkg import submodule`` counts as the submodule)."""
+    files = _module_files()
+    modules = set(files)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        for node in _imports(name, path, modules):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                source = _absolute(name, path, node)
+                targets = [
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                    for alias in node.names
+                ]
+            for target in targets:
+                owner = _owner(target, modules)
+                # every module imports the package root implicitly; it only holds the exceptions and the lazy names
+                if owner is not None and owner not in (name, "ram_trl"):
+                    edges.add(owner)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_import_graph_finds_known_edges():
+    graph = _import_graph()
+    assert "ram_trl.passes" in graph["ram_trl.engine"]
+    assert "ram_trl.context" in graph["ram_trl.passes"]
+    assert "ram_trl.engine" in graph["ram_trl.cli"]  # an import inside a function counts
+    assert "ram_trl.engine" not in graph["ram_trl.report"]  # one under TYPE_CHECKING does not
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_package_has_no_import_cycles():
+    """No module imports (directly or through others) one that imports it back, not even from inside a function:
+    a cycle kept alive by a deferred import is still a cycle."""
+    cycles = _cycles(_import_graph())
+    assert cycles == [], cycles
+
+
+def test_no_private_names_across_modules():
+    """A module uses only the public names of the package's other modules (no ``from ram_trl.x import _y``, no
+    ``module._y``)."""
+    files = _module_files()
+    modules = set(files)
+    found = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases: set[str] = set()
+        for node in _imports(name, path, modules):
+            if isinstance(node, ast.Import):
+                aliases.update(alias.asname for alias in node.names if alias.asname and alias.name in modules)
+                continue
+            source = _absolute(name, path, node)
+            if _owner(source, modules) is None:
+                continue
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    aliases.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{name}: from {source} import {alias.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert found == [], found
