@@ -15,7 +15,6 @@ import ram_trl
 from ram_trl import lora_export
 from ram_trl.cli import main
 from ram_trl.errors import ConfigError
-from ram_trl.lora_export import LoraExportOptions, choose_rank
 from tests.helpers import qwen_model
 
 peft = pytest.importorskip("peft", reason="peft is needed to load the exported adapters")
@@ -160,36 +159,6 @@ def test_a_lower_rank_reports_the_discarded_singular_values(tmp_path):
         assert item["rank"] == 3
         assert item["relative_error"] == pytest.approx(expected, rel=1e-5)
         assert item["energy_kept"] == pytest.approx(1 - expected**2, rel=1e-9)
-
-
-@pytest.mark.parametrize(
-    ("energy", "max_rank", "expected"),
-    [(0.5, 8, 1), (0.64, 8, 1), (0.65, 8, 2), (0.9, 8, 2), (0.93, 8, 3), (1.0, 8, 3), (0.95, 2, 2)],
-)
-def test_energy_rank_by_hand(energy, max_rank, expected):
-    # S = [3, 2, 1, 0, 0]: sigma^2 shares 9/14 = 0.643, 13/14 = 0.929, 14/14
-    singular_values = torch.tensor([3.0, 2.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    options = LoraExportOptions(max_rank=max_rank, energy=energy)
-    assert choose_rank(singular_values, options) == expected
-
-
-def test_fixed_rank_is_capped_by_the_matrix():
-    assert choose_rank(torch.ones(4, dtype=torch.float64), LoraExportOptions(rank=16)) == 4
-    assert choose_rank(torch.ones(4, dtype=torch.float64), LoraExportOptions(rank=2)) == 2
-
-
-@pytest.mark.parametrize("shape", [(48, 20), (20, 48), (24, 24)])
-@pytest.mark.parametrize("rank", [1, 7])
-def test_factorize_equals_the_truncated_svd(shape, rank):
-    delta = torch.randn(*shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
-    result = lora_export.factorize(delta, LoraExportOptions(rank=rank))
-    assert (result.b.shape, result.a.shape) == ((shape[0], rank), (rank, shape[1]))
-    truncated = (u[:, :rank] * s[:rank]) @ vh[:rank]
-    torch.testing.assert_close((result.b @ result.a).double(), truncated, rtol=0, atol=1e-6)
-    expected = math.sqrt(float((s[rank:] ** 2).sum() / (s**2).sum()))
-    assert result.relative_error == pytest.approx(expected, rel=1e-6)
-    assert result.energy_kept == pytest.approx(1 - expected**2, rel=1e-9)
 
 
 def test_energy_mode_through_the_cli(tmp_path, capsys):
