@@ -46,7 +46,15 @@ SELECTION_RULE = (
 
 
 def row_average(row: dict[str, Any], stages: list[str]) -> float | None:
-    """Mean of a row's scores over ``stages`` it has a score for (``None`` if none)."""
+    """Mean of a row's scores over ``stages`` it has a score for (``None`` if none).
+
+    Args:
+        row (`dict[str, Any]`): A results row, or its ``val`` block (anything with ``scores``).
+        stages (`list[str]`): The stages averaged.
+
+    Returns:
+        `float | None`: The mean of the defined scores.
+    """
     values = [row["scores"][s] for s in stages if row["scores"].get(s) is not None]
     return sum(values) / len(values) if values else None
 
@@ -60,6 +68,9 @@ def select_merges(results: dict[str, Any]) -> dict[str, Any]:
 
     Reads each merge row's ``val`` block (``scores``, and ``retention`` when present) and nothing else: test scores
     cannot change the choice.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
 
     Returns:
         ``{"rule", "split": "val", "ship": name | None, "columns": {stage or "average": name}, "sweeps": [{"label",
@@ -92,13 +103,27 @@ def select_merges(results: dict[str, Any]) -> dict[str, Any]:
 
 def best_merged(results: dict[str, Any]) -> dict[str, str]:
     """Per column (each stage, and ``"average"``), the merge marked best: the one chosen on validation
-    (:func:`select_merges`), never the best test score."""
+    (:func:`select_merges`), never the best test score.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+
+    Returns:
+        `dict[str, str]`: Column -> merge name.
+    """
     return select_merges(results)["columns"]
 
 
 def regime_from_analysis(analysis: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """Per agent name, the task vector's regime from ``analysis.json``: density, unique share of its active
-    elements, rho_t and RAM+'s lambda_t."""
+    elements, rho_t and RAM+'s lambda_t.
+
+    Args:
+        analysis (`dict[str, Any]`): The contents of ``analysis.json`` (:func:`ram_trl.analyze`).
+
+    Returns:
+        `dict[str, dict[str, float | None]]`: Per agent, ``density``, ``unique_share``, ``rho`` and ``lambda``.
+    """
     regime = {}
     for agent in analysis.get("agents", []):
         active = agent.get("active") or 0
@@ -148,6 +173,12 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
     ``interval``, ``verticals`` it averages). Then ``selection`` (:func:`select_merges`, validation only) and
     ``verdict`` (:func:`verdict`). Intervals come from ``statistics.intervals``: ``"bootstrap"`` over each row's
     per-prompt ``rewards`` or ``"seeds"`` over its ``per_seed`` scores.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+
+    Returns:
+        `dict[str, Any]`: ``results`` itself.
     """
     stages = results["stages"]
     config = results.setdefault("statistics", {})
@@ -230,6 +261,9 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
     Args:
         runs: The results of each seed's run (same recipe, so the same rows and stages in the same order).
         seeds: The seed of each run.
+
+    Returns:
+        `dict[str, Any]`: The combined results (``seeds`` and ``statistics.intervals = "seeds"`` recorded).
 
     Raises:
         ValueError: when the runs do not have the same rows and stages.
@@ -361,7 +395,14 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
 
 def verdict(results: dict[str, Any]) -> str:
     """One plain paragraph: the merge to ship (chosen on validation), its test average with its interval, its
-    retention, how it compares with the runner-up and the base on test, and the agents' regime."""
+    retention, how it compares with the runner-up and the base on test, and the agents' regime.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+
+    Returns:
+        `str`: The paragraph.
+    """
     selection = results.get("selection") or select_merges(results)
     ship = selection["ship"]
     stages = results["stages"]
@@ -498,7 +539,15 @@ def _retention_table(results: dict[str, Any]) -> list[str]:
 
 def markdown(results: dict[str, Any]) -> str:
     """``results.md``: the test table (95% intervals, mean retention, the agents' regime), the validation table,
-    retention per vertical, the selection and the verdict. Bold marks the merge chosen on validation per column."""
+    retention per vertical, the selection and the verdict. Bold marks the merge chosen on validation per column.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...); the statistics
+            are added first (:func:`add_statistics`) when missing.
+
+    Returns:
+        `str`: The Markdown text.
+    """
     if "selection" not in results:
         add_statistics(results)
     config = results.get("statistics") or {}
@@ -597,7 +646,12 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
     """Grouped bars of the test scores with their 95% intervals as error bars: one group per stage (and the
-    average), one bar per model."""
+    average), one bar per model.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+        path (`Path`): The PNG file written.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -649,7 +703,15 @@ def _save_figure(figure: Any, path: Path) -> None:
 
 def plot_retention(results: dict[str, Any], path: Path) -> bool:
     """Heat map of retention on test: one row per merge, one column per vertical and the mean; undefined cells
-    grey and marked ``n/a``. Returns whether there was anything to draw."""
+    grey and marked ``n/a``.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+        path (`Path`): The PNG file written.
+
+    Returns:
+        `bool`: Whether there was anything to draw (no file is written otherwise).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -691,7 +753,13 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
 
 def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
     """One stage's merge preview over training: the merged validation average and the agent's own validation score
-    per previewed step, beside the agent's training reward (right axis), the kept step marked."""
+    per previewed step, beside the agent's training reward (right axis), the kept step marked.
+
+    Args:
+        stage (`str`): The stage's name.
+        record (`dict[str, Any]`): The stage's preview record (its ``history`` of previewed steps).
+        path (`Path`): The PNG file written.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -726,7 +794,16 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
 
 def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) -> list[Path]:
     """Add the statistics (:func:`add_statistics`) and write ``results.json``, ``scores.png`` and
-    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
+    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+        out_dir (`Path`): The directory written to (created if needed).
+        figures (`bool`, *optional*, defaults to `True`): Also draw the figures.
+
+    Returns:
+        `list[Path]`: The files written.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     add_statistics(results)
     written = []
@@ -755,7 +832,11 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
 
 
 def print_table(results: dict[str, Any]) -> None:
-    """The test table in the terminal (rich; bold green: chosen on validation), then the verdict."""
+    """The test table in the terminal (rich; bold green: chosen on validation), then the verdict.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
+    """
     from rich.console import Console
     from rich.table import Table
 

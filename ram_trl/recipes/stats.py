@@ -62,6 +62,12 @@ def t_quantile(df: int) -> float:
     """The 97.5th percentile of Student's t with ``df`` degrees of freedom (exact to 6 decimals up to 30, then a
     Cornish-Fisher expansion, within 1e-5).
 
+    Args:
+        df (`int`): Degrees of freedom, at least 1.
+
+    Returns:
+        `float`: The quantile, e.g. ``12.706205`` for ``df=1``.
+
     Raises:
         ValueError: when ``df < 1``.
     """
@@ -81,8 +87,15 @@ def t_quantile(df: int) -> float:
 def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
     """Mean and 95% Student t interval of ``values`` (e.g. one score per seed).
 
+    Args:
+        values (`Sequence[float]`): The values, at least one.
+
     Returns:
-        ``(mean, low, high)``; the bounds are ``None`` with fewer than two values.
+        `tuple[float, float | None, float | None]`: ``(mean, low, high)``; the bounds are ``None`` with fewer than
+        two values.
+
+    Raises:
+        ValueError: when ``values`` is empty.
     """
     n = len(values)
     if n == 0:
@@ -97,19 +110,45 @@ def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | No
 
 def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0, stream: int = 0) -> np.ndarray:
     """Bootstrap indices: ``resamples`` rows of ``n`` indices drawn with replacement from ``range(n)``, from
-    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages)."""
+    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages).
+
+    Args:
+        n (`int`): The number of values resampled.
+        resamples (`int`, *optional*, defaults to `RESAMPLES`): The number of resamples.
+        seed (`int`, *optional*, defaults to `0`): The bootstrap seed.
+        stream (`int`, *optional*, defaults to `0`): A second seed word (e.g. a stage's ``zlib.crc32``).
+
+    Returns:
+        `np.ndarray`: int64 indices of shape ``(resamples, n)``.
+    """
     rng = np.random.default_rng([seed, stream])
     return rng.integers(0, n, size=(resamples, n))
 
 
 def bootstrap_means(values: Sequence[float], indices: np.ndarray) -> np.ndarray:
-    """The mean of ``values`` under each row of ``indices`` (one bootstrap mean per resample)."""
+    """The mean of ``values`` under each row of ``indices`` (one bootstrap mean per resample).
+
+    Args:
+        values (`Sequence[float]`): The values resampled.
+        indices (`np.ndarray`): Indices into ``values``, one row per resample (:func:`resample_indices`).
+
+    Returns:
+        `np.ndarray`: float64, one mean per row of ``indices``.
+    """
     return np.asarray(values, dtype=np.float64)[indices].mean(axis=1)
 
 
 def percentile_interval(samples: Sequence[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float]:
     """The percentile interval of bootstrap ``samples``: their ``(1 - level) / 2`` and ``(1 + level) / 2``
-    quantiles (``numpy.quantile``, linear interpolation)."""
+    quantiles (``numpy.quantile``, linear interpolation).
+
+    Args:
+        samples (`Sequence[float]` or `np.ndarray`): The bootstrap samples.
+        level (`float`, *optional*, defaults to `LEVEL`): The interval's coverage, e.g. ``0.95``.
+
+    Returns:
+        `tuple[float, float]`: ``(low, high)``.
+    """
     array = np.asarray(samples, dtype=np.float64)
     low, high = np.quantile(array, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
@@ -160,6 +199,12 @@ def retention(merge: float, base: float, specialist: float, min_gain: float = MI
     ``1`` keeps all of the specialist's gain, ``0`` none of it (the base's score), negative values are below the base
     and values above 1 beat the specialist.
 
+    Args:
+        merge (`float`): The merge's score on the vertical.
+        base (`float`): The base model's score on it.
+        specialist (`float`): The score of the agent trained on it.
+        min_gain (`float`, *optional*, defaults to `MIN_GAIN`): The smallest specialist gain a ratio is taken to.
+
     Returns:
         ``None`` (undefined) when the specialist's gain ``specialist - base`` is not positive or is below
         ``min_gain``: a ratio to a gain that did not happen (or is within noise) means nothing.
@@ -171,7 +216,14 @@ def retention(merge: float, base: float, specialist: float, min_gain: float = MI
 
 
 def mean_retention(values: Mapping[str, float | None] | Sequence[float | None]) -> float | None:
-    """Mean of the defined (not ``None``) retentions; ``None`` when none is defined."""
+    """Mean of the defined (not ``None``) retentions; ``None`` when none is defined.
+
+    Args:
+        values (`Mapping[str, float | None]` or `Sequence[float | None]`): Retentions, e.g. per vertical.
+
+    Returns:
+        `float | None`: Their ``math.fsum`` mean over the defined values.
+    """
     items = list(values.values()) if isinstance(values, Mapping) else list(values)
     defined = [v for v in items if v is not None]
     return math.fsum(defined) / len(defined) if defined else None
@@ -191,6 +243,9 @@ def retention_samples(
         base: The base's samples per vertical.
         specialists: Per vertical, the samples of the agent trained on it (per vertical).
         verticals: The verticals averaged (those where the point retention is defined).
+
+    Returns:
+        `np.ndarray`: One mean retention per sample.
     """
     ratios = []
     for v in verticals:
@@ -207,6 +262,18 @@ def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[f
     ``NaN`` samples are undefined values (e.g. retention where a specialist did not gain): with the bootstrap, more
     than ``(1 - level) / 2`` of them gives ``None`` (not resolved) and fewer are left out; over seeds any gives
     ``None``. ``None`` also for fewer than two seeds.
+
+    Args:
+        samples (`np.ndarray`): Bootstrap resamples or per-seed values; ``NaN`` marks an undefined value.
+        kind (`str`): ``"bootstrap"`` or ``"seeds"``.
+        level (`float`, *optional*, defaults to `LEVEL`): The coverage of a bootstrap interval (the seeds' t
+            interval is always 95%).
+
+    Returns:
+        `tuple[float, float] | None`: ``(low, high)``, or ``None`` when not resolved.
+
+    Raises:
+        ValueError: for another ``kind``.
     """
     array = np.asarray(samples, dtype=np.float64)
     missing = np.isnan(array)
@@ -224,7 +291,14 @@ def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[f
 
 def select_best(candidates: Mapping[str, float | None]) -> str | None:
     """The key with the highest value (first in order among equal values); ``None``-valued keys are never picked
-    (``None`` when no key has a value)."""
+    (``None`` when no key has a value).
+
+    Args:
+        candidates (`Mapping[str, float | None]`): Values by key; ``None`` and ``NaN`` values are skipped.
+
+    Returns:
+        `str | None`: The best key.
+    """
     best: str | None = None
     for key, value in candidates.items():
         if value is None or (isinstance(value, float) and math.isnan(value)):

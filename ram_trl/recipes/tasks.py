@@ -44,7 +44,15 @@ __all__ = [
 
 def completion_text(completion: Any) -> str:
     """The text of a completion as TRL passes it (a string, or a conversational list of messages), up to the first
-    newline, stripped of surrounding spaces."""
+    newline, stripped of surrounding spaces.
+
+    Args:
+        completion (`Any`): A string, or a list of ``{"role": ..., "content": ...}`` messages (their contents are
+            joined).
+
+    Returns:
+        `str`: The first line, stripped.
+    """
     if isinstance(completion, list):
         completion = "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion).split("\n", 1)[0].strip()
@@ -104,7 +112,17 @@ def _prefix_share(text: str, answer: str) -> float:
 
 
 def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for the exact result, else 0.5 x (share of the result's characters right from the left)."""
+    """1.0 for the exact result, else 0.5 x (share of the result's characters right from the left).
+
+    Args:
+        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
+            only their first line counts (:func:`completion_text`).
+        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
+        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
+
+    Returns:
+        `list[float]`: One reward in ``[0, 1]`` per completion.
+    """
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         text = completion_text(completion)
@@ -133,6 +151,12 @@ def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, st
         n: Number of distinct prompts.
         seed: Seed of the draw.
         length: Letters of the word.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": 'rev("kqfzb")=', "answer": "bzfqk"}``.
+
+    Raises:
+        ValueError: when ``length < 1``.
     """
     if length < 1:
         raise ValueError(f"length={length} must be at least 1")
@@ -146,7 +170,17 @@ def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, st
 
 
 def program_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for exactly the program's output, else 0.5 x (share of its characters right from the left)."""
+    """1.0 for exactly the program's output, else 0.5 x (share of its characters right from the left).
+
+    Args:
+        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
+            only their first line counts (:func:`completion_text`).
+        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
+        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
+
+    Returns:
+        `list[float]`: One reward in ``[0, 1]`` per completion.
+    """
     return arithmetic_reward(completions, answer)
 
 
@@ -234,6 +268,10 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
     Args:
         n: Number of distinct prompts (at most the number of question/argument combinations, 1,588).
         seed: Seed of the draw.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": "weather in Oslo on mon? ",
+        "answer": "weather(city=Oslo,day=mon)"}``.
     """
 
     def make(rng: random.Random) -> dict[str, str]:
@@ -249,7 +287,14 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
-    """``"name(k=v,...)"`` -> ``("name", {"k": "v"})``; ``None`` if the text is not a well-formed call."""
+    """``"name(k=v,...)"`` -> ``("name", {"k": "v"})``; ``None`` if the text is not a well-formed call.
+
+    Args:
+        text (`str`): The text, e.g. a completion's first line.
+
+    Returns:
+        `tuple[str, dict[str, str]] | None`: The tool and its arguments; ``None`` also when an argument repeats.
+    """
     match = _CALL.match(text)
     if match is None:
         return None
@@ -266,7 +311,17 @@ def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
 def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """0.2 for a well-formed call of the wrong tool; with the right tool, 0.5 plus 0.5 x the share of arguments given
     exactly (matched arguments over the larger of the expected and the given argument counts, so 1.0 only for exactly
-    the right call); 0 for anything that is not a well-formed call."""
+    the right call); 0 for anything that is not a well-formed call.
+
+    Args:
+        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
+            only their first line counts (:func:`completion_text`).
+        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
+        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
+
+    Returns:
+        `list[float]`: One reward in ``[0, 1]`` per completion.
+    """
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         got = parse_call(completion_text(completion))
@@ -296,6 +351,12 @@ def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 
         seed: Seed of the draw.
         num_pairs: Pairs in the context (the context is ``(key_length + 3) * num_pairs`` characters long).
         key_length: Letters per key.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": "ka=3;qb=7;...;qb?", "answer": "7"}``.
+
+    Raises:
+        ValueError: when ``num_pairs`` is below 1 or above the number of distinct keys.
     """
     if num_pairs < 1 or num_pairs > 26**key_length:
         raise ValueError(f"num_pairs={num_pairs} must be between 1 and 26**key_length")
@@ -315,12 +376,30 @@ def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 
 
 
 def recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for exactly the key's value, else 0."""
+    """1.0 for exactly the key's value, else 0.
+
+    Args:
+        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
+            only their first line counts (:func:`completion_text`).
+        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
+        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
+
+    Returns:
+        `list[float]`: One reward in ``[0, 1]`` per completion.
+    """
     return [1.0 if completion_text(c) == want else 0.0 for c, want in zip(completions, answer, strict=True)]
 
 
 def mixture(parts: Sequence[Sequence[dict[str, str]]], seed: int = 0) -> list[dict[str, str]]:
-    """Interleave several tasks' rows (a seeded shuffle of their concatenation), e.g. for a supervised warm start."""
+    """Interleave several tasks' rows (a seeded shuffle of their concatenation), e.g. for a supervised warm start.
+
+    Args:
+        parts (`Sequence[Sequence[dict[str, str]]]`): Each task's rows.
+        seed (`int`, *optional*, defaults to `0`): Seed of the ``random.Random`` shuffle.
+
+    Returns:
+        `list[dict[str, str]]`: All rows, shuffled.
+    """
     rows = [row for part in parts for row in part]
     random.Random(seed).shuffle(rows)
     return rows
