@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -464,12 +463,3 @@ def test_model_base_refuses_a_range_it_does_not_hold():
     assert base.read("w", 5, 2).tolist() == [1.0, 2.0]
     with pytest.raises(CheckpointError, match="partitioned differently"):
         base.read("w", 2, 4)
-
-
-def test_prior_mask_bits_round_trip():
-    from ram_trl.telemetry.priors import PriorMasks
-
-    mask = torch.rand(2, 37) > 0.5
-    masks = PriorMasks([], {("w", 0): np.packbits(mask.numpy(), axis=1)})
-    assert torch.equal(masks.rows("w", 0, 8, 29), mask[:, 8:])
-    assert torch.equal(masks.rows("w", 0, 0, 37), mask)
