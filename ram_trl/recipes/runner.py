@@ -121,7 +121,14 @@ def safe_name(name: str) -> str:
 
 
 class Run:
-    """One execution of a recipe (use :func:`run_recipe`)."""
+    """One execution of a recipe (use :func:`run_recipe`).
+
+    Args:
+        recipe (`Recipe`): The validated recipe.
+        root (`Path`): The directory the recipe's relative paths are resolved against (the recipe file's).
+        run_dir (`Path`): The run directory everything is written into.
+        options (`RunOptions`): The run's options (seed, resume, only one stage, ...).
+    """
 
     def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
         self.recipe, self.root, self.dir, self.options = recipe, root, run_dir, options
@@ -131,13 +138,31 @@ class Run:
 
     # -- paths -----------------------------------------------------------------------------------------------
     def stage_dir(self, stage: StageSpec) -> Path:
+        """Where a stage's trained agent and manifest go.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `Path`: ``RUN/stages/NAME``.
+        """
         return self.dir / "stages" / stage.name
 
     def agent_path(self, stage: StageSpec) -> Path:
+        """The stage's agent checkpoint: its given ``checkpoint`` (resolved), else the stage directory.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `Path`: The agent's directory.
+        """
         return _resolve(stage.checkpoint, self.root) if stage.checkpoint else self.stage_dir(stage)
 
     @property
     def base(self) -> Path:
+        """The base model the stages train from and the merges use: the warm-started base, the built base, or
+        the recipe's ``base.path`` (resolved)."""
         if self.recipe.warm_start is not None:
             return self.dir / "base"
         if self.recipe.base.build is not None:
@@ -149,7 +174,11 @@ class Run:
 
     def resolved_recipe(self) -> dict[str, Any]:
         """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
-        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere."""
+        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere.
+
+        Returns:
+            `dict[str, Any]`: The recipe as JSON-ready data.
+        """
         data = self.recipe.model_dump(mode="json", exclude_none=True)
         if "path" in data["base"]:
             data["base"]["path"] = str(_resolve(data["base"]["path"], self.root))
@@ -165,7 +194,12 @@ class Run:
     # -- phases ----------------------------------------------------------------------------------------------
     def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
         """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
-        called once on them: the checks of user code that run before anything is written."""
+        called once on them: the checks of user code that run before anything is written.
+
+        Returns:
+            `dict[str, tuple]`: Per stage, ``(train, test, val, warm)`` rows (``warm`` is ``None`` without a warm
+            start).
+        """
         from ram_trl.recipes.stage import preflight_rewards
 
         drawn = {}
@@ -178,7 +212,14 @@ class Run:
 
     def check_dir(self, recipe_file: Path | None) -> None:
         """Refuse a run directory that is or holds an input of the run (the recipe, the base, an agent, a prompt
-        file, an accelerate config), or that exists and is not a previous run (it would be written into)."""
+        file, an accelerate config), or that exists and is not a previous run (it would be written into).
+
+        Args:
+            recipe_file (`Path`, *optional*): The recipe file read, if any.
+
+        Raises:
+            OutputError: naming the input or the foreign directory.
+        """
         data = self.resolved_recipe()
         reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
         if "path" in data["base"]:
@@ -194,6 +235,13 @@ class Run:
         OutputDir(self.dir, reads=reads, markers=markers, replace_previous=True, what="run directory").check()
 
     def prepare(self, recipe_file: Path | None = None) -> None:
+        """Check the run directory, draw and check every stage's rows, write ``recipe.yaml`` and the prompt files,
+        then build the base and run the warm start when the recipe asks for them.
+
+        Args:
+            recipe_file (`Path`, *optional*, defaults to `None`): The recipe file read (an input the run directory
+                must not hold).
+        """
         self.check_dir(recipe_file)
         start = time.perf_counter()
         drawn = self.draw()
@@ -215,6 +263,8 @@ class Run:
             self.warm_start()
 
     def build_base(self) -> None:
+        """Build the recipe's synthetic base (``base.build``) into ``RUN/base_init``, unless an identical build is
+        already there."""
         from ram_trl.synthetic import make_base_checkpoint
 
         target = self.dir / "base_init"
@@ -238,6 +288,8 @@ class Run:
         self.console.print(f"[green]built[/] base model {target}")
 
     def warm_start(self) -> None:
+        """Supervised warm start of the base (``warm_start``) into ``RUN/base``, unless an identical one is already
+        there."""
         import json
 
         from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
@@ -290,6 +342,12 @@ class Run:
         Raises:
             ConfigError: when ``reply`` earns a reward on some stage (it would no longer be an abstention: RL could
                 keep it), naming the stage and the mean reward; or when every default reply does.
+
+        Args:
+            reply (`str`, *optional*): The recipe's reply; ``None`` chooses one.
+
+        Returns:
+            `str`: The reply.
         """
         from ram_trl.recipes.evaluate import score_completions
         from ram_trl.recipes.schema import ABSTAIN_REPLIES
@@ -334,6 +392,12 @@ class Run:
         return digest.hexdigest()
 
     def train_stages(self) -> None:
+        """Train every stage without a given checkpoint (only ``options.only`` when set; complete stages skipped
+        with ``options.resume``).
+
+        Raises:
+            ConfigError: when the one stage asked for has a checkpoint already.
+        """
         stages = [s for s in self.recipe.stages if s.trained]
         if self.options.only is not None:
             self.recipe.stage(self.options.only)
@@ -360,7 +424,15 @@ class Run:
         return prior
 
     def stage_command(self, stage: StageSpec, work: Path | None = None) -> list[str]:
-        """The stage process's command line; it writes into ``work`` (default: the stage directory)."""
+        """The stage process's command line; it writes into ``work`` (default: the stage directory).
+
+        Args:
+            stage (`StageSpec`): The stage.
+            work (`Path`, *optional*, defaults to `None`): The directory the process writes into.
+
+        Returns:
+            `list[str]`: The command (``python -m ram_trl.recipes.stage ...``, or under ``accelerate launch``).
+        """
         args = [
             "--recipe",
             str(self.dir / "recipe.yaml"),
@@ -397,7 +469,14 @@ class Run:
         """The output-commit protocol of a stage directory: the stage process writes into a temporary sibling,
         committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
         the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
-        another stage's agent or a prompt file."""
+        another stage's agent or a prompt file.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `OutputDir`: The stage directory's output protocol.
+        """
         from ram_trl.manifest import MANIFEST_NAME
 
         reads = [("base model", self.base)] + [
@@ -415,6 +494,14 @@ class Run:
         )
 
     def train_stage(self, stage: StageSpec) -> None:
+        """Train one stage in its own process and commit its directory when it finished with a manifest.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Raises:
+            StageError: when the process fails or leaves no complete stage, naming the stage and its log.
+        """
         out = self.stage_dir(stage)
         output = self.stage_output(stage)
         work = output.begin()  # removes a killed run's leftovers of this stage
@@ -494,6 +581,11 @@ class Run:
         return code, log, tail, start
 
     def analyze(self) -> dict[str, Any] | None:
+        """The task-vector analysis of the agents (``RUN/analysis``), when the recipe enables it.
+
+        Returns:
+            `dict[str, Any]` or `None`: The analysis (:func:`ram_trl.analyze`), ``None`` when disabled.
+        """
         if not self.recipe.analysis.enabled:
             return None
         from ram_trl.analysis import analyze
@@ -523,7 +615,14 @@ class Run:
 
     def fisher(self, rows: list[MergeRow]) -> None:
         """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
-        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method."""
+        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method.
+
+        Args:
+            rows (`list[MergeRow]`): The recipe's merge rows.
+
+        Raises:
+            ConfigError: when a given (untrained) agent has no ``fisher.safetensors``.
+        """
         if not any(r.method == "fisher" for r in rows):
             return
         import torch
@@ -552,6 +651,11 @@ class Run:
         self._timed("fisher", start)
 
     def merges(self) -> list[tuple[MergeRow, Path]]:
+        """Run every merge row of the recipe (sweeps expanded) into ``RUN/merges``.
+
+        Returns:
+            `list[tuple[MergeRow, Path]]`: Each row and its merged model.
+        """
         from tqdm.auto import tqdm
 
         from ram_trl.engine import merge
@@ -587,7 +691,11 @@ class Run:
         return done
 
     def eval_tasks(self) -> list[Any]:
-        """Every stage's test and validation prompts with its rewards (stages without rows are left out)."""
+        """Every stage's test and validation prompts with its rewards (stages without rows are left out).
+
+        Returns:
+            `list[EvalTask]`: The tasks, stage by stage.
+        """
         from ram_trl.recipes.evaluate import EvalTask
 
         tasks = []
@@ -600,6 +708,14 @@ class Run:
         return tasks
 
     def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
+        """Score the base, every agent and every merge on each stage's test and validation prompts.
+
+        Args:
+            merged (`list[tuple[MergeRow, Path]]`): The merges (:meth:`merges`).
+
+        Returns:
+            `list[dict[str, Any]]`: One results row per model (empty when evaluation is disabled).
+        """
         import json
 
         from ram_trl.recipes.evaluate import evaluate_model
@@ -641,6 +757,15 @@ class Run:
         return results
 
     def results(self, rows: list[dict[str, Any]], analysis: dict[str, Any] | None) -> dict[str, Any]:
+        """Write ``results.json``, ``results.md`` and the figures, and print the table.
+
+        Args:
+            rows (`list[dict[str, Any]]`): The evaluated rows (:meth:`evaluate`).
+            analysis (`dict[str, Any]`, *optional*): The analysis, for the agents' regime.
+
+        Returns:
+            `dict[str, Any]`: The results, statistics included.
+        """
         from ram_trl.recipes.results import print_table, regime_from_analysis, write_results
 
         evaluation = self.recipe.evaluation
@@ -692,7 +817,11 @@ class Run:
         return out
 
     def sweeps(self) -> list[dict[str, Any]]:
-        """The merge entries that sweep a parameter: their label, swept parameters and row names."""
+        """The merge entries that sweep a parameter: their label, swept parameters and row names.
+
+        Returns:
+            `list[dict[str, Any]]`: ``{"label", "parameters", "rows"}`` per sweep.
+        """
         out = []
         for spec in self.recipe.merges:
             swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]
