@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,15 +110,17 @@ def analyze(
     try:
         out = None if out_dir is None else Path(out_dir)
         return _run(
-            inputs,
-            out,
-            ctx,
-            allow_pickle,
-            chunk_budget,
-            figures,
-            progress,
-            print_summary,
-            allow_external_shards,
+            AnalysisRun(
+                inputs,
+                out,
+                ctx,
+                allow_pickle=allow_pickle,
+                chunk_budget=chunk_budget,
+                figures=figures,
+                progress=progress,
+                print_summary=print_summary,
+                allow_external_shards=allow_external_shards,
+            )
         )
     finally:
         ctx.close()
@@ -127,17 +130,37 @@ def analyze(
 # The pass
 
 
-def _run(
-    inputs: AnalysisInputs,
-    out_dir: Path | None,
-    ctx: DistContext,
-    allow_pickle: bool,
-    chunk_budget: str | int,
-    figures: bool,
-    progress: bool,
-    print_summary: bool,
-    allow_external_shards: bool = False,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AnalysisRun:
+    """One analysis run: what is analysed, where it is written, this process's place, and the options.
+
+    Args:
+        inputs (`AnalysisInputs`): The resolved inputs and eps, r, alpha.
+        out_dir (`Path`, *optional*): The output directory; ``None`` writes nothing.
+        ctx (`DistContext`): This process's place in the run (rank, world size).
+        allow_pickle (`bool`, *optional*, defaults to `False`): Accept ``pytorch_model*.bin`` inputs.
+        chunk_budget (`str` or `int`, *optional*, defaults to `DEFAULT_CHUNK_BUDGET`): Memory for one chunk's
+            buffers.
+        figures (`bool`, *optional*, defaults to `True`): Draw the PNG figures.
+        progress (`bool`, *optional*, defaults to `True`): Show a progress bar (main process only).
+        print_summary (`bool`, *optional*, defaults to `False`): Print the tables in the terminal.
+        allow_external_shards (`bool`, *optional*, defaults to `False`): Accept index files naming shards outside
+            their checkpoint directory.
+    """
+
+    inputs: AnalysisInputs
+    out_dir: Path | None
+    ctx: DistContext
+    allow_pickle: bool = False
+    chunk_budget: str | int = DEFAULT_CHUNK_BUDGET
+    figures: bool = True
+    progress: bool = True
+    print_summary: bool = False
+    allow_external_shards: bool = False
+
+
+def _run(run: AnalysisRun) -> dict[str, Any]:
+    inputs, out_dir, ctx = run.inputs, run.out_dir, run.ctx
     started = time.perf_counter()
     resolved = inputs.resolved
     output = None if out_dir is None else analysis_output(out_dir, resolved)
@@ -145,7 +168,7 @@ def _run(
         ctx.guarded(output.check)
 
     def prepare() -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
-        base, agents = open_inputs(resolved, allow_pickle, allow_external_shards)
+        base, agents = open_inputs(resolved, run.allow_pickle, run.allow_external_shards)
         plan = build_plan(
             base,
             agents,
@@ -153,7 +176,7 @@ def _run(
             shape_mismatch="error",
             needs_statistics=False,
             trims_by_magnitude=False,
-            chunk_budget=parse_size(chunk_budget),
+            chunk_budget=parse_size(run.chunk_budget),
         )
         return base, agents, plan
 
@@ -173,7 +196,7 @@ def _run(
             magnitudes,
             read,
             resolved.allow_nonfinite,
-            progress and ctx.is_main,
+            run.progress and ctx.is_main,
         )
     )
     merged: dict[str, TensorAnalysis] = {}
@@ -189,11 +212,11 @@ def _run(
         result = build_result(inputs, base, agents, floating, merged, magnitudes, wide)
         result.update(timings=timings, bytes_read=read.bytes, processes=ctx.world_size)
         if output is not None:
-            output.write(lambda temp: write_outputs(result, temp, figures))
+            output.write(lambda temp: write_outputs(result, temp, run.figures))
         return result
 
     result = ctx.broadcast_object(ctx.guarded(finish))
-    if print_summary and ctx.is_main:
+    if run.print_summary and ctx.is_main:
         print_tables(result)
     return result
 
@@ -215,6 +238,7 @@ __all__ = [
     "JSON_FILE",
     "MARKDOWN_FILE",
     "AnalysisInputs",
+    "AnalysisRun",
     "TensorAnalysis",
     "analysis_output",
     "analysis_pass",
