@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ram_trl.config import ResolvedConfig
 from ram_trl.context import RunContext
 from ram_trl.errors import NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
@@ -270,15 +271,7 @@ def tensor_context(
     """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``)."""
     resolved = run.resolved
     method = resolved.method
-    agent_params = {
-        p.name: torch.tensor(
-            [resolved.agent_value(a, p.name, task.name) for a in resolved.agents],
-            dtype=torch.float32,
-            device=run.device,
-        )
-        for p in method.parameters
-        if p.scope == "agent" and p.kind is float
-    }
+    agent_params = agent_parameter_values(resolved, task.name, run.device)
     params = resolved.params_for(task.name)
     prepared = None
     if method.prepare_tensor is not None and task.floating:
@@ -295,6 +288,22 @@ def tensor_context(
         seen=[0] * (len(run.agents) * method.scan_width),
         stats=OverlapStatistics.zeros(len(run.agents)) if count_inline else None,
     )
+
+
+def agent_parameter_values(
+    resolved: ResolvedConfig, tensor_name: str, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The per-agent numbers of the method for one tensor (:attr:`ChunkInputs.agent_params`): each a float32
+    tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved."""
+    return {
+        p.name: torch.tensor(
+            [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents],
+            dtype=torch.float32,
+            device=device,
+        )
+        for p in resolved.method.parameters
+        if p.scope == "agent" and p.kind is float
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -499,18 +508,43 @@ def merge_block(
         fishers=None if chunk.fishers is None else chunk.fishers.to(run.device),
         models=_models(chunk, base_values) if method.merges_weights else None,
     )
+    return kernel_output(resolved, inputs, task.out_dtype, (chunk.start, chunk.stop), out), counts
+
+
+def kernel_output(
+    resolved: ResolvedConfig,
+    inputs: ChunkInputs,
+    out_dtype: torch.dtype,
+    rows: tuple[int, int],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the method's kernel on one block and return the merged weights in ``out_dtype``: the merged task vector
+    added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds.
+
+    Args:
+        resolved: The merge config (its method and ``allow_nonfinite``).
+        inputs: The block's kernel inputs.
+        out_dtype: The output tensor's dtype.
+        rows: The block's rows ``(start, stop)`` (or flat elements, for a flat range), for error messages.
+        out: A flat tensor of ``out_dtype`` the values are written into (and returned) instead of a new one.
+
+    Returns:
+        The merged weights of the block, flat.
+
+    Raises:
+        NonFiniteError: if the merged values overflow float32 (or float16 for a float16 output).
+    """
+    method = resolved.method
     merged = method.merge(inputs)
     if not method.merges_weights:
-        merged.add_(base_values)
-        keep_signed_zeros(merged, base_values)
+        merged.add_(inputs.base)
+        keep_signed_zeros(merged, inputs.base)
     if not resolved.allow_nonfinite:
-        check_finite_output(merged, task.name, chunk.start, chunk.stop)
-    result = merged.to(task.out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
-    if (
-        task.out_dtype == torch.float16 and not resolved.allow_nonfinite
-    ):  # the one narrower range than float32
-        check_finite_output(result, task.name, chunk.start, chunk.stop, " in float16 (|x| > 65504)")
-    return result, counts
+        check_finite_output(merged, inputs.name, *rows)
+    result = merged.to(out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
+    if out_dtype == torch.float16 and not resolved.allow_nonfinite:  # the one narrower range than float32
+        check_finite_output(result, inputs.name, *rows, " in float16 (|x| > 65504)")
+    return result
 
 
 def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
@@ -576,6 +610,8 @@ def _models(chunk: RawChunk, base_values: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "TensorContext",
+    "agent_parameter_values",
+    "kernel_output",
     "TensorInputs",
     "check_finite_output",
     "keep_signed_zeros",
