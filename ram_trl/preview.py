@@ -278,7 +278,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         # for the agent: the errors come before any training
         from ram_trl.config import load_config, resolve_config
 
-        resolve_config(
+        self._resolved_method = resolve_config(
             load_config(
                 preview_merge_config(
                     self.base_model,
@@ -290,7 +290,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
                     seed,
                 )
             )[0]
-        )
+        ).method
         self.history: list[dict[str, Any]] = []
         self.base_scores: dict[str, float] = {}
         self.specialist_scores: dict[str, float] = {}
@@ -301,6 +301,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self._best_average = -math.inf
         self._last: Path | None = None
         self._last_step: int | None = None
+        self.partitioned = False
+        self.last_range_merge: Any = None
 
     def _validation_tasks(self, tasks: Sequence[Any]) -> dict[str, Any]:
         from ram_trl.recipes.evaluate import EvalTask
@@ -340,11 +342,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         super().on_train_begin(args, state, control, **kwargs)
         accelerator = self.trainer.accelerator
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
-            raise ConfigError(
-                "the merge preview does not support DeepSpeed ZeRO-3 yet (it would gather the full policy to one "
-                "rank); use ZeRO-1/2 or DDP, or train without the preview and merge afterwards"
-            )
+        self.partitioned = plugin is not None and getattr(plugin, "zero_stage", 0) == 3
+        if self.partitioned:
+            self._check_partitioned()
         if (
             getattr(accelerator, "is_fsdp2", False)
             or getattr(accelerator.state, "fsdp_plugin", None) is not None
@@ -366,7 +366,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if accelerator.is_main_process:
             start = time.perf_counter()
-            with _training_rng_kept():
+            with _training_rng_kept(), _without_zero3_init():
                 references = self._reference_scores()
             references = (*references, round(time.perf_counter() - start, 4))
         else:
@@ -527,16 +527,21 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         checkpoint = self.work_dir / f"step-{step}"
         save_agent(self.trainer, checkpoint, self.save_dtype)  # every rank: a sharded model is gathered
         accelerator.wait_for_everyone()
-        merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a partition each under DDP
-        if accelerator.is_main_process:
-            with _training_rng_kept():
-                record = self._score(merged, checkpoint, step)
-            record["merge_seconds"] = round(merge_seconds, 4)
-            record["merge_processes"] = processes
-            record["reward"] = last_reward_metrics(state.log_history).get("reward")
+        if self.partitioned:
+            record = self._preview_partitions(checkpoint, step)  # every rank: its own partitions
         else:
-            record = None
-        record = self._share(record)
+            merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a share each under DDP
+            if accelerator.is_main_process:
+                with _training_rng_kept():
+                    record = self._score(merged, checkpoint, step)
+                record["merge_seconds"] = round(merge_seconds, 4)
+                record["merge_processes"] = processes
+            else:
+                record = None
+            record = self._share(record)
+        record["reward"] = self._share(
+            last_reward_metrics(state.log_history).get("reward") if accelerator.is_main_process else None
+        )
         from ram_trl.recipes.stats import mean_retention
 
         record["retention"] = self.retention(record)
@@ -571,6 +576,121 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             report = merge(config, merged, overwrite=True, progress=False)
         return merged, time.perf_counter() - start, int(report.get("processes", 1))
+
+    def _check_partitioned(self) -> None:
+        """Refuse, at train begin, what a partition-local preview cannot do (before any training step)."""
+        from ram_trl.range_merge import check_range_method
+
+        check_range_method(self._resolved_method)
+        if hasattr(policy_of(self.trainer.model), "peft_config"):
+            raise ConfigError(
+                "the merge preview under DeepSpeed ZeRO-3 merges the policy's full weights; a PEFT (LoRA) policy is "
+                "not supported there (use DDP or ZeRO-1/2, or train without the preview)"
+            )
+        dtypes = {p.dtype for p in policy_of(self.trainer.model).parameters()}
+        wanted = getattr(torch, self.evaluation.dtype)
+        if dtypes != {wanted}:
+            logger.warning(
+                "merge preview under ZeRO-3: the model is scored in its training dtype (%s), not the evaluation dtype "
+                "(%s); the merged weights are those of `ram-trl merge`, the scores may differ from `ram-trl eval` in "
+                "the last digits (set evaluation.dtype to the training dtype to make them equal)",
+                ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+                self.evaluation.dtype,
+            )
+
+    def _preview_partitions(self, checkpoint: Path, step: int) -> dict[str, Any]:
+        """The preview under DeepSpeed ZeRO-3 (every rank calls it): each rank merges its own partition of every
+        parameter with the global statistics (:func:`ram_trl.range_merge.merge_ranges`, one all-reduce of integer
+        counts, no parameter gathered); the merged values then replace the partitions while the model is scored
+        through ZeRO-3's own gathering for generation (as TRL gathers for training generation), and the policy's
+        partitions are restored afterwards."""
+        from ram_trl.range_merge import FlatRange, merge_ranges
+        from ram_trl.telemetry.base_weights import base_name
+        from ram_trl.telemetry.shards import iter_local_shards, training_context
+
+        ctx = training_context()
+        policy = policy_of(self.trainer.model)
+        shards = list(iter_local_shards(policy))
+        saved = [
+            FlatRange(
+                base_name(s.name),
+                s.offset,
+                s.values.to(self.save_dtype),
+                counted=s.partitioned or ctx.is_main,
+            )
+            for s in shards
+        ]
+        from ram_trl.config import load_config, resolve_config
+
+        start = time.perf_counter()
+        config = preview_merge_config(
+            self.base_model,
+            self.prior_files,
+            checkpoint,
+            self.stage_name,
+            self.method,
+            self.parameters,
+            self.seed,
+        )
+        resolved = resolve_config(load_config(config)[0])  # names the saved policy; its tensors are not read
+        result = ctx.guarded(lambda: merge_ranges(resolved, len(resolved.agents) - 1, saved, ctx))
+        merge_seconds = time.perf_counter() - start
+        self.last_range_merge = result
+        agent_digest = self._share(weights_digest(checkpoint) if ctx.is_main else None)
+        merged_scores = {r["merged_sha256"]: r["scores"] for r in self.history}.get(result.digest)
+        agent_score = {r.get("agent_sha256"): r["agent_score"] for r in self.history}.get(agent_digest)
+        with _swapped_partitions(self.trainer.model_wrapped, shards) as swap:
+            if agent_score is None:
+                swap([r.values for r in saved])
+                agent_score = self._score_gathered([self.tasks[self.stage_name]])[self.stage_name]
+            if merged_scores is None:
+                swap(result.values)
+                merged_scores = self._score_gathered([self.tasks[name] for name in self.merged_stages])
+        record = {
+            "step": step,
+            "scores": dict(merged_scores),
+            "average": math.fsum(merged_scores.values()) / len(merged_scores),
+            "agent_score": agent_score,
+            "merged_sha256": result.digest,
+            "agent_sha256": agent_digest,
+            "merge_seconds": round(merge_seconds, 4),
+            "merge_processes": ctx.world_size,
+            "merge_kind": "partitions",
+        }
+        return self._share(record if ctx.is_main else None)  # the main rank's timings
+
+    def _score_gathered(self, tasks: list[Any]) -> dict[str, float]:
+        """Scores of the model as its partitions now hold it (every rank calls it): the parameters are gathered the
+        way TRL gathers them for its training generation, and every rank generates the same completions in step with
+        the others (ZeRO-3's forward hooks and ``generate``'s ``synced_gpus`` are collectives); the main rank's scores
+        are shared."""
+        from trl.models.utils import unwrap_model_for_generation
+
+        from ram_trl.recipes.evaluate import evaluate_loaded
+
+        accelerator = self.trainer.accelerator
+        with unwrap_model_for_generation(self.trainer.model_wrapped, accelerator) as unwrapped:
+            model = policy_of(unwrapped)
+            training = model.training
+            model.eval()
+            try:
+                with _training_rng_kept():
+                    scored = evaluate_loaded(model, self._tokenizer(), tasks, self.evaluation, progress=False)
+            finally:
+                model.train(training)
+        scores = dict(scored["splits"]["val"]["scores"])
+        return self._share(scores if accelerator.is_main_process else None)
+
+    def _tokenizer(self) -> Any:
+        """The base's tokenizer set up for generation (what ``ram-trl eval`` of the merge uses: the merge copies
+        the base's tokenizer)."""
+        if getattr(self, "_generation_tokenizer", None) is None:
+            from transformers import AutoTokenizer
+
+            from ram_trl.recipes.evaluate import generation_tokenizer
+
+            self._generation_tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(self.base_model))
+        return self._generation_tokenizer
 
     def _score(self, merged: Path, checkpoint: Path, step: int) -> dict[str, Any]:
         """The merged model's validation scores on every merged stage and the policy's on its own stage. Weights
@@ -782,3 +902,50 @@ def _link_tree(source: Path, target: Path) -> None:
             os.link(file, target / file.name)
         except OSError:
             shutil.copy2(file, target / file.name)
+
+
+@contextlib.contextmanager
+def _swapped_partitions(engine: Any, shards: list[Any]):
+    """Let values replace a DeepSpeed ZeRO-3 model's local partitions, and restore the partitions on exit.
+
+    Yields a function ``swap(values)`` writing one flat tensor per shard (of
+    :func:`~ram_trl.telemetry.shards.iter_local_shards`) into the partitions. Before each write every gathered
+    parameter is released (ZeRO-3 re-gathers from the partitions at the next use); on exit the saved partitions are
+    written back and the persistent parameters re-gathered, as DeepSpeed does after an optimizer step. The saved
+    copy is one partition per parameter, on the CPU.
+    """
+    optimizer = engine.optimizer
+    backup = [s.values.detach().to("cpu", copy=True) for s in shards]
+
+    def write(values: Sequence[torch.Tensor]) -> None:
+        optimizer._partition_all_parameters()
+        with torch.no_grad():
+            for shard, value in zip(shards, values, strict=True):
+                shard.values.copy_(value.to(shard.values.device))
+
+    try:
+        yield write
+    finally:
+        write(backup)
+        persistent = getattr(optimizer, "persistent_parameters", [])
+        if persistent:
+            persistent[0].all_gather(persistent)
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Let one process of a DeepSpeed ZeRO-3 run load and generate on its own: without it transformers'
+    ``from_pretrained`` partitions the model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the
+    other processes (``synced_gpus``), collectives the other processes never join."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration
+        yield
+        return
+    # transformers keeps the run's DeepSpeed config behind this module-level weak reference (no public getter)
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

@@ -21,17 +21,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.preview import MergePreviewCallback  # noqa: E402
-from ram_trl.recipes.evaluate import EvalTask  # noqa: E402
-from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl  # noqa: E402
-
-REWARD = "tests.helpers:distinct_chars"
-
-
-def tasks() -> list[EvalTask]:
-    return [
-        EvalTask("first", [{"prompt": f"a{i}"} for i in range(6)], [REWARD]),
-        EvalTask("second", [{"prompt": f"b{i}"} for i in range(6)], [REWARD]),
-    ]
+from tests.helpers import distinct_chars, preview_tasks, rl_config, rl_prompts, train_rl  # noqa: E402
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
         base_model=base,
         prior_stages=[prior],
         stage_name="second",
-        tasks=tasks(),
+        tasks=preview_tasks(),
         evaluation={"max_new_tokens": 8, "batch_size": 8},
         preview_every=2,
     )

@@ -318,6 +318,18 @@ def distinct_char_count(completions, **kwargs) -> list[float]:
     return [float(len(set(c))) for c in completions]
 
 
+def preview_tasks() -> list[Any]:
+    """Validation prompts of the distributed merge-preview runs: stages ``first`` and ``second``, 6 prompts each,
+    scored with :func:`distinct_chars`."""
+    from ram_trl.recipes.evaluate import EvalTask
+
+    reward = "tests.helpers:distinct_chars"
+    return [
+        EvalTask("first", [{"prompt": f"a{i}"} for i in range(6)], [reward]),
+        EvalTask("second", [{"prompt": f"b{i}"} for i in range(6)], [reward]),
+    ]
+
+
 #: Prompts of the tiny RL runs of the callback and preview tests (repeated to fill the dataset).
 RL_PROMPTS = ("ab", "cd", "ef", "gh")
 #: Steps of those runs unless a test says otherwise.

@@ -34,7 +34,7 @@ from ram_trl.recipes.evaluate import EvalTask, evaluate_model
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.recipes.stats import retention
 from ram_trl.synthetic import make_base_checkpoint
-from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl
+from tests.helpers import distinct_chars, preview_tasks, rl_config, rl_prompts, train_rl
 
 pytestmark = [pytest.mark.slow]
 
@@ -49,14 +49,6 @@ def base(tmp_path_factory) -> Path:
     return make_base_checkpoint(
         tmp_path_factory.mktemp("base") / "base", hidden_size=32, num_layers=2, intermediate_size=64
     )
-
-
-def val_rows(tag: str) -> list[dict[str, str]]:
-    return [{"prompt": f"{tag}{i}"} for i in range(6)]
-
-
-def tasks() -> list[EvalTask]:
-    return [EvalTask("first", val_rows("a"), [REWARD]), EvalTask("second", val_rows("b"), [REWARD])]
 
 
 def train(
@@ -89,7 +81,7 @@ def previews(trainer) -> list[dict]:
 def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, tmp_path):
     second = tmp_path / "second"
     callback = MergePreviewCallback(
-        base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION,
+        base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION,
         preview_every=1,
     )  # fmt: skip
     trainer = train(base, second, callback, seed=1)
@@ -132,9 +124,9 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, tmp_path):
     assert cli(["merge", str(config), str(merged), "--no-progress"]) == 0
     assert weights_digest(merged) == kept_record["merged_sha256"]
     # ... and its evaluation gives the logged scores to the last digit
-    scored = evaluate_model(merged, tasks(), EVALUATION, base=base, progress=False)
+    scored = evaluate_model(merged, preview_tasks(), EVALUATION, base=base, progress=False)
     assert scored["scores"] == kept_record["scores"]
-    own = evaluate_model(second, [tasks()[1]], EVALUATION, progress=False)
+    own = evaluate_model(second, [preview_tasks()[1]], EVALUATION, progress=False)
     assert own["scores"]["second"] == kept_record["agent_score"]
     assert weights_digest(second) == kept_record["agent_sha256"]
 
@@ -153,7 +145,7 @@ def test_unchanged_weights_are_not_scored_again(base, first, tmp_path, monkeypat
 
     monkeypatch.setattr(evaluate, "evaluate_model", counted)
     callback = MergePreviewCallback(
-        base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION,
+        base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION,
         preview_every=2,
     )  # fmt: skip
     train(base, tmp_path / "second", callback, seed=1, learning_rate=0.0)
@@ -174,7 +166,7 @@ def test_every_logged_preview_is_the_merge_of_that_step(base, first, tmp_path):
     seeding does not leak into the training's random state)."""
     second = tmp_path / "second"
     callback = MergePreviewCallback(
-        base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION,
+        base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION,
         preview_every=3, keep="last", prompts=4,
     )  # fmt: skip
     trainer = train(base, second, callback, seed=1)
@@ -194,7 +186,7 @@ def test_every_logged_preview_is_the_merge_of_that_step(base, first, tmp_path):
         {"merge_method": "ram_plus", "base_model": str(base), "models": models}, merged, progress=False
     )
     assert weights_digest(merged) == callback.history[-1]["merged_sha256"]
-    subset = [EvalTask(t.stage, [t.rows[i] for i in indices], t.paths) for t in tasks()]
+    subset = [EvalTask(t.stage, [t.rows[i] for i in indices], t.paths) for t in preview_tasks()]
     scored = evaluate_model(merged, subset, EVALUATION, base=base, progress=False)
     assert scored["scores"] == callback.history[-1]["scores"]
     plain = tmp_path / "plain"
@@ -209,7 +201,7 @@ def test_resumed_run_keeps_the_argmax_over_the_whole_run(base, first, tmp_path):
 
     def callback() -> MergePreviewCallback:
         return MergePreviewCallback(
-            base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION,
+            base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION,
             preview_every=1,
         )  # fmt: skip
 
@@ -246,7 +238,11 @@ def test_retention_golden(base, first):
     """Retention of a preview record, hand-computed: (0.625 - 0.25) / (0.75 - 0.25) = 0.75 where the specialist
     gained; undefined where it did not (0.5 - 0.5 = 0 < retention_min_gain); the mean over the defined ones."""
     callback = MergePreviewCallback(
-        base_model=base, prior_stages=[first], stage_name="second", tasks=tasks(), evaluation=EVALUATION
+        base_model=base,
+        prior_stages=[first],
+        stage_name="second",
+        tasks=preview_tasks(),
+        evaluation=EVALUATION,
     )
     callback.base_scores = {"first": 0.25, "second": 0.5}
     callback.specialist_scores = {"first": 0.75}
@@ -272,14 +268,16 @@ def test_missing_validation_prompts_are_refused(base, first):
             base_model=base,
             prior_stages=[first],
             stage_name="second",
-            tasks=[tasks()[1]],
+            tasks=[preview_tasks()[1]],
             evaluation=EVALUATION,
         )
-    empty = [EvalTask("first", [], [REWARD]), tasks()[1]]
+    empty = [EvalTask("first", [], [REWARD]), preview_tasks()[1]]
     with pytest.raises(ConfigError, match="stage 'first' has no validation prompts"):
         MergePreviewCallback(base_model=base, prior_stages=[first], stage_name="second", tasks=empty)
     with pytest.raises(ConfigError, match="stage 'second' has no validation prompts"):
-        MergePreviewCallback(base_model=base, prior_stages=[first], stage_name="second", tasks=[tasks()[0]])
+        MergePreviewCallback(
+            base_model=base, prior_stages=[first], stage_name="second", tasks=[preview_tasks()[0]]
+        )
 
 
 def test_prior_stage_of_another_base_is_refused(first, tmp_path):
@@ -287,7 +285,9 @@ def test_prior_stage_of_another_base_is_refused(first, tmp_path):
         tmp_path / "other", hidden_size=32, num_layers=2, intermediate_size=64, seed=7
     )
     with pytest.raises(ConfigError, match="stage 'first' .* was trained from .*not from the merge's base"):
-        MergePreviewCallback(base_model=other, prior_stages=[first], stage_name="second", tasks=tasks())
+        MergePreviewCallback(
+            base_model=other, prior_stages=[first], stage_name="second", tasks=preview_tasks()
+        )
 
 
 @pytest.mark.parametrize(
@@ -308,7 +308,7 @@ def test_bad_arguments(base, first, kwargs, match):
         "base_model": base,
         "prior_stages": [first],
         "stage_name": "second",
-        "tasks": tasks(),
+        "tasks": preview_tasks(),
         **kwargs,
     }
     with pytest.raises(ConfigError, match=match):

@@ -20,7 +20,15 @@ from ram_trl.recipes.environment import import_object
 from ram_trl.recipes.rewards import wrap_reward
 from ram_trl.recipes.schema import EvaluationSpec
 
-__all__ = ["EvalTask", "evaluate_model", "generate", "load_model", "score_completions"]
+__all__ = [
+    "EvalTask",
+    "evaluate_loaded",
+    "evaluate_model",
+    "generate",
+    "generation_tokenizer",
+    "load_model",
+    "score_completions",
+]
 
 
 @dataclass
@@ -61,11 +69,23 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
 
     hf_logging.disable_progress_bar()
     model, tokenizer = load_agent(path, base, getattr(torch, dtype))
+    model.eval()
+    return model, generation_tokenizer(tokenizer)
+
+
+def generation_tokenizer(tokenizer: Any) -> Any:
+    """``tokenizer`` set up for batched generation: left padding, the EOS token as padding when it has none.
+
+    Args:
+        tokenizer (`PreTrainedTokenizer`): A tokenizer (changed in place).
+
+    Returns:
+        `PreTrainedTokenizer`: The same tokenizer.
+    """
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.eval()
-    return model, tokenizer
+    return tokenizer
 
 
 @torch.no_grad()
@@ -153,8 +173,40 @@ def evaluate_model(
     """
     start = time.perf_counter()
     model, tokenizer = load_model(path, spec.dtype, base)
+    result = evaluate_loaded(
+        model, tokenizer, tasks, spec, name=Path(path).name, samples=samples, progress=progress
+    )
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+def evaluate_loaded(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[EvalTask],
+    spec: EvaluationSpec,
+    *,
+    name: str = "model",
+    samples: int = 3,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score a model already in memory on every task (what :func:`evaluate_model` does after loading).
+
+    Args:
+        model (`PreTrainedModel`): The model, in eval mode.
+        tokenizer (`PreTrainedTokenizer`): Its tokenizer (:func:`generation_tokenizer`).
+        tasks (`list[EvalTask]`): The stages' prompts and rewards, per split.
+        spec (`EvaluationSpec`): Decoding settings.
+        name (`str`, *optional*, defaults to `"model"`): The model's name in the progress bar.
+        samples (`int`, *optional*, defaults to `3`): Completions kept per stage as examples.
+        progress (`bool`, *optional*, defaults to `True`): Show a progress bar.
+
+    Returns:
+        The result of :func:`evaluate_model`.
+    """
+    start = time.perf_counter()
     splits: dict[str, dict[str, Any]] = {}
-    for task in tqdm(tasks, desc=f"eval {Path(path).name}", disable=not progress, leave=False):
+    for task in tqdm(tasks, desc=f"eval {name}", disable=not progress, leave=False):
         if not task.rows:
             continue
         completions = generate(model, tokenizer, [r["prompt"] for r in task.rows], spec)
