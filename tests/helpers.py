@@ -157,6 +157,38 @@ def make_checkpoints(
     return Checkpoints(root, base_dir, agents, base, agent_tensors)
 
 
+def open_ckpts(ckpts: Checkpoints) -> tuple[Any, list[Any]]:
+    """The base and the agents of ``ckpts`` opened as the merge opens them (``base model``, ``agent i``)."""
+    from ram_trl.io.checkpoint import open_checkpoint
+
+    base = open_checkpoint(ckpts.base, "base model")
+    return base, [open_checkpoint(a, f"agent {i}") for i, a in enumerate(ckpts.agents)]
+
+
+def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
+    """:func:`ram_trl.planner.build_plan` with a plain merge's settings unless ``settings`` change them: no output
+    dtype, shapes must match, no global statistics, no magnitude trim."""
+    from ram_trl.planner import build_plan
+
+    plain = {
+        "out_dtype": None,
+        "shape_mismatch": "error",
+        "needs_statistics": False,
+        "trims_by_magnitude": False,
+    }
+    return build_plan(base, agents, **{**plain, **settings})
+
+
+def with_position_ids(root: Path) -> tuple[Any, list[Any]]:
+    """A base and one equal agent holding :func:`base_tensors` plus an integer ``model.position_ids`` (copied to the
+    output, never merged), opened."""
+    from ram_trl.io.checkpoint import open_checkpoint
+
+    tensors = {**base_tensors(), "model.position_ids": torch.arange(6)}
+    base = open_checkpoint(save_checkpoint(root / "base", tensors), "base model")
+    return base, [open_checkpoint(save_checkpoint(root / "agent", tensors), "agent 0")]
+
+
 def config_for(
     ckpts: Checkpoints,
     method: str = "task_arithmetic",
