@@ -21,6 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.checkpoint import open_checkpoint
+from ram_trl.io.safetensors_io import RowReader
 from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
@@ -230,9 +232,6 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
     Raises:
         ConfigError: if a named tensor is not in the checkpoint.
     """
-    from ram_trl.io.checkpoint import open_checkpoint
-    from ram_trl.io.safetensors_io import RowReader
-
     checkpoint = open_checkpoint(path, "base model")
     if names is None:
         names = fingerprint_names(n for n, meta in checkpoint.tensors.items() if meta.dtype.is_floating_point)
