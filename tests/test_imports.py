@@ -65,6 +65,20 @@ def test_public_names_load_on_first_use():
         ram_trl.nothing  # noqa: B018
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["ram_trl.callbacks", "ram_trl.engine", "ram_trl.analysis", "ram_trl.cli", "ram_trl.recipes.runner"],
+)
+def test_importing_changes_no_global_state(module):
+    """Importing a module leaves the garbage collector (on, thresholds, nothing frozen) and torch's thread count as
+    they were; only the command line, when it runs, tunes them (tests/test_runtime.py)."""
+    state = "[gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), torch.get_num_threads()]"
+    code = f"import gc, json, torch\nbefore = {state}\nimport {module}\nprint(json.dumps([before, {state}]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = json.loads(done.stdout.splitlines()[-1])
+    assert after == before
+
+
 def test_defaults_and_sizes_import_nothing_heavy():
     loaded = _loaded_after("import ram_trl.defaults, ram_trl.sizes")
     assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
