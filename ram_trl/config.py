@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
+from ram_trl.manifest import check_base, checkpoint_path, manifest_path, read_manifest
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
 
@@ -304,8 +305,6 @@ def _resolve_path(value: str, config_dir: Path | None) -> Path:
 
 def _resolve_stage(manifest_file: Path, base_path: Path, label: str) -> tuple[Path, dict[str, Any]]:
     """The checkpoint a stage manifest points to, after checking it was trained from ``base_path``."""
-    from ram_trl.manifest import check_base, checkpoint_path, manifest_path, read_manifest
-
     try:
         manifest = read_manifest(manifest_file)
         check_base(manifest, manifest_file, base_path)

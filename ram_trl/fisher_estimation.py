@@ -32,6 +32,7 @@ import torch
 
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 from ram_trl.output import atomic_file
 from ram_trl.validation import check_optional_number, read_json_object
 
@@ -350,8 +351,6 @@ def load_agent(
         RamTrlError: for a missing directory or an adapter whose base cannot be found.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 
     agent_dir = Path(agent_dir)
     if not agent_dir.is_dir():

@@ -67,6 +67,14 @@ def lora_options(
 ) -> LoraExportOptions | None:
     """Validate the output options of :func:`ram_trl.merge` before any work starts.
 
+    Args:
+        output_format (`str`, *optional*, defaults to `"full"`): ``"full"`` (a merged model) or ``"lora"`` (a PEFT
+            adapter over the base).
+        rank (`int`, *optional*): With ``"lora"``: one rank for every module.
+        max_rank (`int`, *optional*): With ``"lora"`` and ``energy``: the largest rank a module may get.
+        energy (`float`, *optional*): With ``"lora"`` and ``max_rank``: the share of each delta's squared singular
+            values the chosen rank keeps, in (0, 1].
+
     Returns:
         The LoRA export options, or ``None`` for a full-model output.
 

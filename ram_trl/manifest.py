@@ -21,6 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.checkpoint import open_checkpoint
+from ram_trl.io.safetensors_io import RowReader
 from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
@@ -134,13 +136,25 @@ def read_manifest(path: str | os.PathLike) -> StageManifest:
 
 
 def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path:
-    """The agent checkpoint a manifest points to (relative paths resolved against the manifest's directory)."""
+    """The agent checkpoint a manifest points to (relative paths resolved against the manifest's directory).
+
+    Args:
+        manifest (`StageManifest`): The manifest.
+        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
+
+    Returns:
+        `Path`: The agent's checkpoint directory.
+    """
     path = Path(manifest.checkpoint).expanduser()
     return path if path.is_absolute() else manifest_path(manifest_file).parent / path
 
 
 def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:
     """Write ``directory/ram_stage.json`` atomically (temporary sibling, then rename).
+
+    Args:
+        manifest (`StageManifest`): The manifest.
+        directory (`str` or `os.PathLike`): The stage's output directory (beside the agent).
 
     Returns:
         The manifest's path.
@@ -154,7 +168,15 @@ def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Pat
 
 
 def fingerprint_names(names: Iterable[str], count: int = FINGERPRINT_TENSORS) -> list[str]:
-    """Choose the tensors of a fingerprint: ``count`` names spread evenly over the sorted ``names``."""
+    """Choose the tensors of a fingerprint: ``count`` names spread evenly over the sorted ``names``.
+
+    Args:
+        names (`Iterable[str]`): The floating tensors of the base (duplicates ignored).
+        count (`int`, *optional*, defaults to `FINGERPRINT_TENSORS`): How many to choose.
+
+    Returns:
+        `list[str]`: The chosen names, sorted.
+    """
     ordered = sorted(set(names))
     if len(ordered) <= count:
         return ordered
@@ -214,7 +236,16 @@ def fingerprint_heads(
 def fingerprint_state(
     tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
 ) -> BaseFingerprint:
-    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
+    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle).
+
+    Args:
+        tensors (`Mapping[str, torch.Tensor]`): The base's tensors by name.
+        names (`Iterable[str]`, *optional*): The tensors to hash (default: :func:`fingerprint_names` of the
+            floating tensors).
+
+    Returns:
+        `BaseFingerprint`: The chosen tensors' names and the SHA-256 of their names, shapes and leading elements.
+    """
     if names is None:
         names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
     return fingerprint(lambda name: tensors[name], names)
@@ -230,9 +261,6 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
     Raises:
         ConfigError: if a named tensor is not in the checkpoint.
     """
-    from ram_trl.io.checkpoint import open_checkpoint
-    from ram_trl.io.safetensors_io import RowReader
-
     checkpoint = open_checkpoint(path, "base model")
     if names is None:
         names = fingerprint_names(n for n, meta in checkpoint.tensors.items() if meta.dtype.is_floating_point)
@@ -248,6 +276,11 @@ def check_base(
     manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike
 ) -> None:
     """Check that a stage was trained from ``base_path``.
+
+    Args:
+        manifest (`StageManifest`): The stage's manifest.
+        manifest_file (`str` or `os.PathLike`): Where it was read from (named in the error).
+        base_path (`str` or `os.PathLike`): The merge's base model.
 
     Raises:
         ConfigError: naming the manifest, its base and the merge's base, when the fingerprints differ.

@@ -559,6 +559,10 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     replaces ``target``, on any failure or catchable signal it is removed. Killed runs' leftovers beside
     ``target`` are removed first.
 
+    Args:
+        target (`str` or `os.PathLike`): The file to write.
+        what (`str`, *optional*, defaults to `"output file"`): What the file is, for error messages.
+
     Raises:
         OutputError: for file-system errors (read-only, full, no permission), naming the file.
     """

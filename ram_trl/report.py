@@ -20,6 +20,7 @@ import yaml
 
 import ram_trl
 from ram_trl import defaults
+from ram_trl.methods import resolve_method
 from ram_trl.planner import MergePlan, format_bytes
 
 if TYPE_CHECKING:
@@ -200,7 +201,8 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
             "save in full): their density is close to 100% on those modules and 0 elsewhere, so for them 'unique' "
             "means 'in a module no other agent touches' rather than 'an element RL changed alone'."
         )
-    if report["merge_method"] == "fisher":
+    method, _ = resolve_method(report["merge_method"])
+    if method.needs_fisher:
         lines += ["", "Each agent's task vector is weighted by its diagonal Fisher, read from:", ""]
         lines += [f"- `{agent['name']}`: `{agent['parameters'].get('fisher')}`" for agent in report["agents"]]
     staged = [agent for agent in report["agents"] if agent.get("stage")]

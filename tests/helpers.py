@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -85,22 +86,43 @@ def perturb(tensors: dict[str, torch.Tensor], seed: int, fraction: float = 0.1, 
     return out
 
 
-def save_checkpoint(path: Path, tensors: dict[str, torch.Tensor], vocab_size: int = VOCAB) -> Path:
-    """A Hugging Face-style directory: model.safetensors + config.json."""
+def save_checkpoint(
+    path: Path, tensors: dict[str, torch.Tensor], vocab_size: int = VOCAB, *, config: dict | None = None
+) -> Path:
+    """A Hugging Face-style directory: model.safetensors + config.json (a tiny Llama's unless ``config`` is given)."""
     path.mkdir(parents=True)
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
         str(path / "model.safetensors"),
         metadata={"format": "pt"},
     )
-    config = {
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": HIDDEN,
-        "torch_dtype": "float32",
-    }
+    if config is None:
+        config = {
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": HIDDEN,
+            "torch_dtype": "float32",
+        }
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+#: The ``config.json`` of the golden inputs' checkpoints.
+GOLDEN_CONFIG = {"vocab_size": 7}
+
+
+def write_golden(root: Path) -> tuple[Path, list[Path]]:
+    """The golden inputs as checkpoints: ``root/base`` holds :data:`BASE` and ``root/agent{t}`` ``BASE + TAUS[t]``
+    (t = 0, 1, 2), each as tensors ``A`` (e0..e3) and ``B`` (e4..e6) with :data:`GOLDEN_CONFIG`.
+
+    Returns:
+        `tuple[Path, list[Path]]`: The base and the three agents.
+    """
+    checkpoints = [
+        save_checkpoint(root / name, {"A": flat[:4], "B": flat[4:]}, config=GOLDEN_CONFIG)
+        for name, flat in [("base", BASE), *((f"agent{t}", BASE + tau) for t, tau in enumerate(TAUS))]
+    ]
+    return checkpoints[0], checkpoints[1:]
 
 
 def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -133,6 +155,38 @@ def make_checkpoints(
         agent_tensors.append(tensors)
         agents.append(save_checkpoint(root / f"agent{t}", tensors))
     return Checkpoints(root, base_dir, agents, base, agent_tensors)
+
+
+def open_ckpts(ckpts: Checkpoints) -> tuple[Any, list[Any]]:
+    """The base and the agents of ``ckpts`` opened as the merge opens them (``base model``, ``agent i``)."""
+    from ram_trl.io.checkpoint import open_checkpoint
+
+    base = open_checkpoint(ckpts.base, "base model")
+    return base, [open_checkpoint(a, f"agent {i}") for i, a in enumerate(ckpts.agents)]
+
+
+def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
+    """:func:`ram_trl.planner.build_plan` with a plain merge's settings unless ``settings`` change them: no output
+    dtype, shapes must match, no global statistics, no magnitude trim."""
+    from ram_trl.planner import build_plan
+
+    plain = {
+        "out_dtype": None,
+        "shape_mismatch": "error",
+        "needs_statistics": False,
+        "trims_by_magnitude": False,
+    }
+    return build_plan(base, agents, **{**plain, **settings})
+
+
+def with_position_ids(root: Path) -> tuple[Any, list[Any]]:
+    """A base and one equal agent holding :func:`base_tensors` plus an integer ``model.position_ids`` (copied to the
+    output, never merged), opened."""
+    from ram_trl.io.checkpoint import open_checkpoint
+
+    tensors = {**base_tensors(), "model.position_ids": torch.arange(6)}
+    base = open_checkpoint(save_checkpoint(root / "base", tensors), "base model")
+    return base, [open_checkpoint(save_checkpoint(root / "agent", tensors), "agent 0")]
 
 
 def config_for(
@@ -410,6 +464,120 @@ def train_rl(
     callback.bind(trainer)
     trainer.train(resume_from_checkpoint=str(resume_from_checkpoint) if resume_from_checkpoint else None)
     return trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The telemetry callback's metrics in a finished run: the trainer's log, TensorBoard, ram-trl analyze, the manifest
+
+#: The callback's default metric prefix, spelled out.
+TELEMETRY = "task_vector/"
+
+
+def telemetry_entries(log_history: list[dict]) -> list[dict]:
+    """The entries of a trainer's ``log_history`` that carry telemetry."""
+    return [e for e in log_history if f"{TELEMETRY}density" in e]
+
+
+def assert_telemetry_logged(
+    log_history: list[dict], measured: dict[str, float], out: Path, steps: list[int]
+) -> list[dict]:
+    """Check the telemetry a run logged: an entry at each of ``steps`` (the logging steps and the final one), the
+    last equal to the tracker's last measurement ``measured``, the core metrics present and consistent, and the
+    TensorBoard events in ``out`` carrying every measurement of ``density_saved`` and ``module/attn_q/density``.
+
+    Args:
+        log_history (`list[dict]`): The trainer's ``state.log_history``.
+        measured (`dict[str, float]`): The tracker's last measurement (``tracker.last``).
+        out (`Path`): The trainer's output directory (its TensorBoard event files).
+        steps (`list[int]`): The steps at which the callback measured.
+
+    Returns:
+        `list[dict]`: The log entries carrying telemetry.
+    """
+    entries = telemetry_entries(log_history)
+    assert [e["step"] for e in entries] == steps
+    last = entries[-1]
+    assert last == {**last, **measured}
+    for key in (
+        "density",
+        "density_exact",
+        "density_saved",
+        "measure_seconds",
+        "magnitude/gini",
+        "layer/1/density",
+    ):
+        assert f"{TELEMETRY}{key}" in last
+    assert 0.0 < last[f"{TELEMETRY}density_saved"] <= last[f"{TELEMETRY}density_exact"] <= 1.0
+    assert last[f"{TELEMETRY}measure_seconds"] > 0
+    # TensorBoard has every measurement (float32 events)
+    for key in ("density_saved", "module/attn_q/density"):
+        events = tensorboard_scalars(out, f"{TELEMETRY}{key}")
+        assert [s for s, _ in events] == steps
+        for (_, value), entry in zip(events, entries, strict=True):
+            assert value == pytest.approx(entry[f"{TELEMETRY}{key}"], rel=1e-6)
+    return entries
+
+
+def assert_telemetry_is_the_analysis(
+    measured: dict[str, float], base: Path, agent: Path, kind: str | None = None
+):
+    """Check that a last measurement equals ``ram-trl analyze`` of the saved agent (eps 1e-5) to the element: its
+    active elements, density, element count and every module and layer density.
+
+    Args:
+        measured (`dict[str, float]`): The last measurement (a log entry or ``tracker.last``).
+        base (`Path`): The base checkpoint.
+        agent (`Path`): The saved agent (a checkpoint or a PEFT adapter).
+        kind (`str`, *optional*): The agent's expected kind (``"full"`` or ``"lora"``); not checked when ``None``.
+
+    Returns:
+        `dict`: The analysis result.
+    """
+    import ram_trl
+
+    result = ram_trl.analyze(base, [agent], eps=1e-5, progress=False, figures=False)
+    analysed = result["agents"][0]
+    if kind is not None:
+        assert analysed["kind"] == kind
+    assert measured[f"{TELEMETRY}numel"] == result["total_elements"]
+    assert measured[f"{TELEMETRY}active_saved"] == analysed["active"]
+    assert measured[f"{TELEMETRY}density_saved"] == analysed["density"]
+    for bucket in result["anatomy"]["modules"]:
+        assert measured[f"{TELEMETRY}module/{bucket['module']}/density"] == bucket["density"][0]
+    for bucket in result["anatomy"]["layers"]:
+        assert measured[f"{TELEMETRY}layer/{bucket['layer']}/density"] == bucket["density"][0]
+    return result
+
+
+def assert_stage_manifest(
+    agent: Path, base: Path, measured: dict[str, float], log_history: list[dict], kind: str, steps: int
+):
+    """Check the stage manifest a run left beside its agent: kind, steps, bf16 save, the base's fingerprint (and
+    :func:`~ram_trl.manifest.check_base`), the saved density, the last reward metrics and the measured step.
+
+    Args:
+        agent (`Path`): The agent directory holding ``ram_stage.json``.
+        base (`Path`): The base checkpoint the run started from.
+        measured (`dict[str, float]`): The last measurement.
+        log_history (`list[dict]`): The trainer's ``state.log_history``.
+        kind (`str`): ``"full"`` or ``"lora"``.
+        steps (`int`): The run's steps (the last measured one).
+
+    Returns:
+        `ram_trl.manifest.StageManifest`: The manifest.
+    """
+    from ram_trl.callbacks import last_reward_metrics
+    from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
+
+    assert (agent / MANIFEST_NAME).is_file()
+    manifest = read_manifest(agent)
+    assert manifest.kind == kind and manifest.steps == steps and manifest.save_dtype == "bfloat16"
+    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
+    check_base(manifest, agent, base)
+    assert manifest.telemetry[f"{TELEMETRY}density_saved"] == measured[f"{TELEMETRY}density_saved"]
+    assert manifest.rewards == last_reward_metrics(log_history)
+    assert manifest.extra["telemetry"]["measured_step"] == steps
+    return manifest
 
 
 def recipe_dict(**changes: Any) -> dict:

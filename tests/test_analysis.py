@@ -12,14 +12,14 @@ import pytest
 import torch
 import yaml
 from matplotlib.image import imread
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import ram_trl
 from ram_trl.cli import main
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError, RamTrlError
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests._launch import free_port, run_job
-from tests.helpers import BASE, TAUS
+from tests.helpers import BASE, GOLDEN_CONFIG, save_checkpoint, write_golden
 
 # The seven elements of tests/test_engine_golden.py (dyadic, so base + tau is exact in float32), in two tensors:
 # A = e0..e3, B = e4..e6. e0: no agent; e1: agent 0; e2: agents 0, 1; e3: all three; e4: agent 0 at exactly eps
@@ -28,24 +28,12 @@ F = torch.float32
 
 
 def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    path.mkdir(parents=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (path / "config.json").write_text(json.dumps({"vocab_size": 7}))
-    return path
+    return save_checkpoint(path, tensors, config=GOLDEN_CONFIG)
 
 
 @pytest.fixture
 def golden(tmp_path) -> tuple[Path, list[Path]]:
-    base = _write(tmp_path / "base", {"A": BASE[:4], "B": BASE[4:]})
-    agents = []
-    for t in range(3):
-        flat = BASE + TAUS[t]
-        agents.append(_write(tmp_path / f"agent{t}", {"A": flat[:4], "B": flat[4:]}))
-    return base, agents
+    return write_golden(tmp_path)
 
 
 def test_golden_counts_densities_rho_lambda_jaccard(golden):

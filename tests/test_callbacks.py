@@ -30,23 +30,28 @@ from transformers import (  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 import ram_trl  # noqa: E402
-from ram_trl.callbacks import TaskVectorSparsityCallback, last_reward_metrics  # noqa: E402
+from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
 from ram_trl.errors import ConfigError  # noqa: E402
-from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.manifest import MANIFEST_NAME, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests.helpers import (  # noqa: E402
     RL_STEPS,
+    TELEMETRY,
+    assert_stage_manifest,
+    assert_telemetry_is_the_analysis,
+    assert_telemetry_logged,
     distinct_char_count,
     leftovers,
     rl_config,
     rl_prompts,
+    telemetry_entries,
     tensorboard_scalars,
     train_rl,
 )
 
 pytestmark = [pytest.mark.slow]
 
-P = "task_vector/"
+P = TELEMETRY
 STEPS = RL_STEPS
 
 
@@ -70,55 +75,18 @@ def grpo_run(base: Path, out: Path, callback: TaskVectorSparsityCallback, **over
 
 def logged(trainer) -> list[dict]:
     """The log_history entries carrying telemetry."""
-    return [e for e in trainer.state.log_history if f"{P}density" in e]
+    return telemetry_entries(trainer.state.log_history)
 
 
 def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Path, kind: str) -> dict:
     """The assertions every run shares; returns the analysis of the saved agent."""
-    entries = logged(trainer)
-    # measured at the logging step (2) and at the final step (3)
-    assert [e["step"] for e in entries] == [2, STEPS]
-    last = entries[-1]
-    assert last == {**last, **callback.tracker.last}
-    for key in (
-        "density",
-        "density_exact",
-        "density_saved",
-        "measure_seconds",
-        "magnitude/gini",
-        "layer/1/density",
-    ):
-        assert f"{P}{key}" in last
-    assert 0.0 < last[f"{P}density_saved"] <= last[f"{P}density_exact"] <= 1.0
-    assert last[f"{P}measure_seconds"] > 0
-    # TensorBoard has every measurement of the density (float32 events)
-    for key in ("density_saved", "module/attn_q/density"):
-        events = tensorboard_scalars(out, f"{P}{key}")
-        assert [s for s, _ in events] == [2, STEPS]
-        for (_, value), entry in zip(events, entries, strict=True):
-            assert value == pytest.approx(entry[f"{P}{key}"], rel=1e-6)
+    history = trainer.state.log_history
+    last = assert_telemetry_logged(history, callback.tracker.last, out, [2, STEPS])[-1]
     # the last measurement is ram-trl analyze of the saved agent (bf16, eps 1e-5) to the element
-    result = ram_trl.analyze(base, [out], eps=1e-5, progress=False, figures=False)
-    agent = result["agents"][0]
-    assert agent["kind"] == kind
-    assert last[f"{P}active_saved"] == agent["active"]
-    assert last[f"{P}density_saved"] == agent["density"]
-    assert last[f"{P}numel"] == result["total_elements"]
-    for bucket in result["anatomy"]["modules"]:
-        assert last[f"{P}module/{bucket['module']}/density"] == bucket["density"][0]
-    for bucket in result["anatomy"]["layers"]:
-        assert last[f"{P}layer/{bucket['layer']}/density"] == bucket["density"][0]
-    # the manifest
-    manifest = read_manifest(out)
-    assert (out / MANIFEST_NAME).is_file()
-    assert manifest.kind == kind and manifest.steps == STEPS and manifest.save_dtype == "bfloat16"
+    result = assert_telemetry_is_the_analysis(last, base, out, kind)
+    manifest = assert_stage_manifest(out, base, last, history, kind, STEPS)
     assert manifest.trainer == type(trainer).__name__
-    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
-    check_base(manifest, out, base)
-    assert manifest.telemetry[f"{P}density_saved"] == agent["density"]
-    assert manifest.rewards == last_reward_metrics(trainer.state.log_history)
     assert {"torch", "transformers", "ram_trl"} <= set(manifest.versions)
-    assert manifest.extra["telemetry"]["measured_step"] == STEPS
     return result
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-import ram_trl
-from ram_trl.callbacks import last_reward_metrics
-from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
+from ram_trl.manifest import read_manifest
 from ram_trl.synthetic import make_base_checkpoint
+from tests.helpers import assert_stage_manifest, assert_telemetry_is_the_analysis, assert_telemetry_logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -30,7 +29,6 @@ PPO_VENV = REPO / ".venv-ppo"
 #: What the PPO virtualenv holds besides this package (torch first: the CPU wheel, pinned).
 PPO_REQUIREMENTS = (["torch==2.13.0"], ["trl==1.9.2", "transformers==5.23.*", "tensorboard>=2.16"])
 JOB = Path(__file__).with_name("_ppo_job.py")
-P = "task_vector/"
 STEPS = 3
 
 
@@ -101,34 +99,12 @@ def test_ppo_runs_trl_1_9_and_measures_the_policy_against_the_reference_model(pp
 
 
 def test_ppo_metrics_reach_log_history_and_tensorboard(ppo_run) -> None:
-    from tests.helpers import tensorboard_scalars
-
-    entries = [e for e in ppo_run["log_history"] if f"{P}density" in e]
     # measured at the logging step (2) and the final step (3), in entries of their own (PPO has no metric store)
-    assert [e["step"] for e in entries] == [2, STEPS]
-    last = entries[-1]
-    assert last == {**last, **ppo_run["last"]}
-    for key in (
-        "density",
-        "density_exact",
-        "density_saved",
-        "measure_seconds",
-        "magnitude/gini",
-        "layer/1/density",
-    ):
-        assert f"{P}{key}" in last
-    assert 0.0 < last[f"{P}density_saved"] <= last[f"{P}density_exact"] <= 1.0
-    assert last[f"{P}measure_seconds"] > 0
-    for key in ("density_saved", "module/attn_q/density"):
-        events = tensorboard_scalars(ppo_run["out"], f"{P}{key}")
-        assert [s for s, _ in events] == [2, STEPS]
-        for (_, value), entry in zip(events, entries, strict=True):
-            assert value == pytest.approx(entry[f"{P}{key}"], rel=1e-6)
+    assert_telemetry_logged(ppo_run["log_history"], ppo_run["last"], ppo_run["out"], [2, STEPS])
 
 
 def test_ppo_last_measurement_equals_ram_trl_analyze_of_the_saved_policy(ppo_run) -> None:
     base, out = ppo_run["base"], ppo_run["out"]
-    last = ppo_run["last"]
     # the saved agent is the policy alone, in bf16
     with (
         safe_open(str(out / "model.safetensors"), "pt") as saved,
@@ -137,27 +113,12 @@ def test_ppo_last_measurement_equals_ram_trl_analyze_of_the_saved_policy(ppo_run
         names = saved.keys()
         assert set(names) == set(original.keys())
         assert {str(saved.get_slice(name).get_dtype()) for name in names} == {"BF16"}
-    result = ram_trl.analyze(base, [out], eps=1e-5, progress=False, figures=False)
-    agent = result["agents"][0]
-    assert agent["kind"] == "full"
-    assert last[f"{P}numel"] == result["total_elements"]  # the policy's elements, not the value model's
-    assert last[f"{P}active_saved"] == agent["active"]
-    assert last[f"{P}density_saved"] == agent["density"]
-    for bucket in result["anatomy"]["modules"]:
-        assert last[f"{P}module/{bucket['module']}/density"] == bucket["density"][0]
-    for bucket in result["anatomy"]["layers"]:
-        assert last[f"{P}layer/{bucket['layer']}/density"] == bucket["density"][0]
+    # numel: the policy's elements, not the value model's
+    assert_telemetry_is_the_analysis(ppo_run["last"], base, out, "full")
 
 
 def test_ppo_stage_manifest(ppo_run) -> None:
     base, out = ppo_run["base"], ppo_run["out"]
-    manifest = read_manifest(out)
-    assert (out / MANIFEST_NAME).is_file()
-    assert manifest.kind == "full" and manifest.steps == STEPS and manifest.save_dtype == "bfloat16"
+    manifest = assert_stage_manifest(out, base, ppo_run["last"], ppo_run["log_history"], "full", STEPS)
     assert manifest.stage == "ppo" and manifest.domain == "test"
-    assert manifest.base_fingerprint == fingerprint_checkpoint(base)
-    check_base(manifest, out, base)
-    assert manifest.telemetry[f"{P}density_saved"] == ppo_run["last"][f"{P}density_saved"]
-    assert manifest.rewards == last_reward_metrics(ppo_run["log_history"])
     assert "objective/rlhf_reward" in manifest.rewards
-    assert manifest.extra["telemetry"]["measured_step"] == STEPS

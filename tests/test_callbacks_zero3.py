@@ -19,15 +19,14 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
 
-import ram_trl  # noqa: E402
 from ram_trl.manifest import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
+from tests.helpers import assert_telemetry_is_the_analysis, telemetry_entries  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 WORKER = Path(__file__).with_name("_grpo_zero3_worker.py")
-P = "task_vector/"
 STEPS = 3
 WORLD = 2
 
@@ -83,7 +82,7 @@ def test_every_measurement_ran_on_zero3_partitions_without_gathering(run) -> Non
 
 def test_metrics_are_logged_and_equal_on_both_ranks(run) -> None:
     first, second = run["ranks"]
-    entries = [e for e in first["log_history"] if f"{P}density" in e]
+    entries = telemetry_entries(first["log_history"])
     assert [e["step"] for e in entries] == [2, STEPS]
     assert entries[-1] == {**entries[-1], **first["last"]}
     for key, value in first["last"].items():
@@ -92,17 +91,8 @@ def test_metrics_are_logged_and_equal_on_both_ranks(run) -> None:
 
 
 def test_last_measurement_equals_ram_trl_analyze_of_the_saved_agent(run, base) -> None:
-    last = run["ranks"][0]["last"]
-    result = ram_trl.analyze(base, [run["out"]], eps=1e-5, progress=False, figures=False)
-    agent = result["agents"][0]
-    assert last[f"{P}numel"] == result["total_elements"]
-    assert last[f"{P}active_saved"] == agent["active"]
-    assert last[f"{P}density_saved"] == agent["density"]
-    assert 0 < agent["density"] < 1
-    for bucket in result["anatomy"]["modules"]:
-        assert last[f"{P}module/{bucket['module']}/density"] == bucket["density"][0]
-    for bucket in result["anatomy"]["layers"]:
-        assert last[f"{P}layer/{bucket['layer']}/density"] == bucket["density"][0]
+    result = assert_telemetry_is_the_analysis(run["ranks"][0]["last"], base, run["out"])
+    assert 0 < result["agents"][0]["density"] < 1
     manifest = read_manifest(run["out"])
     assert manifest.trainer == "GRPOTrainer" and manifest.steps == STEPS
     assert manifest.base_fingerprint == fingerprint_checkpoint(base)

@@ -15,9 +15,8 @@ from ram_trl.context import (
     run_eps,
     task_input_bytes,
 )
-from ram_trl.planner import build_plan
 from ram_trl.statistics import OverlapStatistics
-from tests.helpers import BIAS, DOWN, EMBED, UP, config_for
+from tests.helpers import BIAS, DOWN, EMBED, UP, config_for, plan_for
 
 
 def _resolved(ckpts, method="task_arithmetic", **kwargs):
@@ -40,9 +39,7 @@ def test_open_inputs_reads_the_headers(ckpts):
 
 def test_task_input_bytes_counts_the_base_and_every_agent(ckpts):
     base, agents = open_inputs(_resolved(ckpts), allow_pickle=False)
-    plan = build_plan(
-        base, agents, out_dtype=None, shape_mismatch="error", needs_statistics=False, trims_by_magnitude=False
-    )
+    plan = plan_for(base, agents)
     by_name = {task.name: task_input_bytes(task, agents) for task in plan.tasks}
     # float32 tensors, in the base and both agents
     assert by_name == {EMBED: 3 * 16 * 8 * 4, UP: 3 * 24 * 8 * 4, BIAS: 3 * 24 * 4, DOWN: 3 * 8 * 24 * 4}

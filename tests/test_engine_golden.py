@@ -7,29 +7,17 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import ram_trl
-from tests.helpers import BASE, TAUS
+from tests.helpers import BASE, TAUS, write_golden
 
 F = torch.float32
 
 
-def _write(path, flat):
-    path.mkdir()
-    save_file(
-        {"A": flat[:4].clone(), "B": flat[4:].clone()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (path / "config.json").write_text(json.dumps({"vocab_size": 7}))
-
-
 @pytest.fixture
 def golden(tmp_path):
-    _write(tmp_path / "base", BASE)
-    for t in range(3):
-        _write(tmp_path / f"agent{t}", BASE + TAUS[t])
+    write_golden(tmp_path)
     return tmp_path
 
 

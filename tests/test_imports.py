@@ -1,4 +1,5 @@
-"""Import hygiene: what importing a public module loads, and that importing changes no global state."""
+"""Import hygiene: what importing a public module loads, that importing changes no global state, the package's
+import graph; and the test tree's layout (it mirrors the package, test modules never import each other)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,20 @@ def test_public_names_load_on_first_use():
     assert ram_trl.MergeConfig.__module__ == "ram_trl.config"
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         ram_trl.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["ram_trl.callbacks", "ram_trl.engine", "ram_trl.analysis", "ram_trl.cli", "ram_trl.recipes.runner"],
+)
+def test_importing_changes_no_global_state(module):
+    """Importing a module leaves the garbage collector (on, thresholds, nothing frozen) and torch's thread count as
+    they were; only the command line, when it runs, tunes them (tests/test_runtime.py)."""
+    state = "[gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), torch.get_num_threads()]"
+    code = f"import gc, json, torch\nbefore = {state}\nimport {module}\nprint(json.dumps([before, {state}]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = json.loads(done.stdout.splitlines()[-1])
+    assert after == before
 
 
 def test_defaults_and_sizes_import_nothing_heavy():
@@ -258,4 +273,55 @@ def test_no_private_names_across_modules():
                 and not node.attr.startswith("__")
             ):
                 found.append(f"{name}: {node.value.id}.{node.attr}")
+    assert found == [], found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The test tree: it mirrors the package (docs/development.md), and test modules never import from each other
+
+TESTS = Path(__file__).resolve().parent
+
+#: Modules whose tests do not sit at the mirrored path, and where they are (docs/development.md, "Tests").
+MIRROR_EXCEPTIONS = {
+    "ram_trl/statistics/overlap.py": "test_statistics_overlap.py",
+    "ram_trl/statistics/magnitude.py": "test_statistics_magnitude.py",
+    "ram_trl/engine.py": "test_engine_golden.py",
+    "ram_trl/recipes/stage.py": "recipes/test_runner.py",
+}
+
+
+def test_every_module_has_its_test_file():
+    missing, needless = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        module = path.relative_to(PACKAGE.parent).as_posix()
+        mirrored = path.relative_to(PACKAGE).with_name(f"test_{path.name}").as_posix()
+        if module in MIRROR_EXCEPTIONS and (TESTS / mirrored).is_file():
+            needless.append(module)
+        expected = MIRROR_EXCEPTIONS.get(module, mirrored)
+        if not (TESTS / expected).is_file():
+            missing.append(f"{module}: no tests/{expected}")
+    assert missing == [], missing
+    assert needless == [], (
+        f"these modules now have mirrored test files: drop them from MIRROR_EXCEPTIONS: {needless}"
+    )
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared test code lives in modules without tests (``tests/helpers.py``, ``conftest.py``, ...), never in a
+    ``test_*.py`` that another module imports."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            imported = [
+                n for n in names if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")
+            ]
+            found += [f"{path.relative_to(TESTS)}: {name}" for name in imported]
     assert found == [], found

@@ -16,25 +16,28 @@ from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.planner import (
     PROCESS_BASELINE_BYTES,
-    build_plan,
     bytes_per_element,
     chunk_elements,
     plan_shards,
 )
-from tests.helpers import BIAS, DOWN, EMBED, UP, base_tensors, make_checkpoints, save_checkpoint
+from tests.helpers import (
+    BIAS,
+    DOWN,
+    EMBED,
+    UP,
+    base_tensors,
+    make_checkpoints,
+    open_ckpts,
+    plan_for,
+    save_checkpoint,
+    with_position_ids,
+)
 
 MODEL_BYTES = 2144
 
 
-def _open(ckpts):
-    base = open_checkpoint(ckpts.base, "base model")
-    return base, [open_checkpoint(a, f"agent {i}") for i, a in enumerate(ckpts.agents)]
-
-
 def _plan(ckpts, **kwargs):
-    base, agents = _open(ckpts)
-    settings = dict(out_dtype=None, shape_mismatch="error", needs_statistics=True, trims_by_magnitude=False)
-    return build_plan(base, agents, **{**settings, **kwargs})
+    return plan_for(*open_ckpts(ckpts), **{"needs_statistics": True, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -110,36 +113,21 @@ def test_resized_vocabulary_with_merge_common_rows(tmp_path):
     ckpts = make_checkpoints(tmp_path / "in")
     bigger = base_tensors(seed=5, vocab=20)
     save_checkpoint(tmp_path / "big", bigger, vocab_size=20)
-    base, agents = _open(ckpts)
+    base, agents = open_ckpts(ckpts)
     agents.append(open_checkpoint(tmp_path / "big", "agent 2"))
-    plan = build_plan(
-        base,
-        agents,
-        out_dtype=None,
-        shape_mismatch="merge_common_rows",
-        needs_statistics=False,
-        trims_by_magnitude=False,
-        chunk_budget=bytes_per_element(3) * 24,
-    )
+    plan = plan_for(base, agents, shape_mismatch="merge_common_rows", chunk_budget=bytes_per_element(3) * 24)
     embed = next(t for t in plan.tasks if t.name == EMBED)
     assert plan.resized == [EMBED]
     assert embed.out_rows == 20 and embed.agent_rows == (16, 16, 20) and embed.out_shape == (20, 8)
     # chunks split at the base's 16 rows: the extra rows are their own ranges
     assert embed.chunks() == [(0, 3), (3, 6), (6, 9), (9, 12), (12, 15), (15, 16), (16, 19), (19, 20)]
     with pytest.raises(CheckpointError, match=r"shape \[20, 8\].*set shape_mismatch: merge_common_rows"):
-        build_plan(
-            base,
-            agents,
-            out_dtype=None,
-            shape_mismatch="error",
-            needs_statistics=False,
-            trims_by_magnitude=False,
-        )
+        plan_for(base, agents)
 
 
 def test_input_mismatches_name_the_agent_tensor_and_file(tmp_path):
     ckpts = make_checkpoints(tmp_path / "in")
-    base, agents = _open(ckpts)
+    base, agents = open_ckpts(ckpts)
     extra = {**base_tensors(), "model.extra.weight": torch.zeros(2, 2)}
     save_checkpoint(tmp_path / "extra", extra)
     missing = {k: v for k, v in base_tensors().items() if k != UP}
@@ -154,29 +142,11 @@ def test_input_mismatches_name_the_agent_tensor_and_file(tmp_path):
     for name, message in cases.items():
         other = open_checkpoint(tmp_path / name, "agent X")
         with pytest.raises(CheckpointError, match=message):
-            build_plan(
-                base,
-                [agents[0], other],
-                out_dtype=None,
-                shape_mismatch="error",
-                needs_statistics=False,
-                trims_by_magnitude=False,
-            )
+            plan_for(base, [agents[0], other])
 
 
 def test_non_floating_tensors_are_copied_not_merged(tmp_path):
-    tensors = {**base_tensors(), "model.position_ids": torch.arange(6)}
-    save_checkpoint(tmp_path / "base", tensors)
-    save_checkpoint(tmp_path / "agent", tensors)
-    base = open_checkpoint(tmp_path / "base", "base model")
-    plan = build_plan(
-        base,
-        [open_checkpoint(tmp_path / "agent", "agent 0")],
-        out_dtype=torch.bfloat16,
-        shape_mismatch="error",
-        needs_statistics=False,
-        trims_by_magnitude=False,
-    )
+    plan = plan_for(*with_position_ids(tmp_path), out_dtype=torch.bfloat16)
     ids = next(t for t in plan.tasks if t.name == "model.position_ids")
     assert not ids.floating and ids.out_dtype == torch.int64  # out_dtype applies to floating tensors only
     assert ids.out_bytes == 48
@@ -195,8 +165,6 @@ def test_storage_order_follows_the_files(tmp_path):
     weight_map |= {n: "model-00002-of-00002.safetensors" for n in second}
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     base = open_checkpoint(root, "base model")
-    plan = build_plan(
-        base, [], out_dtype=None, shape_mismatch="error", needs_statistics=False, trims_by_magnitude=False
-    )
+    plan = plan_for(base, [])
     # within a file, by offset (safetensors stores them by name): the first file, then the second
     assert [t.name for t in plan.tasks] == [DOWN, UP, EMBED, BIAS]

@@ -15,24 +15,15 @@ import json
 
 import pytest
 import yaml
-from safetensors.torch import save_file
 
 import ram_trl
 from ram_trl.report import model_card
-from tests.helpers import BASE, TAUS
-
-
-def _write(path, flat):
-    path.mkdir()
-    save_file({"A": flat[:4].clone(), "B": flat[4:].clone()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"vocab_size": 7}))
+from tests.helpers import write_golden
 
 
 @pytest.fixture
 def config(tmp_path):
-    _write(tmp_path / "base", BASE)
-    for t in range(3):
-        _write(tmp_path / f"agent{t}", BASE + TAUS[t])
+    write_golden(tmp_path)
     return {
         "merge_method": "ram_plus",
         "base_model": str(tmp_path / "base"),

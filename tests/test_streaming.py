@@ -8,7 +8,7 @@ import torch
 from ram_trl.errors import NonFiniteError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
-from ram_trl.planner import build_plan, bytes_per_element
+from ram_trl.planner import bytes_per_element
 from ram_trl.streaming import (
     COMPUTE_BLOCK_ELEMENTS,
     STATISTICS_BLOCK_ELEMENTS,
@@ -20,24 +20,31 @@ from ram_trl.streaming import (
     statistics_blocks,
     to_deltas,
 )
-from tests.helpers import BIAS, DOWN, EMBED, UP, base_tensors, make_checkpoints, save_checkpoint
+from tests.helpers import (
+    BIAS,
+    DOWN,
+    EMBED,
+    UP,
+    base_tensors,
+    make_checkpoints,
+    open_ckpts,
+    plan_for,
+    save_checkpoint,
+    with_position_ids,
+)
 
 CPU = torch.device("cpu")
 
 
 def _setup(root, *, extra_agent=None, chunk_elements=24, shape_mismatch="error"):
     ckpts = make_checkpoints(root / "in")
-    base = open_checkpoint(ckpts.base, "base model")
-    agents = [open_checkpoint(a, f"agent {i}") for i, a in enumerate(ckpts.agents)]
+    base, agents = open_ckpts(ckpts)
     if extra_agent is not None:
         agents.append(open_checkpoint(extra_agent, f"agent {len(agents)}"))
-    plan = build_plan(
+    plan = plan_for(
         base,
         agents,
-        out_dtype=None,
         shape_mismatch=shape_mismatch,
-        needs_statistics=False,
-        trims_by_magnitude=False,
         chunk_budget=bytes_per_element(len(agents)) * chunk_elements,
     )
     return ckpts, base, agents, plan
@@ -123,18 +130,7 @@ def test_resized_agent_rows_and_extra_rows(tmp_path):
 
 
 def test_chunk_refs_skip_copied_tensors(tmp_path):
-    tensors = {**base_tensors(), "model.position_ids": torch.arange(6)}
-    save_checkpoint(tmp_path / "base", tensors)
-    save_checkpoint(tmp_path / "agent", tensors)
-    base = open_checkpoint(tmp_path / "base", "base model")
-    plan = build_plan(
-        base,
-        [open_checkpoint(tmp_path / "agent", "agent 0")],
-        out_dtype=None,
-        shape_mismatch="error",
-        needs_statistics=False,
-        trims_by_magnitude=False,
-    )
+    plan = plan_for(*with_position_ids(tmp_path))
     floating = {t.name for t, _, _ in chunk_refs(plan.tasks, floating_only=True)}
     everything = {t.name for t, _, _ in chunk_refs(plan.tasks, floating_only=False)}
     assert everything - floating == {"model.position_ids"}
@@ -170,11 +166,8 @@ def test_nonfinite_inputs_name_the_checkpoint_and_tensor(tmp_path, where):
         return tensors
 
     ckpts = make_checkpoints(tmp_path / "in", overrides={where: poison})
-    base = open_checkpoint(ckpts.base, "base model")
-    agents = [open_checkpoint(a, f"agent {i}") for i, a in enumerate(ckpts.agents)]
-    plan = build_plan(
-        base, agents, out_dtype=None, shape_mismatch="error", needs_statistics=False, trims_by_magnitude=False
-    )
+    base, agents = open_ckpts(ckpts)
+    plan = plan_for(base, agents)
     up = [t for t in plan.tasks if t.name == UP]
     with RowReader() as reader:
         (chunk,) = list(iter_chunks(base, agents, up, reader))

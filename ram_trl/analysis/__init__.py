@@ -191,12 +191,12 @@ def _run(run: AnalysisRun) -> dict[str, Any]:
             base,
             agents,
             [floating[i] for i in owned],
-            inputs.eps,
-            any(wide),
-            magnitudes,
-            read,
-            resolved.allow_nonfinite,
-            run.progress and ctx.is_main,
+            eps=inputs.eps,
+            bf16=any(wide),
+            magnitudes=magnitudes,
+            read=read,
+            allow_nonfinite=resolved.allow_nonfinite,
+            progress=run.progress and ctx.is_main,
         )
     )
     merged: dict[str, TensorAnalysis] = {}

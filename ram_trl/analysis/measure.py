@@ -73,6 +73,7 @@ def analysis_pass(
     base: Checkpoint,
     agents: list[Checkpoint],
     tasks: list[TensorTask],
+    *,
     eps: float,
     bf16: bool,
     magnitudes: MagnitudeStatistics,

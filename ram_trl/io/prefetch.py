@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ram_trl.parallel import imap_blocks
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -30,19 +32,9 @@ def read_ahead(items: Iterable[Item], read: Callable[[Item], Result], depth: int
         for item in items:
             yield read(item)
         return
-    iterator = iter(items)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-trl-read") as pool:
-        pending: deque[Future[Result]] = deque()
-        try:
-            for item in iterator:
-                pending.append(pool.submit(read, item))
-                if len(pending) > depth:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        finally:
-            for future in pending:
-                future.cancel()
+        # in flight: the item being consumed and the ``depth`` read ahead of it
+        yield from imap_blocks(pool, read, items, ahead=depth + 1)
 
 
 class BackgroundWriter:

@@ -235,7 +235,7 @@ def validate_recipe(
         ConfigError: listing every problem found, each naming the stage/merge and what to change.
     """
     from ram_trl.config import check_parameter
-    from ram_trl.methods import method_names, resolve_method
+    from ram_trl.methods import resolve_method
     from ram_trl.validation import check_number
 
     source = where
@@ -353,16 +353,13 @@ def validate_recipe(
                 f"merge {row.name!r}: unknown fisher setting {', '.join(map(repr, unknown))}; "
                 f"use some of {', '.join(sorted(FISHER_SETTINGS))}"
             )
-        if row.fisher and row.method != "fisher":
-            problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
-        if row.method == "fisher" and "fisher" not in method_names():
-            problems.append(f"merge {row.name!r}: method 'fisher' is not available in this ram_trl build")
-            continue
         try:
             method, _ = resolve_method(row.method)
         except Exception as exc:  # noqa: BLE001 - the registry's message names the method
             problems.append(f"merge {row.name!r}: {exc}")
             continue
+        if row.fisher and not method.needs_fisher:
+            problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
         fewest, most = method.agents
         if len(recipe.stages) < fewest or (most is not None and len(recipe.stages) > most):
             wanted = (

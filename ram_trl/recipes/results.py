@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from ram_trl import defaults
 from ram_trl.output import atomic_file
 from ram_trl.recipes import stats
 
@@ -574,7 +575,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"specialist gained at least {config.get('retention_min_gain', stats.MIN_GAIN):g} over the base. "
         "**Bold**: the merge chosen on the validation split for that column (never the best test score); "
         "(ship): the merge to ship. density / unique / rho: the agent's task vector at eps = "
-        f"{results.get('eps', 1e-5):g} (unique = share of its active elements no other agent changes; "
+        f"{results.get('eps', defaults.EPS):g} (unique = share of its active elements no other agent changes; "
         "rho = shared / unique, RAM+'s rescaling signal). How to read this file: docs/recipes-results.md.",
         "",
         "## Test (held-out prompts; reported, never chosen on)",

@@ -23,7 +23,17 @@ class StageFailure(RamTrlError, RuntimeError):
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
     """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
     finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
-    function."""
+    function.
+
+    Args:
+        fn (`Callable`): The reward function, called as TRL calls it (``prompts``, ``completions``, columns).
+        path (`str`): Its import path, as the recipe names it.
+        stage (`str`): The stage it scores.
+
+    Returns:
+        `Callable`: The wrapped function (same signature); it raises :class:`StageFailure` naming the stage and
+        the function.
+    """
 
     @functools.wraps(fn)
     def reward(*args: Any, **kwargs: Any) -> list[float | None]:

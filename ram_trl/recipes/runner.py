@@ -623,13 +623,16 @@ class Run:
         Raises:
             ConfigError: when a given (untrained) agent has no ``fisher.safetensors``.
         """
-        if not any(r.method == "fisher" for r in rows):
+        from ram_trl.methods import resolve_method
+
+        fisher_rows = [r for r in rows if resolve_method(r.method)[0].needs_fisher]
+        if not fisher_rows:
             return
         import torch
 
         from ram_trl.fisher_estimation import estimate_fisher, load_agent, save_fisher
 
-        settings = dict(next(r.fisher for r in rows if r.method == "fisher"))
+        settings = dict(fisher_rows[0].fisher)
         start = time.perf_counter()
         for stage in self.recipe.stages:
             agent = self.agent_path(stage)

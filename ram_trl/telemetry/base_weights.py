@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import TensorInfo, dtype_itemsize
 from ram_trl.manifest import FINGERPRINT_ELEMENTS, BaseFingerprint, fingerprint_heads, fingerprint_names
 from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
@@ -212,8 +213,6 @@ class MappedCheckpointBase:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from ram_trl.io.checkpoint import open_checkpoint
-
         checkpoint = open_checkpoint(path, "base model", allow_pickle=True)
         if checkpoint.format != "safetensors" or checkpoint.kind != "full":
             what = "a PEFT adapter" if checkpoint.kind == "lora" else "a pickle checkpoint"

@@ -1,4 +1,6 @@
-"""A reward function that raises, for the failing-stage test (imported by the stage process by path)."""
+"""Reward functions and prompt generators that fail on purpose (raise, return NaN, None, too few values or text;
+no prompts, rows without a prompt, reserved or unwritable columns, duplicates), named by import path in the recipes
+of the failing-stage test (tests/recipes/test_runner.py) and the hostile recipes (test_hostile_recipes.py)."""
 
 from __future__ import annotations
 

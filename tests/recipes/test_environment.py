@@ -91,3 +91,11 @@ def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
     assert main(["run", str(bad), "--skip-paths"]) == 2
     assert "--skip-paths only applies to --dry-run" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_fisher_settings_follow_the_method_not_its_name():
+    """``fisher:`` settings belong to the method that reads Fisher files, under its name or its alias."""
+    for method in ("fisher", "fisher_merging"):
+        assert check_recipe(recipe_dict(merges=[{"method": method, "fisher": {"num_samples": 4}}])) == []
+    with pytest.raises(ConfigError, match="merge 'ties': 'fisher:' settings apply only to method 'fisher'"):
+        check_recipe(recipe_dict(merges=[{"method": "ties", "fisher": {"num_samples": 4}}]))

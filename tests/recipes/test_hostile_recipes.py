@@ -14,19 +14,21 @@ import yaml
 
 from ram_trl.cli import main
 from ram_trl.recipes.schema import apply_overrides
+from tests.helpers import recipe_dict
 
-STAGE = {
-    "name": "coding",
-    "prompts": {"generator": "ram_trl.recipes.tasks:arithmetic_prompts", "train_size": 8, "eval_size": 4},
-    "rewards": ["ram_trl.recipes.tasks:arithmetic_reward"],
-    "config": {"max_steps": 1, "per_device_train_batch_size": 4, "num_generations": 4},
-}
 F = "tests.recipes.failing"
 
 
 def recipe(**changes) -> dict:
-    data = {"name": "hostile", "base": {"build": {"hidden_size": 16}}, "stages": [STAGE], "merges": ["ram"]}
-    return apply_overrides(data, changes)
+    """A fresh valid recipe (:func:`tests.helpers.recipe_dict`: 8 training and 4 test prompts, one merge) with
+    ``changes``."""
+    valid = recipe_dict(
+        name="hostile", stages={"*": {"prompts": {"train_size": 8, "eval_size": 4}}}, merges=["ram"]
+    )
+    return apply_overrides(valid, changes)
+
+
+STAGE = recipe()["stages"][0]
 
 
 def stage(**changes) -> dict:

@@ -310,3 +310,22 @@ def test_preview_stage_keeps_its_step_and_the_recipe_merge_reproduces_it(tmp_pat
     assert all(
         read_manifest(out / "stages" / s).telemetry["task_vector/density_saved"] > 0 for s in ("good", "bad")
     )
+
+
+@pytest.mark.parametrize("method", ["fisher", "fisher_merging"])
+def test_fisher_rows_estimate_fisher_whatever_the_method_is_called(tmp_path, method):
+    """A merge row of the Fisher method, named or aliased, makes the run estimate the Fisher of every agent first:
+    an existing agent without ``fisher.safetensors`` is refused before any merge; other methods need nothing."""
+    from ram_trl.errors import ConfigError
+    from ram_trl.recipes.runner import Run
+    from ram_trl.recipes.schema import expand_merges, load_recipe
+    from tests.helpers import base_tensors, recipe_dict, save_checkpoint
+
+    agent = save_checkpoint(tmp_path / "agent", base_tensors())
+    data = recipe_dict(stages=[{"name": "coding", "checkpoint": str(agent)}], merges=[method, "ties"])
+    recipe, root = load_recipe(data)
+    run = Run(recipe, root, tmp_path / "run", RunOptions(progress=False))
+    rows = expand_merges(recipe)
+    run.fisher([row for row in rows if row.method == "ties"])  # nothing to estimate
+    with pytest.raises(ConfigError, match=f"the fisher merge needs {agent}/fisher.safetensors"):
+        run.fisher(rows)

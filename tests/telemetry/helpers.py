@@ -10,9 +10,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ram_trl.manifest import StageManifest, fingerprint_checkpoint, write_manifest
+from tests.helpers import TELEMETRY
 
 S, M, L = 2.0**-20, 2.0**-10, 2.0**-6
-P = "task_vector/"
+P = TELEMETRY
 
 #: tau per tensor (flattened), and the expected counts: (active at eps, changed, active in bf16).
 TAU = {
