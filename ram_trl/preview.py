@@ -31,8 +31,11 @@ Cost: one preview writes the policy once (its size in ``save_dtype``) and the me
 disk beside the output, reads the prior agents, and loads the merged model and the policy once each on the CPU in
 the evaluation dtype for generation; nothing is added on the accelerator. Under DDP the main rank writes the checkpoint,
 every rank takes part in the merge (the engine's distributed merge: each rank merges its share of the tensors with the
-global statistics), the main rank scores while the others wait, and every rank receives the scores. DeepSpeed ZeRO-3
-and FSDP are refused for now (see docs/merge-preview.md). Each trainer checkpoint holds the preview's state
+global statistics), the main rank scores while the others wait, and every rank receives the scores. Under DeepSpeed
+ZeRO-3 no rank gathers the policy for the merge: each merges its own partitions with the global statistics
+(:func:`ram_trl.range_merge.merge_ranges`), the merged values replace the partitions while the model is scored through
+ZeRO-3's generation gathering, then the policy's partitions are restored (see docs/merge-preview.md). FSDP is refused
+for now. Each trainer checkpoint holds the preview's state
 (``checkpoint-N/ram_preview``), which a resumed run restores. The engine and the evaluation are imported when the
 callback is built, so ``import ram_trl.callbacks`` stays light.
 """
@@ -214,7 +217,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
     Raises:
         ConfigError: at construction, for invalid arguments, a missing base, a prior stage trained from another base,
             an unknown method or parameter, or a stage without validation prompts or rewards; at train begin, under
-            ZeRO-3 or FSDP.
+            FSDP, and under ZeRO-3 for a method that needs whole tensors or a PEFT policy.
     """
 
     def __init__(
