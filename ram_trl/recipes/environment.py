@@ -420,16 +420,49 @@ def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None
     except yaml.YAMLError as exc:
         problems.append(f"{where}: accelerate_config {path} is not valid YAML ({exc})")
         return
-    ds = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    deepspeed = data.get("deepspeed_config") or {}
+    zero_stage = deepspeed.get("zero_stage")
+    ds = deepspeed.get("deepspeed_config_file")
     if ds:
         ds_path = Path(ds) if Path(ds).is_absolute() else path.parent / ds
         if not ds_path.is_file():
             problems.append(f"{where}: DeepSpeed config {ds_path} named by {path} does not exist")
-        else:
-            try:
-                json.loads(ds_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                problems.append(f"{where}: DeepSpeed config {ds_path} is not valid JSON ({exc})")
+            return
+        try:
+            ds_config = json.loads(ds_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}: DeepSpeed config {ds_path} is not valid JSON ({exc})")
+            return
+        zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", zero_stage)
+    if stage.preview is not None:
+        _check_preview_launch(stage, data.get("distributed_type"), zero_stage, path, problems)
+
+
+def _check_preview_launch(
+    stage: StageSpec, distributed_type: Any, zero_stage: Any, path: Path, problems: list[str]
+) -> None:
+    """The merge preview under the stage's launch: refused under FSDP; under DeepSpeed ZeRO-3 only for methods that
+    merge partitions element by element and full-weight (not PEFT) stages (docs/merge-preview.md)."""
+    where = f"stage {stage.name!r}: preview"
+    if str(distributed_type).upper() == "FSDP":
+        problems.append(f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3")
+        return
+    if str(distributed_type).upper() != "DEEPSPEED" or str(zero_stage) != "3":
+        return
+    from ram_trl.methods import resolve_method
+    from ram_trl.range_merge import check_range_method
+
+    try:
+        check_range_method(resolve_method(stage.preview.method)[0])
+    except ConfigError as exc:
+        problems.append(f"{where} under DeepSpeed ZeRO-3 ({path}): {exc}")
+    except Exception:  # noqa: BLE001 - an unknown method is reported by the preview's own check
+        pass
+    if stage.peft is not None:
+        problems.append(
+            f"{where} under DeepSpeed ZeRO-3 ({path}): a PEFT (LoRA) stage is not supported there; use DDP or "
+            "ZeRO-1/2 for this stage, or drop the preview"
+        )
 
 
 def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:

@@ -99,3 +99,42 @@ def test_fisher_settings_follow_the_method_not_its_name():
         assert check_recipe(recipe_dict(merges=[{"method": method, "fisher": {"num_samples": 4}}])) == []
     with pytest.raises(ConfigError, match="merge 'ties': 'fisher:' settings apply only to method 'fisher'"):
         check_recipe(recipe_dict(merges=[{"method": "ties", "fisher": {"num_samples": 4}}]))
+
+
+@pytest.mark.parametrize(
+    ("launch", "stage", "match"),
+    [
+        ({"distributed_type": "FSDP"}, {}, "does not support FSDP"),
+        (
+            {"deepspeed_config": {"zero_stage": 3}},
+            {"preview": {"method": "ties"}},
+            "method 'ties' needs whole",
+        ),
+        (
+            {"deepspeed_config": {"zero_stage": 3}},
+            {"peft": {"r": 4}},
+            "PEFT \\(LoRA\\) stage is not supported",
+        ),
+        (
+            {"deepspeed_config": {"deepspeed_config_file": "ds.json"}},
+            {"preview": {"method": "della"}},
+            "della",
+        ),
+        ({"deepspeed_config": {"zero_stage": 3}}, {}, None),
+        ({"deepspeed_config": {"zero_stage": 2}}, {"preview": {"method": "ties"}}, None),
+    ],
+)
+def test_preview_is_checked_against_the_stage_launch(tmp_path, launch, stage, match):
+    """The merge preview under a stage's accelerate launch, refused at --dry-run where it would fail at train begin:
+    FSDP; under ZeRO-3 a method that needs whole tensors or a PEFT stage (docs/merge-preview.md)."""
+    launch = {"distributed_type": "DEEPSPEED", **launch}
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump(launch))
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    settings = {"accelerate_config": str(tmp_path / "acc.yaml"), "prompts": {"val_size": 4}}
+    settings["preview"] = {"method": "ram_plus", **stage.pop("preview", {})}
+    data = recipe_dict(stages={"*": {**settings, **stage}})
+    if match is None:
+        check_recipe(data)
+    else:
+        with pytest.raises(ConfigError, match=match):
+            check_recipe(data)
