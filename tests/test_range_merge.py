@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.config import load_config, resolve_config
@@ -17,7 +18,15 @@ from ram_trl.distributed import DistContext
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.methods.registry import resolve_method
 from ram_trl.range_merge import FlatRange, check_range_method, merge_ranges
-from tests.helpers import config_for, load_checkpoint, make_checkpoints, save_checkpoint
+from tests.helpers import (
+    config_for,
+    load_checkpoint,
+    lora_adapter,
+    make_checkpoints,
+    qwen_model,
+    save_base,
+    save_checkpoint,
+)
 
 
 def _resolved(config: dict):
@@ -172,3 +181,37 @@ def test_nonfinite_policy_is_named(tmp_path):
     ranges[3] = FlatRange(ranges[3].name, ranges[3].offset, bad)
     with pytest.raises(NonFiniteError, match=f"agent 1 .*in-memory policy.*'{ranges[3].name}'"):
         merge_ranges(resolved, 1, ranges, DistContext())
+
+
+def test_a_lora_prior_and_a_scalar_tensor(tmp_path):
+    """A prior agent that is a PEFT LoRA adapter (its delta rows computed from the factors for ranges that start
+    mid-row) and a 0-d tensor in the checkpoints merge as the engine merges them."""
+    model = qwen_model()
+    base_dir = save_base(model, tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "adapter", r=4, target_modules=["q_proj", "down_proj"])
+    base = load_file(str(base_dir / "model.safetensors"))
+    base["scale"] = torch.tensor(0.5)
+    save_file(base, str(base_dir / "model.safetensors"), metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(4)
+    trained = {
+        n: v + 1e-3 * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g) < 0.2)
+        for n, v in base.items()
+    }
+    trained["scale"] = torch.tensor(0.75)
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    save_file(trained, str(agent / "model.safetensors"), metadata={"format": "pt"})
+    (agent / "config.json").write_text((base_dir / "config.json").read_text())
+    config = {
+        "merge_method": "ram_plus",
+        "base_model": str(base_dir),
+        "models": [{"model": str(tmp_path / "adapter")}, {"model": str(agent)}],
+    }
+    ram_trl.merge(config, tmp_path / "merged", progress=False)
+    expected = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    ranges = _partitions(trained, 3)
+    result = merge_ranges(_resolved(config), 1, ranges, DistContext(), block_elements=100)
+    got = _assemble(ranges, result.values, base)
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name].view(torch.int32), value.view(torch.int32)), name
