@@ -618,7 +618,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             FlatRange(
                 base_name(s.name),
                 s.offset,
-                s.values.to(self.save_dtype),
+                s.values.to(device="cpu", dtype=self.save_dtype),  # on the host: no copy on the accelerator
                 counted=s.partitioned or ctx.is_main,
             )
             for s in shards
