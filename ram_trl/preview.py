@@ -347,7 +347,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         self.partitioned = plugin is not None and getattr(plugin, "zero_stage", 0) == 3
         if self.partitioned:
-            self._check_partitioned()
+            self._check_partitioned(plugin.deepspeed_config)
         if (
             getattr(accelerator, "is_fsdp2", False)
             or getattr(accelerator.state, "fsdp_plugin", None) is not None
@@ -580,11 +580,18 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             report = merge(config, merged, overwrite=True, progress=False)
         return merged, time.perf_counter() - start, int(report.get("processes", 1))
 
-    def _check_partitioned(self) -> None:
+    def _check_partitioned(self, deepspeed_config: dict[str, Any]) -> None:
         """Refuse, at train begin, what a partition-local preview cannot do (before any training step)."""
         from ram_trl.range_merge import check_range_method
 
         check_range_method(self._resolved_method)
+        zero = deepspeed_config.get("zero_optimization") or {}
+        if zero.get("stage3_gather_16bit_weights_on_model_save") in (None, False, "false", "False"):
+            raise ConfigError(
+                "the merge preview saves the policy at every preview, which under DeepSpeed ZeRO-3 needs "
+                "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config's zero_optimization "
+                "(zero3_save_16bit_model: true in an accelerate config)"
+            )
         if hasattr(policy_of(self.trainer.model), "peft_config"):
             raise ConfigError(
                 "the merge preview under DeepSpeed ZeRO-3 merges the policy's full weights; a PEFT (LoRA) policy is "

@@ -1,8 +1,9 @@
 """One rank of a real TRL GRPO run under DeepSpeed ZeRO-3 on 2 CPU processes (gloo), with MergePreviewCallback.
 
 Run by tests/test_preview_zero3.py through the DeepSpeed launcher:
-``python -m deepspeed.launcher.runner --num_gpus 2 _grpo_preview_zero3_worker.py BASE PRIOR OUT [METHOD]``
-(default ``ram_plus``; a method that cannot merge partitions is refused at train begin, ``OUT/refused_rank{R}.txt``). The preview merges
+``python -m deepspeed.launcher.runner --num_gpus 2 _grpo_preview_zero3_worker.py BASE PRIOR OUT [MODE]``
+(``MODE``: the method, default ``ram_plus``, or ``no-16bit-save`` for a DeepSpeed config that cannot save the policy;
+what the preview refuses is refused at train begin and written to ``OUT/refused_rank{R}.txt``). The preview merges
 the policy's ZeRO-3 partitions with the prior stage ``PRIOR`` every 2 steps. Each merge runs with every way of
 gathering a parameter patched to raise (only the all-reduce of the statistics and a few small Python objects may
 cross processes); each rank writes the merged elements it computed to ``OUT/ranges/rank{R}-step{S}.safetensors``
@@ -41,7 +42,8 @@ EVALUATION = {"max_new_tokens": 8, "batch_size": 8}
 def main() -> None:
     args = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
     base, prior, out = (Path(a) for a in args[:3])
-    method = args[3] if len(args) > 3 else "ram_plus"
+    mode = args[3] if len(args) > 3 else "ram_plus"
+    method = "ram_plus" if mode == "no-16bit-save" else mode
     calls = {"all_reduce": 0, "all_reduce_bytes": 0, "merges": 0, "partitioned": 0}
     merge_ranges = ram_trl.range_merge.merge_ranges
     holder: dict = {}
@@ -75,7 +77,10 @@ def main() -> None:
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_gather_16bit_weights_on_model_save": mode != "no-16bit-save",
+        },
         "zero_allow_untested_optimizer": True,
     }
     # as in tests/_grpo_zero3_worker.py: the DeepSpeed state set up with gloo first, then used by the trainer

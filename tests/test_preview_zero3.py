@@ -156,10 +156,16 @@ def test_the_policy_partitions_are_restored_after_each_preview(run) -> None:
     assert model.config.model_type == "qwen2"
 
 
-def test_a_method_that_needs_whole_tensors_is_refused_at_train_begin(run, tmp_path) -> None:
-    out = tmp_path / "ties"
-    launch(run["base"], run["first"], out, "ties")
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("ties", "merge method 'ties' needs whole tensors"),
+        ("no-16bit-save", "needs stage3_gather_16bit_weights_on_model_save: true"),
+    ],
+)
+def test_what_a_partitioned_preview_cannot_do_is_refused_at_train_begin(run, tmp_path, mode, message) -> None:
+    out = tmp_path / mode
+    launch(run["base"], run["first"], out, mode)
     for rank in range(WORLD):
-        message = (out / f"refused_rank{rank}.txt").read_text()
-        assert "merge method 'ties' needs whole tensors" in message and "ram_plus" in message
+        assert message in (out / f"refused_rank{rank}.txt").read_text()
     assert not (out / "ram_stage.json").exists()
