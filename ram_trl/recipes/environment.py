@@ -422,6 +422,7 @@ def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None
         return
     deepspeed = data.get("deepspeed_config") or {}
     zero_stage = deepspeed.get("zero_stage")
+    saves_16bit = deepspeed.get("zero3_save_16bit_model")
     ds = deepspeed.get("deepspeed_config_file")
     if ds:
         ds_path = Path(ds) if Path(ds).is_absolute() else path.parent / ds
@@ -433,19 +434,28 @@ def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None
         except json.JSONDecodeError as exc:
             problems.append(f"{where}: DeepSpeed config {ds_path} is not valid JSON ({exc})")
             return
-        zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", zero_stage)
+        zero = ds_config.get("zero_optimization") or {}
+        zero_stage = zero.get("stage", zero_stage)
+        saves_16bit = zero.get("stage3_gather_16bit_weights_on_model_save", saves_16bit)
     if stage.preview is not None:
-        _check_preview_launch(stage, data.get("distributed_type"), zero_stage, path, problems)
+        _check_preview_launch(stage, data.get("distributed_type"), zero_stage, saves_16bit, path, problems)
 
 
 def _check_preview_launch(
-    stage: StageSpec, distributed_type: Any, zero_stage: Any, path: Path, problems: list[str]
+    stage: StageSpec,
+    distributed_type: Any,
+    zero_stage: Any,
+    saves_16bit: Any,
+    path: Path,
+    problems: list[str],
 ) -> None:
     """The merge preview under the stage's launch: refused under FSDP; under DeepSpeed ZeRO-3 only for methods that
     merge partitions element by element and full-weight (not PEFT) stages (docs/merge-preview.md)."""
     where = f"stage {stage.name!r}: preview"
     if str(distributed_type).upper() == "FSDP":
-        problems.append(f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3")
+        problems.append(
+            f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3"
+        )
         return
     if str(distributed_type).upper() != "DEEPSPEED" or str(zero_stage) != "3":
         return
@@ -462,6 +472,12 @@ def _check_preview_launch(
         problems.append(
             f"{where} under DeepSpeed ZeRO-3 ({path}): a PEFT (LoRA) stage is not supported there; use DDP or "
             "ZeRO-1/2 for this stage, or drop the preview"
+        )
+    if saves_16bit in (None, False, "false", "False"):
+        problems.append(
+            f"{where} under DeepSpeed ZeRO-3 ({path}): the preview saves the policy at every preview, which needs "
+            "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config (zero3_save_16bit_model: true "
+            "in the accelerate config)"
         )
 
 

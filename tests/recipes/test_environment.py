@@ -3,6 +3,7 @@ paths, the shipped recipes, the command line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,35 +102,39 @@ def test_fisher_settings_follow_the_method_not_its_name():
         check_recipe(recipe_dict(merges=[{"method": "ties", "fisher": {"num_samples": 4}}]))
 
 
+#: An accelerate DeepSpeed section with ZeRO-3 that can save the policy (what the preview needs under ZeRO-3).
+ZERO3 = {"zero_stage": 3, "zero3_save_16bit_model": True}
+
+
 @pytest.mark.parametrize(
     ("launch", "stage", "match"),
     [
         ({"distributed_type": "FSDP"}, {}, "does not support FSDP"),
-        (
-            {"deepspeed_config": {"zero_stage": 3}},
-            {"preview": {"method": "ties"}},
-            "method 'ties' needs whole",
-        ),
-        (
-            {"deepspeed_config": {"zero_stage": 3}},
-            {"peft": {"r": 4}},
-            "PEFT \\(LoRA\\) stage is not supported",
-        ),
+        ({"deepspeed_config": ZERO3}, {"preview": {"method": "ties"}}, "method 'ties' needs whole"),
+        ({"deepspeed_config": ZERO3}, {"peft": {"r": 4}}, "PEFT \\(LoRA\\) stage is not supported"),
         (
             {"deepspeed_config": {"deepspeed_config_file": "ds.json"}},
             {"preview": {"method": "della"}},
             "della",
         ),
-        ({"deepspeed_config": {"zero_stage": 3}}, {}, None),
+        (
+            {"deepspeed_config": {"zero_stage": 3}},
+            {},
+            "needs stage3_gather_16bit_weights_on_model_save: true",
+        ),
+        ({"deepspeed_config": ZERO3}, {}, None),
+        ({"deepspeed_config": {"deepspeed_config_file": "ds.json"}}, {}, None),
         ({"deepspeed_config": {"zero_stage": 2}}, {"preview": {"method": "ties"}}, None),
     ],
 )
 def test_preview_is_checked_against_the_stage_launch(tmp_path, launch, stage, match):
     """The merge preview under a stage's accelerate launch, refused at --dry-run where it would fail at train begin:
-    FSDP; under ZeRO-3 a method that needs whole tensors or a PEFT stage (docs/merge-preview.md)."""
+    FSDP; under ZeRO-3 a method that needs whole tensors, a PEFT stage, or a DeepSpeed config that cannot save the
+    policy (docs/merge-preview.md)."""
     launch = {"distributed_type": "DEEPSPEED", **launch}
     (tmp_path / "acc.yaml").write_text(yaml.safe_dump(launch))
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    zero = {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": zero}))
     settings = {"accelerate_config": str(tmp_path / "acc.yaml"), "prompts": {"val_size": 4}}
     settings["preview"] = {"method": "ram_plus", **stage.pop("preview", {})}
     data = recipe_dict(stages={"*": {**settings, **stage}})
