@@ -73,6 +73,8 @@ class RangeMerge:
         stats: The global overlap statistics (summed over the processes), for methods with statistics.
         digest: SHA-256 of the merged elements of every process (tensor name, offset, dtype and bytes of each
             range, the processes in rank order): equal digests mean equal merged weights for one partitioning.
+        tensor_factors: Per tensor, the factors from that tensor's statistics (methods with tensor-local factors,
+            e.g. ``rho_scope: tensor``); empty otherwise.
     """
 
     values: list[torch.Tensor]
@@ -103,6 +105,9 @@ def check_range_method(method: MergeMethod) -> None:
 
 @dataclass
 class _Inputs:
+    """What every block of a range merge reads: the config, the opened checkpoints, the base's floating tensors by
+    name, the in-memory agent's index, the device and the reader."""
+
     resolved: ResolvedConfig
     base: Checkpoint
     agents: list[Checkpoint]
