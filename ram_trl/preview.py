@@ -281,19 +281,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         # for the agent: the errors come before any training
         from ram_trl.config import load_config, resolve_config
 
-        self._resolved_method = resolve_config(
-            load_config(
-                preview_merge_config(
-                    self.base_model,
-                    self.prior_files,
-                    self.base_model,
-                    stage_name,
-                    method,
-                    self.parameters,
-                    seed,
-                )
-            )[0]
-        ).method
+        self._resolved_method = resolve_config(load_config(self.merge_config(self.base_model))[0]).method
         self.history: list[dict[str, Any]] = []
         self.base_scores: dict[str, float] = {}
         self.specialist_scores: dict[str, float] = {}
@@ -558,6 +546,19 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self._last_step = step
         return self._metrics(record)
 
+    def merge_config(self, agent: str | os.PathLike) -> dict[str, Any]:
+        """The preview's merge config (:func:`preview_merge_config`) with ``agent`` as this stage's checkpoint.
+
+        Args:
+            agent (`str` or `os.PathLike`): The current policy's checkpoint directory.
+
+        Returns:
+            `dict[str, Any]`: The config for :func:`ram_trl.engine.merge`.
+        """
+        return preview_merge_config(
+            self.base_model, self.prior_files, agent, self.stage_name, self.method, self.parameters, self.seed
+        )
+
     def _merge(self, checkpoint: Path) -> tuple[Path, float, int]:
         """``ram-trl merge`` of the prior stages and ``checkpoint`` into the scratch directory; returns the merged
         model's directory, the seconds taken and the processes that merged. Every rank calls it: in a multi-process run (``WORLD_SIZE`` > 1) it
@@ -565,15 +566,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         from ram_trl.engine import merge
 
         merged = self.work_dir / "merged"
-        config = preview_merge_config(
-            self.base_model,
-            self.prior_files,
-            checkpoint,
-            self.stage_name,
-            self.method,
-            self.parameters,
-            self.seed,
-        )
+        config = self.merge_config(checkpoint)
         start = time.perf_counter()
         quiet = io.StringIO()  # the merge's report table and messages: the record says what matters
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
@@ -633,16 +626,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         from ram_trl.config import load_config, resolve_config
 
         start = time.perf_counter()
-        config = preview_merge_config(
-            self.base_model,
-            self.prior_files,
-            checkpoint,
-            self.stage_name,
-            self.method,
-            self.parameters,
-            self.seed,
-        )
-        resolved = resolve_config(load_config(config)[0])  # names the saved policy; its tensors are not read
+        resolved = resolve_config(
+            load_config(self.merge_config(checkpoint))[0]
+        )  # names the saved policy; its tensors are not read
         result = ctx.guarded(lambda: merge_ranges(resolved, len(resolved.agents) - 1, saved, ctx))
         merge_seconds = time.perf_counter() - start
         self.last_range_merge = result

@@ -14,7 +14,6 @@ the collectives the merges used.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,8 +23,6 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accelerate import PartialState  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import ram_trl.range_merge  # noqa: E402
@@ -33,7 +30,7 @@ from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.errors import ConfigError  # noqa: E402
 from ram_trl.preview import MergePreviewCallback  # noqa: E402
 from ram_trl.telemetry.shards import iter_local_shards  # noqa: E402
-from tests.helpers import distinct_chars, preview_tasks, rl_config, rl_prompts, train_rl  # noqa: E402
+from tests.helpers import distinct_chars, preview_tasks, rl_prompts, train_rl, zero3_rl_config  # noqa: E402
 from tests.telemetry._dist_worker import no_gathers  # noqa: E402
 
 EVALUATION = {"max_new_tokens": 8, "batch_size": 8}
@@ -74,28 +71,8 @@ def main() -> None:
         return metrics
 
     MergePreviewCallback.preview = checked_preview
-    ds_config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_gather_16bit_weights_on_model_save": mode != "no-16bit-save",
-        },
-        "zero_allow_untested_optimizer": True,
-    }
-    # as in tests/_grpo_zero3_worker.py: the DeepSpeed state set up with gloo first, then used by the trainer
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(backend="gloo")
-    assert state.distributed_type == DistributedType.DEEPSPEED and state.num_processes == 2
-    config = rl_config(
-        GRPOConfig,
-        out,
-        use_cpu=False,
-        logging_steps=1,
-        learning_rate=3e-3,
-        seed=1,
-        deepspeed=ds_config,
-        accelerator_config={"use_configured_state": True},
+    config = zero3_rl_config(
+        GRPOConfig, out, save_16bit=mode != "no-16bit-save", logging_steps=1, learning_rate=3e-3, seed=1
     )
     callback = MergePreviewCallback(
         base_model=base,

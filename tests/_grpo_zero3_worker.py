@@ -11,7 +11,6 @@ the parameters were ZeRO-3 partitions, and the collectives the measurements used
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -19,14 +18,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from accelerate import PartialState  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
 from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
-from tests.helpers import distinct_char_count, rl_config, rl_prompts, train_rl  # noqa: E402
+from tests.helpers import distinct_char_count, rl_prompts, train_rl, zero3_rl_config  # noqa: E402
 from tests.telemetry._dist_worker import no_gathers  # noqa: E402
 
 
@@ -43,25 +40,7 @@ def main() -> None:
             return measure(self, model, step)
 
     TaskVectorTracker.measure = guarded
-    ds_config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-        "zero_allow_untested_optimizer": True,
-    }
-    # Without a GPU, TrainingArguments' own set-up finds no backend for DeepSpeed and sees one process (the state
-    # has num_processes 1 while the launcher started 2): set the state up with gloo first and let the trainer use it.
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(backend="gloo")
-    assert state.distributed_type == DistributedType.DEEPSPEED and state.num_processes == 2
-    config = rl_config(
-        GRPOConfig,
-        out,
-        use_cpu=False,  # TrainingArguments' default: the DeepSpeed state set up above decides
-        beta=beta,
-        deepspeed=ds_config,
-        accelerator_config={"use_configured_state": True},
-    )
+    config = zero3_rl_config(GRPOConfig, out, beta=beta)
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="grpo-zero3")
     trainer = train_rl(GRPOTrainer, base, config, callback, distinct_char_count, rl_prompts(4))
     rank = dist.get_rank()

@@ -428,6 +428,44 @@ def rl_prompts(repeats: int, prompts: tuple[str, ...] = RL_PROMPTS) -> Any:
     return Dataset.from_dict({"prompt": list(prompts) * repeats})
 
 
+def zero3_rl_config(cls: type, out: Path, save_16bit: bool = True, **overrides: Any) -> Any:
+    """:func:`rl_config` for one rank of a 2-process DeepSpeed ZeRO-3 job on CPUs (run by the DeepSpeed launcher or
+    ``accelerate launch --use_deepspeed``): sets up the DeepSpeed state with gloo first and lets the trainer use it.
+
+    Without a GPU, TrainingArguments' own set-up finds no backend for DeepSpeed and sees one process (the state has
+    ``num_processes`` 1 while the launcher started 2).
+
+    Args:
+        cls (`type`): The config class (``trl.GRPOConfig``).
+        out (`Path`): Its ``output_dir``.
+        save_16bit (`bool`, *optional*, defaults to `True`): ``stage3_gather_16bit_weights_on_model_save``.
+        **overrides: Settings for :func:`rl_config`.
+
+    Returns:
+        The config.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": save_16bit},
+        "zero_allow_untested_optimizer": True,
+    }
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    state = PartialState(backend="gloo")
+    assert state.distributed_type == DistributedType.DEEPSPEED and state.num_processes == 2
+    return rl_config(
+        cls,
+        out,
+        use_cpu=False,  # TrainingArguments' default: the DeepSpeed state set up above decides
+        deepspeed=ds_config,
+        accelerator_config={"use_configured_state": True},
+        **overrides,
+    )
+
+
 def train_rl(
     trainer_cls: type,
     base: Path,
