@@ -132,12 +132,30 @@ def merge(
 
 
 def output_for(resolved: ResolvedConfig, output_dir: Path, overwrite: bool) -> OutputDir:
-    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``)."""
+    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``).
+
+    Args:
+        resolved: The merge config (its inputs, which the output must not be or hold).
+        output_dir: The output directory.
+        overwrite: Replace a previous merge output there.
+
+    Returns:
+        The output directory's commit protocol (not begun).
+    """
     return OutputDir(output_dir, overwrite=overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,))
 
 
 def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
-    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero."""
+    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero.
+
+    Args:
+        resolved: The merge config (nothing is checked unless its method divides by the weight sum and
+            ``normalize`` is on).
+        plan: The plan (its floating tensors are checked, each with its filter rules resolved).
+
+    Raises:
+        ConfigError: naming a tensor whose weights sum to zero or to a non-finite value.
+    """
     if not (resolved.method.divides_by_weight_sum and resolved.params.get("normalize")):
         return
     sums = {
@@ -151,7 +169,21 @@ def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
 def prepare(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions
 ) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
-    """Everything that can fail cheaply: output checks, input headers, the plan."""
+    """Everything that can fail cheaply: output checks, input headers, the plan.
+
+    Args:
+        resolved: The merge config (each agent's ``kind`` is filled in).
+        output_dir: The output directory (checked unless ``options.dry_run``).
+        options: The run's options (device, pickle and external shards, chunk budget, shard size).
+
+    Returns:
+        The base, the agents (in config order) and the plan (with the Fisher files for a Fisher method).
+
+    Raises:
+        ConfigError: for an unusable config, device or weights (e.g. a zero weight sum to normalise by).
+        CheckpointError: for unreadable or inconsistent inputs.
+        OutputError: for an output directory the merge may not write.
+    """
     check_device(options.device)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
@@ -217,7 +249,16 @@ def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkp
 
 
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
-    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun."""
+    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun.
+
+    Args:
+        resolved: The validated merge config.
+        output_dir: Where the merged model is written (committed atomically).
+        options: The run's options.
+
+    Returns:
+        The merge report (the plan's summary with ``options.dry_run``); the same on every process.
+    """
     ctx = DistContext.from_env(options.device)
     try:
         return _run_merge(resolved, output_dir, options, ctx)
@@ -297,6 +338,15 @@ def run_lora_merge(
 
     Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
     fails every rank.
+
+    Args:
+        resolved: The validated merge config (its ``out_dtype`` is set to float32).
+        output_dir: Where the LoRA adapter is written.
+        options: The run's options.
+        lora: The export's rank options.
+
+    Returns:
+        The export's report (with ``options.dry_run``, the merge plan's summary with the export options).
     """
     resolved.out_dtype = torch.float32  # exact deltas for the SVD
     merge_options = dataclasses.replace(options, overwrite=False)
@@ -366,7 +416,15 @@ def _create_shards(plan: MergePlan, temp_dir: Path) -> None:
 def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
-    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
+    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report.
+
+    Args:
+        resolved: The merge config (base and tokenizer sources, output dtype).
+        base: The base checkpoint (its ``config.json``).
+        plan: The plan (shards, output bytes, resized tensors).
+        out_dir: The temporary output directory.
+        report: The merge report; a missing tokenizer adds a warning to it.
+    """
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": plan.output_bytes},
@@ -384,7 +442,14 @@ def finalize_output(
 
 
 def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
-    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
+    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary.
+
+    Args:
+        resolved: The merge config (its output dtype).
+        base: The base checkpoint (without a ``config.json``, a warning and no config).
+        plan: The plan (its resized tensors set ``vocab_size``).
+        out_dir: The directory written into.
+    """
     if base.config_path is None:
         warnings.warn(
             f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2

@@ -69,7 +69,15 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def method_factors(run: RunContext, stats: OverlapStatistics) -> list[float]:
-    """The method's per-agent factors from overlap statistics (its ``factors`` hook)."""
+    """The method's per-agent factors from overlap statistics (its ``factors`` hook).
+
+    Args:
+        run: The run (its method and parameters).
+        stats: The overlap counts the factors are computed from (global, or one tensor's).
+
+    Returns:
+        One factor per agent (RAM+'s ``lambda_t``).
+    """
     method = run.resolved.method
     assert method.factors is not None
     return method.factors(stats, run.resolved.params)
@@ -150,7 +158,7 @@ def statistics_pass(run: RunContext) -> None:
 
 class TensorInputs:
     """One whole tensor of the inputs, for a method's ``prepare_tensor`` hook (a
-    :class:`~ram_trl.methods.base.TensorView`).
+    :class:`~ram_trl.methods.base.TensorView`, which documents its methods).
 
     Args:
         run: The run.
@@ -212,6 +220,13 @@ def fill_magnitudes(
     """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one (the
     blocks of the TIES histograms, :data:`ram_trl.methods.ties.HISTOGRAM_BLOCK`).
 
+    Args:
+        out: Float32, flat, the tensor's length: receives the magnitudes.
+        values: The agent's stored values of the tensor (``None`` where it stores none, e.g. a LoRA agent).
+        lora: The agent's LoRA delta of the tensor, or ``None``.
+        base_values: The base's float32 values, flat.
+        pool: The compute pool (``None``: one block on this thread).
+
     Returns:
         The number of nonzero magnitudes (NaN counts as nonzero).
     """
@@ -256,7 +271,15 @@ class TensorContext:
 
 
 def tensor_factors(run: RunContext, task: TensorTask) -> list[float] | None:
-    """The method's per-agent factors for one tensor: global, tensor-local, or none."""
+    """The method's per-agent factors for one tensor: global, tensor-local, or none.
+
+    Args:
+        run: The run (its method, parameters and the statistics gathered in ``run.state``).
+        task: The tensor.
+
+    Returns:
+        One factor per agent, or ``None`` for a method without statistics.
+    """
     method = run.resolved.method
     if not method.needs_statistics:
         return None
@@ -268,7 +291,16 @@ def tensor_factors(run: RunContext, task: TensorTask) -> list[float] | None:
 def tensor_context(
     run: RunContext, task: TensorTask, pool: ThreadPoolExecutor | None = None
 ) -> TensorContext:
-    """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``)."""
+    """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``).
+
+    Args:
+        run: The run.
+        task: The tensor.
+        pool: The compute pool the method's ``prepare_tensor`` hook may use (default ``None``: this thread).
+
+    Returns:
+        The tensor's context; it counts overlaps while merging (``stats``) when the method has no statistics pass.
+    """
     resolved = run.resolved
     method = resolved.method
     agent_params = agent_parameter_values(resolved, task.name, run.device)
@@ -294,7 +326,16 @@ def agent_parameter_values(
     resolved: ResolvedConfig, tensor_name: str, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """The per-agent numbers of the method for one tensor (:attr:`ChunkInputs.agent_params`): each a float32
-    tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved."""
+    tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved.
+
+    Args:
+        resolved: The merge config (its method and agents).
+        tensor_name: The tensor the filter rules are matched against.
+        device: Where the tensors are put.
+
+    Returns:
+        Each per-agent float parameter of the method by name.
+    """
     return {
         p.name: torch.tensor(
             [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents],
@@ -312,7 +353,16 @@ def agent_parameter_values(
 
 def write_tensors(run: RunContext, out_dir: Path) -> None:
     """Merge this process's tensors (``run.tasks``) and write them into the output files already created in
-    ``out_dir``; adds the bytes written (and the inline overlap counts) to ``run.state``."""
+    ``out_dir``; adds the bytes written (and the inline overlap counts) to ``run.state``.
+
+    Args:
+        run: The run (its plan fixes which shard file each tensor goes to).
+        out_dir: The temporary output directory holding the shard files.
+
+    Raises:
+        NonFiniteError: for NaN/Inf inputs or merged values that overflow (unless ``allow_nonfinite``); the shard
+            files are aborted on any error.
+    """
     state, plan = run.state, run.plan
     shard_of = {t.name: shard for shard in plan.shards for t in shard.tasks}
     files: dict[str, ShardFile] = {}
@@ -389,6 +439,16 @@ def start_chunk(
     Blocks of methods without a ``scan`` hook are queued on ``pool`` and return at once, so that the caller can
     start the next chunk before this one is done; the returned function adds the chunk's overlap counts to
     ``context``, so call it in chunk order. Everything else is computed before returning.
+
+    Args:
+        run: The run.
+        chunk: The chunk (rows of one tensor, as read).
+        context: Its tensor's context (:func:`tensor_context`).
+        pool: The compute pool the chunk's blocks run on (default ``None``: this thread).
+
+    Returns:
+        A function that waits for the chunk and returns its output values (shape of its rows, output dtype, CPU):
+        non-floating tensors copied, rows past the base's averaged (:func:`extra_rows`), the rest merged.
     """
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
@@ -482,6 +542,9 @@ def merge_block(
         seen: The method's scan counts of the tensor's blocks before this one (default: the tensor's running
             count, which the kernel updates).
         out: A flat tensor of the output dtype the values are written into (and returned) instead of a new one.
+
+    Returns:
+        The merged values (flat) and the block's overlap counts (``None`` unless ``context`` counts while merging).
     """
     resolved = run.resolved
     task = chunk.task
@@ -552,6 +615,10 @@ def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
 
     ``base + 0.0`` turns a base ``-0.0`` into ``+0.0``; every other sum is already the base's bits where nothing
     changed. One integer reduction per block; the fix-up runs only in blocks whose base holds a ``-0.0``.
+
+    Args:
+        merged: The block's merged weights, modified in place.
+        base_values: The block's base values (only float32 blocks are fixed up).
     """
     if base_values.dtype != torch.float32 or int(base_values.view(torch.int32).min()) != _NEGATIVE_ZERO_BITS:
         return  # -0.0 is the smallest int32 bit pattern: no -0.0 in this block
@@ -563,6 +630,16 @@ def check_finite_output(merged: torch.Tensor, name: str, start: int, stop: int, 
     """Refuse merged values that overflowed (every input was finite: the parameters scaled them too far).
 
     One sum per block decides; the values are counted only when it is not finite.
+
+    Args:
+        merged: The block's merged values.
+        name: The tensor's name, for the message.
+        start: The block's first row (or flat element), for the message.
+        stop: One past its last, for the message.
+        where: Says in what the values overflow (default ``""``: float32).
+
+    Raises:
+        NonFiniteError: if a merged value is NaN or infinite.
     """
     if math.isfinite(float(merged.sum(dtype=torch.float32))):
         return
@@ -578,7 +655,20 @@ def check_finite_output(merged: torch.Tensor, name: str, start: int, stop: int, 
 def extra_rows(
     chunk: RawChunk, shape: tuple[int, ...], agents: list[Checkpoint], allow_nonfinite: bool
 ) -> torch.Tensor:
-    """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
+    """Rows past the base's (a resized vocabulary): the mean of the agents that have each row.
+
+    Args:
+        chunk: A chunk of rows past the base's.
+        shape: The chunk's output shape.
+        agents: The agents (their roles name an agent in the error).
+        allow_nonfinite: Merge NaN/Inf values instead of refusing them.
+
+    Returns:
+        The rows in the output dtype.
+
+    Raises:
+        NonFiniteError: if an agent's rows hold NaN/Inf and ``allow_nonfinite`` is off.
+    """
     total = torch.zeros(shape, dtype=torch.float32)
     count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)
     for raw, lora, agent in zip(chunk.agents, chunk.lora, agents, strict=True):

@@ -99,7 +99,15 @@ def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None =
 
 
 def statistics_blocks(chunk: RawChunk, device: torch.device) -> list[RawChunk]:
-    """:func:`compute_blocks` of :data:`STATISTICS_BLOCK_ELEMENTS` elements (the merge's statistics pass)."""
+    """:func:`compute_blocks` of :data:`STATISTICS_BLOCK_ELEMENTS` elements (the merge's statistics pass).
+
+    Args:
+        chunk: A chunk of the base's rows.
+        device: Where the arithmetic runs (the chunk stays whole off the CPU).
+
+    Returns:
+        The blocks, in row order.
+    """
     return compute_blocks(chunk, device, STATISTICS_BLOCK_ELEMENTS)
 
 
@@ -118,8 +126,15 @@ class ReadCounter:
 
 
 def chunk_refs(tasks: list[TensorTask], floating_only: bool) -> Iterator[tuple[TensorTask, int, int]]:
-    """Every ``(task, start, stop)`` row range to process, in order; ``floating_only`` skips copied tensors and rows
-    past the base's."""
+    """Every ``(task, start, stop)`` row range to process, in order.
+
+    Args:
+        tasks: The tensors (their ``chunks()`` fix the row ranges).
+        floating_only: Skip the tensors that are copied (not floating) and the rows past the base's.
+
+    Returns:
+        The row ranges, tensor by tensor.
+    """
     for task in tasks:
         if floating_only and not task.floating:
             continue
@@ -181,7 +196,20 @@ def iter_chunks(
 def read_agent_rows(
     agent: Checkpoint, task: TensorTask, index: int, reader: RowReader, start: int, stop: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One agent's stored values and LoRA delta (either may be ``None``) for rows ``start:stop`` of a tensor."""
+    """One agent's stored values and LoRA delta (either may be ``None``) for rows ``start:stop`` of a tensor.
+
+    Args:
+        agent: The agent's checkpoint.
+        task: The tensor.
+        index: The agent's index (its row count in ``task.agent_rows``).
+        reader: The positioned reader.
+        start: First row.
+        stop: One past the last row (cut to the agent's rows).
+
+    Returns:
+        The stored values (``None`` when the agent stores none of the tensor) and the float32 LoRA delta (``None``
+        without one); both ``None`` when the agent has no row in the range.
+    """
     have = min(stop, task.agent_rows[index])
     if have <= start:
         return None, None
@@ -196,6 +224,12 @@ def fill_delta(
 
     The stored values minus the base (where the agent stores values), plus the LoRA delta (where it has one); zero
     where it has neither (rows or tensors the agent does not touch).
+
+    Args:
+        out: Float32, flat: receives the task vector.
+        values: The agent's stored values of the chunk, or ``None``.
+        lora: The agent's LoRA delta of the chunk, or ``None``.
+        base_values: The base's float32 values of the chunk, flat.
     """
     n = 0
     if values is not None:
@@ -221,6 +255,12 @@ def fill_weights(
 
     The stored values where the agent stores them, the base's elsewhere (rows or tensors it does not touch), plus
     its LoRA delta where it has one.
+
+    Args:
+        out: Float32, flat: receives the weights.
+        values: The agent's stored values of the chunk, or ``None``.
+        lora: The agent's LoRA delta of the chunk, or ``None``.
+        base_values: The base's float32 values of the chunk, flat.
     """
     n = 0
     if values is not None:
@@ -243,6 +283,17 @@ def to_deltas(
     """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
 
     An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
+
+    Args:
+        chunk: A chunk of the base's rows.
+        device: Where the tensors are made.
+        base: The base checkpoint (read again to name a NaN/Inf input).
+        agents: The agents, in order (likewise).
+        reader: The positioned reader.
+        allow_nonfinite: Skip the NaN/Inf check (default ``False``).
+
+    Returns:
+        The task vectors and the base values, float32, on ``device``.
 
     Raises:
         NonFiniteError: naming the checkpoint and tensor, if an input holds NaN/Inf and ``allow_nonfinite`` is off.
@@ -271,6 +322,15 @@ def raise_nonfinite(
     Checks the base's stored values, each agent's stored values and LoRA delta (its factors), and finally the task
     vectors themselves (finite inputs whose difference overflows float32). Returns when everything is finite (only
     the sum used as a quick check overflowed).
+
+    Args:
+        task: The tensor.
+        base: The base checkpoint.
+        agents: The agents, in order.
+        reader: The positioned reader.
+        start: The chunk's first row.
+        stop: One past its last row.
+        deltas: The chunk's task vectors, checked last (default ``None``: not checked).
 
     Raises:
         NonFiniteError: naming the input, the tensor and the rows.
