@@ -108,7 +108,16 @@ class AdapterPlan:
 
 
 def classify(name: str, architecture: Architecture) -> tuple[str, str]:
-    """``("lora", module)``, ``("bias", module)``, ``("save", module)`` or ``("skip", reason)``."""
+    """Where a changed tensor of the merged model goes in the adapter.
+
+    Args:
+        name: The tensor's name in the checkpoint.
+        architecture: The base's module tree (built from its ``config.json``).
+
+    Returns:
+        ``("lora", module)`` (the weight of a linear layer), ``("bias", module)`` (its bias), ``("save", module)``
+        (a leaf module PEFT can save whole) or ``("skip", reason)``.
+    """
     names = architecture.aliases.get(name)
     if names is None:
         return (
@@ -141,7 +150,15 @@ def classify(name: str, architecture: Architecture) -> tuple[str, str]:
 
 
 def peft_wrapped(modules_to_save: list[str], architecture: Architecture) -> set[str]:
-    """The modules PEFT wraps for ``modules_to_save`` (its rule: the module name ends with an entry)."""
+    """The modules PEFT wraps for ``modules_to_save`` (its rule: the module name ends with an entry).
+
+    Args:
+        modules_to_save: The entries of the adapter config's ``modules_to_save``.
+        architecture: The base's module tree.
+
+    Returns:
+        The wrapped module names (with the tied output embedding when the input embedding is wrapped).
+    """
     wrapped = {key for key in architecture.modules if any(key.endswith(m) for m in modules_to_save)}
     if (
         architecture.input_embedding in wrapped
@@ -153,7 +170,16 @@ def peft_wrapped(modules_to_save: list[str], architecture: Architecture) -> set[
 
 
 def save_conflict(module: str, targets: set[str], architecture: Architecture) -> str | None:
-    """Why PEFT would not restore ``module`` as a modules_to_save entry beside these LoRA targets, if it would not."""
+    """Why PEFT would not restore ``module`` as a modules_to_save entry beside these LoRA targets, if it would not.
+
+    Args:
+        module: The candidate ``modules_to_save`` entry.
+        targets: The LoRA target modules.
+        architecture: The base's module tree.
+
+    Returns:
+        The reason, or ``None`` when the entry is safe.
+    """
     for key in peft_wrapped([module], architecture):
         if key in targets or any(t.startswith(f"{key}.") for t in targets):
             return f"PEFT's modules_to_save entry {module!r} would also wrap {key!r}, which holds LoRA layers"
@@ -166,7 +192,15 @@ def save_conflict(module: str, targets: set[str], architecture: Architecture) ->
 
 
 def exact_list(names: list[str], candidates: list[str]) -> bool:
-    """Whether PEFT's list rule for ``target_modules`` (equal, or ends with ``.name``) selects exactly ``names``."""
+    """Whether PEFT's list rule for ``target_modules`` (equal, or ends with ``.name``) selects exactly ``names``.
+
+    Args:
+        names: The module names the list would hold.
+        candidates: Every module name of the model, each tested against the rule.
+
+    Returns:
+        ``True`` when the rule selects ``names`` and nothing else.
+    """
     chosen = set(names)
     for key in candidates:
         parts = key.split(".")
@@ -178,7 +212,15 @@ def exact_list(names: list[str], candidates: list[str]) -> bool:
 
 def pattern_keys(pattern: dict[str, int], targets: list[str]) -> dict[str, int]:
     """``rank_pattern``/``alpha_pattern`` keyed by module name, escaped and anchored if PEFT's regex rule (first key
-    matching the end of the module name) would give a module another module's value."""
+    matching the end of the module name) would give a module another module's value.
+
+    Args:
+        pattern: Each module name's rank (or alpha).
+        targets: The LoRA target modules.
+
+    Returns:
+        ``pattern`` itself when PEFT's rule reads it right, else its keys as ``^``-anchored escaped regexes.
+    """
     compiled = [(key, re.compile(rf"(.*\.)?({key})$")) for key in pattern]
 
     def first(module: str) -> str | None:

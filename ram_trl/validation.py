@@ -79,7 +79,17 @@ def check_number(
 
 
 def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
-    """:func:`check_number` for a value that may be ``None`` (not given)."""
+    """:func:`check_number` for a value that may be ``None`` (not given).
+
+    Args:
+        value: The value as read, or ``None``.
+        where: The file or context.
+        name: The field's name.
+        **bounds: :func:`check_number`'s keyword arguments (``minimum``, ``maximum``, ``above``, ``integer``).
+
+    Returns:
+        ``None`` for ``None``, else the checked value as a float.
+    """
     return None if value is None else check_number(value, where, name, **bounds)
 
 
@@ -288,6 +298,16 @@ def check_weight_map(
 ) -> dict[str, Path]:
     """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``.
 
+    Args:
+        data: The index as loaded from JSON.
+        index: The index file, for messages.
+        root: The checkpoint directory the shards must lie in.
+        role: How messages name the checkpoint (e.g. ``"agent 0 (coder)"``).
+        allow_external: Accept shards outside ``root`` (default ``False``; ``--allow-external-shards``).
+
+    Returns:
+        Each tensor name's shard file.
+
     Raises:
         CheckpointError: naming the index and the entry, for a missing or mistyped ``weight_map``, an empty shard
             name, or a shard outside the checkpoint directory.
@@ -309,7 +329,19 @@ def check_weight_map(
 
 
 def read_json_object(path: Path, what: str, error: type[RamTrlError] = CheckpointError) -> dict[str, Any]:
-    """A JSON file holding an object, or ``error`` naming the file."""
+    """A JSON file holding an object, or ``error`` naming the file.
+
+    Args:
+        path: The file.
+        what: How the message names it (e.g. a checkpoint's role).
+        error: The exception type raised (default :class:`CheckpointError`).
+
+    Returns:
+        The object.
+
+    Raises:
+        RamTrlError: ``error``, for an unreadable file, invalid JSON or a value that is not an object.
+    """
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -321,6 +353,13 @@ def read_json_object(path: Path, what: str, error: type[RamTrlError] = Checkpoin
 
 def check_model_config(path: Path, role: str) -> dict[str, Any]:
     """A model's ``config.json``: a JSON object whose size fields, when present, are positive integers.
+
+    Args:
+        path: The ``config.json``.
+        role: How messages name the model.
+
+    Returns:
+        The config.
 
     Raises:
         CheckpointError: naming the file and the field.
@@ -336,7 +375,19 @@ def check_model_config(path: Path, role: str) -> dict[str, Any]:
 
 
 def check_pickle_state(state: Any, file: Path, role: str) -> dict[str, torch.Tensor]:
-    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else)."""
+    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else).
+
+    Args:
+        state: What the file unpickled to.
+        file: The file, for messages.
+        role: How messages name the checkpoint.
+
+    Returns:
+        The state dict, as a ``dict``.
+
+    Raises:
+        CheckpointError: for anything but a mapping of string names to tensors.
+    """
     if not isinstance(state, Mapping):
         raise CheckpointError(
             f"{role}: {file} holds a {type(state).__name__}, not a state dict of tensors; save the model's "
@@ -384,6 +435,14 @@ def _pattern(value: Any, where: str, field: str) -> dict[str, Any]:
 
 def check_lora_config(config: Any, path: Path, role: str) -> LoraSettings:
     """Validate the LoRA numbers of an adapter config: ranks positive integers, alphas finite, patterns valid regexes.
+
+    Args:
+        config: The adapter config as loaded from JSON (``r`` and ``lora_alpha`` default to 8, as in PEFT).
+        path: The ``adapter_config.json``, for messages.
+        role: How messages name the adapter.
+
+    Returns:
+        The validated numbers.
 
     Raises:
         CheckpointError: naming the adapter config and the field.

@@ -32,7 +32,15 @@ RESCALE_EPS = 1e-7
 
 def floor_count(numel: int, fraction: float) -> int:
     """``floor(fraction * numel)`` computed exactly on the shortest decimal form of ``fraction`` (0 for
-    ``fraction <= 0``, ``numel`` for ``fraction >= 1``)."""
+    ``fraction <= 0``, ``numel`` for ``fraction >= 1``).
+
+    Args:
+        numel: The count the fraction is taken of.
+        fraction: The fraction, as written (``0.1`` is the decimal 0.1, not its binary float).
+
+    Returns:
+        The count, in ``[0, numel]``.
+    """
     if fraction <= 0:
         return 0
     if fraction >= 1:
@@ -133,7 +141,15 @@ def prepare(view: TensorView) -> list[OutlierCut | None]:
 
 
 def scan(deltas: torch.Tensor, cuts: list[OutlierCut | None]) -> list[int]:
-    """Breadcrumbs' scan hook: per agent, the block's elements tied at its two thresholds."""
+    """Breadcrumbs' scan hook: per agent, the block's elements tied at its two thresholds.
+
+    Args:
+        deltas: The block's float32 task vectors, shape ``(num_agents, n)``.
+        cuts: The tensor's cut of each agent (``None``: the agent is not cut).
+
+    Returns:
+        Two counts per agent, in agent order: the elements equal to its keep threshold, then to its drop threshold.
+    """
     counts = []
     for t, cut in enumerate(cuts):
         if cut is None:

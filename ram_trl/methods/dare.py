@@ -19,7 +19,16 @@ _MASK32 = 0xFFFFFFFF
 
 
 def dare_key(seed: int, tensor_name: str, agent_index: int) -> tuple[int, int]:
-    """Two 32-bit keys for the hash stream of one (tensor, agent) pair."""
+    """Two 32-bit keys for the hash stream of one (tensor, agent) pair.
+
+    Args:
+        seed: The merge's random seed.
+        tensor_name: The tensor's name.
+        agent_index: The agent's index.
+
+    Returns:
+        The keys (the low and high halves of a BLAKE2b digest of the three).
+    """
     digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{agent_index}".encode(), digest_size=8).digest()
     value = int.from_bytes(digest, "little")
     return value & _MASK32, value >> 32

@@ -69,7 +69,19 @@ def keep_mask(
     start: int,
 ) -> torch.Tensor:
     """1.0 / 0.0 flags: element ``i`` (flat index ``start + i``) is kept when its hashed uniform draw is below
-    ``(density - epsilon) + 2 epsilon fraction_i``."""
+    ``(density - epsilon) + 2 epsilon fraction_i``.
+
+    Args:
+        delta: A chunk of one agent's task vector (its element count and device are used).
+        fraction: Each element's magnitude rank fraction in ``[0, 1]`` (:func:`rank_fraction`).
+        density: The mean keep probability.
+        epsilon: Half-width of the keep probabilities.
+        key: The agent's hash key for the tensor (:func:`~ram_trl.methods.dare.dare_key`).
+        start: Flat index of the chunk's first element in the tensor.
+
+    Returns:
+        Float32 flags, flat.
+    """
     probability = fraction.reshape(-1) * (2 * epsilon) + (density - epsilon)
     draws = dare.hashed_uniform(key, start, delta.numel(), delta.device)
     return torch.lt(draws, probability, out=draws)

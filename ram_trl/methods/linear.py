@@ -13,7 +13,15 @@ from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, normalize
 
 
 def weighted_sum(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_t w_t * tau_t`` for task vectors of shape ``(num_agents, n)`` and weights of shape ``(num_agents,)``."""
+    """``sum_t w_t * tau_t`` for task vectors of shape ``(num_agents, n)`` and weights of shape ``(num_agents,)``.
+
+    Args:
+        deltas: Float32 task vectors ``tau_t``, shape ``(num_agents, n)``.
+        weights: Per-agent weights ``w_t`` (cast to the task vectors' dtype).
+
+    Returns:
+        The weighted sum, shape ``(n,)``.
+    """
     return (deltas * weights.to(deltas.dtype).unsqueeze(-1)).sum(dim=0)
 
 

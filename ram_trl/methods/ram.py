@@ -75,7 +75,16 @@ def active_flags(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor
 def masked_deltas(
     deltas: torch.Tensor, eps: float = DEFAULT_EPS, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``)."""
+    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``).
+
+    Args:
+        deltas: Float32 task vectors, any shape.
+        eps: Threshold (default :data:`DEFAULT_EPS`); an element equal to ``eps`` in magnitude is inactive.
+        out: A tensor of the same shape the result is written into (may be ``deltas`` itself).
+
+    Returns:
+        The masked task vectors (``out`` when given).
+    """
     if out is not None:
         return torch.hardshrink(deltas, float32_threshold(eps), out=out)
     return F.hardshrink(deltas, float32_threshold(eps))
@@ -103,6 +112,13 @@ def overlap_unique_ratio(shared: int, unique: int) -> float:
 
     An agent with shared but no unique elements gets ``inf``; an agent with no active element at all gets 0 (it has
     no unique element for the factor to act on, so its value does not matter).
+
+    Args:
+        shared: The agent's active elements that another agent also updates.
+        unique: Its active elements no other agent updates.
+
+    Returns:
+        ``rho_t``.
     """
     if unique > 0:
         return shared / unique
@@ -110,12 +126,29 @@ def overlap_unique_ratio(shared: int, unique: int) -> float:
 
 
 def rescale_factor(rho: float, r: float, alpha: float) -> float:
-    """RAM+ rescale factor ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` (eq. 6); RAM is ``r = 0``."""
+    """RAM+ rescale factor ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` (eq. 6); RAM is ``r = 0``.
+
+    Args:
+        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
+        r: The rescale strength.
+        alpha: The upper clip of ``rho``.
+
+    Returns:
+        ``lambda_t``.
+    """
     return 1.0 + r * min(max(rho, 0.0), alpha)
 
 
 def soft_rescale_factor(rho: float, r: float) -> float:
-    """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``."""
+    """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``.
+
+    Args:
+        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
+        r: The rescale strength.
+
+    Returns:
+        ``lambda_t``.
+    """
     saturation = 1.0 if math.isinf(rho) else rho / (1.0 + rho)
     return 1.0 + r * saturation
 

@@ -149,7 +149,15 @@ def _rank_from_top(counts: torch.Tensor, k: int) -> tuple[int, int]:
 
 def count_at_cut(delta: torch.Tensor, cut: MagnitudeCut) -> int:
     """Elements of a chunk of one agent's task vector whose magnitude equals the cut's threshold (what
-    :func:`magnitude_trim` returns as ``equal_in_chunk``, without trimming)."""
+    :func:`magnitude_trim` returns as ``equal_in_chunk``, without trimming).
+
+    Args:
+        delta: A chunk of one agent's task vector, float32, any shape (not modified).
+        cut: The tensor's cut from :func:`magnitude_cut`.
+
+    Returns:
+        The count (0 for a cut that keeps everything).
+    """
     if cut.keep_all:
         return 0
     magnitudes = delta.abs()
@@ -246,7 +254,15 @@ def prepare_cuts(view: TensorView) -> list[MagnitudeCut]:
 
 def scan_ties(deltas: torch.Tensor, cuts: list[MagnitudeCut]) -> list[int]:
     """TIES' scan hook: per agent, the elements of a block equal to its cut's threshold (:func:`count_at_cut`), so
-    that every block knows how many tied elements came before it (ties are kept lowest flat index first)."""
+    that every block knows how many tied elements came before it (ties are kept lowest flat index first).
+
+    Args:
+        deltas: The block's float32 task vectors, shape ``(num_agents, n)``.
+        cuts: The tensor's cut of each agent (the ``prepare_tensor`` hook's result).
+
+    Returns:
+        One count per agent.
+    """
     return [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
 
 

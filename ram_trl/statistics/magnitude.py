@@ -88,7 +88,15 @@ class MagnitudeWorkspace:
         return sum(t.numel() * t.element_size() for t in (self.wide, self.narrow))
 
     def buffers(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(wide, narrow)``: int64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit)."""
+        """``(wide, narrow)``: int64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit).
+
+        Args:
+            numel: Elements each row of the buffers holds.
+            device: Where the buffers live (new ones when the workspace is elsewhere or too small).
+
+        Returns:
+            The int64 and the int32 buffer.
+        """
         if numel <= self.numel and self.wide.device == device:
             return self.wide[:, :numel], self.narrow[:, :numel]
         return _new_buffers(numel, device)
@@ -343,7 +351,15 @@ class MagnitudeStatistics:
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
-        """Empty statistics of ``num_agents`` agents."""
+        """Empty statistics of ``num_agents`` agents.
+
+        Args:
+            num_agents: Agents counted.
+            mantissa_bits: Mantissa bits a histogram bin keeps (default :data:`MAGNITUDE_MANTISSA_BITS`).
+
+        Returns:
+            The statistics, all zero.
+        """
         return cls(num_agents, mantissa_bits)
 
     @property
@@ -482,6 +498,13 @@ class MagnitudeStatistics:
     ) -> int:
         """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`.
 
+        Args:
+            t: Agent index.
+            values: Active task-vector values, any shape; NaN values are left out.
+            zero_filled: ``values`` is a whole chunk whose inactive elements are 0 (see :meth:`add_histogram`;
+                default ``False``).
+            workspace: Buffers to compute in (else allocated).
+
         Returns:
             The number of elements added.
         """
@@ -494,7 +517,12 @@ class MagnitudeStatistics:
         return self.add_histogram(t, values, zero_filled=zero_filled, finite=finite, workspace=workspace)
 
     def update(self, deltas: torch.Tensor, mask: torch.Tensor) -> None:
-        """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape)."""
+        """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape).
+
+        Args:
+            deltas: The chunk's task vectors, one row per agent.
+            mask: Which elements are active (boolean, same shape): only those are added.
+        """
         for t in range(self.num_agents):
             values = deltas[t][mask[t]]
             if values.numel():
@@ -504,7 +532,16 @@ class MagnitudeStatistics:
     def of_values(
         cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
     ) -> MagnitudeStatistics:
-        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total."""
+        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total.
+
+        Args:
+            values: Active task-vector values, float32, any shape.
+            mantissa_bits: Mantissa bits a histogram bin keeps (default :data:`MAGNITUDE_MANTISSA_BITS`).
+            zero_filled: ``values`` is a whole chunk whose inactive elements are 0 (default ``False``).
+
+        Returns:
+            Statistics of one agent.
+        """
         stats = cls(1, mantissa_bits)
         stats.add_values(0, values, zero_filled=zero_filled)
         return stats

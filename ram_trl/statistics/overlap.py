@@ -105,6 +105,10 @@ class OverlapStatistics:
 
         Counting subsets chunk by chunk and converting once (e.g. per tensor) costs less than :meth:`update` on
         every small chunk.
+
+        Args:
+            subsets: Elements per subset of active agents, indexed by the subset's bit mask (:func:`subset_counts`).
+            numel: Elements the counts cover (the empty subset included).
         """
         members, sizes = _subset_tables(self.num_agents)
         weighted = members * subsets.to(torch.int64).cpu().unsqueeze(1)
@@ -143,12 +147,29 @@ class OverlapStatistics:
         return ram.overlap_unique_ratio(self.shared(t), self.unique(t))
 
     def jaccard(self, s: int, t: int) -> float:
-        """Jaccard index of the active sets of agents ``s`` and ``t``."""
+        """Jaccard index of the active sets of agents ``s`` and ``t``.
+
+        Args:
+            s: One agent's index.
+            t: The other's.
+
+        Returns:
+            ``|A_s & A_t| / |A_s | A_t|``, 0 when neither has an active element.
+        """
         union = int(self.pairwise[s, s] + self.pairwise[t, t] - self.pairwise[s, t])
         return int(self.pairwise[s, t]) / union if union else 0.0
 
     def lambdas(self, r: float, alpha: float | None, soft: bool = False) -> list[float]:
-        """Rescale factors ``lambda_t`` for RAM+ (``soft=False``, clipped at ``alpha``) or RAM+s (``soft=True``)."""
+        """Rescale factors ``lambda_t`` for RAM+ (``soft=False``, clipped at ``alpha``) or RAM+s (``soft=True``).
+
+        Args:
+            r: The rescale strength.
+            alpha: RAM+'s upper clip of ``rho_t`` (unused, may be ``None``, with ``soft``).
+            soft: RAM+s's unclipped factors instead (default ``False``).
+
+        Returns:
+            One factor per agent, from its ``rho`` (:meth:`rho`).
+        """
         if soft:
             return [ram.soft_rescale_factor(self.rho(t), r) for t in range(self.num_agents)]
         assert alpha is not None
@@ -215,6 +236,15 @@ class TensorAnalysis:
 
     @classmethod
     def zeros(cls, num_agents: int, bf16: bool) -> TensorAnalysis:
+        """Empty statistics of ``num_agents`` agents in every view.
+
+        Args:
+            num_agents: Agents counted.
+            bf16: Whether the bf16 view is counted (else ``bf16`` is ``None``).
+
+        Returns:
+            The statistics, all zero, of one tensor.
+        """
         return cls(
             OverlapStatistics.zeros(num_agents),
             OverlapStatistics.zeros(num_agents),
