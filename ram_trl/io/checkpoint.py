@@ -89,7 +89,18 @@ class Checkpoint:
         return name in self.tensors
 
     def lora_delta_rows(self, name: str, reader: RowReader, start: int, stop: int) -> torch.Tensor | None:
-        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it."""
+        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it.
+
+        Args:
+            name: The base tensor's name.
+            reader: The positioned reader.
+            start: First row.
+            stop: One past the last row.
+
+        Returns:
+            ``B @ A * scaling`` of those rows (a ``lora_bias`` adapter's bias delta for a bias), or ``None`` (a full
+            checkpoint, or a tensor no factor touches).
+        """
         if self.adapter is None:
             return None
         factors = self.adapter.factors.get(name)
@@ -114,7 +125,17 @@ class Checkpoint:
         return self._safetensors.get(name)
 
     def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
-        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype."""
+        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype.
+
+        Args:
+            name: The tensor's name (an adapter reads its stored full values: modules_to_save, biases).
+            reader: The positioned reader (safetensors files).
+            start: First row (default ``None``: 0).
+            stop: One past the last row (default ``None``: all rows).
+
+        Returns:
+            The rows (a 0-d tensor whole); a memory map or a copy, see :meth:`RowReader.read_rows`.
+        """
         if self.adapter is not None:
             return reader.read_rows(self.adapter.full[name], start, stop)
         if self.format == "safetensors":

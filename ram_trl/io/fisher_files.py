@@ -64,6 +64,12 @@ def check_fisher_headers(fisher: Checkpoint, agent: Checkpoint, base: Checkpoint
     The shape must be the base's, or the agent's own where its tensor has more or fewer rows (resized vocabulary).
     Tensors of the file that the base does not merge are ignored.
 
+    Args:
+        fisher: The agent's Fisher file.
+        agent: The agent (its own shapes).
+        base: The base (its shapes).
+        names: The floating tensors the merge reads.
+
     Raises:
         CheckpointError: naming the agent, the file and the tensor.
     """
@@ -93,14 +99,33 @@ def fisher_itemsize(fisher: Checkpoint) -> int:
 
 
 def fisher_nbytes(fisher: Checkpoint, names: list[str]) -> int:
-    """Bytes of ``names`` in a Fisher file (what one pass reads)."""
+    """Bytes of ``names`` in a Fisher file (what one pass reads).
+
+    Args:
+        fisher: The Fisher file.
+        names: The tensors read (all in the file: :func:`check_fisher_headers`).
+
+    Returns:
+        Their stored bytes.
+    """
     return sum(fisher.tensors[n].nbytes for n in names)
 
 
 def read_fisher_rows(
     fisher: Checkpoint, name: str, reader: RowReader, start: int, stop: int
 ) -> torch.Tensor | None:
-    """Rows ``start:stop`` of one Fisher tensor in its stored dtype (fewer where it has fewer rows; ``None``: none)."""
+    """Rows ``start:stop`` of one Fisher tensor in its stored dtype (fewer where it has fewer rows; ``None``: none).
+
+    Args:
+        fisher: The Fisher file.
+        name: The tensor's name.
+        reader: The positioned reader.
+        start: First row.
+        stop: One past the last row.
+
+    Returns:
+        The rows the file holds in the range, or ``None`` when it holds none of them.
+    """
     shape = fisher.tensors[name].shape
     have = min(stop, shape[0] if shape else 1)
     if have <= start:
@@ -112,6 +137,13 @@ def fill_fisher(
     out: torch.Tensor, raw: torch.Tensor | None, fisher: Checkpoint, name: str, start: int
 ) -> None:
     """Write one agent's float32 Fisher of a chunk into ``out`` (flat, the chunk's length); zero on rows it lacks.
+
+    Args:
+        out: Float32, flat: receives the Fisher.
+        raw: The file's rows of the chunk (:func:`read_fisher_rows`), or ``None``.
+        fisher: The Fisher file, for messages.
+        name: The tensor's name, for messages.
+        start: The chunk's first row, for messages.
 
     Raises:
         NonFiniteError: naming the agent's Fisher file and the tensor, for NaN/Inf or negative values.

@@ -56,7 +56,16 @@ class LoraFactors:
         return (rows, cols) if self.layout == "linear" else (cols, rows)
 
     def delta_rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout)."""
+        """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout).
+
+        Args:
+            reader: The positioned reader of the adapter file.
+            start: First row of the delta.
+            stop: One past its last row.
+
+        Returns:
+            A new float32 tensor of ``stop - start`` rows (:func:`lora_delta_rows`).
+        """
         if self.layout == "linear":
             return lora_delta_rows(
                 reader.read_rows(self.a), reader.read_rows(self.b, start, stop), self.scaling, self.layout
@@ -121,6 +130,13 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
 
 def read_adapter(path: Path, role: str) -> AdapterContent:
     """Read and validate a PEFT adapter directory.
+
+    Args:
+        path: The adapter directory (``adapter_config.json`` and the adapter's weights).
+        role: How messages name the adapter (e.g. ``"agent 1 (math)"``).
+
+    Returns:
+        Its config and tensors, mapped onto base tensor names.
 
     Raises:
         CheckpointError: for a missing or corrupt file, a PEFT method other than LoRA, DoRA, or an unsupported

@@ -50,7 +50,14 @@ class BackgroundWriter:
         self._depth = depth
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)``; raises the error of an earlier call if one failed."""
+        """Queue ``fn(*args)``; raises the error of an earlier call if one failed.
+
+        Waits while ``depth`` calls are queued.
+
+        Args:
+            fn: The write call.
+            *args: Its arguments.
+        """
         while len(self._pending) >= self._depth:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(fn, *args))

@@ -360,6 +360,11 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
     The disk then works while the merge computes the next chunks, and the final ``fsync`` only waits for the last
     ones, instead of for the whole file (and for other processes' dirty data queued on the same disk).
+
+    Args:
+        fd: The file's descriptor.
+        offset: Byte offset of the range.
+        nbytes: Its length in bytes (nothing is done for 0).
     """
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # best effort: errors are not actionable
@@ -390,14 +395,29 @@ class ShardFile:
     def create(
         path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
     ) -> None:
-        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`."""
+        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`.
+
+        Args:
+            path: The file (created or truncated).
+            tensors: The file's tensors, in file order.
+            metadata: The ``__metadata__`` map (default ``None``: none).
+        """
         prefix, _, size = shard_layout(tensors, metadata)
         with open(path, "wb") as handle:
             handle.write(prefix)
             handle.truncate(size)
 
     def write_rows(self, name: str, row_start: int, chunk: torch.Tensor) -> None:
-        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype)."""
+        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype).
+
+        Args:
+            name: The tensor's name (planned in this file).
+            row_start: The first row written.
+            chunk: The rows, in the tensor's planned dtype (on any device).
+
+        Raises:
+            RuntimeError: for a tensor not planned in this file, another dtype, or rows past the tensor's end.
+        """
         planned = self._planned.get(name)
         if planned is None:
             raise RuntimeError(f"{self.path}: tensor {name!r} is not planned in this file")

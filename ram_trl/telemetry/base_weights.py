@@ -76,7 +76,19 @@ class BaseSource(Protocol):
     description: str
 
     def read(self, name: str, offset: int, numel: int) -> torch.Tensor:
-        """Elements ``[offset, offset + numel)`` of the flattened base tensor ``name`` (1-D, stored dtype)."""
+        """Elements ``[offset, offset + numel)`` of the flattened base tensor ``name`` (1-D, stored dtype).
+
+        Args:
+            name: The base tensor's name.
+            offset: Flat index of the first element.
+            numel: Elements read.
+
+        Returns:
+            The elements, 1-D, in the dtype the source stores them in.
+
+        Raises:
+            CheckpointError: for a tensor the source lacks or a range it does not hold.
+        """
         ...
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -138,7 +150,15 @@ class ModelBase:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, description: str = "reference model") -> ModelBase:
-        """All floating parameters of ``model``, through :func:`~ram_trl.telemetry.shards.iter_local_shards`."""
+        """All floating parameters of ``model``, through :func:`~ram_trl.telemetry.shards.iter_local_shards`.
+
+        Args:
+            model: The model holding the base weights (this process's shards of them, when partitioned).
+            description: How reports name this source (default ``"reference model"``).
+
+        Returns:
+            The source, keyed by base tensor name (:func:`base_name` of each parameter's name).
+        """
         shards = {base_name(s.name): s for s in iter_local_shards(model) if torch.is_floating_point(s.values)}
         return cls(shards, description)
 
@@ -155,6 +175,13 @@ class ModelBase:
         than ``numel``): every process contributes the elements it holds and the float64 buffer is all-reduced
         (exact: every element is added to zeros once). Every process must call this for the same tensors in the
         same order.
+
+        Args:
+            name: The base tensor's name.
+            numel: Elements wanted from its start.
+
+        Returns:
+            The elements, 1-D: in the stored dtype, or float64 when summed over the processes of a partitioned run.
         """
         shard = self._shards.get(name)
         if shard is None:

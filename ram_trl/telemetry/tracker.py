@@ -120,7 +120,16 @@ class LoraFactorsRef:
     layout: Literal["linear", "transposed"]
 
     def delta_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first."""
+        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first.
+
+        Args:
+            start: First row of the delta.
+            stop: One past its last row.
+            dtype: Round the factors to this dtype before the product (default ``None``: as they are).
+
+        Returns:
+            A new float32 tensor on the CPU (:func:`~ram_trl.io.lora.lora_delta_rows`).
+        """
         a, b = self.a.detach(), self.b.detach()
         if dtype is not None:
             a, b = a.to(dtype), b.to(dtype)
