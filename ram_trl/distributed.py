@@ -61,7 +61,15 @@ class DistContext:
     def from_env(cls, device: str = "cpu", timeout_minutes: float = 30.0) -> DistContext:
         """Join the process group that ``accelerate launch`` / ``torchrun`` describe in the environment, if any.
 
-        Uses gloo for CPU arithmetic and nccl for CUDA.
+        Uses gloo for CPU arithmetic and nccl for CUDA. A process group that is already initialised is used as it is
+        (and not destroyed by :meth:`close`).
+
+        Args:
+            device: The merge's device (default ``"cpu"``); a ``cuda`` device selects nccl.
+            timeout_minutes: The process group's timeout for collectives (default 30).
+
+        Returns:
+            The context: a single process when ``WORLD_SIZE`` is unset or 1.
         """
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
@@ -106,6 +114,15 @@ class DistContext:
         return tensor
 
     def all_reduce_int(self, value: int, op: str = "sum") -> int:
+        """An integer reduced over the ranks.
+
+        Args:
+            value: This rank's value.
+            op: ``"sum"`` (default) or ``"max"``.
+
+        Returns:
+            The sum (or maximum) over the ranks; ``value`` in a single process.
+        """
         if not self.enabled:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self._tensor_device())

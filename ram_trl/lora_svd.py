@@ -123,6 +123,13 @@ def choose_rank(singular_values: torch.Tensor, options: LoraExportOptions) -> in
 
     Fixed mode: ``min(rank, len(S))``. Energy mode: the smallest ``k`` with ``sum(S[:k]**2) >= energy * sum(S**2)``,
     at most ``max_rank`` and ``len(S)``, at least 1.
+
+    Args:
+        singular_values (`torch.Tensor`): The delta's singular values, descending.
+        options (`LoraExportOptions`): The rank options (fixed ``rank``, or ``max_rank`` with ``energy``).
+
+    Returns:
+        `int`: The rank.
     """
     n = singular_values.numel()
     if options.rank is not None:
@@ -155,6 +162,14 @@ def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
     triangular factor, which is how LAPACK itself reduces tall matrices but several times faster than
     ``torch.linalg.svd`` of the whole delta; only the ``k`` kept singular vectors are formed. The relative error
     ``||delta - b @ a||_F / ||delta||_F`` is measured with the float32 factors as stored.
+
+    Args:
+        delta (`torch.Tensor`): The 2-D delta, any floating dtype (computed in float64).
+        options (`LoraExportOptions`): The rank options (:func:`choose_rank`).
+
+    Returns:
+        `Factorization`: ``b`` (``out x k``) and ``a`` (``k x in``), the square roots of the singular values split
+        between them, with the rank, the energy kept and the relative error.
     """
     d = delta.to(torch.float64)
     wide = d.shape[0] < d.shape[1]
@@ -176,7 +191,16 @@ def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
 
 
 def relative_error(delta: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> float:
-    """``||delta - b @ a||_F / ||delta||_F`` in float64, a block of rows at a time."""
+    """``||delta - b @ a||_F / ||delta||_F`` in float64, a block of rows at a time.
+
+    Args:
+        delta (`torch.Tensor`): The 2-D delta.
+        b (`torch.Tensor`): The left factor (``out x k``).
+        a (`torch.Tensor`): The right factor (``k x in``).
+
+    Returns:
+        `float`: The relative error (0 for a zero delta).
+    """
     a64 = a.to(torch.float64)
     rows, cols = delta.shape
     block = max(1, ERROR_BLOCK_BYTES // max(1, cols * 8))

@@ -89,6 +89,10 @@ def rename_noreplace(source: Path, target: Path) -> None:
     Uses ``renameat2(RENAME_NOREPLACE)`` on Linux; where the kernel or file system lacks it, reserves ``target``
     with ``mkdir`` (atomic, fails if it exists) and renames onto that empty directory.
 
+    Args:
+        source: The file or directory renamed.
+        target: Its new path, which must not exist.
+
     Raises:
         FileExistsError: if ``target`` exists.
         OSError: for other file-system errors.
@@ -233,7 +237,15 @@ def _describe(path: Path, limit: int = 8) -> str:
 
 
 def as_output_error(exc: OSError, what: str) -> OutputError:
-    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it."""
+    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it.
+
+    Args:
+        exc: The file-system error.
+        what: How the message names the output (e.g. ``"output directory merged"``).
+
+    Returns:
+        The error to raise (its message names the file, the reason and a remedy: space, read-only, permission).
+    """
     reason = exc.strerror or str(exc)
     hint = {
         errno.ENOSPC: "free some space or choose another output location",
@@ -246,7 +258,16 @@ def as_output_error(exc: OSError, what: str) -> OutputError:
 
 
 def temp_name(target: Path, kind: str = "tmp") -> Path:
-    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old)."""
+    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old).
+
+    Args:
+        target: The output path.
+        kind: What the temporary holds (default ``"tmp"``): a new output (``tmp``), a full model for a LoRA export
+            (``full``), a previous output moved aside (``old``).
+
+    Returns:
+        A hidden path beside ``target``: ``.NAME.ram-trl-KIND-PID-RANDOM`` (not created).
+    """
     return target.parent / f".{target.name}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

@@ -57,6 +57,16 @@ def bytes_per_element(
     stored Fisher's bytes per element): the float32 Fishers of the chunk being merged and of the one read ahead
     (``8N``) and the stored rows being converted (``N fisher_itemsize``). For methods that merge weights
     (``model_buffers``): the agents' float32 weights (``4N``).
+
+    Args:
+        num_agents: Agents merged (``N``).
+        in_itemsize: Bytes per stored input element (default 4).
+        out_itemsize: Bytes per output element (default 4).
+        fisher_itemsize: Bytes per stored Fisher element, 0 without Fisher inputs (default 0).
+        model_buffers: The method merges weights rather than task vectors (default ``False``).
+
+    Returns:
+        The bytes per element.
     """
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
     if fisher_itemsize:
@@ -74,7 +84,19 @@ def chunk_elements(
     fisher_itemsize: int = 0,
     model_buffers: bool = False,
 ) -> int:
-    """Largest chunk (in elements) whose buffers fit in ``budget`` bytes."""
+    """Largest chunk (in elements) whose buffers fit in ``budget`` bytes.
+
+    Args:
+        budget: The chunk budget in bytes.
+        num_agents: Agents merged.
+        in_itemsize: Bytes per stored input element (default 4).
+        out_itemsize: Bytes per output element (default 4).
+        fisher_itemsize: Bytes per stored Fisher element, 0 without Fisher inputs (default 0).
+        model_buffers: The method merges weights rather than task vectors (default ``False``).
+
+    Returns:
+        ``budget // bytes_per_element(...)``, at least 1.
+    """
     per = bytes_per_element(num_agents, in_itemsize, out_itemsize, fisher_itemsize, model_buffers)
     return max(1, budget // per)
 
@@ -358,7 +380,15 @@ def build_plan(
 
 
 def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]:
-    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, named as transformers names them."""
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, named as transformers names them.
+
+    Args:
+        tasks: The output tensors, in file order.
+        max_shard_size: The largest file in bytes (a larger tensor gets a file of its own).
+
+    Returns:
+        One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files.
+    """
     groups: list[list[TensorTask]] = [[]]
     size = 0
     for task in tasks:

@@ -82,7 +82,19 @@ def build_report(
     timings: dict[str, float],
     output_dir: Path,
 ) -> dict[str, Any]:
-    """Assemble the merge report (the content of ``ram_merge_report.json``)."""
+    """Assemble the merge report (the content of ``ram_merge_report.json``).
+
+    Args:
+        resolved: The merge config (method, parameters, agents, notes).
+        plan: The plan (output files and bytes).
+        state: The merge's accumulated state (overlap statistics, factors, bytes read, warnings), summed over the
+            processes.
+        timings: Seconds per phase (``statistics_seconds``, ``merge_seconds``, ``total_seconds``).
+        output_dir: The final output directory (as the report names it).
+
+    Returns:
+        The report, JSON-serialisable after :func:`json_default`.
+    """
     agents = []
     for t, agent in enumerate(resolved.agents):
         entry: dict[str, Any] = {
@@ -316,7 +328,15 @@ def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
 
 
 def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
-    """The dry-run result: what the merge would read, write and hold in memory."""
+    """The dry-run result: what the merge would read, write and hold in memory.
+
+    Args:
+        resolved: The merge config.
+        plan: The merge's plan.
+
+    Returns:
+        The summary (``dry_run: True``, tensors, passes, bytes, files, chunk budget, peak memory estimate, notes).
+    """
     return {
         "dry_run": True,
         "merge_method": resolved.method.name,
@@ -339,7 +359,12 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
 
 
 def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
-    """Print the dry-run plan as a table."""
+    """Print the dry-run plan as a table.
+
+    Args:
+        resolved: The merge config.
+        plan: The merge's plan (summarised by :func:`plan_summary`).
+    """
     from rich.console import Console
     from rich.table import Table
 
