@@ -158,7 +158,15 @@ def open_inputs(
 
 def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
     """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
-    balances over processes)."""
+    balances over processes).
+
+    Args:
+        task: The tensor (a copied tensor counts the base's bytes only).
+        agents: The agents (those that store the tensor count).
+
+    Returns:
+        The stored bytes.
+    """
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(

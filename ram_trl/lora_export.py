@@ -121,7 +121,10 @@ def export_lora(
         merged_dir: The merged full model (float32 keeps the deltas exact), same tensor names as the base.
         output_dir: The adapter directory to create (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer
             files from ``merged_dir``, ``README.md``, ``ram_merge_report.json``).
-        rank: Fixed LoRA rank; or ``max_rank`` and ``energy`` (see :class:`LoraExportOptions`).
+        rank: Fixed LoRA rank of every module; or ``max_rank`` and ``energy`` (see :class:`LoraExportOptions`).
+        max_rank: Largest rank in energy mode (with ``energy``).
+        energy: Energy mode: per tensor, the smallest rank whose cumulative share of ``sigma**2`` reaches it, in
+            ``(0, 1]`` (with ``max_rank``).
         report: The merge report to extend (default: ``merged_dir/ram_merge_report.json`` when present).
         overwrite: Replace an existing ``output_dir`` (once the new one is complete).
         allow_pickle: Accept a pickle base checkpoint.

@@ -49,7 +49,16 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
 def map_blocks(
     pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
 ) -> list[Result]:
-    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
+    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order.
+
+    Args:
+        pool: The pool, or ``None`` to run on the calling thread.
+        fn: The work of one item.
+        items: The items.
+
+    Returns:
+        The results, in the order of ``items``.
+    """
     if pool is None:
         return [fn(item) for item in items]
     return list(pool.map(fn, items))

@@ -48,6 +48,20 @@ def resolve_inputs(
 ) -> AnalysisInputs:
     """Validate the arguments of :func:`analyze` (through the merge's config resolution).
 
+    Args:
+        base: The base checkpoint directory; may be ``None`` when every agent is a stage manifest of the same local
+            base.
+        agents: Agent checkpoint directories or stage manifests.
+        eps: Activity threshold (``None``: the config's, else the default).
+        r: Rescale strength of RAM+ / RAM+s (``None``: the config's, else the default).
+        alpha: RAM+ clip bound of rho_t (``None``: the config's, else the default).
+        config: A merge config (YAML path, dict or :class:`~ram_trl.config.MergeConfig`) instead of
+            ``base`` / ``agents`` (default ``None``).
+        names: Agent labels, one per agent (default ``None``: the config's names, else the directory names).
+
+    Returns:
+        The resolved config (``eps``, ``r`` and ``alpha`` written into its parameters) and the three values.
+
     Raises:
         ConfigError: naming the argument or config field to change.
     """

@@ -41,6 +41,11 @@ def preflight_rewards(stage: StageSpec, rows: list[dict[str, Any]], count: int =
     cannot be called, raises or returns something other than one finite float (or ``None``) per completion is
     reported now instead of after the base was built and warm-started.
 
+    Args:
+        stage (`StageSpec`): The stage (its reward functions, by import path).
+        rows (`list[dict]`): The stage's training rows (``prompt`` and the columns handed to the rewards).
+        count (`int`, *optional*, defaults to `2`): Rows the functions are called on.
+
     Raises:
         StageFailure: naming the stage and the function.
     """
@@ -70,7 +75,18 @@ def _trainer_classes(trainer: str) -> tuple[type, type]:
 
 
 def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out: Path, seed: int) -> Any:
-    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA."""
+    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA.
+
+    Args:
+        stage (`StageSpec`): The stage (trainer, config, rewards, ``peft``).
+        base (`Path`): The checkpoint the stage starts from (model and tokenizer).
+        rows (`list[dict]`): The training rows.
+        out (`Path`): The trainer's ``output_dir`` (the stage directory).
+        seed (`int`): The stage's seed.
+
+    Returns:
+        `GRPOTrainer` or `RLOOTrainer`: The trainer, not yet trained.
+    """
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -112,7 +128,23 @@ def attach_telemetry(
 
     With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.preview.MergePreviewCallback`),
     which needs the ``recipe`` (rewards, evaluation, seed) and every merged stage's validation file (``val_files``:
-    stage name to ``val.jsonl``)."""
+    stage name to ``val.jsonl``).
+
+    Args:
+        trainer (`Trainer`): The stage's trainer (:func:`build_trainer`).
+        base (`Path`): The base the stage starts from (the task vectors' reference).
+        stage (`StageSpec`): The stage.
+        prior (`Sequence[Path]`): The earlier stages' manifests (files or their directories).
+        recipe (`Recipe`, *optional*): The recipe; needed with ``preview:``.
+        val_files (`dict[str, Path]`, *optional*): Each merged stage's validation prompts, by stage name (a stage
+            without a file is previewed on no prompts).
+
+    Returns:
+        The callback, added to the trainer and bound to it.
+
+    Raises:
+        ConfigError: with ``preview:`` and no ``recipe``.
+    """
     common = {
         "trainer": trainer,
         "base_model": str(base),
@@ -165,7 +197,20 @@ def run_stage(
     prior: Sequence[Path],
     val_files: dict[str, Path] | None = None,
 ) -> None:
-    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
+    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring).
+
+    Args:
+        recipe_path (`Path`): The recipe file.
+        stage_name (`str`): The stage trained.
+        base (`Path`): The checkpoint it starts from.
+        train_file (`Path`): Its training prompts (JSON Lines).
+        out (`Path`): The stage directory (agent and ``ram_stage.json``; a stale manifest is removed first).
+        prior (`Sequence[Path]`): The earlier stages' manifests.
+        val_files (`dict[str, Path]`, *optional*): The merged stages' validation prompts, for ``preview:``.
+
+    Raises:
+        ConfigError: for a stage with an existing checkpoint (nothing to train).
+    """
     from ram_trl.manifest import MANIFEST_NAME
     from ram_trl.recipes.data import read_jsonl
 

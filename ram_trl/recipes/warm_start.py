@@ -26,6 +26,13 @@ WARM_START_RECORD = "ram_warm_start.json"
 def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
     """Token ids and labels of each row: ``prompt + answer + eos``, labels ``-100`` on the prompt.
 
+    Args:
+        tokenizer: The base's tokenizer (no special tokens added; its ``eos_token_id`` ends each answer).
+        rows: Warm-start rows (``prompt``, ``answer``).
+
+    Returns:
+        Per row, its token ids and its labels.
+
     Raises:
         ConfigError: when a row has no string ``answer``.
     """
