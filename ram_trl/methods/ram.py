@@ -80,7 +80,7 @@ def masked_deltas(
     Args:
         deltas: Float32 task vectors, any shape.
         eps: Threshold (default :data:`DEFAULT_EPS`); an element equal to ``eps`` in magnitude is inactive.
-        out: A tensor of the same shape the result is written into (may be ``deltas`` itself).
+        out: A float32 tensor of the same shape the result is written into (default ``None``: a new one).
 
     Returns:
         The masked task vectors (``out`` when given).
