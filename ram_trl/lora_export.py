@@ -166,7 +166,15 @@ def export_lora(
         staged = _StagedTensors(temp_dir / ".lora-factors.staging")
         try:
             with RowReader() as reader:
-                plan = _factorize_all(base, merged, architecture, options, staged, reader, progress)
+                plan = _factorize_all(
+                    base,
+                    merged,
+                    architecture=architecture,
+                    options=options,
+                    staged=staged,
+                    reader=reader,
+                    progress=progress,
+                )
                 staged.close()
                 config, entries = adapter_layout(plan, architecture, merged, options, base_dir, staged.infos)
                 adapter_bytes = _write_adapter(temp_dir / ADAPTER_WEIGHTS, entries, merged, reader)
@@ -176,7 +184,15 @@ def export_lora(
         (temp_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         copied = copy_tokenizer(merged_dir, temp_dir)
         section = _section(plan, options, config, entries, adapter_bytes)
-        written = _adapter_report(merge_report, section, config, adapter_bytes, output_dir, base_dir, copied)
+        written = _adapter_report(
+            merge_report,
+            section,
+            config=config,
+            adapter_bytes=adapter_bytes,
+            output_dir=output_dir,
+            base_dir=base_dir,
+            tokenizer_files=copied,
+        )
         write_report(temp_dir, written, adapter_card(written))
         return written
 
@@ -190,6 +206,7 @@ def export_lora(
 def _factorize_all(
     base: Checkpoint,
     merged: Checkpoint,
+    *,
     architecture: Architecture,
     options: LoraExportOptions,
     staged: _StagedTensors,
@@ -329,6 +346,7 @@ def _section(
 def _adapter_report(
     report: dict[str, Any],
     section: dict[str, Any],
+    *,
     config: dict[str, Any],
     adapter_bytes: int,
     output_dir: Path,

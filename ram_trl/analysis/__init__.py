@@ -209,7 +209,9 @@ def _run(run: AnalysisRun) -> dict[str, Any]:
     def finish() -> dict[str, Any] | None:
         if not ctx.is_main:
             return None
-        result = build_result(inputs, base, agents, floating, merged, magnitudes, wide)
+        result = build_result(
+            inputs, base=base, agents=agents, tasks=floating, records=merged, magnitudes=magnitudes, wide=wide
+        )
         result.update(timings=timings, bytes_read=read.bytes, processes=ctx.world_size)
         if output is not None:
             output.write(lambda temp: write_outputs(result, temp, run.figures))

@@ -40,6 +40,7 @@ def dtype_summary(checkpoint: Checkpoint) -> dict[str, int]:
 
 def build_result(
     inputs: AnalysisInputs,
+    *,
     base: Checkpoint,
     agents: list[Checkpoint],
     tasks: list[TensorTask],
