@@ -206,7 +206,14 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
         for row in rows:
             if row["kind"] == "merge":
                 _block(row, split)["retention"] = _retention(
-                    row, base, experts, split, samples, kind, min_gain, base_scores
+                    row,
+                    base,
+                    experts=experts,
+                    split=split,
+                    samples=samples,
+                    kind=kind,
+                    min_gain=min_gain,
+                    base_scores=base_scores,
                 )
     results["selection"] = select_merges(results)
     results["verdict"] = verdict(results)
@@ -217,6 +224,7 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
 def _retention(
     row: dict[str, Any],
     base: dict[str, Any],
+    *,
     experts: dict[str, dict[str, Any]],
     split: str,
     samples: dict[str, dict[str, np.ndarray]],

@@ -80,6 +80,7 @@ def _batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, t
 def _train(
     model: Any,
     encoded: list[tuple[list[int], list[int]]],
+    *,
     steps: int,
     learning_rate: float,
     spec: WarmStartSpec,
@@ -160,7 +161,14 @@ def warm_start(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         losses = _train(
-            model, encoded, spec.steps, spec.learning_rate, spec, rng, tokenizer.pad_token_id, progress
+            model,
+            encoded,
+            steps=spec.steps,
+            learning_rate=spec.learning_rate,
+            spec=spec,
+            rng=rng,
+            pad_id=tokenizer.pad_token_id,
+            progress=progress,
         )
         if spec.abstain_share:
             if spec.abstain_reply is None:
@@ -170,12 +178,12 @@ def warm_start(
             losses += _train(
                 model,
                 encode_rows(tokenizer, mixed),
-                spec.abstain_steps,
-                spec.abstain_learning_rate,
-                spec,
-                rng,
-                tokenizer.pad_token_id,
-                progress,
+                steps=spec.abstain_steps,
+                learning_rate=spec.abstain_learning_rate,
+                spec=spec,
+                rng=rng,
+                pad_id=tokenizer.pad_token_id,
+                progress=progress,
             )
     record = {
         "steps": len(losses),
