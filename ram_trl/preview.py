@@ -293,7 +293,6 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self._last: Path | None = None
         self._last_step: int | None = None
         self.partitioned = False
-        self.last_range_merge: Any = None
 
     def _validation_tasks(self, tasks: Sequence[Any]) -> dict[str, Any]:
         from ram_trl.recipes.evaluate import EvalTask
@@ -607,6 +606,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         counts, no parameter gathered); the merged values then replace the partitions while the model is scored
         through ZeRO-3's own gathering for generation (as TRL gathers for training generation), and the policy's
         partitions are restored afterwards."""
+        from ram_trl.config import load_config, resolve_config
         from ram_trl.range_merge import FlatRange, merge_ranges
         from ram_trl.telemetry.base_weights import base_name
         from ram_trl.telemetry.shards import iter_local_shards, training_context
@@ -623,15 +623,11 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             )
             for s in shards
         ]
-        from ram_trl.config import load_config, resolve_config
-
         start = time.perf_counter()
-        resolved = resolve_config(
-            load_config(self.merge_config(checkpoint))[0]
-        )  # names the saved policy; its tensors are not read
+        # the config names the saved policy (the last agent); merge_ranges takes its values from `saved` instead
+        resolved = resolve_config(load_config(self.merge_config(checkpoint))[0])
         result = ctx.guarded(lambda: merge_ranges(resolved, len(resolved.agents) - 1, saved, ctx))
         merge_seconds = time.perf_counter() - start
-        self.last_range_merge = result
         agent_digest = self._share(weights_digest(checkpoint) if ctx.is_main else None)
         merged_scores = {r["merged_sha256"]: r["scores"] for r in self.history}.get(result.digest)
         agent_score = {r.get("agent_sha256"): r["agent_score"] for r in self.history}.get(agent_digest)
