@@ -4,7 +4,8 @@ Markers (registered in ``pyproject.toml``; ``make test`` and CI run every test w
 
 - ``slow``: takes more than a few seconds (real training runs, subprocess merges);
 - ``distributed``: starts several processes (torchrun, accelerate launch, the DeepSpeed launcher, mp.spawn);
-- ``network``: needs the package index (builds a separate virtualenv).
+- ``network``: needs the package index (builds a separate virtualenv);
+- ``cuda``: needs a real CUDA device (skipped without one; the ``fake_cuda`` fixture covers the rest on CPU).
 
 Deselect while developing, e.g. ``pytest -m "not slow and not distributed"``.
 """
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.fake_cuda import fake_cuda_device
 from tests.helpers import Checkpoints, make_checkpoints
 
 # Variables that steer process groups and launchers. A test process that sets one of them (at import or in a test)
@@ -90,3 +93,29 @@ def ckpts(tmp_path: Path) -> Checkpoints:
 def out(tmp_path: Path) -> Path:
     """A merge output directory that does not exist yet."""
     return tmp_path / "merged"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[torch.device]:
+    """A CUDA device on a CPU-only torch (``tests/fake_cuda.py``): ``device="cuda"`` tensors keep their data on the
+    CPU and raise as CUDA does when an op mixes them with CPU tensors. Yields ``torch.device("cuda", 0)``."""
+    with fake_cuda_device(monkeypatch):
+        yield torch.device("cuda", 0)
+
+
+@pytest.fixture(params=["cpu", "fake_cuda"])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each test twice: on the CPU, and on the fake CUDA device (see :func:`fake_cuda`)."""
+    if request.param == "cpu":
+        return torch.device("cpu")
+    return request.getfixturevalue("fake_cuda")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips the tests marked ``cuda`` where torch has no real CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a real CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
