@@ -123,7 +123,9 @@ def generate_completions(
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        # reseeding below also reseeds every CUDA device (torch.manual_seed): fork and restore their states too
+        cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
             torch.manual_seed(seed)
             for i in range(num_samples):
                 prompt = prompts[i % len(prompts)]

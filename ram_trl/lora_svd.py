@@ -139,7 +139,7 @@ def choose_rank(singular_values: torch.Tensor, options: LoraExportOptions) -> in
     total = float(cumulative[-1]) if n else 0.0
     if total <= 0.0:
         return 1
-    target = torch.tensor([options.energy * total], dtype=torch.float64)
+    target = torch.tensor([options.energy * total], dtype=torch.float64, device=cumulative.device)
     k = int(torch.searchsorted(cumulative, target)) + 1
     return max(1, min(k, options.max_rank, n))
 

@@ -6,6 +6,7 @@ their own block use every core without the barrier of a multi-threaded operation
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,12 +19,21 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
+def _single_threaded_worker() -> None:
+    """Pool initializer: this worker thread runs single-threaded torch operations. torch's thread count is per
+    thread (OpenMP, MKL); the first call initializes this thread from the process default, the second sets it."""
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 @contextmanager
 def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[ThreadPoolExecutor | None]:
     """Threads that run blocks of work (e.g. :func:`~ram_trl.streaming.compute_blocks`) in parallel on the CPU.
 
-    torch itself runs single-threaded meanwhile (its setting is restored afterwards), so each block stays on one
-    core and no operation waits for a barrier of all cores.
+    Each worker runs single-threaded torch operations, so each block stays on one core and no operation waits for a
+    barrier of all cores. The calling thread's and every other thread's torch thread count are left as they are (a
+    training loop beside the pool keeps its own): the workers set their own count when they start, and the process
+    default that new threads start from is put back before any work runs.
 
     Args:
         device: Where the blocks compute.
@@ -38,12 +48,17 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
     if device.type != "cpu" or workers <= 1:
         yield None
         return
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ram-trl-compute") as pool:
-            yield pool
-    finally:
-        torch.set_num_threads(previous)
+    with ThreadPoolExecutor(
+        max_workers=workers, thread_name_prefix="ram-trl-compute", initializer=_single_threaded_worker
+    ) as pool:
+        started = threading.Barrier(workers + 1)
+        for _ in range(
+            workers
+        ):  # start every worker now (the executor starts them lazily, one per waiting task)
+            pool.submit(started.wait)
+        started.wait()
+        torch.set_num_threads(previous)  # the process default, which the workers' setting also wrote
+        yield pool
 
 
 def map_blocks(

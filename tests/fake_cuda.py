@@ -193,14 +193,16 @@ class FakeCuda(TorchFunctionMode):
             if func is torch.Tensor.cuda:
                 device, dtype = CUDA, None
             else:
-                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            if _is_cuda(device):
-                if isinstance(source, FakeCudaTensor):
-                    return source if dtype in (None, source.dtype) else FakeCudaTensor(source._data.to(dtype))
+                options = {k: v for k, v in kwargs.items() if k not in ("copy", "non_blocking")}
+                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **options)
+            copy = bool(kwargs.get("copy", False))
+            if _is_cuda(device) or (device is None and isinstance(source, FakeCudaTensor)):
+                if isinstance(source, FakeCudaTensor):  # torch's binding would take a CUDA device guard
+                    if dtype in (None, source.dtype) and not copy:
+                        return source
+                    return FakeCudaTensor(source._data.to(dtype or source.dtype, copy=True))
                 return to_fake(source.to(dtype or source.dtype))
-            if isinstance(source, FakeCudaTensor):  # torch's binding would take a CUDA device guard
-                if device is None:
-                    return source if dtype in (None, source.dtype) else FakeCudaTensor(source._data.to(dtype))
+            if isinstance(source, FakeCudaTensor):
                 return source._data.to(dtype or source.dtype, copy=True)
             return func(*args, **kwargs)
         if isinstance(args[0] if args else None, FakeCudaTensor):

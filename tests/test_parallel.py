@@ -11,12 +11,18 @@ import torch
 from ram_trl.parallel import compute_pool, imap_blocks, map_blocks, submit_blocks
 
 
-def test_compute_pool_runs_torch_single_threaded_and_restores_it():
+def test_compute_pool_workers_run_single_threaded_and_the_caller_keeps_its_setting():
     before = torch.get_num_threads()
     with compute_pool(torch.device("cpu"), workers=2) as pool:
-        assert pool is not None and torch.get_num_threads() == 1
+        assert pool is not None and torch.get_num_threads() == before
         assert map_blocks(pool, lambda x: x * x, range(5)) == [0, 1, 4, 9, 16]
+        assert set(map_blocks(pool, lambda _: torch.get_num_threads(), range(8))) == {1}
     assert torch.get_num_threads() == before
+    fresh: list[int] = []
+    thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert fresh == [before]  # threads started later begin from the process default, unchanged
     with compute_pool(torch.device("cpu"), workers=1) as pool:
         assert pool is None
     with compute_pool(torch.device("meta"), workers=2) as pool:

@@ -103,13 +103,16 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
     """
     completions: list[str] = []
     torch.manual_seed(spec.seed)
+    device = next(model.parameters()).device
     for start in range(0, len(prompts), spec.batch_size):
-        batch = tokenizer(
+        encoded = tokenizer(
             prompts[start : start + spec.batch_size],
             return_tensors="pt",
             padding=True,
             add_special_tokens=False,
         )
+        # the model's device, not the tokenizer's host tensors (transformers 5 moves them itself, 4.x does not)
+        batch = {key: value.to(device) for key, value in encoded.items()}
         sampling = (
             {"do_sample": True, "temperature": spec.temperature} if spec.do_sample else {"do_sample": False}
         )

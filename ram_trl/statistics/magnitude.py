@@ -146,7 +146,7 @@ def gini_coefficient(values: torch.Tensor) -> float:
     total = float(x.sum())
     if n == 0 or total == 0.0:
         return math.nan
-    ranks = torch.arange(1, n + 1, dtype=torch.float64)
+    ranks = torch.arange(1, n + 1, dtype=torch.float64, device=x.device)
     return float(((2 * ranks - n - 1) * x).sum()) / (n * total)
 
 
@@ -241,7 +241,9 @@ def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float
     c = counts.flip(0)
     s = sums.to(torch.float64).flip(0)
     cumulative = torch.cumsum(c, 0)
-    j = int(torch.searchsorted(cumulative, torch.tensor([k], dtype=cumulative.dtype)))
+    j = int(
+        torch.searchsorted(cumulative, torch.tensor([k], dtype=cumulative.dtype, device=cumulative.device))
+    )
     taken = int(cumulative[j] - c[j])
     mass = float(s[:j].sum()) + (k - taken) * float(s[j]) / int(c[j])
     return mass / total

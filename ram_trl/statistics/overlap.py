@@ -88,16 +88,16 @@ class OverlapStatistics:
             return
         mask = mask.to(torch.bool)
         counts = ram.overlap_counts(mask)
+        # the chunk's counts on the mask's device, added to the host totals once (one owner of the boundary)
+        histogram = torch.zeros_like(self.histogram, device=mask.device)
+        pairwise = torch.zeros_like(self.pairwise, device=mask.device)
         for k in range(1, n_agents + 1):
-            at_k = counts == k
-            for t in range(n_agents):
-                self.histogram[t, k] += torch.count_nonzero(mask[t] & at_k)
+            histogram[:, k] = (mask & (counts == k)).sum(dim=1)
         for s in range(n_agents):
-            for t in range(s, n_agents):
-                both = torch.count_nonzero(mask[s] & mask[t])
-                self.pairwise[s, t] += both
-                if s != t:
-                    self.pairwise[t, s] += both
+            pairwise[s, s:] = (mask[s] & mask[s:]).sum(dim=1)
+        pairwise += pairwise.triu(1).T
+        self.histogram += histogram.cpu()
+        self.pairwise += pairwise.cpu()
         self.numel += mask.shape[-1]
 
     def add_subset_counts(self, subsets: torch.Tensor, numel: int) -> None:
@@ -111,7 +111,7 @@ class OverlapStatistics:
             numel: Elements the counts cover (the empty subset included).
         """
         members, sizes = _subset_tables(self.num_agents)
-        weighted = members * subsets.to(torch.int64).cpu().unsqueeze(1)
+        weighted = members * subsets.cpu().to(torch.int64).unsqueeze(1)
         self.histogram += weighted.T @ sizes
         self.pairwise += weighted.T @ members
         self.histogram[:, 0] = 0

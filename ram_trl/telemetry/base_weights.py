@@ -225,6 +225,50 @@ class SnapshotBase(ModelBase):
         return sum(s.values.numel() * s.values.element_size() for s in self._shards.values())
 
 
+class DeviceBase(ModelBase):
+    """The base ranges a model measures, copied once onto its accelerator (in the stored dtype, e.g. bf16).
+
+    Each measurement then reads the base where it counts: no copy of the whole base from the host per measurement.
+
+    Args:
+        source: Where the base comes from (a checkpoint on disk, a snapshot on the host).
+        ranges: Per base tensor name, the ``(offset, numel)`` of the one flat range this process measures.
+        device: The accelerator.
+    """
+
+    def __init__(self, source: BaseSource, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
+        shards = {
+            name: LocalShard(
+                name,
+                source.read(name, offset, numel).to(device, copy=True),
+                source.shape(name),
+                offset,
+                False,
+            )
+            for name, (offset, numel) in ranges.items()
+        }
+        super().__init__(shards, f"{source.description}, resident on {device}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.values.numel() * s.values.element_size() for s in self._shards.values())
+
+
+def resident_bytes(source: BaseSource, ranges: dict[str, tuple[int, int]]) -> int:
+    """Bytes a :class:`DeviceBase` of these ranges would hold (stored dtypes).
+
+    Args:
+        source: The base source.
+        ranges: Per base tensor name, the ``(offset, numel)`` measured.
+
+    Returns:
+        The bytes.
+    """
+    return sum(
+        source.read(name, offset, 1).element_size() * numel for name, (offset, numel) in ranges.items()
+    )
+
+
 class MappedCheckpointBase:
     """A base checkpoint on disk (safetensors, single file or sharded), read through read-only memory maps.
 

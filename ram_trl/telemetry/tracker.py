@@ -42,7 +42,6 @@ An element is active when ``|tau| > eps`` in float32 (strict; NaN is inactive): 
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
@@ -71,10 +70,12 @@ from ram_trl.statistics import (
 )
 from ram_trl.telemetry.base_weights import (
     BaseSource,
+    DeviceBase,
     MappedCheckpointBase,
     ModelBase,
     SnapshotBase,
     base_name,
+    resident_bytes,
     source_fingerprint,
 )
 from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
@@ -344,9 +345,10 @@ class TaskVectorTracker:
         threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
             thread torch would use (``torch.get_num_threads()`` at measurement time), or none for a model of fewer
             than ``SMALL_MODEL_ELEMENTS`` local elements; 1 measures on the calling thread. Every worker runs
-            single-threaded torch operations (the process's setting is restored afterwards): on a CPU shared with
-            training (and other jobs), torch's multi-threaded operations made the chunked loop 10-20x slower
-            (BENCHMARKS.md). The results do not depend on the number of workers.
+            single-threaded torch operations (its own setting; the training threads' settings and the garbage
+            collector are never touched): on a CPU shared with training (and other jobs), torch's multi-threaded
+            operations made the chunked loop 10-20x slower (BENCHMARKS.md). The results do not depend on the number
+            of workers.
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -451,7 +453,27 @@ class TaskVectorTracker:
             self.base_fingerprint = source_fingerprint(self.source)
         if self.prior_paths:
             self.priors = self._load_priors(layout)
+        self._place_base(layout)
         self._ready = True
+
+    def _place_base(self, layout: ModelLayout) -> None:
+        """On an accelerator, keep the measured base ranges resident on it (stored dtype) when its free memory
+        holds them twice over; else every chunk of base is staged through a pinned host buffer
+        (:meth:`_Workspace.stage`)."""
+        device = _compute_device(layout.regions)
+        if device.type != "cuda" or self.source is None or isinstance(self.source, DeviceBase):
+            return
+        if isinstance(self.source, ModelBase) and not isinstance(self.source, SnapshotBase):
+            return  # a model in memory: on the device already, or the user's choice of where it lives
+        ranges: dict[str, tuple[int, int]] = {}
+        for region in layout.regions:
+            if region.kind == "dense" and region.name not in ranges:
+                ranges[region.name] = (region.shard.offset, region.shard.numel)
+        if not ranges:
+            return
+        free, _ = torch.cuda.mem_get_info(device)
+        if 2 * resident_bytes(self.source, ranges) <= free:
+            self.source = DeviceBase(self.source, ranges, device)
 
     def _check_layout(self, layout: ModelLayout) -> None:
         assert self.source is not None
@@ -544,17 +566,9 @@ class TaskVectorTracker:
         started = time.perf_counter()
         if not self._ready:
             self.setup(model)
-        previous = torch.get_num_threads()
-        workers = self.threads or previous
-        torch.set_num_threads(1)  # each worker (or the calling thread) runs single-threaded torch operations
-        collecting = gc.isenabled()
-        gc.disable()  # a full collection of a training process's heap would cost more than the counting
-        try:
-            out = self._measure(model, workers)
-        finally:
-            torch.set_num_threads(previous)
-            if collecting:
-                gc.enable()
+        # worker threads run single-threaded torch operations (:func:`~ram_trl.parallel.compute_pool`); the calling
+        # thread's torch settings and the garbage collector are left alone (a guest in the training process)
+        out = self._measure(model, self.threads or torch.get_num_threads())
         out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
         self.last = out
         self.last_step = step
@@ -656,7 +670,7 @@ class TaskVectorTracker:
         """Count one chunk (on any thread: the buffers are a workspace no other thread holds meanwhile)."""
         part = _ChunkCounts(chunk.row)
         if chunk.region.kind == "frozen":
-            part.overlap = self._chunk_overlap(chunk, torch.zeros(chunk.count))
+            part.overlap = self._chunk_overlap(chunk, torch.zeros(chunk.count))  # host: tau = 0
             return part
         device = chunk.region.shard.values.device if chunk.region.kind == "dense" else torch.device("cpu")
         with torch.no_grad(), self._borrowed_workspace(device) as ws:
@@ -681,6 +695,9 @@ class TaskVectorTracker:
             if self.priors is not None:
                 assert saved_flags is not None
                 part.overlap = self._chunk_overlap(chunk, saved_flags.cpu())
+        # the boundary: everything a chunk returns lives on the host (the measurement's accumulators are there)
+        if part.square_sum is not None:
+            part.square_sum = part.square_sum.cpu()
         return part
 
     def _chunk_magnitudes(self, tau: torch.Tensor, ws: _Workspace) -> tuple[torch.Tensor, int]:
@@ -755,9 +772,9 @@ class TaskVectorTracker:
             return tau, saved
         assert self.source is not None
         trained = shard.values[chunk.start : chunk.start + count]
-        stored = self.source.read(chunk.region.name, shard.offset + chunk.start, count)
+        stored = ws.stage(self.source.read(chunk.region.name, shard.offset + chunk.start, count))
         base = ws.base[:count]
-        base.copy_(stored)
+        base.copy_(stored, non_blocking=stored.is_pinned())
         torch.sub(trained, base, out=tau)
         if self._saving_is_exact(trained.dtype, stored.dtype):
             return tau, None
@@ -841,8 +858,25 @@ class _Workspace:
         self.flags, self.saved_flags = f32(), f32()
         self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
         self.magnitude = MagnitudeWorkspace(numel, device)
+        self.device = device
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
         #: the ``|tau|`` histogram of the chunks this workspace measured (reset by each measurement)
         self.histogram = MagnitudeStatistics.zeros(1)
+
+    def stage(self, stored: torch.Tensor) -> torch.Tensor:
+        """Host values bound for this workspace's accelerator, in a pinned host buffer (the copy to the device can
+        then run asynchronously); values already on the workspace's device, or a CPU workspace, as they are.
+
+        Reusing the buffer for the next chunk is safe: every chunk reads its counts back to the host first.
+        """
+        if self.device.type != "cuda" or stored.device.type != "cpu":
+            return stored
+        count = stored.numel()
+        buffer = self._staging.get(stored.dtype)
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, self.tau.numel()), dtype=stored.dtype, pin_memory=True)  # host
+            self._staging[stored.dtype] = buffer
+        return buffer[:count].copy_(stored)
 
     @property
     def nbytes(self) -> int:
@@ -855,7 +889,12 @@ class _Workspace:
             self.flags,
             self.saved_flags,
         )
-        return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded)) + self.magnitude.nbytes
+        staged = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return (
+            sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
+            + self.magnitude.nbytes
+            + staged
+        )
 
 
 @dataclass(frozen=True)
