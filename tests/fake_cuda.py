@@ -84,6 +84,8 @@ class FakeCudaTensor(torch.Tensor):
     """A tensor on ``cuda:0`` whose values live in a CPU tensor (``_data``)."""
 
     _data: torch.Tensor
+    #: fake-CUDA tensors created so far (tests check that a path really ran on the device)
+    created = 0
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -100,6 +102,7 @@ class FakeCudaTensor(torch.Tensor):
             requires_grad=False,
         )
         out._data = data
+        FakeCudaTensor.created += 1
         return out
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
