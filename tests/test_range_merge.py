@@ -215,3 +215,22 @@ def test_a_lora_prior_and_a_scalar_tensor(tmp_path):
     assert set(got) == set(expected)
     for name, value in expected.items():
         assert torch.equal(got[name].view(torch.int32), value.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("agents", [3, 13])
+def test_ranges_merge_on_the_device_like_on_the_cpu(tmp_path, monkeypatch, agents):
+    """merge_ranges(device="cuda"), with the in-memory agent's ranges on the (fake) device: the CPU values, bit for
+    bit, returned on the host (13 agents: the overlap statistics' path beyond subset codes)."""
+    from tests.fake_cuda import fake_cuda_device
+
+    ckpts = make_checkpoints(tmp_path, agents, fraction=0.4)
+    resolved = _resolved(config_for(ckpts, "ram_plus"))
+    ranges = _partitions(ckpts.agent_tensors[1], 2)
+    expected = merge_ranges(resolved, 1, ranges, DistContext())
+    with fake_cuda_device(monkeypatch):
+        on_device = [FlatRange(r.name, r.offset, r.values.to("cuda")) for r in ranges]
+        got = merge_ranges(resolved, 1, on_device, DistContext(), device="cuda")
+        values = [v.cpu() for v in got.values]
+    assert got.digest == expected.digest and got.factors == expected.factors
+    for value, reference_value in zip(values, expected.values, strict=True):
+        assert torch.equal(value.view(torch.int32), reference_value.view(torch.int32))
