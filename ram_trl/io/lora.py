@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.lora_product import lora_product
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
 from ram_trl.validation import check_lora_config, read_json_object
 
@@ -82,6 +83,8 @@ def lora_delta_rows(
 
     The one implementation of a LoRA task vector: the merge and the analysis read the factors from an adapter file,
     the training telemetry takes them from the live PEFT layers, and both get the same bits for the same factors.
+    The product is :func:`~ram_trl.io.lora_product.lora_product`: each element's bits depend only on its row of ``B``
+    and its column of ``A``, not on how the rows are chunked, the number of threads or the BLAS's code path.
 
     Args:
         a: ``lora_A`` (``r x in``), or the columns of ``lora_A`` / ``lora_embedding_A`` for the wanted output rows of a
@@ -93,7 +96,7 @@ def lora_delta_rows(
     Returns:
         A new float32 tensor.
     """
-    product = b.to(torch.float32) @ a.to(torch.float32)
+    product = lora_product(b, a)
     if layout == "transposed":
         product = product.T
     return product.mul_(scaling)

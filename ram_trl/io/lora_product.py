@@ -1,0 +1,89 @@
+"""The product ``B @ A`` of LoRA factors with bits that depend on neither the row blocking nor the BLAS.
+
+A float32 matrix product's last bits depend on how the BLAS sums each dot product: MKL picks its kernels by CPU,
+by the number of threads and by the shape, so ``B[rows] @ A`` and ``(B @ A)[rows]`` can differ (46 of 8192 elements
+on an AMD EPYC; ``MKL_CBWR=AVX2`` shows it on any x86 machine). A merge that promises the same bytes for any chunk
+budget or number of processes, and the telemetry that must see the merge's deltas, cannot use it.
+
+:func:`lora_product` defines every element as
+
+    ``float32( (((0 + p_0) + p_1) + ... + p_{r-1}) )``, ``p_k = float64(B[i, k]) * float64(A[k, j])``,
+
+the float64 sum of the exact products (float32 factors have 24-bit significands, so their products are exact in
+float64) in the order ``k = 0 .. r-1``, rounded once to float32, with a zero always ``+0``. Each element depends only on
+its row of ``B`` and its column of ``A``.
+
+It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum, with
+``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot product,
+with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included), that is the
+element; the rare elements whose interval holds a rounding boundary (about ``r * 2**-20`` of them, more where the
+products cancel) are summed again in order. The result is the same bits on every CPU, thread count and ``MKL_CBWR``
+setting, and for any split into row blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Rows of the product computed at a time (float64 temporaries of about ``rows x columns x 8`` bytes, cache-sized).
+BLOCK_ELEMENTS = 1 << 20
+
+#: The float64 BLAS product the check starts from (any summation order; the tests swap in other orders).
+_float64_product = torch.matmul
+
+# The bound's constant per rank: 8 (r + 2) u covers the two summation errors (2.03 r u T), the norms' own rounding and
+# the rounding of s +- bound (a few u of |s| + bound), with a margin of about four.
+_UNIT = 2.0**-53
+
+
+def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``b @ a`` in float32, each element the float64 sum of its products in rank order, rounded once.
+
+    Args:
+        b: The ``m x r`` left factor (any floating dtype that converts exactly to float32: float32, bfloat16,
+            float16).
+        a: The ``r x n`` right factor (same).
+
+    Returns:
+        A new contiguous float32 ``m x n`` tensor whose bits depend only on the values of ``b`` and ``a`` (not on the
+        BLAS, the thread count or how the rows are split).
+
+    Raises:
+        ValueError: If the factors are not matrices with a shared inner dimension.
+    """
+    if b.dim() != 2 or a.dim() != 2 or b.shape[1] != a.shape[0]:
+        raise ValueError(f"LoRA factors of shapes {tuple(b.shape)} and {tuple(a.shape)} do not multiply")
+    m, r = b.shape
+    n = a.shape[1]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0 or n == 0:
+        return out
+    if r == 0:
+        return out.zero_()
+    b64 = b.to(torch.float32).to(torch.float64)
+    a64 = a.to(torch.float32).to(torch.float64)
+    col_norms = torch.linalg.vector_norm(a64, dim=0)
+    row_norms = torch.linalg.vector_norm(b64, dim=1).mul_(8.0 * (r + 2) * _UNIT)
+    step = max(1, BLOCK_ELEMENTS // n)
+    for start in range(0, m, step):
+        stop = min(m, start + step)
+        _block(b64[start:stop], a64, row_norms[start:stop], col_norms, out[start:stop])
+    return out
+
+
+def _block(
+    b64: torch.Tensor, a64: torch.Tensor, row_bound: torch.Tensor, col_norms: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Rows of :func:`lora_product` into ``out``: the float64 product, and the ordered sum where it is unsure."""
+    s = _float64_product(b64, a64)
+    torch.add(s, 0.0, out=out)  # rounded once; a zero becomes +0 (-0 + 0 = +0)
+    rows, cols = row_bound[:, None], col_norms[None, :]
+    hi = torch.addcmul(s, rows, cols, out=torch.empty_like(out))  # float64 sums, rounded once to float32
+    lo = torch.addcmul(s, rows, cols, value=-1.0, out=torch.empty_like(out))
+    unsure_rows, unsure_cols = torch.ne(lo.view(torch.int32), hi.view(torch.int32)).nonzero(as_tuple=True)
+    if unsure_rows.numel():
+        products = b64[unsure_rows] * a64[:, unsure_cols].T
+        total = torch.zeros(unsure_rows.numel(), dtype=torch.float64)
+        for k in range(products.shape[1]):
+            total += products[:, k]
+        out[unsure_rows, unsure_cols] = total.to(torch.float32)
