@@ -337,9 +337,9 @@ class Run:
         digest = self._rows_digest()
         start = time.perf_counter()
         steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
-        self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
         if spec.accept is not None:
-            self.console.print(f"warm start: until {criterion(spec)}")
+            steps = f"until {criterion(spec)}: at least {spec.steps}"
+        self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
         result = warm_start(
             source,
             self.base,
