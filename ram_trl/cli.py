@@ -248,6 +248,15 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         "--quick", action="store_true", help="a minutes-long smoke version (tiny sizes and steps)"
     )
     parser.add_argument("--out", default="demo_out", help="run directory (default: demo_out)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=(
+            "seed of the whole run: the base's initialisation, the prompt splits, the warm start, the GRPO "
+            "trainers, the merges' draws and the evaluation (default: the recipe's, 0)"
+        ),
+    )
     parser.add_argument("--resume", action="store_true", help="skip stages already complete in --out")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -492,19 +501,21 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
+    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES, seed_overrides
     from ram_trl.recipes.runner import RunOptions, run_recipe
+    from ram_trl.recipes.schema import apply_overrides
 
+    overrides = QUICK_OVERRIDES if args.quick else {}
+    if args.seed is not None:
+        overrides = apply_overrides(overrides, seed_overrides(args.seed))
+    seed = "" if args.seed is None else f" --seed {args.seed}"
     Console(stderr=True).print(
-        f"[bold]ram-trl demo[/]{' --quick' if args.quick else ''}: recipe {DEMO_RECIPE}, run directory {args.out}"
+        f"[bold]ram-trl demo[/]{' --quick' if args.quick else ''}{seed}: recipe {DEMO_RECIPE}, run directory {args.out}"
     )
     run_recipe(
         DEMO_RECIPE,
         RunOptions(
-            out=Path(args.out),
-            resume=args.resume,
-            progress=not args.no_progress,
-            overrides=QUICK_OVERRIDES if args.quick else {},
+            out=Path(args.out), resume=args.resume, progress=not args.no_progress, overrides=overrides
         ),
     )
     return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES"]
+__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "seed_overrides"]
 
 #: The embedded CPU demo recipe (package data; ``recipes/demo-cpu.yaml`` in the repository links to it).
 DEMO_RECIPE = Path(__file__).with_name("demo-cpu.yaml")
@@ -22,7 +22,19 @@ DEMO_RECIPE = Path(__file__).with_name("demo-cpu.yaml")
 #: ``ram-trl demo --quick``: the demo's pipeline with tiny sizes (a smoke test of every part in a few minutes).
 QUICK_OVERRIDES: dict = {
     "base": {"build": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64}},
-    "warm_start": {"steps": 20, "batch_size": 16, "abstain_steps": 10},
+    "warm_start": {
+        "steps": 20,
+        "batch_size": 16,
+        "abstain_steps": 10,
+        "accept": {
+            "check_size": 4,
+            "pass_k": 2,
+            "every": 10,
+            "max_steps": 30,
+            "abstain_every": 5,
+            "abstain_max_steps": 10,
+        },
+    },
     "stages": {
         "*": {
             "prompts": {"train_size": 16, "eval_size": 8, "val_size": 8, "warm_size": 16},
@@ -37,3 +49,24 @@ QUICK_OVERRIDES: dict = {
     },
     "evaluation": {"max_new_tokens": 8},
 }
+
+
+def seed_overrides(seed: int) -> dict:
+    """``ram-trl demo --seed S``: every seed of the demo recipe set to ``seed`` (the base's initialisation, the
+    prompt splits and warm-start rows of every stage, the warm start's batches, abstentions and acceptance sampling,
+    the GRPO trainers, the merges' random draws (DARE), the evaluation's sampling and bootstrap). The demo recipe
+    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is.
+
+    Args:
+        seed: The run's seed.
+
+    Returns:
+        Overrides for :func:`~ram_trl.recipes.schema.apply_overrides` (or ``RunOptions.overrides``).
+    """
+    return {
+        "seed": seed,
+        "base": {"build": {"seed": seed}},
+        "warm_start": {"seed": seed, "accept": {"seed": seed}},
+        "stages": {"*": {"prompts": {"seed": seed}}},
+        "evaluation": {"seed": seed, "bootstrap_seed": seed},
+    }

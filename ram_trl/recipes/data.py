@@ -13,7 +13,7 @@ from ram_trl.output import atomic_file
 from ram_trl.recipes.environment import import_object
 from ram_trl.recipes.schema import StageSpec
 
-__all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "write_jsonl"]
+__all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "split_check_rows", "write_jsonl"]
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
@@ -242,3 +242,29 @@ def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[st
     pool = check_rows(pool, where, f"prompt generator {spec.generator!r} (warm-start rows)")
     excluded = {row["prompt"] for row in held}
     return [row for row in pool if row["prompt"] not in excluded][: spec.warm_size]
+
+
+def split_check_rows(
+    warm: list[dict[str, Any]], train: list[dict[str, Any]], size: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Hold the warm start's check rows out of its rows: the first ``size`` warm-start rows whose prompt is not a
+    training prompt (the warm rows never hold a test or validation prompt), so no stage ever sees a check row and
+    the warm start does not train on one.
+
+    Args:
+        warm (`list[dict[str, Any]]`): The stage's warm-start rows (:func:`draw_warm_rows`).
+        train (`list[dict[str, Any]]`): The stage's training rows.
+        size (`int`): Check rows wanted (fewer when fewer qualify).
+
+    Returns:
+        `tuple`: ``(warm rows left to train on, check rows)``, both in their drawn order.
+    """
+    training = {row["prompt"] for row in train}
+    check: list[dict[str, Any]] = []
+    for row in warm:
+        if len(check) == size:
+            break
+        if row["prompt"] not in training:
+            check.append(row)
+    held = {row["prompt"] for row in check}
+    return [row for row in warm if row["prompt"] not in held], check

@@ -609,8 +609,31 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("figures"):
         lines += [f"![{Path(f).stem}]({f})" for f in results["figures"]] + [""]
     lines += _preview_section(results)
+    lines += _warm_start_section(results)
     lines += ["## Verdict", "", results["verdict"], ""]
     return "\n".join(lines)
+
+
+def _warm_start_section(results: dict[str, Any]) -> list[str]:
+    """results.md's section on the warm start's acceptance criterion (runs whose recipe sets
+    ``warm_start.accept``)."""
+    from ram_trl.recipes.warm_start import acceptance_summary
+
+    warm = results.get("warm_start")
+    if not warm:
+        return []
+    verdict = (
+        "accepted" if warm["accepted"] else "**NOT ACCEPTED: a phase hit its cap with the criterion unmet**"
+    )
+    lines = [
+        "## Warm start",
+        "",
+        f"Criterion: {warm['criterion']}.",
+        "",
+        f"{warm['steps']} steps, {verdict}.",
+        "",
+    ]
+    return lines + [f"- {line}" for line in acceptance_summary(warm)] + [""]
 
 
 def _preview_section(results: dict[str, Any]) -> list[str]:

@@ -37,7 +37,7 @@ import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.output import OutputDir, atomic_file
-from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, split_check_rows, write_jsonl
 from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.schema import (
     MergeRow,
@@ -197,17 +197,30 @@ class Run:
         called once on them: the checks of user code that run before anything is written.
 
         Returns:
-            `dict[str, tuple]`: Per stage, ``(train, test, val, warm)`` rows (``warm`` is ``None`` without a warm
-            start).
+            `dict[str, tuple]`: Per stage, ``(train, test, val, warm, check)`` rows (``warm`` is ``None`` without a
+            warm start, ``check`` without ``warm_start.accept``: the rows its criterion is measured on, held out of
+            the warm-start rows, never a training prompt).
+
+        Raises:
+            ConfigError: with ``warm_start.accept`` when no stage has a check row (none draws warm-start rows).
         """
         from ram_trl.recipes.stage import preflight_rewards
 
         drawn = {}
+        spec = self.recipe.warm_start
         for stage in self.recipe.stages:
             train, held, val = draw_splits(stage, self.root)
             preflight_rewards(stage, train or held or val)
-            warm = draw_warm_rows(stage, held + val) if self.recipe.warm_start is not None else None
-            drawn[stage.name] = (train, held, val, warm)
+            warm = draw_warm_rows(stage, held + val) if spec is not None else None
+            check = None
+            if warm is not None and spec.accept is not None and stage.rewards:
+                warm, check = split_check_rows(warm, train, spec.accept.check_size)
+            drawn[stage.name] = (train, held, val, warm, check)
+        if spec is not None and spec.accept is not None and not any(d[4] for d in drawn.values()):
+            raise ConfigError(
+                "warm_start.accept measures its criterion on rows held out of the warm-start rows, and no stage draws "
+                "any: give the stages prompts.warm_size (or remove warm_start.accept)"
+            )
         return drawn
 
     def check_dir(self, recipe_file: Path | None) -> None:
@@ -250,12 +263,16 @@ class Run:
         with atomic_file(self.dir / "recipe.yaml", "run recipe") as tmp:
             tmp.write_text(text, encoding="utf-8")
         for stage in self.recipe.stages:
-            train, held, val, warm = drawn[stage.name]
+            train, held, val, warm, check = drawn[stage.name]
             write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
             write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
             write_jsonl(val, self.dir / "data" / stage.name / "val.jsonl")
             if warm is not None:
                 write_jsonl(warm, self.dir / "data" / stage.name / "warm.jsonl")
+            if check:
+                write_jsonl(check, self.dir / "data" / stage.name / "check.jsonl")
+            else:
+                (self.dir / "data" / stage.name / "check.jsonl").unlink(missing_ok=True)
         self._timed("data", start)
         if self.recipe.base.build is not None:
             self.build_base()
@@ -292,7 +309,7 @@ class Run:
         there."""
         import json
 
-        from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
+        from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
 
         spec = self.recipe.warm_start
         source = (
@@ -320,6 +337,8 @@ class Run:
         digest = self._rows_digest()
         start = time.perf_counter()
         steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
+        if spec.accept is not None:
+            steps = f"until {criterion(spec)}: at least {spec.steps}"
         self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
         result = warm_start(
             source,
@@ -328,12 +347,15 @@ class Run:
             spec,
             progress=self.options.progress,
             record_extra={"rows_digest": digest},
+            checks=self.check_tasks() if spec.accept is not None else None,
         )
         self._timed("warm_start", start)
         self.console.print(
-            f"[green]warm start[/] {steps} steps: loss {result['loss_first']:.3f} -> {result['loss_last']:.3f} "
-            f"({result['seconds']:.0f}s)"
+            f"[green]warm start[/] {result['steps']} steps: loss {result['loss_first']:.3f} -> "
+            f"{result['loss_last']:.3f} ({result['seconds']:.0f}s)"
         )
+        if "acceptance" in result:
+            self.console.print(acceptance_line(result))
 
     def abstain_reply(self, reply: str | None) -> str:
         """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
@@ -375,6 +397,40 @@ class Run:
             "reward on some stage: set warm_start.abstain_reply to a reply that no stage rewards"
         )
 
+    def check_tasks(self) -> list[Any]:
+        """Every stage's warm-start check rows (``data/STAGE/check.jsonl``) with its rewards.
+
+        Returns:
+            `list[EvalTask]`: The stages that have check rows, in order.
+        """
+        from ram_trl.recipes.evaluate import EvalTask
+
+        tasks = []
+        for stage in self.recipe.stages:
+            path = self.dir / "data" / stage.name / "check.jsonl"
+            rows = read_jsonl(path) if path.is_file() else []
+            if rows and stage.rewards:
+                tasks.append(EvalTask(stage.name, rows, stage.rewards, split="check"))
+        return tasks
+
+    def warm_start_record(self) -> dict[str, Any] | None:
+        """The warm start's record (``RUN/base/ram_warm_start.json``) when it measured an acceptance criterion.
+
+        Returns:
+            `dict[str, Any]` or `None`: The record's ``acceptance`` with its ``steps``; ``None`` otherwise.
+        """
+        import json
+
+        from ram_trl.recipes.warm_start import WARM_START_RECORD
+
+        path = self.base / WARM_START_RECORD
+        if self.recipe.warm_start is None or self.recipe.warm_start.accept is None or not path.is_file():
+            return None
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if "acceptance" not in record:
+            return None
+        return {"steps": record["steps"], **record["acceptance"]}
+
     def _warm_files(self) -> list[Path]:
         """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
         draws warm-start rows."""
@@ -389,6 +445,10 @@ class Run:
         digest = hashlib.sha256()
         for file in self._warm_files():
             digest.update(file.read_bytes())
+        for stage in self.recipe.stages:
+            check = self.dir / "data" / stage.name / "check.jsonl"
+            if check.is_file():
+                digest.update(check.read_bytes())
         return digest.hexdigest()
 
     def train_stages(self) -> None:
@@ -801,6 +861,9 @@ class Run:
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
             "previews": self.previews(),
         }
+        warm = self.warm_start_record()
+        if warm is not None:
+            results["warm_start"] = warm
         write_results(results, self.dir, figures=self.options.figures)
         print_table(results)
         self.console.print(f"results: {self.dir / 'results.md'}")

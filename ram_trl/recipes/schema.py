@@ -49,6 +49,7 @@ __all__ = [
     "PromptSpec",
     "Recipe",
     "StageSpec",
+    "WarmStartAcceptance",
     "WarmStartSpec",
     "apply_overrides",
     "expand_merges",
@@ -119,6 +120,47 @@ class BaseSpec(_Strict):
 ABSTAIN_REPLIES: tuple[str, ...] = ("(I don't know)", "(I DON'T KNOW)", "(no answer)", "(NO ANSWER)")
 
 
+class WarmStartAcceptance(_Strict):
+    """When a warm start is done: a criterion measured on check rows (each stage's ``check_size`` warm-start rows that
+    are not one of its training prompts, held out of the warm start: no stage trains, tests or validates on them),
+    checked every ``every`` steps past ``warm_start.steps``, up to a cap.
+
+    Phase one (the answers) ends when every stage's sampled pass@``pass_k`` (temperature ``temperature``; a
+    completion passes when its summed reward is at least ``pass_reward``) reaches ``min_pass``, or at ``max_steps``.
+    With ``abstain_share``, phase two (the abstentions) is checked every ``abstain_every`` steps and ends when greedy
+    decoding declines (answers ``abstain_reply``) on at least ``abstain_share - decline_tolerance`` of the check rows,
+    averaged over the stages, or at ``abstain_max_steps``. A phase that ends at its cap is reported loudly (a
+    warning, ``accepted: false`` in ``ram_warm_start.json`` and a line in results.md).
+
+    Args:
+        check_size: Check rows per stage.
+        pass_k: Samples per check row.
+        pass_reward: Summed reward at which a completion passes (``1.0``: an exact answer for the demo's rewards).
+        min_pass: Phase one's target: every stage's pass@k at least this.
+        every: Steps between checks after the first ``warm_start.steps``.
+        max_steps: Phase one's cap (its steps, checks included).
+        abstain_every: Steps between phase two's checks.
+        abstain_max_steps: Phase two's cap.
+        decline_tolerance: How far below ``abstain_share`` the greedy decline share may stop.
+        temperature: Sampling temperature of the pass@k check.
+        max_new_tokens: Tokens generated per check completion.
+        seed: Seed of the check's sampling.
+    """
+
+    check_size: int = Field(64, ge=1)
+    pass_k: int = Field(4, ge=1)
+    pass_reward: float = 1.0
+    min_pass: float = Field(0.5, ge=0, le=1)
+    every: int = Field(100, ge=1)
+    max_steps: int = Field(2000, ge=1)
+    abstain_every: int = Field(25, ge=1)
+    abstain_max_steps: int = Field(400, ge=1)
+    decline_tolerance: float = Field(0.1, ge=0, le=1)
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(32, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+
+
 class WarmStartSpec(_Strict):
     """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
     and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
@@ -144,6 +186,10 @@ class WarmStartSpec(_Strict):
         abstain_reply: The reply of the abstaining rows (one line). It must earn no reward on any stage's validation
             or test rows (the run refuses one that does). ``null`` (the default): the first of
             :data:`ABSTAIN_REPLIES` that earns nothing on every stage.
+        accept: Train until a measured criterion holds (:class:`WarmStartAcceptance`): phase one is checked after
+            ``steps`` (its cosine schedule's length; the rate then stays at 10%) and every ``accept.every`` steps
+            after, phase two every ``accept.abstain_every`` steps (``abstain_steps`` is its schedule's length).
+            ``null`` (the default): exactly ``steps`` (and ``abstain_steps``) steps, nothing measured.
     """
 
     steps: int = Field(300, ge=1)
@@ -156,6 +202,7 @@ class WarmStartSpec(_Strict):
     abstain_steps: int = Field(200, ge=1)
     abstain_learning_rate: float = Field(1e-3, gt=0)
     abstain_reply: str | None = Field(None, min_length=1)
+    accept: WarmStartAcceptance | None = None
 
     @field_validator("abstain_reply")
     @classmethod

@@ -4,9 +4,12 @@ tiny base produces answers of the right shape and RL rewards are not all zero.""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,21 @@ from ram_trl.errors import ConfigError
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.recipes.schema import WarmStartSpec
 
-__all__ = ["WARM_START_RECORD", "encode_rows", "warm_start", "with_abstentions"]
+__all__ = [
+    "WARM_START_RECORD",
+    "acceptance_line",
+    "acceptance_summary",
+    "criterion",
+    "decline_target",
+    "encode_rows",
+    "pass_at_k",
+    "phase_met",
+    "train_until",
+    "warm_start",
+    "with_abstentions",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Written into the warm-started base; its presence marks the warm start as complete (for ``--resume``).
 WARM_START_RECORD = "ram_warm_start.json"
@@ -77,6 +94,51 @@ def _batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, t
     return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+class _Phase:
+    """AdamW on batches drawn from ``encoded`` with a cosine decay over ``steps`` to 10% of ``learning_rate`` (then
+    10%), run in pieces (:meth:`run`) so that a criterion can be checked between them; the optimizer's state carries
+    over."""
+
+    def __init__(
+        self,
+        model: Any,
+        encoded: list[tuple[list[int], list[int]]],
+        *,
+        steps: int,
+        learning_rate: float,
+        spec: WarmStartSpec,
+        rng: random.Random,
+        pad_id: int,
+        progress: bool,
+    ) -> None:
+        self.model, self.encoded, self.spec, self.rng, self.pad_id = model, encoded, spec, rng, pad_id
+        self.progress = progress
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=learning_rate, weight_decay=spec.weight_decay
+        )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+        )
+        self.losses: list[float] = []
+
+    def run(self, steps: int) -> list[float]:
+        """``steps`` more optimizer steps; the losses of all steps so far."""
+        bar = tqdm(range(steps), desc="warm start", disable=not self.progress, leave=False)
+        for _ in bar:
+            batch = _batch(
+                self.rng.sample(self.encoded, min(self.spec.batch_size, len(self.encoded))), self.pad_id
+            )
+            loss = self.model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.schedule.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.losses.append(loss.detach().item())
+            bar.set_postfix(loss=f"{self.losses[-1]:.3f}")
+        return self.losses
+
+
 def _train(
     model: Any,
     encoded: list[tuple[list[int], list[int]]],
@@ -90,23 +152,245 @@ def _train(
 ) -> list[float]:
     """``steps`` AdamW steps on batches drawn from ``encoded`` (cosine decay to 10% of ``learning_rate``); the
     losses."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=spec.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+    phase = _Phase(
+        model,
+        encoded,
+        steps=steps,
+        learning_rate=learning_rate,
+        spec=spec,
+        rng=rng,
+        pad_id=pad_id,
+        progress=progress,
     )
-    losses: list[float] = []
-    bar = tqdm(range(steps), desc="warm start", disable=not progress, leave=False)
-    for _ in bar:
-        batch = _batch(rng.sample(encoded, min(spec.batch_size, len(encoded))), pad_id)
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return losses
+    return phase.run(steps)
+
+
+def pass_at_k(passed: list[list[bool]]) -> float:
+    """Share of rows with at least one passing sample (the empirical pass@k of ``k`` samples per row).
+
+    Args:
+        passed: Per row, whether each of its samples passed.
+
+    Returns:
+        The share, ``0.0`` for no rows.
+    """
+    return sum(any(row) for row in passed) / len(passed) if passed else 0.0
+
+
+def phase_met(measured: dict[str, float], target: float, how: str = "every") -> bool:
+    """Whether per-stage measurements reach ``target``: every stage's (``how="every"``) or their mean
+    (``how="mean"``).
+
+    Args:
+        measured: Per stage, the measured value.
+        target: The value to reach (inclusive).
+        how: ``"every"`` or ``"mean"``.
+
+    Returns:
+        ``True`` when reached (``False`` for no measurement).
+    """
+    if not measured:
+        return False
+    if how == "mean":
+        return sum(measured.values()) / len(measured) >= target
+    return all(value >= target for value in measured.values())
+
+
+def train_until(
+    train: Callable[[int], Any],
+    measure: Callable[[], dict[str, float]],
+    met: Callable[[dict[str, float]], bool],
+    *,
+    first: int,
+    every: int,
+    cap: int,
+) -> dict[str, Any]:
+    """Train ``first`` steps, then measure; while the measurement does not meet the criterion, train ``every`` more
+    steps (never past ``cap`` in all) and measure again.
+
+    Args:
+        train: Trains the given number of steps.
+        measure: The per-stage measurement.
+        met: Whether a measurement meets the criterion.
+        first: Steps before the first check (at most ``cap``).
+        every: Steps between checks.
+        cap: Most steps in all.
+
+    Returns:
+        ``{"steps", "cap", "met", "checks": [{"step", "values"}]}``; ``met`` is ``False`` when the cap was hit with
+        the criterion unmet.
+    """
+    steps, checks = 0, []
+    todo = min(first, cap)
+    while True:
+        train(todo)
+        steps += todo
+        values = measure()
+        checks.append({"step": steps, "values": values})
+        if met(values):
+            return {"steps": steps, "cap": cap, "met": True, "checks": checks}
+        if steps >= cap:
+            return {"steps": steps, "cap": cap, "met": False, "checks": checks}
+        todo = min(every, cap - steps)
+
+
+class _Checker:
+    """The acceptance measurements on the check rows, taken on a copy of the model rounded to the saved dtype (what
+    the stages will load), in eval mode, under a forked random state (the training's draws are not disturbed)."""
+
+    def __init__(self, base_in: Path, checks: list[Any], spec: WarmStartSpec) -> None:
+        from transformers import AutoTokenizer
+
+        from ram_trl.recipes.evaluate import generation_tokenizer
+
+        self.tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(str(base_in)))
+        self.checks, self.spec, self.accept = checks, spec, spec.accept
+
+    def _copy(self, model: Any) -> Any:
+        import copy
+
+        saved = copy.deepcopy(model).to(getattr(torch, self.spec.save_dtype)).to(torch.float32)
+        return saved.eval()
+
+    def _generate(self, model: Any, prompts: list[str], sample: bool) -> list[str]:
+        from ram_trl.recipes.evaluate import generate
+        from ram_trl.recipes.schema import EvaluationSpec
+
+        decoding = EvaluationSpec(
+            do_sample=sample,
+            temperature=self.accept.temperature,
+            max_new_tokens=self.accept.max_new_tokens,
+            seed=self.accept.seed,
+            batch_size=256,
+        )
+        with torch.random.fork_rng(devices=[]):
+            return generate(model, self.tokenizer, prompts, decoding)
+
+    def pass_rates(self, model: Any) -> dict[str, float]:
+        """Per stage, the sampled pass@k on its check rows.
+
+        Args:
+            model: The model being trained (not modified).
+
+        Returns:
+            Per stage, the share of check rows with a passing sample among ``pass_k``.
+        """
+        from ram_trl.recipes.evaluate import score_completions
+
+        copy, k, out = self._copy(model), self.accept.pass_k, {}
+        for task in self.checks:
+            rows = [row for row in task.rows for _ in range(k)]
+            scores = score_completions(
+                task.functions(), rows, self._generate(copy, [r["prompt"] for r in rows], True)
+            )
+            passed = [score >= self.accept.pass_reward for score in scores]
+            out[task.stage] = round(pass_at_k([passed[i : i + k] for i in range(0, len(passed), k)]), 4)
+        return out
+
+    def declines(self, model: Any) -> dict[str, float]:
+        """Per stage, the share of check rows on which greedy decoding answers ``abstain_reply``.
+
+        Args:
+            model: The model being trained (not modified).
+
+        Returns:
+            Per stage, the greedy decline share.
+        """
+        from ram_trl.recipes.tasks import completion_text
+
+        copy, out = self._copy(model), {}
+        for task in self.checks:
+            completions = self._generate(copy, [r["prompt"] for r in task.rows], False)
+            declined = [completion_text(c) == self.spec.abstain_reply for c in completions]
+            out[task.stage] = round(sum(declined) / len(declined), 4)
+        return out
+
+
+def criterion(spec: WarmStartSpec) -> str:
+    """The acceptance criterion of ``spec`` in words (for ``ram_warm_start.json`` and results.md).
+
+    Args:
+        spec: A warm start with ``accept``.
+
+    Returns:
+        One sentence.
+    """
+    accept = spec.accept
+    text = (
+        f"every stage's sampled pass@{accept.pass_k} (temperature {accept.temperature:g}, summed reward >= "
+        f"{accept.pass_reward:g}) on its {accept.check_size} check rows >= {accept.min_pass:g}, checked after "
+        f"{spec.steps} steps and every {accept.every} after, cap {accept.max_steps}"
+    )
+    if spec.abstain_share:
+        text += (
+            f"; then greedy declines on >= {decline_target(spec):g} of the check rows (mean over stages), checked every "
+            f"{accept.abstain_every} steps, cap {accept.abstain_max_steps}"
+        )
+    return text
+
+
+def decline_target(spec: WarmStartSpec) -> float:
+    """Phase two's target: the greedy decline share, mean over stages, at which it stops.
+
+    Args:
+        spec: A warm start with ``accept`` and ``abstain_share``.
+
+    Returns:
+        ``abstain_share - decline_tolerance`` (at least 0).
+    """
+    return round(max(0.0, spec.abstain_share - spec.accept.decline_tolerance), 6)
+
+
+def _values(values: dict[str, float]) -> str:
+    return ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
+
+
+def acceptance_summary(acceptance: dict[str, Any]) -> list[str]:
+    """The acceptance record in words: per phase its steps and last measurement, then the final measurement; a
+    phase that hit its cap unmet is named loudly (``WARNING``).
+
+    Args:
+        acceptance: A record's ``acceptance`` (:func:`warm_start`).
+
+    Returns:
+        One line per phase and one for the final measurement.
+    """
+    names = {
+        "answers": "phase one (answers): sampled pass@k",
+        "abstain": "phase two (abstentions): greedy declines",
+    }
+    lines = []
+    for name, phase in acceptance["phases"].items():
+        last = phase["checks"][-1]["values"]
+        if phase["met"]:
+            lines.append(
+                f"{names[name]} met after {phase['steps']} steps (cap {phase['cap']}): {_values(last)}"
+            )
+        else:
+            lines.append(
+                f"WARNING: {names[name]} NOT met: the cap of {phase['cap']} steps was hit ({_values(last)}); "
+                "the specialists may not learn"
+            )
+    final = acceptance["final"]
+    text = f"saved base: sampled pass@k {_values(final['pass_at_k'])}"
+    if "decline" in final:
+        text += f"; greedy declines {_values(final['decline'])}"
+    return [*lines, text]
+
+
+def acceptance_line(record: dict[str, Any]) -> str:
+    """The terminal's summary of a warm start's acceptance (rich markup: red when a cap was hit).
+
+    Args:
+        record: The warm start's record with ``acceptance``.
+
+    Returns:
+        One line (``; ``-joined :func:`acceptance_summary`).
+    """
+    acceptance = record["acceptance"]
+    colour = "green" if acceptance["accepted"] else "bold red"
+    verdict = "accepted" if acceptance["accepted"] else "NOT ACCEPTED"
+    return f"[{colour}]warm start {verdict}[/]: " + "; ".join(acceptance_summary(acceptance))
 
 
 def warm_start(
@@ -116,6 +400,7 @@ def warm_start(
     spec: WarmStartSpec,
     progress: bool = True,
     record_extra: dict[str, Any] | None = None,
+    checks: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
 
@@ -134,9 +419,15 @@ def warm_start(
         spec: The recipe's ``warm_start`` section.
         progress: Show a progress bar.
         record_extra: More fields of the record (the runner's digest of the rows).
+        checks: With ``spec.accept``, each stage's check rows and rewards
+            (:class:`~ram_trl.recipes.evaluate.EvalTask`): rows held out of ``rows`` that no stage trains on.
+
+    With ``spec.accept``, each phase trains until its criterion holds on ``checks`` or its cap is hit
+    (:func:`train_until`); the record's ``acceptance`` holds the criterion, every check, the steps taken, the final
+    measurements and ``accepted``; a phase that hit its cap unmet is warned about.
 
     Returns:
-        The record: steps, first and last losses, seconds.
+        The record: steps, first and last losses, seconds (and ``acceptance``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -158,33 +449,51 @@ def warm_start(
         raise ConfigError("warm start: no rows to train on")
     abstaining = 0
     rng = random.Random(spec.seed)
+    if spec.abstain_share and spec.abstain_reply is None:
+        raise ConfigError("warm start: abstain_share needs an abstain_reply (the runner chooses one)")
+    accept = spec.accept
+    if accept is not None and not checks:
+        raise ConfigError("warm start: warm_start.accept needs check rows (none were given)")
+    checker = _Checker(base_in, checks, spec) if accept is not None else None
+    acceptance: dict[str, Any] = {}
+    common = {"spec": spec, "rng": rng, "pad_id": tokenizer.pad_token_id, "progress": progress}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        losses = _train(
-            model,
-            encoded,
-            steps=spec.steps,
-            learning_rate=spec.learning_rate,
-            spec=spec,
-            rng=rng,
-            pad_id=tokenizer.pad_token_id,
-            progress=progress,
-        )
+        answers = _Phase(model, encoded, steps=spec.steps, learning_rate=spec.learning_rate, **common)
+        if checker is None:
+            answers.run(spec.steps)
+        else:
+            acceptance["answers"] = train_until(
+                answers.run,
+                lambda: checker.pass_rates(model),
+                lambda values: phase_met(values, accept.min_pass),
+                first=spec.steps,
+                every=accept.every,
+                cap=accept.max_steps,
+            )
+        losses = list(answers.losses)
         if spec.abstain_share:
-            if spec.abstain_reply is None:
-                raise ConfigError("warm start: abstain_share needs an abstain_reply (the runner chooses one)")
             mixed = with_abstentions(rows, spec.abstain_share, spec.abstain_reply, spec.seed)
             abstaining = sum(row["answer"] == spec.abstain_reply for row in mixed)
-            losses += _train(
+            declining = _Phase(
                 model,
                 encode_rows(tokenizer, mixed),
                 steps=spec.abstain_steps,
                 learning_rate=spec.abstain_learning_rate,
-                spec=spec,
-                rng=rng,
-                pad_id=tokenizer.pad_token_id,
-                progress=progress,
+                **common,
             )
+            if checker is None:
+                declining.run(spec.abstain_steps)
+            else:
+                acceptance["abstain"] = train_until(
+                    declining.run,
+                    lambda: checker.declines(model),
+                    lambda values: phase_met(values, decline_target(spec), how="mean"),
+                    first=accept.abstain_every,
+                    every=accept.abstain_every,
+                    cap=accept.abstain_max_steps,
+                )
+            losses += declining.losses
     record = {
         "steps": len(losses),
         "loss_first": losses[0],
@@ -196,6 +505,27 @@ def warm_start(
         "seconds": round(time.perf_counter() - start, 2),
         **(record_extra or {}),
     }
+    if checker is not None:
+        final = {"pass_at_k": checker.pass_rates(model)}
+        if spec.abstain_share:
+            final["decline"] = checker.declines(model)
+        record["acceptance"] = {
+            "criterion": criterion(spec),
+            "accepted": all(phase["met"] for phase in acceptance.values()),
+            "phases": acceptance,
+            "final": final,
+            "check_rows": {task.stage: len(task.rows) for task in checks},
+        }
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        for name, phase in acceptance.items():
+            if not phase["met"]:
+                message = (
+                    f"warm start: phase {name!r} hit its cap of {phase['cap']} steps without meeting the acceptance "
+                    f"criterion (last check: {phase['checks'][-1]['values']}; criterion: {criterion(spec)}); the "
+                    "specialists may not learn: raise the cap or the learning rate"
+                )
+                warnings.warn(message, stacklevel=2)
+                logger.warning(message)
     with output as tmp, guard_os_errors(f"warm-started base directory {base_out}"):
         model.to(getattr(torch, spec.save_dtype)).save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))

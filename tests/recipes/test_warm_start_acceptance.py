@@ -1,0 +1,262 @@
+"""The warm start's acceptance criterion (hand-computed checks, the cap, the record) and ``ram-trl demo --seed``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ram_trl.recipes.schema import WarmStartAcceptance, WarmStartSpec
+from ram_trl.recipes.warm_start import (
+    acceptance_summary,
+    criterion,
+    decline_target,
+    pass_at_k,
+    phase_met,
+    train_until,
+)
+
+
+def _scripted(values: list[dict[str, float]]):
+    trained: list[int] = []
+    measured = iter(values)
+    return trained, trained.append, lambda: next(measured)
+
+
+def test_pass_at_k_counts_rows_with_any_passing_sample():
+    # rows: pass on the 3rd sample, never, on the 1st, on two: 3 of 4 rows
+    assert (
+        pass_at_k([[False, False, True, False], [False] * 4, [True, False, False, False], [True, True]])
+        == 0.75
+    )
+    assert pass_at_k([]) == 0.0
+
+
+def test_phase_met_every_stage_or_the_mean():
+    assert phase_met({"a": 0.5, "b": 0.9}, 0.5)
+    assert not phase_met({"a": 0.49, "b": 0.9}, 0.5)  # one stage short: not met, whatever the mean (0.695)
+    assert phase_met({"a": 0.2, "b": 0.6}, 0.4, how="mean")  # mean 0.4 reaches 0.4
+    assert not phase_met({"a": 0.2, "b": 0.59}, 0.4, how="mean")
+    assert not phase_met({}, 0.0)
+
+
+def test_train_until_stops_at_the_first_check_that_meets_the_criterion():
+    trained, train, measure = _scripted([{"a": 0.2}, {"a": 0.4}, {"a": 0.6}, {"a": 0.9}])
+    out = train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=1500)
+    assert trained == [600, 100, 100]
+    assert out["steps"] == 800 and out["met"] is True and out["cap"] == 1500
+    assert [c["step"] for c in out["checks"]] == [600, 700, 800]
+    assert [c["values"]["a"] for c in out["checks"]] == [0.2, 0.4, 0.6]
+
+
+def test_train_until_stops_at_the_cap_and_flags_it():
+    trained, train, measure = _scripted([{"a": 0.1}] * 10)
+    out = train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=750)
+    assert trained == [600, 100, 50]  # the last piece is cut to the cap
+    assert out["steps"] == 750 and out["met"] is False
+    assert [c["step"] for c in out["checks"]] == [600, 700, 750]
+    # a first check past the cap is moved to the cap
+    trained, train, measure = _scripted([{"a": 0.9}])
+    assert (
+        train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=300)["steps"]
+        == 300
+    )
+    assert trained == [300]
+
+
+def test_criterion_and_decline_target_in_words():
+    spec = WarmStartSpec(steps=600, abstain_share=0.5, accept=WarmStartAcceptance(min_pass=0.35))
+    assert decline_target(spec) == 0.4
+    assert criterion(spec) == (
+        "every stage's sampled pass@4 (temperature 1, summed reward >= 1) on its 64 check rows >= 0.35, checked "
+        "after 600 steps and every 100 after, cap 2000; then greedy declines on >= 0.4 of the check rows (mean over "
+        "stages), checked every 25 steps, cap 400"
+    )
+    assert decline_target(spec.model_copy(update={"abstain_share": 0.05})) == 0.0
+
+
+def test_the_summary_shouts_when_a_cap_was_hit():
+    acceptance = {
+        "phases": {
+            "answers": {
+                "steps": 1500,
+                "cap": 1500,
+                "met": False,
+                "checks": [{"step": 1500, "values": {"a": 0.1}}],
+            },
+            "abstain": {
+                "steps": 50,
+                "cap": 300,
+                "met": True,
+                "checks": [{"step": 50, "values": {"a": 0.45}}],
+            },
+        },
+        "final": {"pass_at_k": {"a": 0.125}, "decline": {"a": 0.5}},
+    }
+    lines = acceptance_summary(acceptance)
+    assert lines[0].startswith(
+        "WARNING: phase one (answers): sampled pass@k NOT met: the cap of 1500 steps was hit"
+    )
+    assert lines[1] == "phase two (abstentions): greedy declines met after 50 steps (cap 300): a 0.45"
+    assert lines[2] == "saved base: sampled pass@k a 0.12; greedy declines a 0.50"
+
+
+def test_acceptance_fields_are_validated():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="min_pass"):
+        WarmStartAcceptance(min_pass=1.5)
+    with pytest.raises(ValidationError, match="pass_k"):
+        WarmStartAcceptance(pass_k=0)
+    assert WarmStartSpec().accept is None  # off by default: recipes without it train exactly `steps`
+
+
+def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
+    import torch
+
+    from ram_trl.recipes.evaluate import EvalTask
+    from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
+    checks = [
+        EvalTask(
+            "t",
+            [{"prompt": f"{i}=", "answer": "ab"} for i in range(40, 44)],
+            ["ram_trl.recipes.tasks:recall_reward"],
+            split="check",
+        )
+    ]
+    accept = WarmStartAcceptance(
+        check_size=4,
+        pass_k=2,
+        pass_reward=2.0,
+        every=5,
+        max_steps=12,
+        abstain_every=4,
+        abstain_max_steps=8,
+        decline_tolerance=1.0,
+        max_new_tokens=4,
+    )  # pass_reward 2 is out of reach (recall_reward gives at most 1): phase one must stop at its cap
+    spec = WarmStartSpec(
+        steps=5,
+        batch_size=8,
+        learning_rate=1e-2,
+        save_dtype="float32",
+        abstain_share=0.5,
+        abstain_reply="zz",
+        abstain_steps=8,
+        abstain_learning_rate=1e-2,
+        accept=accept,
+    )
+    with pytest.warns(UserWarning, match="phase 'answers' hit its cap of 12 steps"):
+        record = warm_start(tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks)
+    saved = json.loads((tmp_path / "out" / WARM_START_RECORD).read_text())
+    acceptance = saved["acceptance"]
+    assert acceptance == record["acceptance"]
+    assert acceptance["accepted"] is False
+    answers, abstain = acceptance["phases"]["answers"], acceptance["phases"]["abstain"]
+    assert (answers["steps"], answers["met"], [c["step"] for c in answers["checks"]]) == (
+        12,
+        False,
+        [5, 10, 12],
+    )
+    assert all(c["values"] == {"t": 0.0} for c in answers["checks"])
+    # target max(0, 0.5 - 1.0) = 0: met at the first check
+    assert (abstain["steps"], abstain["met"], [c["step"] for c in abstain["checks"]]) == (4, True, [4])
+    assert saved["steps"] == 16  # 12 + 4 steps taken, not spec.steps + spec.abstain_steps
+    assert set(acceptance["final"]) == {"pass_at_k", "decline"}
+    assert acceptance["check_rows"] == {"t": 4}
+    assert acceptance["criterion"] == criterion(spec)
+
+
+def test_accept_needs_check_rows(tmp_path):
+    from ram_trl.errors import ConfigError
+    from ram_trl.recipes.warm_start import warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64)
+    spec = WarmStartSpec(steps=2, accept=WarmStartAcceptance())
+    with pytest.raises(ConfigError, match="accept needs check rows"):
+        warm_start(
+            tmp_path / "init", tmp_path / "out", [{"prompt": "1=", "answer": "a"}], spec, progress=False
+        )
+    assert not (tmp_path / "out").exists()
+
+
+# -- seeds -----------------------------------------------------------------------------------------------------
+def _seeds(data, path=""):
+    """Every field whose name says it is a seed, with its path."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if "seed" in key and isinstance(value, int):
+                yield f"{path}.{key}", value
+            yield from _seeds(value, f"{path}.{key}")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _seeds(value, f"{path}[{i}]")
+
+
+def _demo_overrides(monkeypatch, argv):
+    from ram_trl import cli
+    from ram_trl.recipes import runner
+
+    seen = {}
+    monkeypatch.setattr(runner, "run_recipe", lambda recipe, options: seen.update(options=options))
+    assert cli.main(["demo", *argv]) == 0
+    return seen["options"].overrides
+
+
+@pytest.mark.parametrize("quick", [[], ["--quick"]])
+def test_the_seed_flag_reaches_every_seed_of_the_run(monkeypatch, quick):
+    from ram_trl.recipes import DEMO_RECIPE
+    from ram_trl.recipes.schema import load_recipe
+
+    recipe, _ = load_recipe(DEMO_RECIPE, _demo_overrides(monkeypatch, ["--seed", "3", *quick]))
+    seeds = dict(_seeds(recipe.model_dump()))
+    # the base, the warm start and its check, every stage's prompts, the trainers and merges, the evaluation
+    for field in (
+        ".seed",
+        ".base.build.seed",
+        ".warm_start.seed",
+        ".warm_start.accept.seed",
+        ".evaluation.seed",
+    ):
+        assert seeds.pop(field) == 3, field
+    for i in range(len(recipe.stages)):
+        assert seeds.pop(f".stages[{i}].prompts.seed") == 3
+    assert seeds.pop(".evaluation.bootstrap_seed") == 3
+    assert seeds == {}  # no seed left at its default: a new seed field must be derived from --seed too
+    if quick:
+        assert recipe.warm_start.steps == 20  # --quick still applies
+
+
+def test_without_the_seed_flag_the_demo_recipe_is_unchanged(monkeypatch):
+    from ram_trl.recipes import DEMO_RECIPE, seed_overrides
+    from ram_trl.recipes.schema import load_recipe
+
+    assert _demo_overrides(monkeypatch, []) == {}
+    default, _ = load_recipe(DEMO_RECIPE)
+    assert load_recipe(DEMO_RECIPE, seed_overrides(0))[0] == default  # --seed 0 is the default run
+
+
+def test_seeds_draw_different_splits_and_the_same_seed_the_same(tmp_path):
+    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES, seed_overrides
+    from ram_trl.recipes.runner import Run, RunOptions
+    from ram_trl.recipes.schema import apply_overrides, load_recipe
+
+    def drawn(seed):
+        recipe, root = load_recipe(DEMO_RECIPE, apply_overrides(QUICK_OVERRIDES, seed_overrides(seed)))
+        return Run(recipe, root, tmp_path / f"run{seed}", RunOptions(progress=False)).draw()
+
+    zero, again, one = drawn(0), drawn(0), drawn(1)
+    assert zero == again
+    for stage, (train, test, val, warm, check) in zero.items():
+        assert train != one[stage][0] and test != one[stage][1] and check != one[stage][4], stage
+        # the check rows: held out of the warm start, never a training, test or validation prompt
+        prompts = {r["prompt"] for r in check}
+        assert len(check) == 4
+        assert not prompts & {r["prompt"] for r in train + test + val + warm}, stage
