@@ -375,7 +375,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if step % self.every == 0 or final:
             metrics.update(self.preview(state))
         if metrics:
-            self.emit(metrics, control)
+            self.emit(metrics)
         return control
 
     def on_train_end(
@@ -384,7 +384,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if not self.tracker.ready:
             return
         if self._last_step != state.global_step:  # training stopped between previews
-            self.trainer.log(self.preview(state))
+            self.emit(self.preview(state))
         if self.trainer.accelerator.is_main_process:
             self._commit(args, state)
         self.trainer.accelerator.wait_for_everyone()
