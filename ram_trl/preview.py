@@ -43,7 +43,6 @@ callback is built, so ``import ram_trl.callbacks`` stays light.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import math
@@ -567,9 +566,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         merged = self.work_dir / "merged"
         config = self.merge_config(checkpoint)
         start = time.perf_counter()
-        quiet = io.StringIO()  # the merge's report table and messages: the record says what matters
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            report = merge(config, merged, overwrite=True, progress=False)
+        report = merge(
+            config, merged, overwrite=True, progress=False
+        )  # prints nothing: the record says it all
         return merged, time.perf_counter() - start, int(report.get("processes", 1))
 
     def _check_partitioned(self, deepspeed_config: dict[str, Any]) -> None:
