@@ -254,27 +254,36 @@ class TaskVectorSparsityCallback(TrainerCallback):
         if step % self.interval(args, state) == 0 or final:
             model = policy_of(kwargs.get("model") or self.trainer.model)
             metrics = self.tracker.measure(model, step)
-            self.emit(metrics, control)
+            self.emit(metrics)
         return control
 
-    def emit(self, metrics: dict[str, float], control: TrainerControl) -> None:
-        """Send metrics through the trainer's logging path.
+    def emit(self, metrics: dict[str, float]) -> None:
+        """Log ``metrics`` now, as an entry of their own at this step, through the trainer's public logging path.
 
-        TRL trainers with a metric store (GRPO, RLOO: ``_metrics["train"]``) get the values there and the step is
-        logged now (``control.should_log``), so the metrics share one ``log_history`` entry with the rewards; other
-        trainers get a ``trainer.log`` call. Either way every reporting integration sees them.
+        ``transformers.Trainer.log`` appends the entry to ``state.log_history`` and calls every callback's ``on_log``
+        (the reporting integrations: TensorBoard, W&B, ...). TRL's GRPO and RLOO trainers override ``log`` to add,
+        average and clear their own metric store (the rewards) in whatever entry is logged next, so the callback
+        calls the base class's ``log``: the trainer's own entries stay exactly what they are without the callback
+        (the same steps and the same values), whatever ``every_n_steps`` and ``logging_steps`` are; the trainer's
+        ``control.should_log`` for the step is left as the trainer set it. A trainer that is not a
+        ``transformers.Trainer`` gets its own ``log``.
 
         Args:
             metrics (`dict[str, float]`): Metric name (with the prefix) to value.
-            control (`TrainerControl`): The trainer's control object of this step.
         """
-        store = getattr(self.trainer, "_metrics", None)
-        if isinstance(store, dict) and isinstance(store.get("train"), dict):
-            for key, value in metrics.items():
-                store["train"][key] = [value]
-            control.should_log = True
+        from transformers import Trainer  # loaded already by the trainer that runs this callback
+
+        logs = dict(metrics)
+        control = getattr(self.trainer, "control", None)
+        should_log = getattr(control, "should_log", False)
+        if isinstance(self.trainer, Trainer):
+            Trainer.log(self.trainer, logs)
         else:
-            self.trainer.log(dict(metrics))
+            self.trainer.log(logs)
+        if control is not None:
+            # a log clears ``should_log`` (transformers' CallbackHandler.on_log): keep the trainer's own decision for
+            # this step, so that it still logs its step when this is a logging step (and only then)
+            self.trainer.control.should_log = should_log
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

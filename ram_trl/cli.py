@@ -331,6 +331,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         lora_max_rank=args.max_rank,
         lora_energy=args.energy,
         allow_external_shards=args.allow_external_shards,
+        print_summary=True,
     )
     return 0
 

@@ -44,6 +44,8 @@ class MergeOptions:
         chunk_budget: Bytes allowed for one chunk's buffers, e.g. ``"256MB"``.
         progress: Show progress bars.
         allow_external_shards: Accept checkpoint index files naming shards outside their directory.
+        print_summary: Print the plan (dry run) or the summary tables in the terminal (the command line does;
+            a library call logs one line through ``logging`` instead).
     """
 
     overwrite: bool = False
@@ -54,6 +56,7 @@ class MergeOptions:
     chunk_budget: str | int = DEFAULT_CHUNK_BUDGET
     progress: bool = True
     allow_external_shards: bool = False
+    print_summary: bool = False
 
 
 @dataclass

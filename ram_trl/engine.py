@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
@@ -63,6 +64,8 @@ from ram_trl.validation import check_device, check_weight_sums, is_vocabulary_te
 
 REPORT_FILE = reporting.REPORT_FILE
 
+logger = logging.getLogger(__name__)
+
 
 def merge(
     config: str | os.PathLike | dict[str, Any] | MergeConfig,
@@ -80,14 +83,20 @@ def merge(
     lora_max_rank: int | None = None,
     lora_energy: float | None = None,
     allow_external_shards: bool = False,
+    print_summary: bool = False,
 ) -> dict[str, Any]:
     """Merge a base model and N agents into one model directory.
+
+    A library call prints nothing (progress bars aside, see ``progress``): it logs a one-line summary through the
+    ``ram_trl.engine`` logger (``logging.INFO``) and returns the report; ``print_summary=True`` prints the tables
+    that ``ram-trl merge`` shows.
 
     Args:
         config: A merge config: a YAML path, a dict, or a :class:`~ram_trl.config.MergeConfig`.
         output_dir: Where the merged model goes. Must not exist unless ``overwrite``.
         overwrite: Replace an existing ``output_dir`` (only once the new one is complete).
-        dry_run: Validate and plan, print the plan, and return it without reading tensor data.
+        dry_run: Validate and plan, and return the plan without reading tensor data (printed with
+            ``print_summary``).
         max_shard_size: Largest output safetensors file.
         device: ``"cpu"`` or ``"cuda"`` for the arithmetic.
         allow_pickle: Accept pickle checkpoints (loaded with ``torch.load(weights_only=True)``).
@@ -101,6 +110,8 @@ def merge(
             singular values of its delta (at most ``lora_max_rank``).
         allow_external_shards: Accept index files (``model.safetensors.index.json``) whose shards resolve outside
             their checkpoint directory (refused by default).
+        print_summary: Print the plan (dry run) or the per-agent summary table (and, with ``"lora"``, the export's)
+            in the terminal, on the main process, as the command line does.
 
     Returns:
         The merge report (also written to ``output_dir/ram_merge_report.json``): method, parameters, per-agent
@@ -122,6 +133,7 @@ def merge(
         chunk_budget=chunk_budget,
         progress=progress,
         allow_external_shards=allow_external_shards,
+        print_summary=print_summary,
     )
     check_device(device)
     parsed, config_path = load_config(config)
@@ -273,7 +285,7 @@ def _run_merge(
     base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
         summary = reporting.plan_summary(resolved, plan)
-        if ctx.is_main:
+        if ctx.is_main and options.print_summary:
             reporting.print_plan(resolved, plan)
         return summary
 
@@ -325,9 +337,19 @@ def _run_merge(
                 return built
 
             report = ctx.broadcast_object(ctx.guarded(finish))
-    if ctx.is_main:
-        reporting.print_summary(report)
     assert report is not None
+    if ctx.is_main:
+        if options.print_summary:
+            reporting.print_summary(report)
+        logger.info(
+            "%s merge of %d agents -> %s: %d bytes in %d file(s) in %.1f s",
+            report["merge_method"],
+            len(report["agents"]),
+            report["output_dir"],
+            report["output"]["bytes"],
+            len(report["output"]["files"]),
+            report["timings"].get("total_seconds", 0.0),
+        )
     return report
 
 
@@ -379,7 +401,8 @@ def run_lora_merge(
                     allow_pickle=options.allow_pickle,
                     progress=options.progress,
                 )
-                print_export(report)
+                if options.print_summary:
+                    print_export(report)
                 return report
 
             return ctx.broadcast_object(ctx.guarded(export))

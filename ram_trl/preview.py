@@ -43,7 +43,6 @@ callback is built, so ``import ram_trl.callbacks`` stays light.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import math
@@ -375,7 +374,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if step % self.every == 0 or final:
             metrics.update(self.preview(state))
         if metrics:
-            self.emit(metrics, control)
+            self.emit(metrics)
         return control
 
     def on_train_end(
@@ -384,7 +383,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         if not self.tracker.ready:
             return
         if self._last_step != state.global_step:  # training stopped between previews
-            self.trainer.log(self.preview(state))
+            self.emit(self.preview(state))
         if self.trainer.accelerator.is_main_process:
             self._commit(args, state)
         self.trainer.accelerator.wait_for_everyone()
@@ -567,9 +566,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         merged = self.work_dir / "merged"
         config = self.merge_config(checkpoint)
         start = time.perf_counter()
-        quiet = io.StringIO()  # the merge's report table and messages: the record says what matters
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-            report = merge(config, merged, overwrite=True, progress=False)
+        report = merge(
+            config, merged, overwrite=True, progress=False
+        )  # prints nothing: the record says it all
         return merged, time.perf_counter() - start, int(report.get("processes", 1))
 
     def _check_partitioned(self, deepspeed_config: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -101,7 +102,9 @@ def test_grpo_full_finetune_base_from_disk(base, tmp_path):
     assert manifest.stage == "coding" and manifest.domain == "code" and manifest.base_model == str(base)
     assert "reward" in manifest.rewards
     last = logged(trainer)[-1]
-    assert last["reward"] == manifest.rewards["reward"]
+    # the telemetry has entries of its own; the manifest holds the trainer's last logged reward
+    assert not any("reward" in key for key in last)
+    assert [e for e in trainer.state.log_history if "reward" in e][-1]["reward"] == manifest.rewards["reward"]
     # fp32 training: the live task vector is denser than the bf16 checkpoint
     assert last[f"{P}density"] >= last[f"{P}density_saved"]
     model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
@@ -149,6 +152,48 @@ def test_rloo(base, tmp_path):
     # RLOO's default beta > 0 loads a reference model
     assert callback.tracker.base_description == "reference model"
     check_run(trainer, callback, base, out, "full")
+
+
+def own_entries(history: list[dict]) -> list[dict]:
+    """The trainer's own log entries (those without telemetry), less their wall-clock timings."""
+    timing = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+    return [{k: v for k, v in e.items() if k not in timing} for e in history if f"{P}density" not in e]
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls", [(GRPOTrainer, GRPOConfig), (RLOOTrainer, RLOOConfig)])
+def test_measurements_leave_the_trainers_own_log_alone(base, tmp_path, trainer_cls, config_cls):
+    # measure every 3 steps, log every 2: the callback adds entries of its own at 3, 6 and 7 (the last step) and the
+    # trainer's reward entries (steps, values) are those of the same run without the callback, in log_history and in
+    # TensorBoard
+    def run(out: Path, callbacks: list) -> Any:
+        trainer = trainer_cls(
+            model=str(base),
+            reward_funcs=distinct_char_count,
+            args=rl_args(config_cls, out, max_steps=7),
+            train_dataset=rl_prompts(4),
+            callbacks=callbacks,
+        )
+        for callback in callbacks:
+            callback.bind(trainer)
+        trainer.train()
+        return trainer
+
+    alone = run(tmp_path / "alone", [])
+    out = tmp_path / "measured"
+    callback = TaskVectorSparsityCallback(
+        base_model=base, every_n_steps=3, save_agent=False, write_stage=False
+    )
+    measured = run(out, [callback])
+    expected = own_entries(alone.state.log_history)
+    assert [e["step"] for e in expected if "reward" in e] == [2, 4, 6, 7]
+    assert own_entries(measured.state.log_history) == expected
+    entries = logged(measured)
+    assert [e["step"] for e in entries] == [3, 6, 7]
+    assert entries[-1] == {**entries[-1], **callback.tracker.last}
+    assert not any("reward" in key or "loss" in key for e in entries for key in e)
+    rewards = tensorboard_scalars(tmp_path / "alone", "reward")
+    assert tensorboard_scalars(out, "reward") == rewards and [s for s, _ in rewards] == [2, 4, 6, 7]
+    assert [s for s, _ in tensorboard_scalars(out, f"{P}density_saved")] == [3, 6, 7]
 
 
 def test_plain_trainer_snapshot_base(base, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -138,3 +139,21 @@ def test_output_dtype_and_report_files(golden):
     assert report["merge_method"] == "ram_plus"
     card = (golden / "out" / "README.md").read_text()
     assert "RAM+" in card and "lambda_t" in card and "merge_method: ram_plus" in card
+
+
+def test_a_library_merge_prints_nothing_and_logs_one_line(golden, capfd, caplog):
+    # a merge called from Python (e.g. inside a trainer by the merge preview) leaves the terminal alone and logs
+    # through the ram_trl.engine logger; print_summary=True prints the tables that ram-trl merge shows
+    config = _config(golden, "ram_plus")
+    with caplog.at_level(logging.INFO, logger="ram_trl"):
+        ram_trl.merge(config, golden / "out", progress=False)
+        ram_trl.merge(config, golden / "plan", progress=False, dry_run=True)
+    assert capfd.readouterr() == ("", "")
+    lines = [r.getMessage() for r in caplog.records if r.name == "ram_trl.engine"]
+    assert lines == [
+        f"ram_plus merge of 3 agents -> {golden / 'out'}: 28 bytes in 1 file(s) in " + lines[0][-5:]
+    ]
+    ram_trl.merge(config, golden / "out", progress=False, overwrite=True, print_summary=True)
+    ram_trl.merge(config, golden / "plan", progress=False, dry_run=True, print_summary=True)
+    err = capfd.readouterr().err
+    assert "agent" in err and "lambda_t" in err and "Merge plan" in err

@@ -743,7 +743,7 @@ class Run:
                 log.write(f"\n# merge {row.name}\n")
                 try:
                     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                        merge(config, out, overwrite=True, progress=False)
+                        merge(config, out, overwrite=True, progress=False, print_summary=True)
                 except RamTrlError as exc:
                     raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
                 done.append((row, out))
