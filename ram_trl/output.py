@@ -601,6 +601,49 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
             temp.unlink()
 
 
+def check_output_file(
+    target: str | os.PathLike,
+    reads: Sequence[tuple[str, Path]] = (),
+    *,
+    overwrite: bool = False,
+    what: str = "output file",
+    flag: str = "--overwrite",
+) -> None:
+    """Refuse to write one file over an input or over an existing file (without ``overwrite``).
+
+    The rule of every writer: nothing is written over something the run reads (with or without ``overwrite``), nor
+    over a file the run did not create unless the user asked for it with ``flag``.
+
+    Args:
+        target (`str` or `os.PathLike`): The file about to be written (with :func:`atomic_file`).
+        reads (`Sequence[tuple[str, Path]]`, *optional*, defaults to `()`): ``(label, path)`` of the run's inputs:
+            the target must not be one of them nor lie inside an input directory.
+        overwrite (`bool`, *optional*, defaults to `False`): Replace an existing file that is not an input.
+        what (`str`, *optional*, defaults to `"output file"`): How messages name the file.
+        flag (`str`, *optional*, defaults to `"--overwrite"`): The flag that allows replacing an existing file.
+
+    Raises:
+        OutputError: naming the file (and the input it would replace, or the flag that allows it).
+    """
+    target = Path(target)
+    out = target.resolve()
+    for label, path in reads:
+        if not path.exists():
+            continue
+        source = path.resolve()
+        if source == out or out.is_relative_to(source):
+            raise OutputError(
+                f"{what} {target} would write over the {label} at {path}, which this run reads; write it elsewhere "
+                f"({flag} never replaces an input)"
+            )
+    if target.is_dir() or target.is_symlink():
+        raise OutputError(f"{what} {target} is a directory or a symbolic link; give a new file name")
+    if target.exists() and not overwrite:
+        raise OutputError(
+            f"{what} {target} already exists; pass {flag} to replace it, or choose another name"
+        )
+
+
 def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
     """A context that turns file-system errors of the output (``ENOSPC``, ``EROFS``, ...) into :class:`OutputError`."""
 
