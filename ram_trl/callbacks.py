@@ -29,7 +29,15 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import MANIFEST_NAME, StageManifest, write_manifest
+from ram_trl.manifest import (
+    MANIFEST_NAME,
+    StageManifest,
+    check_save_target,
+    describe_files,
+    manifest_path,
+    weight_files,
+    write_manifest,
+)
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 
@@ -221,7 +229,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
             # the file system), so that no rank goes on into a collective the others never reach
             base = self.tracker.base_model
             reads = [("base model", Path(base))] if base and Path(base).exists() else []
+            reads += prior_stage_reads(self.tracker.prior_paths)
             agent_output(args.output_dir, reads).check()
+            check_save_target(args.output_dir)
         self.tracker.reference_model = reference
         self.tracker.setup(model)
         if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
@@ -288,7 +298,10 @@ class TaskVectorSparsityCallback(TrainerCallback):
             if written is not None:
                 self.manifest_file = written
         elif self.write_stage and state.is_world_process_zero:
-            self.manifest_file = write_manifest(self.manifest(args, state), out_dir)
+            # no agent saved: the manifest describes no weight files (readers refuse it as a merge input)
+            manifest = self.manifest(args, state)
+            manifest.files = {}
+            self.manifest_file = write_manifest(manifest, out_dir)
 
     # -- the stage -----------------------------------------------------------------------------------------------
 
@@ -401,12 +414,32 @@ def save_agent(
             if processing is not None and hasattr(processing, "save_pretrained"):
                 processing.save_pretrained(str(tmp))
             if manifest is not None:
-                write_manifest(manifest(), tmp)
-        output.commit()
+                stage = manifest()
+                stage.files = describe_files(tmp)  # the stage contract: exactly these files, these bytes
+                write_manifest(stage, tmp)
+        # the previous save's weight files that this one does not replace go with the commit
+        output.commit(remove=check_save_target(out_dir, weight_files(tmp)))
     except BaseException:
         output.abort()
         raise
     return out_dir / MANIFEST_NAME if manifest is not None else None
+
+
+def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[str, Path]]:
+    """The directories of prior stages, as inputs an agent directory must not overlap (:class:`OutputDir` reads).
+
+    Args:
+        prior_stages (`Sequence[str | os.PathLike]`): Stage manifests or their directories.
+
+    Returns:
+        `list[tuple[str, Path]]`: ``("prior stage", directory)`` for each that exists.
+    """
+    reads = []
+    for stage in prior_stages:
+        file = manifest_path(stage)
+        if file.exists():
+            reads.append(("prior stage", file.parent))
+    return reads
 
 
 def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:

@@ -406,14 +406,19 @@ class OutputDir:
             directory.mkdir()
             self._created.append(directory)
 
-    def commit(self) -> None:
+    def commit(self, remove: Sequence[str] = ()) -> None:
         """Move the temporary directory into place: atomically, never onto a directory that appeared meanwhile;
-        with ``overwrite``, the previous output is moved aside first and removed after."""
+        with ``overwrite``, the previous output is moved aside first and removed after.
+
+        Args:
+            remove: With ``merge``, entries of the existing target to remove in the same transaction (a previous
+                save's files that the new one does not replace).
+        """
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
             if self.merge and self.target.is_dir():
-                merge_into(self.temp, self.target, last=self.markers)
+                merge_into(self.temp, self.target, last=self.markers, remove=remove)
                 shutil.rmtree(self.temp, ignore_errors=True)
                 self.temp = None
                 self._created = []
@@ -532,7 +537,7 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def merge_into(source: Path, target: Path, last: Sequence[str] = ()) -> None:
+def merge_into(source: Path, target: Path, last: Sequence[str] = (), remove: Sequence[str] = ()) -> None:
     """Move every entry of the directory ``source`` into the existing directory ``target``, replacing entries of
     the same name, all or nothing: on any failure (or signal) the entries moved in are removed and the replaced
     ones restored.
@@ -546,10 +551,13 @@ def merge_into(source: Path, target: Path, last: Sequence[str] = ()) -> None:
         source: The directory holding the new entries (left empty on success).
         target: The directory to move them into.
         last: Entry names to hide first and move in last.
+        remove: Entry names of ``target`` to remove as well (moved aside with the replaced ones, restored on
+            failure).
     """
     names = sorted(p.name for p in source.iterdir() if p.name != LOCK_FILE)
     ordered = [n for n in names if n not in last] + [n for n in last if n in names]
     aside_order = [n for n in last if (target / n).exists()] + [n for n in ordered if n not in last]
+    aside_order += [n for n in remove if n not in aside_order]
     old = temp_name(target, "old")
     old.mkdir()
     aside: list[str] = []
