@@ -28,7 +28,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import ram_trl
 from ram_trl import defaults
-from ram_trl.errors import ConfigError
+from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.manifest import (
     MANIFEST_NAME,
     StageManifest,
@@ -400,6 +400,7 @@ def save_agent(
         prefix = "policy."
         state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     cast = _cast_state(state_dict, dtype)
+    check_finite_agent(cast, dtype, out_dir)  # commit only healthy agents: nothing written otherwise
     output = agent_output(out_dir)
     tmp = output.begin()
     try:
@@ -423,6 +424,35 @@ def save_agent(
         output.abort()
         raise
     return out_dir / MANIFEST_NAME if manifest is not None else None
+
+
+def check_finite_agent(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
+) -> None:
+    """Refuse to save an agent holding NaN or Inf values (a diverged run, or trained values beyond ``dtype``).
+
+    Args:
+        tensors (`dict[str, torch.Tensor]`): The agent's tensors, cast to the save dtype.
+        dtype (`torch.dtype`): The save dtype (named in the message).
+        out_dir (`str` or `os.PathLike`): The agent directory (named in the message; nothing is written to it).
+
+    Raises:
+        NonFiniteError: naming the first tensor with non-finite values and how many the agent holds.
+    """
+    bad: list[tuple[str, int]] = []
+    for name, tensor in tensors.items():
+        if torch.is_floating_point(tensor):
+            count = int(tensor.numel() - torch.isfinite(tensor).sum())
+            if count:
+                bad.append((name, count))
+    if bad:
+        total = sum(count for _, count in bad)
+        name = str(dtype).removeprefix("torch.")
+        raise NonFiniteError(
+            f"agent directory {out_dir}: the agent holds {total} NaN/Inf values in {name} ({len(bad)} tensors, "
+            f"first {bad[0][0]!r}); the run diverged or its weights overflow save_dtype={name!r}: nothing was "
+            "saved (the trainer's own checkpoints are untouched). Use save_dtype='float32' or a lower learning rate"
+        )
 
 
 def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[str, Path]]:
@@ -460,6 +490,7 @@ def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] =
 __all__ = [
     "TaskVectorSparsityCallback",
     "agent_output",
+    "check_finite_agent",
     "last_reward_metrics",
     "library_versions",
     "save_agent",

@@ -8,6 +8,7 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -323,8 +324,9 @@ def _resolve_stage(
         "kind": manifest.kind,
         "save_dtype": manifest.save_dtype,
         "base_model": manifest.base_model,
-        "rewards": manifest.rewards,
-        "telemetry": manifest.telemetry,
+        # non-finite values (a hand-edited or diverged manifest) are left out: the report is strict JSON
+        "rewards": {k: v for k, v in manifest.rewards.items() if math.isfinite(v)},
+        "telemetry": {k: v for k, v in manifest.telemetry.items() if math.isfinite(v)},
     }
     return checkpoint, info
 

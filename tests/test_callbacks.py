@@ -413,3 +413,41 @@ def test_save_agent_false_writes_a_manifest_describing_no_weights(base, tmp_path
     trainer.save_model(str(out))  # whatever lands there is not the manifest's
     with pytest.raises(ConfigError, match="describes no saved agent"):
         ram_trl.analyze(base, [out], progress=False, figures=False)
+
+
+def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
+    """A float16 save of weights beyond float16's range: refused in one line, nothing written, no manifest."""
+    from transformers import TrainerCallback
+
+    from ram_trl.errors import NonFiniteError
+
+    class Explode(TrainerCallback):  # the run "diverges" on its last step, before the stage is saved
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            with torch.no_grad():
+                next(model.parameters()).fill_(1e6)
+
+    out = tmp_path / "sft"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = [tokenizer("abcabcab")["input_ids"][:8] for _ in range(4)]
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="float16")
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        callbacks=[Explode(), callback],
+    )
+    callback.bind(trainer)
+    with pytest.raises(NonFiniteError, match=r"NaN/Inf values in float16 .*nothing was saved"):
+        trainer.train()
+    assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()

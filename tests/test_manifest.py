@@ -41,8 +41,7 @@ def stage_for(ckpts, t: int, **fields) -> Path:
         trainer="GRPOTrainer",
         steps=12,
         save_dtype="bfloat16",
-        rewards={"reward": 0.5 + t},
-        **fields,
+        **{"rewards": {"reward": 0.5 + t}, **fields},
     )
     write_manifest(manifest, directory)
     return directory
@@ -223,3 +222,16 @@ def test_a_checkpoint_outside_the_manifest_directory_is_refused_unless_allowed(t
         _merge_stage(ckpts, tmp_path, directory)
     report = _merge_stage(ckpts, tmp_path, directory, allow_external_shards=True)
     assert report["agents"][0]["name"] == "outside"
+
+
+def test_non_finite_telemetry_in_a_manifest_keeps_the_report_strict_json(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    stage = stage_for(ckpts, 0)
+    data = json.loads((stage / MANIFEST_NAME).read_text())  # a hand-edited manifest: Python's json writes NaN
+    data.update(telemetry={"density": float("nan"), "rho": 0.25}, rewards={"reward": float("inf")})
+    (stage / MANIFEST_NAME).write_text(json.dumps(data))
+    _merge_stage(ckpts, tmp_path, stage)
+    text = (tmp_path / "out" / "ram_merge_report.json").read_text()
+    report = json.loads(text, parse_constant=lambda token: pytest.fail(f"invalid JSON token {token}"))
+    assert report["agents"][0]["stage"]["telemetry"] == {"rho": 0.25}
+    assert report["agents"][0]["stage"]["rewards"] == {}
