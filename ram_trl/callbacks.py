@@ -28,8 +28,16 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import ram_trl
 from ram_trl import defaults
-from ram_trl.errors import ConfigError
-from ram_trl.manifest import MANIFEST_NAME, StageManifest, write_manifest
+from ram_trl.errors import ConfigError, NonFiniteError
+from ram_trl.manifest import (
+    MANIFEST_NAME,
+    StageManifest,
+    check_save_target,
+    describe_files,
+    manifest_path,
+    weight_files,
+    write_manifest,
+)
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 
@@ -221,7 +229,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
             # the file system), so that no rank goes on into a collective the others never reach
             base = self.tracker.base_model
             reads = [("base model", Path(base))] if base and Path(base).exists() else []
+            reads += prior_stage_reads(self.tracker.prior_paths)
             agent_output(args.output_dir, reads).check()
+            check_save_target(args.output_dir)
         self.tracker.reference_model = reference
         self.tracker.setup(model)
         if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
@@ -297,7 +307,10 @@ class TaskVectorSparsityCallback(TrainerCallback):
             if written is not None:
                 self.manifest_file = written
         elif self.write_stage and state.is_world_process_zero:
-            self.manifest_file = write_manifest(self.manifest(args, state), out_dir)
+            # no agent saved: the manifest describes no weight files (readers refuse it as a merge input)
+            manifest = self.manifest(args, state)
+            manifest.files = {}
+            self.manifest_file = write_manifest(manifest, out_dir)
 
     # -- the stage -----------------------------------------------------------------------------------------------
 
@@ -396,6 +409,7 @@ def save_agent(
         prefix = "policy."
         state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     cast = _cast_state(state_dict, dtype)
+    check_finite_agent(cast, dtype, out_dir)  # commit only healthy agents: nothing written otherwise
     output = agent_output(out_dir)
     tmp = output.begin()
     try:
@@ -410,12 +424,61 @@ def save_agent(
             if processing is not None and hasattr(processing, "save_pretrained"):
                 processing.save_pretrained(str(tmp))
             if manifest is not None:
-                write_manifest(manifest(), tmp)
-        output.commit()
+                stage = manifest()
+                stage.files = describe_files(tmp)  # the stage contract: exactly these files, these bytes
+                write_manifest(stage, tmp)
+        # the previous save's weight files that this one does not replace go with the commit
+        output.commit(remove=check_save_target(out_dir, weight_files(tmp)))
     except BaseException:
         output.abort()
         raise
     return out_dir / MANIFEST_NAME if manifest is not None else None
+
+
+def check_finite_agent(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
+) -> None:
+    """Refuse to save an agent holding NaN or Inf values (a diverged run, or trained values beyond ``dtype``).
+
+    Args:
+        tensors (`dict[str, torch.Tensor]`): The agent's tensors, cast to the save dtype.
+        dtype (`torch.dtype`): The save dtype (named in the message).
+        out_dir (`str` or `os.PathLike`): The agent directory (named in the message; nothing is written to it).
+
+    Raises:
+        NonFiniteError: naming the first tensor with non-finite values and how many the agent holds.
+    """
+    bad: list[tuple[str, int]] = []
+    for name, tensor in tensors.items():
+        if torch.is_floating_point(tensor):
+            count = int(tensor.numel() - torch.isfinite(tensor).sum())
+            if count:
+                bad.append((name, count))
+    if bad:
+        total = sum(count for _, count in bad)
+        name = str(dtype).removeprefix("torch.")
+        raise NonFiniteError(
+            f"agent directory {out_dir}: the agent holds {total} NaN/Inf values in {name} ({len(bad)} tensors, "
+            f"first {bad[0][0]!r}); the run diverged or its weights overflow save_dtype={name!r}: nothing was "
+            "saved (the trainer's own checkpoints are untouched). Use save_dtype='float32' or a lower learning rate"
+        )
+
+
+def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[str, Path]]:
+    """The directories of prior stages, as inputs an agent directory must not overlap (:class:`OutputDir` reads).
+
+    Args:
+        prior_stages (`Sequence[str | os.PathLike]`): Stage manifests or their directories.
+
+    Returns:
+        `list[tuple[str, Path]]`: ``("prior stage", directory)`` for each that exists.
+    """
+    reads = []
+    for stage in prior_stages:
+        file = manifest_path(stage)
+        if file.exists():
+            reads.append(("prior stage", file.parent))
+    return reads
 
 
 def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
@@ -436,6 +499,7 @@ def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] =
 __all__ = [
     "TaskVectorSparsityCallback",
     "agent_output",
+    "check_finite_agent",
     "last_reward_metrics",
     "library_versions",
     "save_agent",

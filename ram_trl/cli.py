@@ -231,7 +231,12 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--base", help="base model of an adapter (default: the adapter config's)")
     parser.add_argument("--max-new-tokens", type=int, help="override the recipe's evaluation.max_new_tokens")
-    parser.add_argument("--json", dest="json_out", help="also write the scores and samples to this JSON file")
+    parser.add_argument(
+        "--json", dest="json_out", help="also write the scores and samples to this JSON file (must not exist)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --json file (never one of the inputs)"
+    )
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -441,11 +446,18 @@ def _run_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ram_trl.output import check_output_file
     from ram_trl.recipes.data import draw_splits
     from ram_trl.recipes.evaluate import EvalTask, evaluate_model
     from ram_trl.recipes.schema import load_recipe
     from ram_trl.recipes.stats import bootstrap_scores, interval_of
 
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise RamTrlError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    if args.json_out:
+        inputs = [("recipe", Path(args.recipe)), ("model", Path(args.model))]
+        inputs += [("base model", Path(args.base))] if args.base else []
+        check_output_file(Path(args.json_out), inputs, overwrite=args.overwrite, what="--json file")
     recipe, root = load_recipe(args.recipe)
     names = args.stage or recipe.names
     splits = ("test", "val") if args.split == "both" else (args.split,)
@@ -492,7 +504,8 @@ def _run_eval(args: argparse.Namespace) -> int:
     if args.json_out:
         from ram_trl.output import atomic_file
 
-        with atomic_file(Path(args.json_out), "--json-out file") as tmp:
+        check_output_file(Path(args.json_out), inputs, overwrite=args.overwrite, what="--json file")
+        with atomic_file(Path(args.json_out), "--json file") as tmp:
             tmp.write_text(json.dumps({"model": args.model, **result}, indent=2) + "\n")
     return 0
 

@@ -8,6 +8,7 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
-from ram_trl.manifest import check_base, checkpoint_path, manifest_path, read_manifest
+from ram_trl.manifest import check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
 
@@ -303,10 +304,14 @@ def _resolve_path(value: str, config_dir: Path | None) -> Path:
     return beside if beside.exists() else path
 
 
-def _resolve_stage(manifest_file: Path, base_path: Path, label: str) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint a stage manifest points to, after checking it was trained from ``base_path``."""
+def _resolve_stage(
+    manifest_file: Path, base_path: Path, label: str, allow_external: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint a stage manifest points to, after checking it holds what the manifest describes
+    (:func:`~ram_trl.manifest.verify_stage`) and was trained from ``base_path``."""
     try:
         manifest = read_manifest(manifest_file)
+        checkpoint = verify_stage(manifest, manifest_file, allow_external=allow_external)
         check_base(manifest, manifest_file, base_path)
     except ConfigError as exc:
         raise ConfigError(f"{label}: {exc}") from None
@@ -319,10 +324,11 @@ def _resolve_stage(manifest_file: Path, base_path: Path, label: str) -> tuple[Pa
         "kind": manifest.kind,
         "save_dtype": manifest.save_dtype,
         "base_model": manifest.base_model,
-        "rewards": manifest.rewards,
-        "telemetry": manifest.telemetry,
+        # non-finite values (a hand-edited or diverged manifest) are left out: the report is strict JSON
+        "rewards": {k: v for k, v in manifest.rewards.items() if math.isfinite(v)},
+        "telemetry": {k: v for k, v in manifest.telemetry.items() if math.isfinite(v)},
     }
-    return checkpoint_path(manifest, manifest_file), info
+    return checkpoint, info
 
 
 def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
@@ -392,13 +398,16 @@ def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     return _check_agent_value(parameter, value, where)
 
 
-def resolve_config(config: MergeConfig, config_path: Path | None = None) -> ResolvedConfig:
+def resolve_config(
+    config: MergeConfig, config_path: Path | None = None, *, allow_external_shards: bool = False
+) -> ResolvedConfig:
     """Check a config against the method registry and the file system (paths only; tensors come later).
 
     Args:
         config: The parsed config.
         config_path: The YAML file it came from; relative paths that do not exist from the working directory are
             looked up beside it.
+        allow_external_shards: Accept a stage manifest whose ``checkpoint`` lies outside its directory.
 
     Returns:
         The :class:`ResolvedConfig`.
@@ -453,7 +462,9 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         stage_info: dict[str, Any] | None = None
         if entry.stage is not None:
             label = f"{where}: models[{position}] (stage {entry.stage})"
-            path, stage_info = _resolve_stage(_resolve_path(entry.stage, config_dir), base_path, label)
+            path, stage_info = _resolve_stage(
+                _resolve_path(entry.stage, config_dir), base_path, label, allow_external_shards
+            )
         else:
             path = _resolve_path(entry.model, config_dir)
             label = f"{where}: models[{position}] ({entry.model})"

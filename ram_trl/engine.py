@@ -137,7 +137,7 @@ def merge(
     )
     check_device(device)
     parsed, config_path = load_config(config)
-    resolved = resolve_config(parsed, config_path)
+    resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
     if lora is not None:
         return run_lora_merge(resolved, Path(output_dir), options, lora)
     return run_merge(resolved, Path(output_dir), options)

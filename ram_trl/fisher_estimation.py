@@ -332,6 +332,19 @@ def _check_weights_format(directory: Path, role: str, allow_pickle: bool) -> Non
         )
 
 
+def _stage_checkpoint(directory: Path) -> Path:
+    """A stage directory's checkpoint, verified against its manifest (:func:`~ram_trl.manifest.verify_stage`);
+    a directory without a manifest, or whose manifest describes no saved agent, is read as it is."""
+    from ram_trl.manifest import MANIFEST_NAME, read_manifest, verify_stage
+
+    if not (directory / MANIFEST_NAME).is_file():
+        return directory
+    manifest = read_manifest(directory)
+    if manifest.files is not None and not manifest.files:
+        return directory  # save_agent=False: the manifest says nothing about the weights found here
+    return verify_stage(manifest, directory)
+
+
 def load_agent(
     agent_dir: str | os.PathLike,
     base: str | os.PathLike | None = None,
@@ -357,6 +370,7 @@ def load_agent(
     agent_dir = Path(agent_dir)
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
+    agent_dir = _stage_checkpoint(agent_dir)
     _check_weights_format(agent_dir, "agent", allow_pickle)
     if not is_adapter_dir(agent_dir):
         model = AutoModelForCausalLM.from_pretrained(agent_dir, dtype=dtype)

@@ -5,6 +5,12 @@ manifest beside the saved agent: which base it started from (with a fingerprint 
 against another base is caught before any work), where the agent's checkpoint is and what kind it is (full model or
 LoRA adapter), how it was trained and its final telemetry and rewards. A merge config accepts
 ``models: [{stage: PATH}]`` in place of ``model:``; the recipes detect finished stages from their manifests.
+
+The stage contract (:func:`verify_stage`): the manifest names exactly the weight files of its checkpoint directory
+(:func:`weight_files`) with the SHA-256 of each, and its kind; every reader resolves a stage through it and refuses,
+in one line naming the file, a directory whose weight files were changed, removed or added since the save (e.g. by
+``trainer.save_model`` into the same directory), a kind the files contradict, or a checkpoint outside the
+manifest's directory.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,14 +27,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ram_trl.errors import ConfigError
-from ram_trl.io.checkpoint import open_checkpoint
+from ram_trl.errors import ConfigError, OutputError
+from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
-SCHEMA_VERSION = 1
+#: 2 added ``files`` (the weight files and their SHA-256); version 1 manifests are still read.
+SCHEMA_VERSION = 2
 #: Tensors hashed into a base fingerprint (spread evenly over the sorted floating tensor names).
 FINGERPRINT_TENSORS = 4
 #: Leading elements of each fingerprinted tensor that are hashed.
@@ -63,6 +71,9 @@ class StageManifest(BaseModel):
         checkpoint: The agent's checkpoint: a full model directory or a PEFT adapter directory. Relative paths are
             relative to the manifest's directory.
         kind: ``"full"`` or ``"lora"``.
+        files: The weight files of the checkpoint directory (:func:`weight_files`) and the SHA-256 of each, as
+            saved; ``{}`` when the run saved no agent (``save_agent=False``: such a stage is refused as a merge
+            input), ``None`` in manifests written before schema version 2 (only the kind is checked then).
         trainer: Trainer class name (e.g. ``"GRPOTrainer"``).
         steps: Optimizer steps trained.
         save_dtype: The dtype the checkpoint was saved in (what the merge sees).
@@ -82,6 +93,7 @@ class StageManifest(BaseModel):
     base_fingerprint: BaseFingerprint | None = None
     checkpoint: str
     kind: Literal["full", "lora"] = "full"
+    files: dict[str, str] | None = None
     trainer: str | None = None
     steps: int = 0
     save_dtype: str | None = None
@@ -300,3 +312,215 @@ def check_base(
             f"not from the merge's base {base_path}: the base fingerprints differ "
             f"(tensors {', '.join(manifest.base_fingerprint.tensors)}). Use the stage's base model as base_model."
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage contract: the manifest names exactly the weight files it describes, with their digests
+
+#: The adapter files of a PEFT LoRA checkpoint.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+_DIGEST_BLOCK = 1 << 24
+_digest_memo: dict[tuple[str, int, int, int], str] = {}
+_digest_lock = threading.Lock()
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether a file name is one a reader of a checkpoint directory may load weights (or LoRA settings) from.
+
+    Args:
+        name (`str`): A file name (no directory).
+
+    Returns:
+        `bool`: ``True`` for ``*.safetensors`` (but the Fisher file), safetensors / pickle index files,
+        ``pytorch_model*.bin`` and the PEFT adapter files.
+    """
+    if name in ADAPTER_FILES:
+        return True
+    if name.endswith(".safetensors"):
+        return name != FISHER_FILE
+    if name.endswith(".safetensors.index.json"):
+        return True
+    return name.startswith("pytorch_model") and (name.endswith(".bin") or name.endswith(".bin.index.json"))
+
+
+def weight_files(directory: str | os.PathLike) -> list[str]:
+    """The weight files (:func:`is_weight_file`) directly inside a checkpoint directory, sorted.
+
+    Args:
+        directory (`str` or `os.PathLike`): The checkpoint directory.
+
+    Returns:
+        `list[str]`: Their names (none if the directory does not exist).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if is_weight_file(p.name) and p.is_file())
+
+
+def file_digest(file: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, streamed (remembered per path, inode, size and modification time).
+
+    Args:
+        file (`str` or `os.PathLike`): The file.
+
+    Returns:
+        `str`: The hex digest.
+    """
+    file = Path(file)
+    stat = file.stat()
+    key = (str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    with _digest_lock:
+        known = _digest_memo.get(key)
+    if known is not None:
+        return known
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        while block := handle.read(_DIGEST_BLOCK):
+            digest.update(block)
+    value = digest.hexdigest()
+    with _digest_lock:
+        _digest_memo[key] = value
+    return value
+
+
+def describe_files(directory: str | os.PathLike) -> dict[str, str]:
+    """The ``files`` of a manifest: every weight file of ``directory`` with its SHA-256.
+
+    Args:
+        directory (`str` or `os.PathLike`): The saved agent's directory.
+
+    Returns:
+        `dict[str, str]`: File name to hex digest, sorted by name.
+    """
+    return {name: file_digest(Path(directory) / name) for name in weight_files(directory)}
+
+
+def _check_kind(manifest: StageManifest, directory: Path, where: str) -> None:
+    names = weight_files(directory)
+    adapter = [n for n in names if n in ADAPTER_FILES]
+    full = [n for n in names if n not in ADAPTER_FILES]
+    if manifest.kind == "lora" and full:
+        raise ConfigError(
+            f"{where}: the manifest says kind 'lora' but {directory / full[0]} holds a full model's weights "
+            "(left by another save into the same directory?); remove it or save the stage elsewhere"
+        )
+    if manifest.kind == "full" and adapter and not full:
+        raise ConfigError(
+            f"{where}: the manifest says kind 'full' but {directory} holds only a LoRA adapter "
+            f"({', '.join(adapter)}); save the stage again"
+        )
+    if manifest.kind == "full" and adapter:
+        raise ConfigError(
+            f"{where}: the manifest says kind 'full' but {directory / adapter[0]} is a LoRA adapter file that "
+            "readers would load instead (left by another save into the same directory?); remove it"
+        )
+
+
+def verify_stage(
+    manifest: StageManifest, manifest_file: str | os.PathLike, *, allow_external: bool = False
+) -> Path:
+    """Check that a stage's checkpoint directory holds exactly what its manifest describes; return the directory.
+
+    Args:
+        manifest (`StageManifest`): The stage's manifest.
+        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
+        allow_external (`bool`, *optional*, defaults to `False`): Accept a ``checkpoint`` outside the manifest's
+            directory (an absolute path or ``..``), as ``allow_external_shards`` does for index files.
+
+    Returns:
+        `Path`: The checkpoint directory.
+
+    Raises:
+        ConfigError: in one line naming the manifest and the file, for a checkpoint outside the manifest's
+            directory, a manifest of a run that saved no agent, a weight file missing, added or changed since
+            the save, or a kind the files contradict.
+    """
+    file = manifest_path(manifest_file)
+    where = f"stage {manifest.stage!r} ({file})"
+    directory = checkpoint_path(manifest, manifest_file)
+    home = file.parent.resolve()
+    if not allow_external and not directory.resolve().is_relative_to(home):
+        raise ConfigError(
+            f"{where}: checkpoint {manifest.checkpoint!r} resolves outside the manifest's directory {file.parent}; "
+            "keep the manifest beside its agent (checkpoint '.'), or accept it with --allow-external-shards "
+            "(allow_external_shards=True)"
+        )
+    if not directory.is_dir():
+        return directory  # the readers name a missing checkpoint themselves
+    if manifest.files is not None and not manifest.files:
+        raise ConfigError(
+            f"{where}: the manifest describes no saved agent (the run used save_agent=False), so the weights in "
+            f"{directory} are not the stage's; name the model directory with model: instead, or save the agent"
+        )
+    if manifest.files is not None:
+        present = weight_files(directory)
+        for name in sorted(manifest.files):
+            if name not in present:
+                raise ConfigError(f"{where}: {directory / name} is missing (the manifest names it)")
+        added = [n for n in present if n not in manifest.files]
+        if added:
+            raise ConfigError(
+                f"{where}: {directory / added[0]} is not one of the files the manifest describes "
+                f"({', '.join(sorted(manifest.files))}): it was written after the stage was saved (e.g. by "
+                "trainer.save_model into the same directory); remove it or save one of them elsewhere"
+            )
+        for name, digest in sorted(manifest.files.items()):
+            if file_digest(directory / name) != digest:
+                raise ConfigError(
+                    f"{where}: {directory / name} no longer matches the manifest's SHA-256: it was written over "
+                    "after the stage was saved (e.g. by trainer.save_model into the same directory); train the "
+                    "stage again, or save other models elsewhere"
+                )
+    _check_kind(manifest, directory, where)
+    return directory
+
+
+def previous_save(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """The weight files an agent save into ``directory`` finds: those a previous save owns (named by the
+    ``ram_stage.json`` there; every weight file for a manifest older than schema version 2) and the others.
+
+    Args:
+        directory (`str` or `os.PathLike`): The agent directory about to receive a save.
+
+    Returns:
+        `tuple[list[str], list[str]]`: ``(owned, foreign)`` file names, sorted.
+    """
+    directory = Path(directory)
+    present = weight_files(directory)
+    try:
+        manifest = read_manifest(directory / MANIFEST_NAME) if (directory / MANIFEST_NAME).is_file() else None
+    except ConfigError:
+        manifest = None
+    if manifest is None:
+        return [], present
+    if manifest.files is None:
+        return present, []
+    return [n for n in present if n in manifest.files], [n for n in present if n not in manifest.files]
+
+
+def check_save_target(directory: str | os.PathLike, writes: Iterable[str] | None = None) -> list[str]:
+    """Refuse an agent save that would leave weight files it does not own beside the new agent; return the
+    previous save's files to remove.
+
+    Args:
+        directory (`str` or `os.PathLike`): The agent directory.
+        writes (`Iterable[str]`, *optional*): The files the new save writes (``None``: not known yet, before
+            training; then any weight file that no previous save owns is refused).
+
+    Returns:
+        `list[str]`: The previous save's weight files that the new save does not replace (remove them with it).
+
+    Raises:
+        OutputError: naming the first file that is neither the previous save's nor replaced by the new one.
+    """
+    owned, foreign = previous_save(directory)
+    written = None if writes is None else set(writes)
+    left = [n for n in foreign if written is None or n not in written]
+    if left:
+        raise OutputError(
+            f"agent directory {directory} holds {Path(directory) / left[0]}, which no ram_stage.json there "
+            "describes (a model saved by another tool or by trainer.save_model?); the agent would be saved beside "
+            "it and readers could load either. Remove it or choose another output_dir"
+        )
+    return [n for n in owned if written is None or n not in written]

@@ -406,14 +406,19 @@ class OutputDir:
             directory.mkdir()
             self._created.append(directory)
 
-    def commit(self) -> None:
+    def commit(self, remove: Sequence[str] = ()) -> None:
         """Move the temporary directory into place: atomically, never onto a directory that appeared meanwhile;
-        with ``overwrite``, the previous output is moved aside first and removed after."""
+        with ``overwrite``, the previous output is moved aside first and removed after.
+
+        Args:
+            remove: With ``merge``, entries of the existing target to remove in the same transaction (a previous
+                save's files that the new one does not replace).
+        """
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
             if self.merge and self.target.is_dir():
-                merge_into(self.temp, self.target, last=self.markers)
+                merge_into(self.temp, self.target, last=self.markers, remove=remove)
                 shutil.rmtree(self.temp, ignore_errors=True)
                 self.temp = None
                 self._created = []
@@ -532,7 +537,7 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def merge_into(source: Path, target: Path, last: Sequence[str] = ()) -> None:
+def merge_into(source: Path, target: Path, last: Sequence[str] = (), remove: Sequence[str] = ()) -> None:
     """Move every entry of the directory ``source`` into the existing directory ``target``, replacing entries of
     the same name, all or nothing: on any failure (or signal) the entries moved in are removed and the replaced
     ones restored.
@@ -546,10 +551,13 @@ def merge_into(source: Path, target: Path, last: Sequence[str] = ()) -> None:
         source: The directory holding the new entries (left empty on success).
         target: The directory to move them into.
         last: Entry names to hide first and move in last.
+        remove: Entry names of ``target`` to remove as well (moved aside with the replaced ones, restored on
+            failure).
     """
     names = sorted(p.name for p in source.iterdir() if p.name != LOCK_FILE)
     ordered = [n for n in names if n not in last] + [n for n in last if n in names]
     aside_order = [n for n in last if (target / n).exists()] + [n for n in ordered if n not in last]
+    aside_order += [n for n in remove if n not in aside_order]
     old = temp_name(target, "old")
     old.mkdir()
     aside: list[str] = []
@@ -599,6 +607,49 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     finally:
         with contextlib.suppress(OSError):
             temp.unlink()
+
+
+def check_output_file(
+    target: str | os.PathLike,
+    reads: Sequence[tuple[str, Path]] = (),
+    *,
+    overwrite: bool = False,
+    what: str = "output file",
+    flag: str = "--overwrite",
+) -> None:
+    """Refuse to write one file over an input or over an existing file (without ``overwrite``).
+
+    The rule of every writer: nothing is written over something the run reads (with or without ``overwrite``), nor
+    over a file the run did not create unless the user asked for it with ``flag``.
+
+    Args:
+        target (`str` or `os.PathLike`): The file about to be written (with :func:`atomic_file`).
+        reads (`Sequence[tuple[str, Path]]`, *optional*, defaults to `()`): ``(label, path)`` of the run's inputs:
+            the target must not be one of them nor lie inside an input directory.
+        overwrite (`bool`, *optional*, defaults to `False`): Replace an existing file that is not an input.
+        what (`str`, *optional*, defaults to `"output file"`): How messages name the file.
+        flag (`str`, *optional*, defaults to `"--overwrite"`): The flag that allows replacing an existing file.
+
+    Raises:
+        OutputError: naming the file (and the input it would replace, or the flag that allows it).
+    """
+    target = Path(target)
+    out = target.resolve()
+    for label, path in reads:
+        if not path.exists():
+            continue
+        source = path.resolve()
+        if source == out or out.is_relative_to(source):
+            raise OutputError(
+                f"{what} {target} would write over the {label} at {path}, which this run reads; write it elsewhere "
+                f"({flag} never replaces an input)"
+            )
+    if target.is_dir() or target.is_symlink():
+        raise OutputError(f"{what} {target} is a directory or a symbolic link; give a new file name")
+    if target.exists() and not overwrite:
+        raise OutputError(
+            f"{what} {target} already exists; pass {flag} to replace it, or choose another name"
+        )
 
 
 def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:

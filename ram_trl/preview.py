@@ -88,6 +88,7 @@ __all__ = [
     "PREVIEW_PREFIX",
     "MergePreviewCallback",
     "default_preview_every",
+    "check_last_dir",
     "preview_merge_config",
     "preview_prompt_indices",
     "weights_digest",
@@ -329,6 +330,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         super().on_train_begin(args, state, control, **kwargs)
+        check_last_dir(args.output_dir)
         accelerator = self.trainer.accelerator
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         self.partitioned = plugin is not None and getattr(plugin, "zero_stage", 0) == 3
@@ -392,7 +394,13 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         """Leave the kept checkpoint (and the last step's in ``OUTPUT/last``) and the manifest in the output
         directory with the agent directory's commit protocol (:func:`~ram_trl.callbacks.agent_output`: all or
         nothing, the manifest last), then remove the scratch directory."""
-        from ram_trl.manifest import MANIFEST_NAME, write_manifest
+        from ram_trl.manifest import (
+            MANIFEST_NAME,
+            check_save_target,
+            describe_files,
+            weight_files,
+            write_manifest,
+        )
 
         assert self._last is not None and self._best is not None
         out_dir = Path(args.output_dir)
@@ -405,9 +413,14 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             if kept != self._last:
                 os.replace(self._last, tmp / LAST_DIR)
             if self.write_stage and state.is_world_process_zero:
-                write_manifest(self.manifest(args, state), tmp)
+                manifest = self.manifest(args, state)
+                manifest.files = describe_files(tmp)
+                write_manifest(manifest, tmp)
                 self.manifest_file = out_dir / MANIFEST_NAME
-            output.commit()
+            remove = check_save_target(out_dir, weight_files(tmp))
+            if not (tmp / LAST_DIR).exists() and check_last_dir(out_dir):
+                remove.append(LAST_DIR)  # an earlier preview's last step, not this run's
+            output.commit(remove=remove)
         except BaseException:
             output.abort()
             raise
@@ -850,6 +863,36 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
                 f"step {self.kept_step}'s"
             )
         return manifest
+
+
+def check_last_dir(output_dir: str | os.PathLike) -> bool:
+    """Whether ``OUTPUT/last`` exists as an earlier preview's (its ``ram_stage.json`` says so); refuse one that
+    does not, before training: the preview would replace it.
+
+    Args:
+        output_dir (`str` or `os.PathLike`): The trainer's output directory.
+
+    Returns:
+        `bool`: ``True`` when ``OUTPUT/last`` is an earlier preview's, ``False`` when there is none.
+
+    Raises:
+        ConfigError: naming ``OUTPUT/last`` when it exists and no preview manifest there claims it.
+    """
+    from ram_trl.manifest import MANIFEST_NAME, read_manifest
+
+    last = Path(output_dir) / LAST_DIR
+    if not (last.exists() or last.is_symlink()):
+        return False
+    try:
+        record = read_manifest(Path(output_dir) / MANIFEST_NAME).extra.get("preview") or {}
+    except ConfigError:
+        record = {}
+    if isinstance(record, dict) and record.get("last_checkpoint") == LAST_DIR and last.is_dir():
+        return True
+    raise ConfigError(
+        f"{last} exists and is not an earlier merge preview's last step; MergePreviewCallback writes the last step's "
+        "agent there. Move it away or choose another output_dir"
+    )
 
 
 def weights_digest(model_dir: str | os.PathLike) -> str:

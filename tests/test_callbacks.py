@@ -380,3 +380,119 @@ def test_output_dir_holding_the_base_is_refused_before_training(base, tmp_path):
     with pytest.raises(OutputError, match="overlaps the base model"):
         grpo_run(base, base, callback, max_steps=1, report_to=[])
     assert {p.name: p.stat().st_mtime_ns for p in base.iterdir()} == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage contract (issues 24 and 26): what the manifest describes is what is on disk
+
+
+def test_output_dir_of_a_prior_stage_is_refused_before_training(base, tmp_path):
+    from ram_trl.errors import OutputError
+
+    first = tmp_path / "first"
+    grpo_run(
+        base,
+        first,
+        TaskVectorSparsityCallback(base_model=base, stage_name="first"),
+        max_steps=1,
+        report_to=[],
+    )
+    before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="second", prior_stages=[first])
+    with pytest.raises(OutputError, match=f"overlaps the prior stage at {first}"):
+        grpo_run(base, first, callback, max_steps=1, report_to=[])
+    assert {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()} == before
+
+
+def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp_path):
+    """The collision of issue 24: the callback saves the bf16 agent, trainer.save_model then writes the float32
+    model over it; the manifest's digests catch it and the merge refuses, naming the file."""
+    out = tmp_path / "agent"
+    trainer = grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
+    manifest = read_manifest(out)
+    assert manifest.kind == "full" and sorted(manifest.files) == ["model.safetensors"]
+    ram_trl.analyze(base, [out], progress=False, figures=False)  # intact: accepted
+    trainer.save_model(str(out))
+    with pytest.raises(ConfigError, match=rf"{out / 'model.safetensors'} no longer matches"):
+        ram_trl.analyze(base, [out], progress=False, figures=False)
+    # the documented way: the trainer's own save goes to a directory of its own
+    fresh = tmp_path / "fresh"
+    trainer = grpo_run(base, fresh, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
+    trainer.save_model(str(fresh / "trainer_model"))
+    ram_trl.analyze(base, [fresh], progress=False, figures=False)
+
+
+def test_a_lora_save_into_a_full_agent_directory_leaves_only_the_adapter(base, tmp_path):
+    out = tmp_path / "agent"
+    grpo_run(
+        base, out, TaskVectorSparsityCallback(base_model=base, stage_name="full"), max_steps=1, report_to=[]
+    )
+    assert (out / "model.safetensors").is_file()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="lora")
+    grpo_run(base, out, callback, max_steps=1, report_to=[], peft_config=lora)
+    manifest = read_manifest(out)
+    assert manifest.kind == "lora" and not (out / "model.safetensors").exists()
+    assert sorted(manifest.files) == ["adapter_config.json", "adapter_model.safetensors"]
+    ram_trl.analyze(base, [out], progress=False, figures=False)
+
+
+def test_foreign_weights_in_output_dir_are_refused_before_training(base, tmp_path):
+    from ram_trl.errors import OutputError
+
+    out = tmp_path / "agent"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"someone else's")
+    with pytest.raises(
+        OutputError, match="adapter_model.safetensors, which no ram_stage.json there describes"
+    ):
+        grpo_run(base, out, TaskVectorSparsityCallback(base_model=base), max_steps=1, report_to=[])
+    assert (out / "adapter_model.safetensors").read_bytes() == b"someone else's"
+
+
+def test_save_agent_false_writes_a_manifest_describing_no_weights(base, tmp_path):
+    out = tmp_path / "agent"
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="s", save_agent=False)
+    trainer = grpo_run(base, out, callback, max_steps=1, report_to=[])
+    assert read_manifest(out).files == {}
+    trainer.save_model(str(out))  # whatever lands there is not the manifest's
+    with pytest.raises(ConfigError, match="describes no saved agent"):
+        ram_trl.analyze(base, [out], progress=False, figures=False)
+
+
+def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
+    """A float16 save of weights beyond float16's range: refused in one line, nothing written, no manifest."""
+    from transformers import TrainerCallback
+
+    from ram_trl.errors import NonFiniteError
+
+    class Explode(TrainerCallback):  # the run "diverges" on its last step, before the stage is saved
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            with torch.no_grad():
+                next(model.parameters()).fill_(1e6)
+
+    out = tmp_path / "sft"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = [tokenizer("abcabcab")["input_ids"][:8] for _ in range(4)]
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="float16")
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        callbacks=[Explode(), callback],
+    )
+    callback.bind(trainer)
+    with pytest.raises(NonFiniteError, match=r"NaN/Inf values in float16 .*nothing was saved"):
+        trainer.train()
+    assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()

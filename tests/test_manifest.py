@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from ram_trl.manifest import (
     MANIFEST_NAME,
     StageManifest,
     check_base,
+    describe_files,
     fingerprint_checkpoint,
     fingerprint_names,
     fingerprint_state,
@@ -25,19 +27,21 @@ from tests.helpers import config_for, make_checkpoints
 
 
 def stage_for(ckpts, t: int, **fields) -> Path:
-    """Write a manifest for agent ``t`` in a stage directory beside it; returns the directory."""
+    """A stage directory holding a copy of agent ``t`` and its manifest (the files and their digests); returns
+    the directory."""
     directory = ckpts.root / f"stage{t}"
+    shutil.copytree(ckpts.agents[t], directory)
+    fields.setdefault("files", describe_files(directory))
     manifest = StageManifest(
         stage=f"vertical{t}",
         domain=["coding", "tools", "memory"][t],
         base_model=str(ckpts.base),
         base_fingerprint=fingerprint_checkpoint(ckpts.base),
-        checkpoint=str(Path("..") / ckpts.agents[t].name),
+        checkpoint=".",
         trainer="GRPOTrainer",
         steps=12,
         save_dtype="bfloat16",
-        rewards={"reward": 0.5 + t},
-        **fields,
+        **{"rewards": {"reward": 0.5 + t}, **fields},
     )
     write_manifest(manifest, directory)
     return directory
@@ -64,7 +68,7 @@ def test_fingerprint_is_dtype_independent_and_value_sensitive(tmp_path):
 def test_manifest_round_trip_and_atomic_write(tmp_path):
     ckpts = make_checkpoints(tmp_path)
     directory = stage_for(ckpts, 0)
-    assert sorted(p.name for p in directory.iterdir()) == [MANIFEST_NAME]
+    assert MANIFEST_NAME in {p.name for p in directory.iterdir()}
     manifest = read_manifest(directory)
     assert manifest.stage == "vertical0" and manifest.steps == 12 and manifest.kind == "full"
     assert read_manifest(directory / MANIFEST_NAME) == manifest
@@ -151,3 +155,83 @@ def test_analyze_accepts_stage_manifests_and_finds_their_base(tmp_path):
         )
     with pytest.raises(ConfigError, match="the base may be left out only"):
         ram_trl.analyze(None, [ckpts.agents[0]], None, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage contract: the manifest names exactly its weight files, with their digests and its kind
+
+
+def _merge_stage(ckpts, tmp_path, stage: Path, **options) -> dict:
+    config = dict(
+        config_for(ckpts, "ram_plus"), models=[{"stage": str(stage)}, {"model": str(ckpts.agents[1])}]
+    )
+    return ram_trl.merge(config, tmp_path / "out", progress=False, **options)
+
+
+def test_a_stage_written_over_after_its_save_is_refused_naming_the_file(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    stage = stage_for(ckpts, 0)
+    tensors = load_file(stage / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1  # e.g. trainer.save_model into the stage's directory
+    save_file(tensors, stage / "model.safetensors")
+    with pytest.raises(
+        ConfigError, match=r"model\.safetensors no longer matches the manifest's SHA-256"
+    ) as exc:
+        _merge_stage(ckpts, tmp_path, stage)
+    assert "\n" not in str(exc.value) and str(stage / "model.safetensors") in str(exc.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("adapter", r"adapter_config\.json is not one of the files the manifest describes"),
+        ("missing", r"model\.safetensors is missing \(the manifest names it\)"),
+        ("no_agent", "describes no saved agent"),
+        ("legacy_kind", "kind 'lora' but .*model.safetensors holds a full model's weights"),
+    ],
+)
+def test_a_stage_whose_files_contradict_its_manifest_is_refused(tmp_path, change, message):
+    ckpts = make_checkpoints(tmp_path)
+    fields = {"no_agent": {"files": {}}, "legacy_kind": {"files": None, "kind": "lora"}}.get(change, {})
+    stage = stage_for(ckpts, 0, **fields)
+    if change == "adapter":
+        (stage / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 1, "lora_alpha": 1}')
+    if change == "missing":
+        (stage / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=message):
+        _merge_stage(ckpts, tmp_path, stage)
+    with pytest.raises(ConfigError, match=message):
+        ram_trl.analyze(ckpts.base, [stage, ckpts.agents[1]], None, progress=False)
+
+
+def test_a_checkpoint_outside_the_manifest_directory_is_refused_unless_allowed(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    directory = tmp_path / "elsewhere"
+    manifest = StageManifest(
+        stage="outside",
+        base_model=str(ckpts.base),
+        checkpoint=str(Path("..") / ckpts.agents[0].relative_to(tmp_path)),
+        files=describe_files(ckpts.agents[0]),
+    )
+    write_manifest(manifest, directory)
+    with pytest.raises(
+        ConfigError, match=r"resolves outside the manifest's directory .*allow-external-shards"
+    ):
+        _merge_stage(ckpts, tmp_path, directory)
+    report = _merge_stage(ckpts, tmp_path, directory, allow_external_shards=True)
+    assert report["agents"][0]["name"] == "outside"
+
+
+def test_non_finite_telemetry_in_a_manifest_keeps_the_report_strict_json(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    stage = stage_for(ckpts, 0)
+    data = json.loads((stage / MANIFEST_NAME).read_text())  # a hand-edited manifest: Python's json writes NaN
+    data.update(telemetry={"density": float("nan"), "rho": 0.25}, rewards={"reward": float("inf")})
+    (stage / MANIFEST_NAME).write_text(json.dumps(data))
+    _merge_stage(ckpts, tmp_path, stage)
+    text = (tmp_path / "out" / "ram_merge_report.json").read_text()
+    report = json.loads(text, parse_constant=lambda token: pytest.fail(f"invalid JSON token {token}"))
+    assert report["agents"][0]["stage"]["telemetry"] == {"rho": 0.25}
+    assert report["agents"][0]["stage"]["rewards"] == {}

@@ -105,7 +105,9 @@ def analyze(
         CheckpointError: for unreadable, corrupt or mismatched checkpoints (before any tensor is read).
         NonFiniteError: for NaN/Inf in an input (unless the config sets ``allow_nonfinite``).
     """
-    inputs = resolve_inputs(base, agents, eps, r, alpha, config=config, names=names)
+    inputs = resolve_inputs(
+        base, agents, eps, r, alpha, config=config, names=names, allow_external_shards=allow_external_shards
+    )
     ctx = DistContext.from_env("cpu")
     try:
         out = None if out_dir is None else Path(out_dir)

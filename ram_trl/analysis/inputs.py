@@ -45,6 +45,7 @@ def resolve_inputs(
     *,
     config: str | os.PathLike | dict[str, Any] | MergeConfig | None = None,
     names: Sequence[str] | None = None,
+    allow_external_shards: bool = False,
 ) -> AnalysisInputs:
     """Validate the arguments of :func:`analyze` (through the merge's config resolution).
 
@@ -58,6 +59,7 @@ def resolve_inputs(
         config: A merge config (YAML path, dict or :class:`~ram_trl.config.MergeConfig`) instead of
             ``base`` / ``agents`` (default ``None``).
         names: Agent labels, one per agent (default ``None``: the config's names, else the directory names).
+        allow_external_shards: Accept a stage manifest whose ``checkpoint`` lies outside its directory.
 
     Returns:
         The resolved config (``eps``, ``r`` and ``alpha`` written into its parameters) and the three values.
@@ -72,7 +74,7 @@ def resolve_inputs(
         if base is not None or agents:
             raise ConfigError("give either a merge config or a base and agents, not both")
         parsed, config_path = load_config(config)
-        resolved = resolve_config(parsed, config_path)
+        resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
     else:
         if base is None and agents and all(is_stage(a) for a in agents):
             bases = {read_manifest(a).base_model for a in agents}
@@ -96,7 +98,7 @@ def resolve_inputs(
             "models": entries,
             "parameters": parameters,
         }
-        resolved = resolve_config(load_config(raw)[0])
+        resolved = resolve_config(load_config(raw)[0], allow_external_shards=allow_external_shards)
     if names is not None:
         if len(names) != len(resolved.agents):
             raise ConfigError(

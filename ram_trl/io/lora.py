@@ -131,6 +131,33 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+_FACTOR = re.compile(r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)((?:\.[^.]+)*)$")
+
+
+def _factor_key(name: str) -> tuple[str, str, str | None] | None:
+    """``(module, part, adapter name)`` of a LoRA factor's key (base-model names), ``None`` for other tensors.
+
+    PEFT saves ``M.lora_A.weight``, ``M.lora_B.weight``, ``M.lora_B.bias`` (``lora_bias``), ``M.lora_embedding_A``
+    and ``M.lora_embedding_B``, each possibly with the adapter's name after the factor (``M.lora_A.NAME.weight``,
+    ``M.lora_embedding_A.NAME``). ``part`` is the factor, or ``"lora_B.bias"``.
+    """
+    match = _FACTOR.match(name)
+    if match is None:
+        return None
+    module, factor = match.group(1), match.group(2)
+    rest = [p for p in match.group(3).split(".") if p]
+    if factor.startswith("lora_embedding"):
+        if len(rest) <= 1:
+            return module, factor, rest[0] if rest else None
+        return None
+    if rest and rest[-1] in ("weight", "bias") and len(rest) <= 2:
+        if rest[-1] == "bias" and factor != "lora_B":
+            return None
+        part = "lora_B.bias" if rest[-1] == "bias" else factor
+        return module, part, rest[0] if len(rest) == 2 else None
+    return None
+
+
 def read_adapter(path: Path, role: str) -> AdapterContent:
     """Read and validate a PEFT adapter directory.
 
@@ -183,18 +210,21 @@ def read_adapter(path: Path, role: str) -> AdapterContent:
     rslora, fan_in_fan_out = settings.rslora, settings.fan_in_fan_out
     content = AdapterContent(config=config)
     pairs: dict[str, dict[str, TensorInfo]] = {}
+    adapter_names: dict[str | None, str] = {}
     for key, info in tensors.items():
         name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
         name = name.replace(".base_layer.", ".")
-        match = re.match(
-            r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(?:\.[^.]+)?(?:\.weight)?$", name
-        )
-        if match:
-            pairs.setdefault(match.group(1), {})[match.group(2)] = info
-            continue
-        bias = re.match(r"^(.*)\.lora_B(?:\.[^.]+)?\.bias$", name)
-        if bias:
-            pairs.setdefault(bias.group(1), {})["lora_B.bias"] = info
+        factor = _factor_key(name)
+        if factor is not None:
+            module, part, adapter_name = factor
+            adapter_names.setdefault(adapter_name, key)
+            if len(adapter_names) > 1:
+                break
+            if part in pairs.get(module, {}):
+                raise CheckpointError(
+                    f"{role}: {path}: tensor {key!r} repeats the {part} of module {module!r}"
+                )
+            pairs.setdefault(module, {})[part] = info
             continue
         if "lora_magnitude_vector" in name:
             raise CheckpointError(
@@ -206,6 +236,13 @@ def read_adapter(path: Path, role: str) -> AdapterContent:
             )
         name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
         content.full[name] = info
+    if len(adapter_names) > 1:
+        named = sorted(repr(n) if n else "unnamed" for n in adapter_names)
+        raise CheckpointError(
+            f"{role}: {path}: {ADAPTER_WEIGHTS} holds the factors of several adapters ({', '.join(named)}, e.g. "
+            f"{sorted(adapter_names.values())[-1]!r}); save one adapter per directory "
+            "(PeftModel.save_pretrained(..., selected_adapters=[NAME]))"
+        )
     for module, parts in pairs.items():
         r = int(_pattern_value(rank_pattern, module, rank))
         module_alpha = _pattern_value(alpha_pattern, module, alpha)

@@ -20,7 +20,7 @@ import torch
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
-from ram_trl.manifest import StageManifest, checkpoint_path, manifest_path, read_manifest
+from ram_trl.manifest import StageManifest, manifest_path, read_manifest, verify_stage
 from ram_trl.methods.ram import active_mask
 
 
@@ -51,7 +51,10 @@ def read_prior_stages(paths: Sequence[str | os.PathLike]) -> list[PriorStage]:
     for path in paths:
         file = manifest_path(path)
         manifest = read_manifest(file)
-        checkpoint = checkpoint_path(manifest, file)
+        try:
+            checkpoint = verify_stage(manifest, file)
+        except ConfigError as exc:
+            raise ConfigError(f"prior stage: {exc}") from None
         if not checkpoint.exists():
             raise ConfigError(
                 f"prior stage {manifest.stage!r} ({file}): its checkpoint {checkpoint} does not exist"

@@ -44,6 +44,8 @@ LORA_VARIANTS = {
         "modules_to_save": ["lm_head"],
         "bias": "lora_only",
     },
+    # lora_B carries a bias (saved as M.lora_B.bias): merged bias = base bias + lora_B.bias * scaling
+    "lora_bias": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_bias": True},
 }
 
 
@@ -51,10 +53,11 @@ LORA_VARIANTS = {
 def test_single_lora_agent_equals_peft_merge_and_unload(tmp_path, variant):
     base = save_base(qwen_model(), tmp_path / "base")
     peft_model = lora_adapter(qwen_model(), tmp_path / "adapter", **LORA_VARIANTS[variant])
-    if variant == "embedding_and_modules_to_save":  # make the saved full tensors differ from the base
+    if variant in ("embedding_and_modules_to_save", "lora_bias"):  # saved full tensors / bias deltas non-zero
+        moved = ("lora_B.default.bias",) if variant == "lora_bias" else ("base_layer.bias",)
         with torch.no_grad():
             for name, param in peft_model.named_parameters():
-                if "modules_to_save" in name or name.endswith("base_layer.bias"):
+                if "modules_to_save" in name or name.endswith(moved):
                     param.add_(0.01)
         peft_model.save_pretrained(tmp_path / "adapter")
     merged_reference = peft_model.merge_and_unload().state_dict()
@@ -177,3 +180,21 @@ def test_adapter_base_name_mismatch_warns(tmp_path):
     with pytest.warns(UserWarning, match="Some-Other-Model"):
         report = ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
     assert any("Some-Other-Model" in w for w in report["warnings"])
+
+
+def test_several_adapter_names_in_one_file_are_refused(tmp_path):
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
+    factors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    both = {}
+    for (
+        key,
+        value,
+    ) in factors.items():  # the same factors under two adapter names, as a raw state dict holds them
+        for adapter in ("default", "other"):
+            both[
+                key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")
+            ] = value.clone()
+    save_file(both, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"several adapters \('default', 'other'.*selected_adapters"):
+        ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ram_trl.manifest import StageManifest, fingerprint_checkpoint, write_manifest
+from ram_trl.manifest import StageManifest, describe_files, fingerprint_checkpoint, write_manifest
 from tests.helpers import TELEMETRY
 
 S, M, L = 2.0**-20, 2.0**-10, 2.0**-6
@@ -74,13 +74,19 @@ def write_base(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
 
 
 def write_stage(root: Path, name: str, checkpoint: Path, base: Path) -> Path:
-    directory = root / f"stage_{name}"
+    """The manifest of a stage: beside its checkpoint (a missing one is named from a stage directory)."""
+    if checkpoint.is_dir():
+        directory, target = checkpoint, "."
+    else:
+        directory, target = root / f"stage_{name}", checkpoint.name
     write_manifest(
         StageManifest(
             stage=name,
             base_model=str(base),
             base_fingerprint=fingerprint_checkpoint(base),
-            checkpoint=str(checkpoint),
+            checkpoint=target,
+            kind="lora" if (checkpoint / "adapter_config.json").is_file() else "full",
+            files=describe_files(checkpoint) if checkpoint.is_dir() else None,
             save_dtype="bfloat16",
         ),
         directory,

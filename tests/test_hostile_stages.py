@@ -1,0 +1,65 @@
+"""Hostile inputs on the stage surfaces (issue 26): eval's output file, the callback's saves, stage manifests as
+merge / analyze / eval inputs, recipe names, the callback's arguments.
+
+Every refusal: one line naming the file (or argument) and what to change, no traceback, nothing lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ram_trl.cli import main
+
+
+def error_line(capsys, code: int) -> str:
+    """The one ``error:`` line of a refused command (exit 2, no traceback)."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ram-trl eval --json: never over an input, never over a file it did not create
+
+
+@pytest.fixture
+def eval_inputs(tmp_path) -> tuple[Path, Path]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2"}\n')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("name: r\n")
+    return model, recipe
+
+
+@pytest.mark.parametrize("target", ["model_config", "recipe", "model_dir"])
+def test_eval_json_never_writes_over_an_input(eval_inputs, capsys, target):
+    model, recipe = eval_inputs
+    path = {"model_config": model / "config.json", "recipe": recipe, "model_dir": model / "scores.json"}[
+        target
+    ]
+    before = path.read_bytes() if path.exists() else None
+    code = main(["eval", str(model), "--recipe", str(recipe), "--json", str(path), "--overwrite"])
+    line = error_line(capsys, code)
+    assert str(path) in line and "reads" in line
+    assert (path.read_bytes() if path.exists() else None) == before
+
+
+def test_eval_json_refuses_an_existing_file_without_overwrite(eval_inputs, tmp_path, capsys):
+    model, recipe = eval_inputs
+    existing = tmp_path / "notes.json"
+    existing.write_text("mine\n")
+    line = error_line(capsys, main(["eval", str(model), "--recipe", str(recipe), "--json", str(existing)]))
+    assert str(existing) in line and "--overwrite" in line
+    assert existing.read_text() == "mine\n"
+
+
+def test_eval_refuses_zero_new_tokens(eval_inputs, capsys):
+    model, recipe = eval_inputs
+    line = error_line(capsys, main(["eval", str(model), "--recipe", str(recipe), "--max-new-tokens", "0"]))
+    assert "--max-new-tokens" in line
