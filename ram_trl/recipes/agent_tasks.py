@@ -1,0 +1,424 @@
+"""Verifiable tasks for a real instruct model, asked through its chat template (``recipes/smollm2-agents.yaml``).
+
+The three verticals of the RAM paper, at a size where SmolLM2-135M-Instruct has headroom. Each generator
+``fn(n, seed, **kwargs) -> list[dict]`` returns rows whose ``prompt`` is already rendered through a ChatML chat
+template (:func:`chat_prompt`, SmolLM2's template and default system message: the runner's prompts are plain text,
+so the template is applied here) and whose ``answer`` (and other columns) the reward reads. Rewards are in
+``[0, 1]``, TRL's signature ``fn(completions, answer, **kwargs)``, and read the whole completion (an instruct model
+often wraps its answer in a sentence or a code fence), giving full credit only to the exact answer in the asked form:
+
+- ``program_output`` (coding): what a small generated Python program prints. The reference answer is obtained by
+  *executing* the program (:func:`run_program`). 1.0 when the completion's first line (code fences and backticks
+  stripped) is exactly the output, 0.5 when the output appears in the completion as a whole token, else 0.
+- ``json_tool_call`` (tool use): a JSON tool call ``{"name": ..., "arguments": {...}}`` answering a request, checked
+  against the tool's JSON schema (:data:`AGENT_TOOLS`). 0.25 for a JSON object with a string ``name`` and an object
+  ``arguments``, +0.25 for the right tool, +0.25 when the arguments validate against its schema (required keys,
+  types, enums, no extra keys), +0.25 when they are exactly the expected ones.
+- ``fact_recall`` (memory): a context of ``num_facts`` records ("The locker code of Mia is 4821."), then a question
+  about one of them. 1.0 when the first number in the completion is the asked value, 0.5 when the value appears
+  elsewhere in it, else 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "AGENT_TOOLS",
+    "DEFAULT_SYSTEM",
+    "chat_prompt",
+    "fact_recall_prompts",
+    "fact_recall_reward",
+    "json_tool_call_prompts",
+    "json_tool_call_reward",
+    "program_output_prompts",
+    "program_output_reward",
+    "run_program",
+    "schema_valid",
+]
+
+#: SmolLM2-Instruct's default system message (its chat template inserts it when a conversation has none).
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def chat_prompt(user: str, system: str | None = DEFAULT_SYSTEM) -> str:
+    """``user`` rendered through a ChatML template with the generation prompt, as SmolLM2-Instruct's
+    ``apply_chat_template(..., add_generation_prompt=True)`` renders a one-message conversation.
+
+    Args:
+        user (`str`): The user message.
+        system (`str`, *optional*): The system message (``None``: none).
+
+    Returns:
+        `str`: ``<|im_start|>system ... <|im_end|>`` (if any), the user turn, and ``<|im_start|>assistant``.
+    """
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
+    return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _unique(make: Any, n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows: dict[str, dict[str, str]] = {}
+    attempts = 0
+    while len(rows) < n:
+        row = make(rng)
+        rows.setdefault(row["prompt"], row)
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(f"cannot draw {n} distinct prompts (only {len(rows)} exist); ask for fewer")
+    return list(rows.values())
+
+
+def _strip_fences(text: str) -> str:
+    text = re.sub(r"```[A-Za-z]*", "", str(text))
+    return text.replace("`", "").strip()
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in _strip_fences(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _completion(completion: Any) -> str:
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# coding: what does the program print?
+
+_WORDS = (
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "piano",
+    "robot",
+    "maple",
+    "ocean",
+    "pixel",
+    "delta",
+)
+
+
+def run_program(source: str) -> str:
+    """Execute a generated program (no builtins beyond ``print``, ``len``, ``sum``, ``max``, ``min``, ``sorted``,
+    ``range``, ``str``) and return what it printed, without the trailing newline.
+
+    Args:
+        source (`str`): The program (one of :func:`program_output_prompts`' programs).
+
+    Returns:
+        `str`: Its standard output.
+    """
+    allowed = {f.__name__: f for f in (print, len, sum, max, min, sorted, range, str)}
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        exec(source, {"__builtins__": allowed})  # noqa: S102 - only programs this module generated
+    return buffer.getvalue().rstrip("\n")
+
+
+def _program(rng: random.Random) -> str:
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b, c = rng.randint(2, 19), rng.randint(2, 9), rng.randint(1, 30)
+        op = rng.choice(["+", "-", "*"])
+        return f"x = {a}\ny = {b}\nprint(x {op} y + {c})"
+    if kind == 1:
+        values = [rng.randint(1, 20) for _ in range(rng.randint(3, 5))]
+        fn = rng.choice(["sum", "max", "min", "len"])
+        return f"nums = {values}\nprint({fn}(nums))"
+    if kind == 2:
+        word = rng.choice(_WORDS)
+        expr = rng.choice(["word[::-1]", "word.upper()", "word[1:4]", "len(word)", "word[0] + word[-1]"])
+        return f'word = "{word}"\nprint({expr})'
+    if kind == 3:
+        n, k = rng.randint(3, 7), rng.randint(2, 4)
+        return f"total = 0\nfor i in range({n}):\n    total += i * {k}\nprint(total)"
+    values = [rng.randint(1, 30) for _ in range(4)]
+    index = rng.randrange(4)
+    return f"items = sorted({values})\nprint(items[{index}])"
+
+
+def program_output_prompts(
+    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM
+) -> list[dict[str, str]]:
+    """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
+    print; the answer is the output of running the program.
+
+    Args:
+        n (`int`): Number of distinct prompts.
+        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
+        system (`str`, *optional*): The chat's system message.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": OUTPUT}``.
+    """
+
+    def make(rng: random.Random) -> dict[str, str]:
+        source = _program(rng)
+        user = f"What does this Python program print?\n```python\n{source}\n```\nReply with the output only."
+        return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
+
+    return _unique(make, n, seed)
+
+
+def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 for exactly the program's output on the completion's first line (code fences and backticks stripped),
+    0.5 when the output appears in the completion as a whole token, else 0.
+
+    Args:
+        completions (`Sequence[Any]`): The completions (strings or conversational messages).
+        answer (`Sequence[str]`): The programs' outputs.
+        **kwargs: TRL's other reward arguments, ignored.
+
+    Returns:
+        `list[float]`: One reward per completion.
+    """
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        text = _completion(completion)
+        if _first_line(text) == want:
+            rewards.append(1.0)
+        elif re.search(rf"(?<![\w]){re.escape(want)}(?![\w])", _strip_fences(text)):
+            rewards.append(0.5)
+        else:
+            rewards.append(0.0)
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tool use: JSON calls checked against a schema
+
+_CITIES = ("Oslo", "Lima", "Rome", "Paris", "Tokyo", "Cairo", "Berlin", "Madrid", "Dublin", "Seoul")
+_DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
+
+#: Tool name -> (JSON schema of its arguments, request templates, argument draws). The schemas are what the prompt
+#: shows and what :func:`json_tool_call_reward` validates against.
+AGENT_TOOLS: dict[str, dict[str, Any]] = {
+    "get_weather": {
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "day": {"type": "string", "enum": list(_DAYS)}},
+            "required": ["city", "day"],
+        },
+        "requests": ("What's the weather in {city} on {day}?", "Will it rain in {city} on {day}?"),
+        "draw": lambda rng: {"city": rng.choice(_CITIES), "day": rng.choice(_DAYS)},
+    },
+    "convert_currency": {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "integer"},
+                "from": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]},
+                "to": {"type": "string", "enum": ["USD", "EUR", "JPY", "GBP"]},
+            },
+            "required": ["amount", "from", "to"],
+        },
+        "requests": ("Convert {amount} {from} to {to}.", "How much is {amount} {from} in {to}?"),
+        "draw": lambda rng: dict(
+            zip(
+                ("amount", "from", "to"),
+                [rng.randint(5, 500), *rng.sample(["USD", "EUR", "JPY", "GBP"], 2)],
+                strict=True,
+            )
+        ),
+    },
+    "set_timer": {
+        "schema": {
+            "type": "object",
+            "properties": {"minutes": {"type": "integer"}, "label": {"type": "string"}},
+            "required": ["minutes", "label"],
+        },
+        "requests": (
+            "Set a {minutes} minute timer for {label}.",
+            "Remind me about {label} in {minutes} minutes.",
+        ),
+        "draw": lambda rng: {
+            "minutes": rng.randint(1, 90),
+            "label": rng.choice(["tea", "pasta", "laundry", "a call", "the oven", "a break"]),
+        },
+    },
+}
+
+_TYPES = {"string": str, "integer": int, "object": dict}
+
+
+def _tool_list() -> str:
+    return "\n".join(
+        json.dumps({"name": name, "parameters": spec["schema"]}, separators=(",", ":"))
+        for name, spec in sorted(AGENT_TOOLS.items())
+    )
+
+
+def json_tool_call_prompts(
+    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM
+) -> list[dict[str, str]]:
+    """A request that one of :data:`AGENT_TOOLS` answers, with the tools' JSON schemas in the prompt; the answer
+    is the call as compact JSON.
+
+    Args:
+        n (`int`): Number of distinct prompts.
+        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
+        system (`str`, *optional*): The chat's system message.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": '{"name":...,"arguments":{...}}'}``.
+    """
+    tools = _tool_list()
+
+    def make(rng: random.Random) -> dict[str, str]:
+        name = rng.choice(sorted(AGENT_TOOLS))
+        spec = AGENT_TOOLS[name]
+        arguments = spec["draw"](rng)
+        request = rng.choice(spec["requests"]).format(**arguments)
+        user = (
+            f"Tools:\n{tools}\nRequest: {request}\n"
+            'Reply with one JSON tool call only: {"name": ..., "arguments": {...}}'
+        )
+        answer = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+        return {"prompt": chat_prompt(user, system), "answer": answer}
+
+    return _unique(make, n, seed)
+
+
+def _json_object(text: str) -> Any:
+    """The first JSON object in ``text`` (code fences ignored), or ``None``."""
+    text = _strip_fences(text)
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"\{", text):
+        try:
+            value, _ = decoder.raw_decode(text[match.start() :])
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def schema_valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
+    """Whether ``arguments`` satisfies a tool's (flat) JSON schema: required keys present, no other keys, each value
+    of its type (a bool is not an integer) and in its enum.
+
+    Args:
+        arguments (`dict[str, Any]`): The call's arguments.
+        schema (`dict[str, Any]`): An ``{"type": "object", "properties", "required"}`` schema.
+
+    Returns:
+        `bool`: Whether they validate.
+    """
+    properties = schema["properties"]
+    if set(schema["required"]) - set(arguments) or set(arguments) - set(properties):
+        return False
+    for key, value in arguments.items():
+        rule = properties[key]
+        wanted = _TYPES[rule["type"]]
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            return False
+        if "enum" in rule and value not in rule["enum"]:
+            return False
+    return True
+
+
+def json_tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """0.25 each for: a JSON call object, the right tool, arguments valid under its schema, exactly the expected
+    arguments (see the module docstring).
+
+    Args:
+        completions (`Sequence[Any]`): The completions (strings or conversational messages).
+        answer (`Sequence[str]`): The expected calls (compact JSON).
+        **kwargs: TRL's other reward arguments, ignored.
+
+    Returns:
+        `list[float]`: One reward per completion.
+    """
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        expected = json.loads(want)
+        call = _json_object(_completion(completion))
+        if not (
+            isinstance(call, dict)
+            and isinstance(call.get("name"), str)
+            and isinstance(call.get("arguments"), dict)
+        ):
+            rewards.append(0.0)
+            continue
+        score = 0.25
+        if call["name"] == expected["name"]:
+            score += 0.25
+            if schema_valid(call["arguments"], AGENT_TOOLS[expected["name"]]["schema"]):
+                score += 0.25
+            if call["arguments"] == expected["arguments"]:
+                score += 0.25
+        rewards.append(score)
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# memory: recall a fact from a longer context
+
+_NAMES = (
+    "Mia", "Omar", "Lena", "Ravi", "Sofia", "Jonas", "Aiko", "Pedro", "Nora", "Ivan", "Zoe", "Kofi", "Elif", "Hugo",
+    "Yara", "Tariq",
+)  # fmt: skip
+_ATTRIBUTES = ("locker code", "room number", "badge number", "parking spot")
+
+
+def fact_recall_prompts(
+    n: int, seed: int = 0, num_facts: int = 8, system: str | None = DEFAULT_SYSTEM
+) -> list[dict[str, str]]:
+    """A context of ``num_facts`` records about distinct people, then a question about one of them.
+
+    Args:
+        n (`int`): Number of distinct prompts.
+        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
+        num_facts (`int`, *optional*, defaults to `8`): Records in the context (at most 16).
+        system (`str`, *optional*): The chat's system message.
+
+    Returns:
+        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": "4821"}``.
+
+    Raises:
+        ValueError: when ``num_facts`` is not between 1 and 16.
+    """
+    if not 1 <= num_facts <= len(_NAMES):
+        raise ValueError(f"num_facts={num_facts} must be between 1 and {len(_NAMES)}")
+
+    def make(rng: random.Random) -> dict[str, str]:
+        attribute = rng.choice(_ATTRIBUTES)
+        people = rng.sample(_NAMES, num_facts)
+        values = [str(rng.randint(100, 9999)) for _ in people]
+        asked = rng.randrange(num_facts)
+        facts = " ".join(f"The {attribute} of {p} is {v}." for p, v in zip(people, values, strict=True))
+        user = f"{facts}\nWhat is the {attribute} of {people[asked]}? Reply with the number only."
+        return {"prompt": chat_prompt(user, system), "answer": values[asked]}
+
+    return _unique(make, n, seed)
+
+
+def fact_recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 when the completion's first number is the asked value, 0.5 when the value is another of its numbers,
+    else 0.
+
+    Args:
+        completions (`Sequence[Any]`): The completions (strings or conversational messages).
+        answer (`Sequence[str]`): The asked values.
+        **kwargs: TRL's other reward arguments, ignored.
+
+    Returns:
+        `list[float]`: One reward per completion.
+    """
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        numbers = re.findall(r"\d+", _completion(completion))
+        rewards.append(1.0 if numbers[:1] == [want] else 0.5 if want in numbers else 0.0)
+    return rewards
