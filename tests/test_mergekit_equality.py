@@ -53,11 +53,11 @@ EPS = 1e-5
 # Checkpoints
 
 
-def _tiny_config() -> transformers.Qwen2Config:
+def _tiny_config(layers: int = 2) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         vocab_size=64,
@@ -82,14 +82,14 @@ def _has_magnitude_ties(base: torch.Tensor, agent: torch.Tensor) -> bool:
     return torch.unique(magnitudes).numel() != magnitudes.numel()
 
 
-def _build(root: Path, sparsity: list[float] | None) -> dict[str, Any]:
+def _build(root: Path, sparsity: list[float] | None, layers: int = 2) -> dict[str, Any]:
     """A tiny Qwen2 base and three agents derived from it.
 
     ``sparsity=None``: dense task vectors (every element moved; continuous values). Otherwise agent ``t`` moves
     each element with probability ``sparsity[t]`` (an RL-like sparse update), so elements are unchanged, unique to
     one agent, or shared.
     """
-    config = _tiny_config()
+    config = _tiny_config(layers)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
     base_dir = root / "base"
@@ -125,6 +125,23 @@ def dense(tmp_path_factory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sparse(tmp_path_factory) -> dict[str, Any]:
     return _build(tmp_path_factory.mktemp("sparse"), [0.3, 0.15, 0.08])
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory) -> dict[str, Any]:
+    """Dense task vectors on a 5-layer model (gradients interpolate between their anchors there), with a word-level
+    tokenizer beside the base (for chat templates)."""
+    ckpts = _build(tmp_path_factory.mktemp("layered"), None, layers=5)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(60)} | {"<unk>": 60, "<s>": 61, "</s>": 62, "<|im_end|>": 63}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(ckpts["base_dir"])
+    return ckpts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -536,3 +553,117 @@ def test_della_matches_mergekit_in_distribution(method, dense, tmp_path):
             l1 = float((merged[name] - base).abs().sum())
             assert l1 == pytest.approx(float(tau.abs().sum()), rel=1e-3), name
     assert checked >= 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The config surface: gradients, whole-model slices, unused per-model parameters, chat templates
+
+GRADIENT_CASES = {
+    "per-model weight gradients, global lambda gradient": (
+        [{"weight": [0.2, 1.0, 0.4]}, {"weight": [1, 0.5, 0.7, 0.3, 0]}],
+        {"lambda": [1.0, 0.5]},
+    ),
+    "gradients inside filter rules, falling through to the global rule": (
+        [{"weight": [{"filter": "self_attn", "value": [0.0, 0.5, 0.3, 0.7, 1.0]}]}, {"weight": 0.5}],
+        {"weight": [{"filter": "mlp", "value": [1.0, 0.25]}, {"value": 0.8}], "lambda": 0.9},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_gradients_equal_mergekit(case, layered, tmp_path):
+    agent_params, params = GRADIENT_CASES[case]
+    config = _config(layered, "task_arithmetic", agent_params, params)
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
+
+
+def test_gradient_positions_equal_mergekits_evaluation(layered):
+    """ram_trl's interpolation against mergekit's own ``evaluate_setting`` at every layer of 1 to 40, for uneven
+    anchor counts (the rounding of ``t`` and of the mix is mergekit's, bit for bit)."""
+    from mergekit.config import evaluate_setting
+
+    from ram_trl.config import interpolate
+
+    anchors = [0.1, 0.9, 0.35, 0.7, 0.05, 1.0, 0.3]
+    for count in (1, 2, 3, 5, 7):
+        for layers in range(1, 41):
+            for i in range(layers):
+                t = i / (layers - 1) if layers > 1 else 1.0
+                theirs = evaluate_setting("x", anchors[:count], t, validate=float)
+                assert interpolate(anchors[:count], t) == theirs, (count, layers, i)
+
+
+def test_lazymergekit_slerp_slices_equal_mergekit(layered, tmp_path):
+    """The most published form: whole-model ``slices`` and ``t`` gradients per filter."""
+    base, other = str(layered["base_dir"]), str(layered["agents"][0])
+    config = {
+        "slices": [
+            {"sources": [{"model": base, "layer_range": [0, 5]}, {"model": other, "layer_range": [0, 5]}]}
+        ],
+        "merge_method": "slerp",
+        "base_model": base,
+        "parameters": {
+            "t": [
+                {"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},
+                {"value": 0.5},
+            ]
+        },
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    _assert_identical(ours, theirs)
+    # the gradient reached the layers: layer 0's attention is the base (t = 0), layer 4's the other model (t = 1)
+    other_tensors = load_file(str(layered["agents"][0] / "model.safetensors"))
+    name = "model.layers.{}.self_attn.q_proj.weight"
+    assert torch.equal(ours[name.format(0)], layered["base"][name.format(0)])
+    assert torch.equal(ours[name.format(4)], other_tensors[name.format(4)])
+
+
+@pytest.mark.parametrize("method", ["slerp", "model_stock", "ramplus_tl"])
+def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tmp_path):
+    """mergekit's own test configs give every model a ``weight`` (0.6, 0.4), whatever the method."""
+    agents = layered["agents"][: 1 if method == "slerp" else 2]
+    config = {
+        "merge_method": method,
+        "base_model": str(layered["base_dir"]),
+        "models": [
+            {"model": str(p), "parameters": {"weight": w}} for p, w in zip(agents, [0.6, 0.4], strict=False)
+        ],
+        "parameters": {"t": 0.35} if method == "slerp" else {},
+        "dtype": "float32",
+    }
+    if method == "slerp":
+        config["models"].insert(0, {"model": str(layered["base_dir"]), "parameters": {"weight": 0.6}})
+    with pytest.warns(UserWarning, match="does not use the per-model parameter"):
+        ours, theirs = _run_both(config, tmp_path)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    "template", ["chatml", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"]
+)
+def test_chat_template_equals_mergekits(template, layered, tmp_path):
+    config = {
+        **_config(layered, "task_arithmetic", [{"weight": 0.5}, {"weight": 0.5}]),
+        "chat_template": template,
+    }
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
+    rendered = [
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).apply_chat_template(
+            messages, tokenize=False
+        )
+        for tool in ("ram_trl", "mergekit")
+    ]
+    assert rendered[0] == rendered[1]
+    assert ("<|im_start|>user" if template == "chatml" else "[user] w1 w2") in rendered[0]
