@@ -667,3 +667,22 @@ def test_chat_template_equals_mergekits(template, layered, tmp_path):
     ]
     assert rendered[0] == rendered[1]
     assert ("<|im_start|>user" if template == "chatml" else "[user] w1 w2") in rendered[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sce: bit-identical (mergekit's float32 operations; the variances at the cut are distinct on these inputs)
+
+SCE_CASES = {
+    "select_topk 1 (no selection), 2 agents": ([{}, {}], {}),
+    "select_topk 0.5, 3 agents": ([{}, {}, {}], {"select_topk": 0.5}),
+    "select_topk gradient, int8_mask": ([{}, {}, {}], {"select_topk": [0.2, 0.9], "int8_mask": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCE_CASES))
+def test_sce_equals_mergekit(case, layered, tmp_path):
+    agent_params, params = SCE_CASES[case]
+    config = _config(layered, "sce", agent_params, params)
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
