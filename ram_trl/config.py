@@ -517,6 +517,11 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
                 f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}"
             )
         return value
+    if parameter.kind is float and isinstance(value, str):
+        try:  # mergekit reads numbers written as strings ("0.5", YAML's unquoted 1e-3) as numbers
+            value = float(value)
+        except ValueError:
+            pass
     return check_number(
         value,
         where,
@@ -759,20 +764,18 @@ def _check_layer_ranges(
 
 
 def _check_scope(
-    method: MergeMethod, scope: dict[str, Any], where: str
+    method: MergeMethod, scope: dict[str, Any], where: str, label: str, ignored: dict[str, list[str]]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One scope of shared parameters (the top-level ``parameters``, a slice's, a module's), checked:
-    ``(global parameters, defaults of per-agent parameters)`` by canonical name."""
+    ``(global parameters, defaults of per-agent parameters)`` by canonical name; names the method does not use are
+    added to ``ignored`` (under ``label``), as mergekit ignores them."""
     params: dict[str, Any] = {}
     agent_defaults: dict[str, Any] = {}
     for key, value in scope.items():
         parameter = method.parameter(key)
         if parameter is None:
-            raise ConfigError(
-                f"{where}.{key}: {method.name} takes no parameter {key!r}; it accepts "
-                f"{', '.join(p.name for p in method.parameters)}"
-            )
-        if parameter.scope == "global":
+            ignored.setdefault(key, []).append(label)
+        elif parameter.scope == "global":
             params[parameter.name] = _check_global_value(parameter, value, where, method)
         else:
             agent_defaults[parameter.name] = _check_agent_value(parameter, value, where)
@@ -841,8 +844,9 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
     _check_layer_ranges(ranges, config_dir, where)
 
+    ignored: dict[str, list[str]] = {}
     checked = [
-        _check_scope(method, scope, f"{where}: {name}")
+        _check_scope(method, scope, f"{where}: {name}", name, ignored)
         for scope, name in zip(
             [*scopes, config.parameters],
             [*(["slice parameters", "module parameters"][: len(scopes)]), "parameters"],
@@ -861,7 +865,6 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
 
     agents: list[AgentSpec] = []
     notes: list[str] = []
-    ignored: dict[str, list[str]] = {}
     for position, entry in enumerate(entries):
         stage_info: dict[str, Any] | None = None
         if entry.stage is not None:
@@ -909,9 +912,11 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
     if ignored:
         message = (
-            f"{where}: {method.name} does not use the per-model parameter(s) "
+            f"{where}: {method.name} does not use the parameter(s) "
             + ", ".join(f"{key!r} ({', '.join(places)})" for key, places in ignored.items())
-            + "; ignored, as mergekit does"
+            + f"; ignored, as mergekit does ({method.name} takes "
+            + (", ".join(p.name for p in method.parameters) or "no parameter")
+            + ")"
         )
         notes.append(message)
         warnings.warn(message, stacklevel=2)

@@ -209,13 +209,14 @@ def test_gradient_refusals_are_one_line(dirs):
         )
 
 
-def test_per_model_parameters_the_method_does_not_use_warn_once(dirs):
-    text = "merge_method: ram\nbase_model: base\nmodels: [{model: a, parameters: {weight: 0.6}}, {model: b, parameters: {weight: 0.4, density: 0.5}}]\n"
+def test_parameters_the_method_does_not_use_warn_once(dirs):
+    text = "merge_method: ram\nbase_model: base\nparameters: {embed_slerp: true}\nmodels: [{model: a, parameters: {weight: 0.6}}, {model: b, parameters: {weight: 0.4, density: 0.5}}]\n"
     with pytest.warns(UserWarning) as caught:
         resolved = _resolve(dirs, text)
     messages = [str(w.message) for w in caught if "does not use" in str(w.message)]
     assert len(messages) == 1
     assert "'weight' (models[0], models[1])" in messages[0] and "'density' (models[1])" in messages[0]
+    assert "'embed_slerp' (parameters)" in messages[0]
     assert messages[0] in resolved.notes
     assert [a.name for a in resolved.agents] == ["a", "b"]
 
@@ -340,3 +341,15 @@ def test_dict_config_round_trip(dirs):
     resolved = resolve_config(*load_config(data))
     assert resolved.method.name == "linear"
     assert resolved.raw["merge_method"] == "linear"
+
+
+def test_numbers_written_as_strings_are_numbers_as_in_mergekit(dirs):
+    resolved = _resolve(
+        dirs,
+        "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: '0.5'}}]\nparameters: {lambda: 1e-1}\n",
+    )
+    assert resolved.agents[0].parameters["density"] == 0.5 and resolved.params["lambda"] == 0.1
+    with pytest.raises(ConfigError, match="parameter 'density' must be a number, got 'half'"):
+        _resolve(
+            dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: half}}]\n"
+        )

@@ -638,7 +638,7 @@ def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tm
     }
     if method == "slerp":
         config["models"].insert(0, {"model": str(layered["base_dir"]), "parameters": {"weight": 0.6}})
-    with pytest.warns(UserWarning, match="does not use the per-model parameter"):
+    with pytest.warns(UserWarning, match="does not use the parameter"):
         ours, theirs = _run_both(config, tmp_path)
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
