@@ -8,6 +8,7 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -518,10 +519,9 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
             )
         return value
     if parameter.kind is float and isinstance(value, str):
-        try:  # mergekit reads numbers written as strings ("0.5", YAML's unquoted 1e-3) as numbers
+        # mergekit reads numbers written as strings ("0.5", YAML's unquoted 1e-3) as numbers
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     return check_number(
         value,
         where,

@@ -686,3 +686,146 @@ def test_sce_equals_mergekit(case, layered, tmp_path):
     ours, theirs = _run_both(config, tmp_path)
     _check_common(ours, theirs, layered["base"])
     _assert_identical(ours, theirs)
+
+
+def test_model_plus_lora_reference_equals_mergekit(tmp_path):
+    """mergekit's ``BASE+ADAPTER``: mergekit merges the adapter into the base first (peft, float32), ram_trl reads
+    the adapter as a LoRA agent; the same task vector up to the rounding of ``base + B @ A``."""
+    from tests.helpers import lora_adapter, qwen_model, save_base
+
+    base_dir = save_base(qwen_model(seed=0), tmp_path / "base")
+    lora_adapter(qwen_model(seed=0), tmp_path / "adapter", seed=3, r=4, target_modules=["q_proj", "v_proj"])
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base_dir),
+        "models": [{"model": f"{base_dir}+{tmp_path / 'adapter'}", "parameters": {"weight": 0.5}}],
+        "dtype": "float32",
+    }
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(
+            device="cpu",
+            quiet=True,
+            copy_tokenizer=False,
+            write_model_card=False,
+            lora_merge_cache=str(tmp_path / "c"),
+        ),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    ours, theirs = _load_dir(tmp_path / "ram_trl"), _load_dir(tmp_path / "mergekit")
+    base = _load_dir(base_dir)
+    assert set(ours) == set(theirs)
+    moved = [name for name in theirs if not torch.equal(theirs[name], base[name])]
+    assert moved and all("q_proj" in name or "v_proj" in name for name in moved)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The configs of mergekit's tests/test_tokenizer.py and test_chat_template.py (tiny Llamas, bf16, weight 1.0 on every
+# model, a global `embed_slerp` that linear does not use)
+
+
+def _pico(path: Path, vocab: int, added: list[str], seed: int) -> str:
+    """A tiny Llama with a 64-token BPE tokenizer plus ``added`` tokens (mergekit's test models)."""
+    import json
+    import tempfile
+
+    import tokenizers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=16, num_hidden_layers=2
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    words = ["<unk>", "<s>", "</s>"] + [f"_tok_{i}" for i in range(3, 64)]
+    spec = {
+        "version": "1.0",
+        "model": {"type": "BPE", "vocab": dict(zip(words, range(64), strict=True)), "merges": []},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": []})).save(
+            f"{scratch}/tokenizer.json"
+        )
+        tokenizer = transformers.LlamaTokenizerFast(tokenizer_file=f"{scratch}/tokenizer.json")
+    tokenizer.add_tokens(added)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def picollamas(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("picollama")
+    return {
+        "base": _pico(root / "base", 64, [], 0),
+        "padded": _pico(root / "padded", 64, [f"<UNUSED_{i}>" for i in range(4)], 1),
+        "chatml": _pico(root / "chatml", 66, ["<|im_start|>", "<|im_end|>"], 2),
+    }
+
+
+def _tokenizer_config(models: dict[str, str], names: list[str], **extra: Any) -> dict[str, Any]:
+    method = extra.pop("merge_method", "linear")
+    return {
+        "merge_method": method,
+        "base_model": models["base"],
+        "models": [{"model": models[n], "parameters": {"weight": 1.0}} for n in names],
+        "dtype": "bfloat16",
+        "parameters": {"embed_slerp": False, **extra.pop("parameters", {})},
+        **extra,
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
+@pytest.mark.parametrize("source", [None, "base"])
+def test_mergekit_tokenizer_configs_with_one_vocabulary_equal_mergekit(source, picollamas, tmp_path):
+    """test_legacy_mode / test_source_base on models that share the base's 64 rows: the same tensors (a linear
+    average, bf16 rounding apart: ram_trl computes in float32) and the base's tokenizer."""
+    config = _tokenizer_config(picollamas, ["base", "padded"], tokenizer_source=source)
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    ours, theirs = _load_dir(tmp_path / "ram_trl"), _load_dir(tmp_path / "mergekit")
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype == torch.bfloat16
+        # one bf16 step of the inputs' scale apart at most (mergekit sums in bf16, cancellations included)
+        torch.testing.assert_close(ours[name].float(), theirs[name].float(), rtol=2**-7, atol=2e-4, msg=name)
+    assert not torch.equal(ours["lm_head.weight"], _load_dir(Path(picollamas["base"]))["lm_head.weight"])
+    vocabularies = [
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).get_vocab()
+        for tool in ("ram_trl", "mergekit")
+    ]
+    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == 64
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.parametrize(
+    ("names", "extra", "needle"),
+    [
+        (["base", "padded", "chatml"], {}, "rows differ only: set shape_mismatch: merge_common_rows"),
+        (["base", "padded", "chatml"], {"tokenizer_source": "base"}, "rows differ only"),
+        (
+            ["base", "padded", "chatml"],
+            {"tokenizer_source": "union"},
+            "tokenizer source 'union' is not supported",
+        ),
+        (
+            ["base", "chatml"],
+            {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
+            "tokenizer source 'union' is not supported",
+        ),
+    ],
+)
+def test_mergekit_tokenizer_configs_beyond_one_vocabulary_are_refused_in_one_line(
+    names, extra, needle, picollamas, tmp_path
+):
+    """A model with more embedding rows than the base, and a union vocabulary: one-line refusals, nothing written."""
+    with pytest.raises(ram_trl.RamTrlError) as info:
+        ram_trl.merge(_tokenizer_config(picollamas, names, **extra), tmp_path / "out", progress=False)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
