@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     from mergekit.options import MergeOptions
 
 import ram_trl  # noqa: E402
+from ram_trl.config import interpolate  # noqa: E402
 from ram_trl.methods.ties import keep_count  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -280,7 +281,15 @@ def _check_density_premise(config: dict[str, Any], base: dict[str, torch.Tensor]
     """mergekit keeps max(1, int(density * numel)); ram_trl the exact decimal floor. The cases must not tell them apart."""
     for entry in config["models"]:
         density = entry.get("parameters", {}).get("density", 1.0)
-        values = [r["value"] for r in density] if isinstance(density, list) else [density]
+        values = (
+            [r["value"] for r in density]
+            if isinstance(density, list) and isinstance(density[0], dict)
+            else [density]
+        )
+        # gradients: every value they take on the layered fixture's 5 layers (and t = 0 outside them)
+        values = [interpolate(v, i / 4) for v in values if isinstance(v, list) for i in range(5)] + [
+            v for v in values if not isinstance(v, list)
+        ]
         for value in values:
             for tensor in base.values():
                 n = tensor.numel()
@@ -829,3 +838,140 @@ def test_mergekit_tokenizer_configs_beyond_one_vocabulary_are_refused_in_one_lin
         ram_trl.merge(_tokenizer_config(picollamas, names, **extra), tmp_path / "out", progress=False)
     assert needle in str(info.value) and "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mergekit's examples/ (not shipped in its wheel: the model-merge examples, as published), each model name mapped
+# to a tiny stand-in, dtype float32 (the documented difference: ram_trl computes in float32 whatever `dtype` says)
+
+MERGEKIT_EXAMPLES = {
+    "gradient-slerp.yml": """
+slices:
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 40]
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [0, 40]
+merge_method: slerp
+base_model: psmathur/orca_mini_v3_13b
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5 # fallback for rest of tensors
+dtype: float16
+""",
+    "ties.yml": """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      density: [1, 0.7, 0.1] # density gradient
+      weight: 1.0
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      density: 0.5
+      weight: [0, 0.3, 0.7, 1] # weight gradient
+  - model: WizardLM/WizardMath-13B-V1.0
+    parameters:
+      density: 0.33
+      weight:
+        - filter: mlp
+          value: 0.5
+        - value: 0
+merge_method: ties
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  normalize: true
+  int8_mask: true
+dtype: float16
+""",
+    "linear.yml": """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 1.0
+  - model: WizardLM/WizardLM-13B-V1.2
+    parameters:
+      weight: 0.3
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      weight: 0.5
+merge_method: linear
+dtype: float16
+""",
+    "bio-merge.yml": """
+models:
+  - model: mistralai/Mistral-7B-Instruct-v0.2
+    parameters:
+      density: 0.5
+      weight: 0.5
+  - model: BioMistral/BioMistral-7B
+    parameters:
+      density: 0.5
+      weight: 0.5
+merge_method: ties
+base_model: mistralai/Mistral-7B-v0.1
+parameters:
+  normalize: false
+  int8_mask: true
+dtype: float16
+""",
+}
+
+#: Each published model name's tiny stand-in: the base, or agent i of the `layered` fixture.
+STAND_INS = {
+    "TheBloke/Llama-2-13B-fp16": "base",
+    "mistralai/Mistral-7B-v0.1": "base",
+    "psmathur/orca_mini_v3_13b": 0,
+    "garage-bAInd/Platypus2-13B": 1,
+    "WizardLM/WizardMath-13B-V1.0": 2,
+    "WizardLM/WizardLM-13B-V1.2": 2,
+    "mistralai/Mistral-7B-Instruct-v0.2": 0,
+    "BioMistral/BioMistral-7B": 1,
+}
+
+
+def _stand_in(text: str, ckpts: dict[str, Any]) -> dict[str, Any]:
+    import yaml
+
+    for name, which in STAND_INS.items():
+        path = ckpts["base_dir"] if which == "base" else ckpts["agents"][which]
+        text = text.replace(name, str(path))
+    config = yaml.safe_load(text.replace("layer_range: [0, 40]", "layer_range: [0, 5]"))
+    return {**config, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("example", list(MERGEKIT_EXAMPLES))
+def test_mergekit_examples_equal_mergekit(example, layered, tmp_path):
+    config = _stand_in(MERGEKIT_EXAMPLES[example], layered)
+    if config["merge_method"] == "ties":
+        _check_density_premise(config, layered["base"])
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    if config["merge_method"] != "linear":
+        _assert_identical(ours, theirs)
+        return
+    # linear (a weighted average, no base): the same float32 sums in another order, an ulp apart at most
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=2.5e-7, atol=1e-8, msg=name)
+        assert not torch.equal(ours[name], layered["base"][name]), name
+
+
+def test_mergekit_layer_stacking_example_is_refused_in_one_line(layered, tmp_path):
+    """examples/orcamini-platy-44layer.yml: passthrough layer stacking."""
+    text = """
+slices:
+  - sources:
+    - model: psmathur/orca_mini_v3_13b
+      layer_range: [0, 24]
+  - sources:
+    - model: garage-bAInd/Platypus2-13B
+      layer_range: [20, 40]
+merge_method: passthrough
+dtype: float16
+"""
+    with pytest.raises(ram_trl.RamTrlError, match="'passthrough' is not supported") as info:
+        ram_trl.merge(_stand_in(text, layered), tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value)
