@@ -437,8 +437,11 @@ def finalize_output(
     if generation.is_file():
         shutil.copy2(generation, out_dir / generation.name)
     if not copy_tokenizer(resolved.tokenizer_source, out_dir):
-        report["warnings"].append(f"no tokenizer files found in {resolved.tokenizer_source}")
-    if resolved.chat_template is not None:
+        report["warnings"].append(
+            f"no tokenizer files found in {resolved.tokenizer_source}"
+            + ("; chat_template not written (no tokenizer to hold it)" if resolved.chat_template else "")
+        )
+    elif resolved.chat_template is not None:
         write_chat_template(out_dir, resolved.chat_template)
     reporting.write_report(out_dir, report, reporting.model_card(report))
 
