@@ -676,6 +676,43 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
     return value
 
 
+def _vocabulary(path: Path) -> dict[str, int] | None:
+    """Token to id of a checkpoint's tokenizer (``tokenizer.json``: its model's vocabulary and its added tokens),
+    ``None`` without one that can be read."""
+    directory = path if path.is_dir() else path.parent
+    try:
+        data = json.loads((directory / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, dict):  # BPE, WordLevel, WordPiece
+            ids = {str(token): int(i) for token, i in vocab.items()}
+        else:  # Unigram: [[token, score], ...] in id order
+            ids = {str(entry[0]): i for i, entry in enumerate(vocab)}
+        for added in data.get("added_tokens") or []:
+            ids[str(added["content"])] = int(added["id"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return ids
+
+
+def _shares_numbering(tokenizer_source: Path, models: list[Path]) -> bool:
+    """Whether every model's tokenizer gives each token of ``tokenizer_source``'s the same id, all within the
+    first model's (the base's) ``vocab_size`` rows (mergekit's re-indexing of embedding rows is then the identity on
+    the rows the output keeps)."""
+    output = _vocabulary(tokenizer_source)
+    directory = models[0] if models[0].is_dir() else models[0].parent
+    try:
+        rows = json.loads((directory / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        rows = None
+    if output is None or not isinstance(rows, int) or max(output.values(), default=0) >= rows:
+        return False  # the tokenizer has tokens past the base's rows: mergekit would add rows for them
+    for model in models:
+        vocab = _vocabulary(model)
+        if vocab is None or any(vocab.get(token) != i for token, i in output.items()):
+            return False
+    return True
+
+
 _REFUSED_METHODS = {
     "passthrough": "copies (and stacks) layers of one model without merging; ram_trl merges whole models tensor by "
     "tensor and writes no layer stacks",
@@ -963,6 +1000,15 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
+    shape_mismatch = config.shape_mismatch
+    if (
+        tokenizer_name is not None
+        and shape_mismatch == "error"
+        and _shares_numbering(tokenizer_source, [base_path, *(a.path for a in agents)])
+    ):
+        # mergekit re-indexes each model's vocabulary rows to the config's tokenizer: with one numbering that keeps
+        # the base's rows and leaves out an agent's added-token rows past them
+        shape_mismatch = "tokenizer_rows"
     chat_template = (
         resolve_chat_template(
             config.chat_template, [base_path, *(a.path for a in agents)], f"{where}: chat_template"
@@ -987,7 +1033,7 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
         out_dtype=out_dtype,
         tokenizer_source=tokenizer_source,
         seed=config.seed,
-        shape_mismatch=config.shape_mismatch,
+        shape_mismatch=shape_mismatch,
         allow_nonfinite=config.allow_nonfinite,
         raw=config.model_dump(exclude_defaults=True),
         notes=notes,

@@ -353,3 +353,29 @@ def test_numbers_written_as_strings_are_numbers_as_in_mergekit(dirs):
         _resolve(
             dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: half}}]\n"
         )
+
+
+def _tokenizer(path, tokens):
+    vocab = {token: i for i, token in enumerate(tokens)}
+    (path / "tokenizer.json").write_text(
+        json.dumps({"model": {"type": "WordLevel", "vocab": vocab}, "added_tokens": []})
+    )
+
+
+def test_an_explicit_tokenizer_keeps_the_base_rows_only_when_every_model_numbers_its_tokens_alike(dirs):
+    """mergekit re-indexes each model's vocabulary rows to the config's tokenizer; ram_trl follows when that is the
+    identity on the base's rows (an agent's added tokens come after them), and refuses the shape mismatch otherwise."""
+    for name in ("base", "a", "b"):
+        (dirs / name / "config.json").write_text(json.dumps({"vocab_size": 3}))
+    _tokenizer(dirs / "base", ["x", "y", "z"])
+    _tokenizer(dirs / "a", ["x", "y", "z", "<|im_end|>"])
+    _tokenizer(dirs / "b", ["x", "y", "z"])
+    text = "merge_method: ties\nbase_model: base\nmodels: [{model: a}, {model: b}]\n"
+    assert _resolve(dirs, text + "tokenizer_source: base\n").shape_mismatch == "tokenizer_rows"
+    assert (
+        _resolve(dirs, text).shape_mismatch == "error"
+    )  # no tokenizer named: mergekit does not re-index either
+    _tokenizer(dirs / "b", ["y", "x", "z"])  # another numbering
+    assert _resolve(dirs, text + "tokenizer_source: base\n").shape_mismatch == "error"
+    _tokenizer(dirs / "b", ["x", "y", "z"])
+    assert _resolve(dirs, text + "tokenizer_source: a\n").shape_mismatch == "error"  # token 3 has no base row
