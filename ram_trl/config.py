@@ -698,19 +698,44 @@ def _shares_numbering(tokenizer_source: Path, models: list[Path]) -> bool:
     """Whether every model's tokenizer gives each token of ``tokenizer_source``'s the same id, all within the
     first model's (the base's) ``vocab_size`` rows (mergekit's re-indexing of embedding rows is then the identity on
     the rows the output keeps)."""
-    output = _vocabulary(tokenizer_source)
-    directory = models[0] if models[0].is_dir() else models[0].parent
-    try:
-        rows = json.loads((directory / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        rows = None
-    if output is None or not isinstance(rows, int) or max(output.values(), default=0) >= rows:
+    output, rows = _vocabulary(tokenizer_source), _rows(models[0])
+    if output is None or rows is None or max(output.values(), default=0) >= rows:
         return False  # the tokenizer has tokens past the base's rows: mergekit would add rows for them
     for model in models:
         vocab = _vocabulary(model)
         if vocab is None or any(vocab.get(token) != i for token, i in output.items()):
             return False
     return True
+
+
+def _rows(path: Path) -> int | None:
+    """The ``vocab_size`` a checkpoint's ``config.json`` declares (its embedding rows)."""
+    directory = path if path.is_dir() else path.parent
+    try:
+        rows = json.loads((directory / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def _union_donor(models: list[Path]) -> Path | None:
+    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: the model whose tokenizer holds exactly
+    the union of every model's used tokens (those with an embedding row), when all models number the tokens alike
+    and the union's ids run from 0 without holes. ``None`` otherwise."""
+    union: dict[str, int] = {}
+    used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []
+    for model in models:
+        vocab, rows = _vocabulary(model), _rows(model)
+        if vocab is None or rows is None:
+            return None
+        used = {token: i for token, i in vocab.items() if i < rows}
+        for token, i in used.items():
+            if union.setdefault(token, i) != i:
+                return None
+        used_by.append((model, vocab, used))
+    if len(set(union.values())) != len(union) or set(union.values()) != set(range(len(union))):
+        return None
+    return next((model for model, vocab, used in used_by if vocab == used == union), None)
 
 
 _REFUSED_METHODS = {
@@ -991,16 +1016,26 @@ def resolve_config(config: MergeConfig, config_path: Path | None = None) -> Reso
             )
         tokenizer_name = block.source
     tokenizer_source = base_path
-    if tokenizer_name not in (None, "base"):
-        if tokenizer_name == "union":
+    union = False
+    if tokenizer_name == "union":
+        donor = _union_donor([base_path, *(a.path for a in agents)])
+        if donor is None or config.shape_mismatch != "error":
             raise ConfigError(
-                f"{where}: tokenizer source 'union' is not supported (it rebuilds the embedding and lm_head rows "
-                "for a merged vocabulary); use base or a model path"
+                f"{where}: tokenizer source 'union' is supported only where it re-indexes nothing (every model's "
+                "tokenizer.json numbers the tokens alike and one model's tokenizer holds them all); use base or a "
+                "model path"
             )
+        if method.prepares_tensors:
+            raise ConfigError(
+                f"{where}: tokenizer source 'union' with {method.name} is not supported: its whole-tensor step "
+                "(angle, cut, cosines or weights) would count the added tokens' rows in mergekit and not in ram_trl"
+            )
+        tokenizer_source, union = donor, True
+    elif tokenizer_name not in (None, "base"):
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
-    shape_mismatch = config.shape_mismatch
+    shape_mismatch = "merge_common_rows" if union else config.shape_mismatch
     if (
         tokenizer_name is not None
         and shape_mismatch == "error"

@@ -298,8 +298,8 @@ def test_tokenizer_block_and_sources(dirs):
     assert resolved.tokenizer_source == dirs / "a"
     for extra, needle in [
         ("tokenizer: {source: base, tokens: {x: {source: a}}}", "tokenizer.tokens is not supported"),
-        ("tokenizer: {source: union}", "'union' is not supported"),
-        ("tokenizer_source: union", "'union' is not supported"),
+        ("tokenizer: {source: union}", "'union' is supported only where it re-indexes nothing"),
+        ("tokenizer_source: union", "'union' is supported only where it re-indexes nothing"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             _resolve(dirs, f"merge_method: ties\nbase_model: base\nmodels: [{{model: a}}]\n{extra}\n")
@@ -379,3 +379,21 @@ def test_an_explicit_tokenizer_keeps_the_base_rows_only_when_every_model_numbers
     assert _resolve(dirs, text + "tokenizer_source: base\n").shape_mismatch == "error"
     _tokenizer(dirs / "b", ["x", "y", "z"])
     assert _resolve(dirs, text + "tokenizer_source: a\n").shape_mismatch == "error"  # token 3 has no base row
+
+
+def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_token(dirs):
+    rows = {"base": 3, "a": 4, "b": 3}
+    for name, count in rows.items():
+        (dirs / name / "config.json").write_text(json.dumps({"vocab_size": count}))
+    _tokenizer(dirs / "base", ["x", "y", "z"])
+    _tokenizer(dirs / "a", ["x", "y", "z", "<|im_end|>"])
+    _tokenizer(dirs / "b", ["x", "y", "z", "<unused>"])  # its token 3 has no row: not in the union
+    text = "merge_method: task_arithmetic\nbase_model: base\nmodels: [{model: a}, {model: b}]\ntokenizer_source: union\n"
+    resolved = _resolve(dirs, text)
+    assert resolved.tokenizer_source == dirs / "a" and resolved.shape_mismatch == "merge_common_rows"
+    _tokenizer(dirs / "b", ["y", "x", "z"])  # another numbering: the union would re-index rows
+    with pytest.raises(ConfigError, match="'union' is supported only where it re-indexes nothing"):
+        _resolve(dirs, text)
+    _tokenizer(dirs / "b", ["x", "y", "z"])
+    with pytest.raises(ConfigError, match="'union' with ties is not supported"):
+        _resolve(dirs, text.replace("task_arithmetic", "ties"))

@@ -788,14 +788,20 @@ def _tokenizer_config(models: dict[str, str], names: list[str], **extra: Any) ->
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
 @pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
 @pytest.mark.parametrize(
-    ("names", "source"),
-    [(["base", "padded"], None), (["base", "padded"], "base"), (["base", "padded", "chatml"], "base")],
+    ("names", "extra"),
+    [
+        (["base", "padded"], {}),
+        (["base", "padded"], {"tokenizer_source": "base"}),
+        (["base", "padded", "chatml"], {"tokenizer_source": "base"}),
+        (["base", "padded", "chatml"], {"tokenizer_source": "union"}),
+    ],
 )
-def test_mergekit_tokenizer_configs_with_one_vocabulary_equal_mergekit(names, source, picollamas, tmp_path):
-    """test_legacy_mode / test_source_base: models whose tokenizers number the base's 64 tokens alike (the chatml
-    model adds two rows, which the base's tokenizer leaves out): the same tensors (a linear average, bf16 rounding
-    apart: ram_trl computes in float32) and the base's tokenizer."""
-    config = _tokenizer_config(picollamas, names, tokenizer_source=source)
+def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp_path):
+    """test_legacy_mode, test_source_base, test_source_union: the models' tokenizers number the
+    tokens alike (the chatml model adds two rows; the padded model's four added tokens have no rows). The base's
+    tokenizer leaves the added rows out; the union keeps the chatml model's (its tokenizer is the union). The same
+    tensors as mergekit's (bf16 rounding apart: ram_trl computes in float32) and the same vocabulary."""
+    config = _tokenizer_config(picollamas, names, **extra)
     run_merge(
         MergeConfiguration.model_validate(copy.deepcopy(config)),
         str(tmp_path / "mergekit"),
@@ -813,7 +819,14 @@ def test_mergekit_tokenizer_configs_with_one_vocabulary_equal_mergekit(names, so
         transformers.AutoTokenizer.from_pretrained(tmp_path / tool).get_vocab()
         for tool in ("ram_trl", "mergekit")
     ]
-    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == 64
+    size = 66 if extra.get("tokenizer_source") == "union" else 64
+    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == size
+    assert ours["lm_head.weight"].shape[0] == size
+    if size == 66:  # the added tokens' rows are the chatml model's (rounded to bf16), in both tools
+        chatml = _load_dir(Path(picollamas["chatml"]))
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            donor = chatml[name][64:].to(torch.bfloat16)
+            assert torch.equal(ours[name][64:], donor) and torch.equal(theirs[name][64:], donor), name
 
 
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
@@ -823,13 +836,13 @@ def test_mergekit_tokenizer_configs_with_one_vocabulary_equal_mergekit(names, so
         (["base", "padded", "chatml"], {}, "rows differ only: set shape_mismatch: merge_common_rows"),
         (
             ["base", "padded", "chatml"],
-            {"tokenizer_source": "union"},
-            "tokenizer source 'union' is not supported",
+            {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
+            "tokenizer.tokens is not supported",
         ),
-        (
+        (  # test_slerp_union
             ["base", "chatml"],
             {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
-            "tokenizer source 'union' is not supported",
+            "tokenizer source 'union' with slerp is not supported",
         ),
     ],
 )
