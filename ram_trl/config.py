@@ -62,6 +62,11 @@ class ModelEntry(BaseModel):
         return self
 
 
+def _empty_if_none(value: Any) -> Any:
+    """mergekit's ``parameters:`` may be left empty (YAML null): no parameters."""
+    return {} if value is None else value
+
+
 class SliceSource(BaseModel):
     """One source of a mergekit output slice: a model and the layer range taken from it."""
 
@@ -70,6 +75,8 @@ class SliceSource(BaseModel):
     model: str
     layer_range: tuple[int, int]
     parameters: dict[str, Any] = Field(default_factory=dict)
+
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
 
 
 class SliceEntry(BaseModel):
@@ -82,6 +89,8 @@ class SliceEntry(BaseModel):
     residual_weight: float | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
 
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
+
 
 class ModuleEntry(BaseModel):
     """A mergekit ``modules`` entry: ``models`` or ``slices`` for one module, with its parameters."""
@@ -91,6 +100,8 @@ class ModuleEntry(BaseModel):
     models: list[ModelEntry] | None = None
     slices: list[SliceEntry] | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
+
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
 
     @model_validator(mode="after")
     def _models_or_slices(self) -> ModuleEntry:

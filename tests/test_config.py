@@ -397,3 +397,14 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
     _tokenizer(dirs / "b", ["x", "y", "z"])
     with pytest.raises(ConfigError, match="'union' with ties is not supported"):
         _resolve(dirs, text.replace("task_arithmetic", "ties"))
+
+
+def test_empty_parameters_of_a_slice_are_none(dirs):
+    for name in ("base", "a"):
+        (dirs / name / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    resolved = _resolve(
+        dirs,
+        "merge_method: ties\nbase_model: base\nslices:\n  - sources:\n      - model: a\n        layer_range: [0, 2]\n"
+        "        parameters:\n    parameters:\n",
+    )
+    assert resolved.agents[0].parameters["density"] == 1.0
