@@ -399,7 +399,7 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
         _resolve(dirs, text.replace("task_arithmetic", "ties"))
 
 
-def test_empty_parameters_of_a_slice_are_none(dirs):
+def test_empty_parameters_of_a_slice_mean_none(dirs):
     for name in ("base", "a"):
         (dirs / name / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     resolved = _resolve(
