@@ -8,8 +8,12 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +22,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ram_trl.anatomy import layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
 from ram_trl.manifest import check_base, manifest_path, read_manifest, verify_stage
@@ -34,13 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
     "float64": torch.float64,
-}
-
-_UNSUPPORTED_MERGEKIT_FIELDS = {
-    "slices": "layer slicing (frankenmerges) is not supported: ram_trl merges whole models tensor by tensor",
-    "tokenizer": "the 'tokenizer' block is not supported: use tokenizer_source: base or a model path",
-    "chat_template": "chat_template is not supported: the output keeps the tokenizer_source's chat template",
-    "modules": "per-module configs are not supported",
 }
 
 
@@ -65,6 +63,64 @@ class ModelEntry(BaseModel):
         return self
 
 
+def _empty_if_none(value: Any) -> Any:
+    """mergekit's ``parameters:`` may be left empty (YAML null): no parameters."""
+    return {} if value is None else value
+
+
+class SliceSource(BaseModel):
+    """One source of a mergekit output slice: a model and the layer range taken from it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    layer_range: tuple[int, int]
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
+
+
+class SliceEntry(BaseModel):
+    """A mergekit output slice; ram_trl accepts one whose sources each cover every layer of their model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[SliceSource] = Field(min_length=1)
+    base_model: str | None = None
+    residual_weight: float | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
+
+
+class ModuleEntry(BaseModel):
+    """A mergekit ``modules`` entry: ``models`` or ``slices`` for one module, with its parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelEntry] | None = None
+    slices: list[SliceEntry] | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    _no_parameters = field_validator("parameters", mode="before")(_empty_if_none)
+
+    @model_validator(mode="after")
+    def _models_or_slices(self) -> ModuleEntry:
+        if (self.models is None) == (self.slices is None):
+            raise ValueError("give exactly one of 'models' and 'slices'")
+        return self
+
+
+class TokenizerEntry(BaseModel):
+    """mergekit's ``tokenizer`` block."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = None
+    tokens: dict[str, Any] | None = None
+    pad_to_multiple_of: int | None = None
+
+
 class MergeConfig(BaseModel):
     """A merge config (the YAML file), before resolution against the method registry and the file system.
 
@@ -75,8 +131,13 @@ class MergeConfig(BaseModel):
         base_model (`str`, *optional*):
             Path of the base checkpoint all agents were trained from. Optional for methods that average models
             (``linear``, as in mergekit): the first model then provides the layout, config and tokenizer.
-        models (`list[ModelEntry]`):
-            The agents: ``{model: PATH}`` or ``{stage: MANIFEST}``, each with optional ``parameters`` and ``name``.
+        models (`list[ModelEntry]`, *optional*):
+            The agents: ``{model: PATH}`` or ``{stage: MANIFEST}``, each with optional ``parameters`` and ``name``
+            (``PATH`` may be mergekit's ``BASE+ADAPTER``: the adapter is the agent).
+        slices (`list[SliceEntry]`, *optional*):
+            mergekit's form of ``models``: one output slice whose sources each cover every layer of their model.
+        modules (`dict[str, ModuleEntry]`, *optional*):
+            mergekit's per-module form: one module, with ``models`` or one whole-model slice.
         parameters (`dict[str, Any]`, *optional*, defaults to `{}`):
             Global parameters, and defaults for per-agent parameters (the method's defaults otherwise).
         dtype (`str`, *optional*):
@@ -86,6 +147,11 @@ class MergeConfig(BaseModel):
             Output dtype of floating tensors (default: each tensor's dtype in the base).
         tokenizer_source (`str`, *optional*):
             ``base`` (the default) or a path whose tokenizer files are copied to the output.
+        tokenizer (`TokenizerEntry`, *optional*):
+            mergekit's ``tokenizer`` block; its ``source`` (``base`` or a path) is ``tokenizer_source``.
+        chat_template (`str`, *optional*):
+            A chat template written into the output tokenizer: one of mergekit's named templates (``chatml``,
+            ``llama3``, ...), or literal Jinja.
         seed (`int`, *optional*, defaults to `0`):
             Seed of the random drops (DARE, DELLA).
         shape_mismatch (`str`, *optional*, defaults to `"error"`):
@@ -110,11 +176,15 @@ class MergeConfig(BaseModel):
 
     merge_method: str
     base_model: str | None = None
-    models: list[ModelEntry]
+    models: list[ModelEntry] | None = None
+    slices: list[SliceEntry] | None = None
+    modules: dict[str, ModuleEntry] | None = None
     parameters: dict[str, Any] = Field(default_factory=dict)
     dtype: str | None = None
     out_dtype: str | None = None
     tokenizer_source: str | None = None
+    tokenizer: TokenizerEntry | None = None
+    chat_template: str | None = None
     seed: int = 0
     shape_mismatch: Literal["error", "merge_common_rows"] = "error"
     allow_nonfinite: bool = False
@@ -129,10 +199,20 @@ class MergeConfig(BaseModel):
 
     @field_validator("models")
     @classmethod
-    def _some_models(cls, value: list[ModelEntry]) -> list[ModelEntry]:
-        if not value:
+    def _some_models(cls, value: list[ModelEntry] | None) -> list[ModelEntry] | None:
+        if value is not None and not value:
             raise ValueError("'models' is empty: list at least one agent checkpoint")
         return value
+
+    @model_validator(mode="after")
+    def _one_model_list(self) -> MergeConfig:
+        given = [key for key in ("models", "slices", "modules") if getattr(self, key) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of 'models' (the agents), 'slices' or 'modules'"
+                + (f"; got {' and '.join(given)}" if given else "")
+            )
+        return self
 
 
 @dataclass
@@ -161,6 +241,9 @@ class ResolvedConfig:
         tokenizer_source: Directory whose tokenizer files are copied.
         raw: The config as given (for the model card and report).
         source: The YAML file the config came from (an input the output must never replace).
+        num_layers: The base's decoder layer count, the span of mergekit gradients (``None`` when no parameter
+            is a gradient).
+        chat_template: The chat template written into the output tokenizer (``None``: the source's own).
     """
 
     method: MergeMethod
@@ -176,6 +259,8 @@ class ResolvedConfig:
     raw: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     source: Path | None = None
+    num_layers: int | None = None
+    chat_template: str | None = None
 
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
@@ -205,19 +290,39 @@ class ResolvedConfig:
                 )
         return reads
 
-    def params_for(self, tensor_name: str) -> dict[str, Any]:
-        """The global parameters for one tensor: mergekit filter rules (``per_tensor`` parameters) resolved.
+    def layer_position(self, tensor_name: str) -> float:
+        """mergekit's gradient position ``t`` of a tensor: ``i / (N - 1)`` for a tensor of decoder layer ``i`` of
+        ``N`` (``1`` when ``N == 1``), ``0`` for every tensor outside the decoder layers (embeddings, final norm,
+        ``lm_head``).
 
         Args:
-            tensor_name (`str`): The tensor's name (filters match substrings of it).
+            tensor_name (`str`): The tensor's name.
 
         Returns:
-            `dict[str, Any]`: Parameter name to value; :attr:`params` itself when no parameter is a filter list.
+            `float`: ``t`` in ``[0, 1]``.
+        """
+        index = layer_index(tensor_name)
+        if index is None or self.num_layers is None:
+            return 0.0
+        return index / (self.num_layers - 1) if self.num_layers > 1 else 1.0
+
+    def params_for(self, tensor_name: str) -> dict[str, Any]:
+        """The global parameters for one tensor: mergekit filter rules and gradients (``per_tensor`` parameters)
+        resolved.
+
+        Args:
+            tensor_name (`str`): The tensor's name (filters match substrings of it, gradients its layer).
+
+        Returns:
+            `dict[str, Any]`: Parameter name to value; :attr:`params` itself when no parameter is a list.
         """
         if not any(isinstance(value, list) for value in self.params.values()):
             return self.params
+        t = self.layer_position(tensor_name)
         return {
-            name: _rule_value(value, tensor_name, f"parameter {name!r}") if isinstance(value, list) else value
+            name: evaluate_setting(value, tensor_name, t, f"parameter {name!r}")
+            if isinstance(value, list)
+            else value
             for name, value in self.params.items()
         }
 
@@ -225,7 +330,9 @@ class ResolvedConfig:
         """The value of per-agent parameter ``name`` for one tensor.
 
         Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
-        or absent) gives the value.
+        or absent) gives the value; a rule list of a model that matches no rule falls through to the global
+        setting, then to the default. Gradients are interpolated over the decoder layers
+        (:meth:`layer_position`).
 
         Args:
             agent (`AgentSpec`): The agent.
@@ -240,17 +347,102 @@ class ResolvedConfig:
         """
         value = agent.parameters[name]
         if isinstance(value, list):
-            return _rule_value(value, tensor_name, f"agent {agent.name}: parameter {name!r}")
+            return evaluate_setting(
+                value,
+                tensor_name,
+                self.layer_position(tensor_name),
+                f"agent {agent.name}: parameter {name!r}",
+            )
         return float(value)
 
 
-def _rule_value(rules: list[dict[str, Any]], tensor_name: str, what: str) -> float:
-    """The value of the first mergekit filter rule matching ``tensor_name``."""
-    for rule in rules:
+def interpolate(values: list[float], t: float) -> float:
+    """mergekit's gradient: the piecewise-linear interpolation of ``values`` (evenly spaced over ``[0, 1]``) at
+    ``t``, in the same float64 operations and order as mergekit 0.1.5.
+
+    Args:
+        values (`list[float]`): The gradient's anchor values (at least one).
+        t (`float`): The position in ``[0, 1]`` (:meth:`ResolvedConfig.layer_position`).
+
+    Returns:
+        `float`: The value at ``t``.
+    """
+    scaled = t * (len(values) - 1)
+    low = int(scaled)
+    high = min(len(values) - 1, low + 1)
+    frac = scaled - low
+    return float((1 - frac) * values[low] + frac * values[high])
+
+
+def evaluate_setting(setting: Any, tensor_name: str, t: float, what: str) -> float:
+    """The value of a numeric setting for one tensor: a number, a gradient (list of numbers, :func:`interpolate`
+    at ``t``), or mergekit filter rules (the first rule matching ``tensor_name``; its value a number or gradient).
+
+    Args:
+        setting (`Any`): The checked setting.
+        tensor_name (`str`): The tensor's name.
+        t (`float`): The tensor's gradient position.
+        what (`str`): Names the setting in errors.
+
+    Returns:
+        `float`: The value.
+
+    Raises:
+        ConfigError: No rule matches the tensor.
+    """
+    if not isinstance(setting, list):
+        return float(setting)
+    if not setting or not isinstance(setting[0], dict):
+        return interpolate([float(v) for v in setting], t)
+    for rule in setting:
         pattern = rule.get("filter")
         if pattern is None or pattern == "*" or pattern in tensor_name:
-            return float(rule["value"])
+            return evaluate_setting(rule["value"], tensor_name, t, what)
     raise ConfigError(f"{what}: no rule matches tensor {tensor_name!r}")
+
+
+def _has_gradient(setting: Any) -> bool:
+    """Whether a checked setting holds a gradient (at its top or in a filter rule)."""
+    if not isinstance(setting, list):
+        return False
+    if setting and isinstance(setting[0], dict):
+        return any(isinstance(rule["value"], list) for rule in setting)
+    return True
+
+
+def _fall_through(first: Any, then: Any) -> Any:
+    """mergekit's precedence between two scopes as one setting: ``first``'s filter rules, then ``then``
+    (``first`` alone when it always gives a value)."""
+    if not (isinstance(first, list) and first and isinstance(first[0], dict)):
+        return first
+    if any(rule.get("filter") in (None, "*") for rule in first):
+        return first
+    rest = then if isinstance(then, list) and then and isinstance(then[0], dict) else [{"value": then}]
+    return [*first, *rest]
+
+
+def num_layers(path: Path) -> int | None:
+    """The decoder layer count a checkpoint's ``config.json`` declares (``num_hidden_layers``, ``n_layer`` or
+    ``num_layers``, also under ``text_config``), as mergekit reads it for gradients and slices.
+
+    Args:
+        path (`Path`): The checkpoint directory (or a weights file beside its ``config.json``).
+
+    Returns:
+        `int | None`: The count, or ``None`` without a config or key.
+    """
+    directory = path if path.is_dir() else path.parent
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for scope in (config, config.get("text_config") if isinstance(config, dict) else None):
+        if isinstance(scope, dict):
+            for key in ("num_hidden_layers", "n_layer", "num_layers"):
+                value = scope.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+    return None
 
 
 def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tuple[MergeConfig, Path | None]:
@@ -284,9 +476,6 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
                 f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"
             )
     where = str(path) if path else "merge config"
-    for key, why in _UNSUPPORTED_MERGEKIT_FIELDS.items():
-        if key in data:
-            raise ConfigError(f"{where}: field {key!r}: {why}")
     try:
         return MergeConfig.model_validate(data), path
     except ValidationError as exc:
@@ -346,6 +535,10 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
                 f"{where}: parameter {parameter.name!r} must be one of {list(parameter.choices)}, got {value!r}"
             )
         return value
+    if parameter.kind is float and isinstance(value, str):
+        # mergekit reads numbers written as strings ("0.5", YAML's unquoted 1e-3) as numbers
+        with contextlib.suppress(ValueError):
+            value = float(value)
     return check_number(
         value,
         where,
@@ -355,13 +548,37 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
     )
 
 
+_RULES_HELP = "[{filter: SUBSTRING, value: X}, ..., {value: DEFAULT}]"
+
+
+def _check_gradient(parameter: Parameter, value: list[Any], where: str) -> list[float]:
+    """A mergekit gradient: a non-empty list of numbers, each checked like the parameter's scalar."""
+    if parameter.kind is not float:
+        raise ConfigError(
+            f"{where}: parameter {parameter.name!r} takes one value, got the list {value!r} (gradients are lists of "
+            "numbers, for numeric parameters)"
+        )
+    if not value:
+        raise ConfigError(
+            f"{where}: parameter {parameter.name!r}: a gradient needs at least one number, got []"
+        )
+    return [
+        _check_value(parameter, item, f"{where}: parameter {parameter.name!r} gradient") for item in value
+    ]
+
+
 def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
+    if isinstance(value, dict) and parameter.kind is not Path:
+        value = [value]  # mergekit: one conditional parameter is a one-rule list
     if isinstance(value, list) and parameter.kind is not Path:
+        if value and not any(isinstance(item, dict) for item in value):
+            return _check_gradient(parameter, value, where)
         if not value or not all(isinstance(rule, dict) and "value" in rule for rule in value):
             raise ConfigError(
-                f"{where}: parameter {parameter.name!r}: lists must be mergekit filter rules "
-                "[{filter: SUBSTRING, value: X}, ..., {value: DEFAULT}]; gradients (lists of numbers) are not supported"
+                f"{where}: parameter {parameter.name!r}: a list must be a gradient (numbers interpolated over the "
+                f"layers) or mergekit filter rules {_RULES_HELP}, got {value!r}"
             )
+        rules = []
         for rule in value:
             extra = set(rule) - {"filter", "value"}
             if extra:
@@ -373,9 +590,31 @@ def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
                     f"{where}: parameter {parameter.name!r}: a rule's filter must be a substring of tensor names, "
                     f"got {rule['filter']!r}"
                 )
-            _check_value(parameter, rule["value"], where)
-        return value
+            if isinstance(rule["value"], list):
+                checked = dict(rule, value=_check_gradient(parameter, rule["value"], where))
+            else:
+                _check_value(parameter, rule["value"], where)
+                checked = rule
+            rules.append(checked)
+        return rules if rules != value else value
     return _check_value(parameter, value, where)
+
+
+def _check_global_value(parameter: Parameter, value: Any, where: str, method: MergeMethod) -> Any:
+    """A global parameter's value: filter rules and gradients for ``per_tensor`` parameters, one value otherwise."""
+    if parameter.per_tensor:
+        return _check_agent_value(parameter, value, where)
+    if isinstance(value, list | dict):
+        raise ConfigError(
+            f"{where}: parameter {parameter.name!r} takes one value for the whole merge ({method.name} uses it "
+            f"once, not per tensor), got {value!r}; gradients and filter rules apply to: "
+            f"{', '.join(p.name for p in method.parameters if _per_tensor(p)) or 'none of its parameters'}"
+        )
+    return _check_value(parameter, value, where)
+
+
+def _per_tensor(parameter: Parameter) -> bool:
+    return parameter.kind is float and (parameter.scope == "agent" or parameter.per_tensor)
 
 
 def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
@@ -393,9 +632,242 @@ def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     Raises:
         ConfigError: naming ``where`` and the parameter.
     """
-    if parameter.scope == "global":
+    if parameter.scope == "global" and not parameter.per_tensor:
         return _check_value(parameter, value, where)
     return _check_agent_value(parameter, value, where)
+
+
+def _model_chat_template(path: Path) -> str | None:
+    """A checkpoint's chat template (``chat_template.jinja``, else its ``tokenizer_config.json`` entry)."""
+    directory = path if path.is_dir() else path.parent
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    try:
+        template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):  # transformers' named templates: [{name, template}, ...]
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
+    """The template text of a config's ``chat_template``, as mergekit 0.1.5 picks it: ``auto`` (the most common
+    template among the input models), one of mergekit's named templates (read from the installed mergekit
+    package), or literal Jinja.
+
+    Args:
+        value (`str`): The config's ``chat_template``.
+        models (`list[Path]`): The base and the agents, in config order (for ``auto``).
+        where (`str`): Names the field in errors.
+
+    Returns:
+        `str`: The template.
+
+    Raises:
+        ConfigError: ``auto`` without any template among the models, an unknown name, or text that is no
+            template.
+    """
+    if value == "auto":
+        templates = [t.strip() for t in (_model_chat_template(p) for p in models) if t]
+        if not templates:
+            raise ConfigError(f"{where}: 'auto' found no chat template in the base or the agents")
+        return Counter(templates).most_common(1)[0][0]
+    if len(value) < 256 and "\n" not in value and "{" not in value:
+        try:
+            from importlib.resources import files
+
+            named = files("mergekit._data.chat_templates").joinpath(value + ".jinja")
+            if named.is_file():
+                return named.read_text()
+        except ModuleNotFoundError:
+            raise ConfigError(
+                f"{where}: {value!r} names one of mergekit's templates, which are read from the mergekit package: "
+                "install it (pip install mergekit) or give the Jinja text"
+            ) from None
+    if len(value) < 20 or "{" not in value:
+        raise ConfigError(f"{where}: {value!r} is neither a known template name nor a Jinja template")
+    return value
+
+
+def _vocabulary(path: Path) -> dict[str, int] | None:
+    """Token to id of a checkpoint's tokenizer (``tokenizer.json``: its model's vocabulary and its added tokens),
+    ``None`` without one that can be read."""
+    directory = path if path.is_dir() else path.parent
+    try:
+        data = json.loads((directory / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        if isinstance(vocab, dict):  # BPE, WordLevel, WordPiece
+            ids = {str(token): int(i) for token, i in vocab.items()}
+        else:  # Unigram: [[token, score], ...] in id order
+            ids = {str(entry[0]): i for i, entry in enumerate(vocab)}
+        for added in data.get("added_tokens") or []:
+            ids[str(added["content"])] = int(added["id"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return ids
+
+
+def _shares_numbering(tokenizer_source: Path, models: list[Path]) -> bool:
+    """Whether every model's tokenizer gives each token of ``tokenizer_source``'s the same id, all within the
+    first model's (the base's) ``vocab_size`` rows (mergekit's re-indexing of embedding rows is then the identity on
+    the rows the output keeps)."""
+    output, rows = _vocabulary(tokenizer_source), _rows(models[0])
+    if output is None or rows is None or max(output.values(), default=0) >= rows:
+        return False  # the tokenizer has tokens past the base's rows: mergekit would add rows for them
+    for model in models:
+        vocab = _vocabulary(model)
+        if vocab is None or any(vocab.get(token) != i for token, i in output.items()):
+            return False
+    return True
+
+
+def _rows(path: Path) -> int | None:
+    """The ``vocab_size`` a checkpoint's ``config.json`` declares (its embedding rows)."""
+    directory = path if path.is_dir() else path.parent
+    try:
+        rows = json.loads((directory / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
+
+
+def _union_donor(models: list[Path]) -> Path | None:
+    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: the model whose tokenizer holds exactly
+    the union of every model's used tokens (those with an embedding row), when all models number the tokens alike
+    and the union's ids run from 0 without holes. ``None`` otherwise."""
+    union: dict[str, int] = {}
+    used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []
+    for model in models:
+        vocab, rows = _vocabulary(model), _rows(model)
+        if vocab is None or rows is None:
+            return None
+        used = {token: i for token, i in vocab.items() if i < rows}
+        for token, i in used.items():
+            if union.setdefault(token, i) != i:
+                return None
+        used_by.append((model, vocab, used))
+    if len(set(union.values())) != len(union) or set(union.values()) != set(range(len(union))):
+        return None
+    return next((model for model, vocab, used in used_by if vocab == used == union), None)
+
+
+_REFUSED_METHODS = {
+    "passthrough": "copies (and stacks) layers of one model without merging; ram_trl merges whole models tensor by "
+    "tensor and writes no layer stacks",
+    "nuslerp": "not implemented",
+    "multislerp": "not implemented",
+    "karcher": "not implemented",
+    "arcee_fusion": "not implemented",
+    "nearswap": "not implemented",
+}
+
+
+def _split_lora(value: str, config_dir: Path | None) -> tuple[str, str | None]:
+    """mergekit's ``MODEL+ADAPTER`` reference split into ``(MODEL, ADAPTER)`` (``ADAPTER`` ``None`` for a plain
+    path, also a path that holds a ``+`` and exists)."""
+    if "+" not in value or _resolve_path(value, config_dir).exists():
+        return value, None
+    model, adapter = value.rsplit("+", 1)
+    return model, adapter
+
+
+def _slice_entries(
+    slices: list[SliceEntry], where: str, label: str
+) -> tuple[list[ModelEntry], dict[str, Any], str | None, list[tuple[str, str, tuple[int, int]]]]:
+    """One output slice as ``models`` entries: ``(entries, slice parameters, slice base_model, layer ranges to
+    check)``; anything but one slice of whole models is refused."""
+    if len(slices) != 1:
+        raise ConfigError(
+            f"{where}: {label} lists {len(slices)} output slices: stacking or mixing layer ranges (a frankenmerge) "
+            "is not supported; ram_trl merges whole models: give one slice whose sources cover every layer, or "
+            "'models:'"
+        )
+    (out_slice,) = slices
+    if out_slice.residual_weight is not None:
+        raise ConfigError(f"{where}: {label}[0].residual_weight is not supported")
+    entries = [ModelEntry(model=source.model, parameters=source.parameters) for source in out_slice.sources]
+    ranges = [
+        (f"{label}[0].sources[{i}]", source.model, source.layer_range)
+        for i, source in enumerate(out_slice.sources)
+    ]
+    return entries, out_slice.parameters, out_slice.base_model, ranges
+
+
+def _entries(
+    config: MergeConfig, where: str
+) -> tuple[list[ModelEntry], list[dict[str, Any]], str | None, list[tuple[str, str, tuple[int, int]]]]:
+    """The config's models as ``models`` entries, whichever of ``models``, ``slices`` and ``modules`` gives them:
+    ``(entries, parameter scopes above the global one (highest first), a slice's base_model, layer ranges that
+    must each cover a whole model)``."""
+    if config.models is not None:
+        return config.models, [], None, []
+    if config.slices is not None:
+        entries, params, base, ranges = _slice_entries(config.slices, where, "slices")
+        return entries, [params], base, ranges
+    assert config.modules is not None
+    if len(config.modules) != 1:
+        raise ConfigError(
+            f"{where}: modules lists {len(config.modules)} modules ({', '.join(config.modules)}); ram_trl merges "
+            "models with one module (a decoder): give 'models:' or one module"
+        )
+    ((name, module),) = config.modules.items()
+    if module.models is not None:
+        return module.models, [module.parameters], None, []
+    assert module.slices is not None
+    entries, params, base, ranges = _slice_entries(module.slices, where, f"modules.{name}.slices")
+    return entries, [params, module.parameters], base, ranges
+
+
+def _check_layer_ranges(
+    ranges: list[tuple[str, str, tuple[int, int]]], config_dir: Path | None, where: str
+) -> None:
+    """Each slice source must cover every layer of its model, ``[0, N)`` (mergekit's ``models:`` equivalent)."""
+    for label, model, (start, stop) in ranges:
+        path = _resolve_path(_split_lora(model, config_dir)[0], config_dir)
+        layers = num_layers(path)
+        if layers is None:
+            raise ConfigError(
+                f"{where}: {label} ({model}): cannot check layer_range {[start, stop]}: {path} has no config.json "
+                "with num_hidden_layers"
+            )
+        if (start, stop) != (0, layers):
+            raise ConfigError(
+                f"{where}: {label} ({model}): layer_range {[start, stop]} is not the whole model ({layers} layers): "
+                f"stacking or mixing layer ranges (a frankenmerge) is not supported; give [0, {layers}] or use "
+                "'models:'"
+            )
+
+
+def _check_scope(
+    method: MergeMethod, scope: dict[str, Any], where: str, label: str, ignored: dict[str, list[str]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One scope of shared parameters (the top-level ``parameters``, a slice's, a module's), checked:
+    ``(global parameters, defaults of per-agent parameters)`` by canonical name; names the method does not use are
+    added to ``ignored`` (under ``label``), as mergekit ignores them."""
+    params: dict[str, Any] = {}
+    agent_defaults: dict[str, Any] = {}
+    for key, value in scope.items():
+        parameter = method.parameter(key)
+        if parameter is None:
+            ignored.setdefault(key, []).append(label)
+        elif parameter.scope == "global":
+            params[parameter.name] = _check_global_value(parameter, value, where, method)
+        else:
+            agent_defaults[parameter.name] = _check_agent_value(parameter, value, where)
+    return params, agent_defaults
+
+
+def _chain(settings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Settings of several scopes (highest precedence first) as one, with mergekit's fall-through."""
+    merged: dict[str, Any] = {}
+    for scope in reversed(settings):
+        for name, value in scope.items():
+            merged[name] = _fall_through(value, merged[name]) if name in merged else value
+    return merged
 
 
 def resolve_config(
@@ -419,46 +891,63 @@ def resolve_config(
     try:
         method, alias_defaults = resolve_method(config.merge_method)
     except KeyError:
+        refused = _REFUSED_METHODS.get(config.merge_method.strip().lower())
+        if refused:
+            raise ConfigError(
+                f"{where}: merge_method {config.merge_method!r} is not supported: {refused}"
+            ) from None
         raise ConfigError(
             f"{where}: unknown merge_method {config.merge_method!r}; available: {', '.join(method_names())} "
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
+    entries, scopes, slice_base, ranges = _entries(config, where)
     base_model = config.base_model
+    if slice_base is not None and base_model is not None and slice_base != base_model:
+        raise ConfigError(
+            f"{where}: the slice's base_model {slice_base!r} differs from base_model {base_model!r}"
+        )
+    base_model = base_model or slice_base
     if base_model is None:
-        first = config.models[0]
+        first = entries[0]
         if not method.keeps_base_entries or first.model is None:
             raise ConfigError(
                 f"{where}: base_model is missing; {method.name} needs the base all agents were trained from "
                 "(only a plain weighted average of models, such as linear, can take its layout from the first model)"
             )
         base_model = first.model
+    if _split_lora(base_model, config_dir)[1] is not None:
+        raise ConfigError(
+            f"{where}: base_model {base_model!r} is a MODEL+ADAPTER reference; the base must be a full checkpoint "
+            "(merge the adapter into it first)"
+        )
     base_path = _resolve_path(base_model, config_dir)
     if not base_path.exists():
         raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
+    _check_layer_ranges(ranges, config_dir, where)
 
-    params: dict[str, Any] = {}
-    agent_defaults: dict[str, Any] = {}
-    for key, value in config.parameters.items():
-        parameter = method.parameter(key)
-        if parameter is None:
-            raise ConfigError(
-                f"{where}: parameters.{key}: {method.name} takes no parameter {key!r}; it accepts "
-                f"{', '.join(p.name for p in method.parameters)}"
-            )
-        if parameter.scope == "global" and parameter.per_tensor:
-            params[parameter.name] = _check_agent_value(parameter, value, f"{where}: parameters")
-        elif parameter.scope == "global":
-            params[parameter.name] = _check_value(parameter, value, f"{where}: parameters")
-        else:
-            agent_defaults[parameter.name] = _check_agent_value(parameter, value, f"{where}: parameters")
+    ignored: dict[str, list[str]] = {}
+    checked = [
+        _check_scope(method, scope, f"{where}: {name}", name, ignored)
+        for scope, name in zip(
+            [*scopes, config.parameters],
+            [*(["slice parameters", "module parameters"][: len(scopes)]), "parameters"],
+            strict=True,
+        )
+    ]
+    params = _chain([c[0] for c in checked])
+    agent_defaults = _chain([c[1] for c in checked])
     for parameter in method.parameters:
-        if parameter.scope == "global" and parameter.name not in params:
-            params[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
+        default = alias_defaults.get(parameter.name, parameter.default)
+        if parameter.scope == "global":
+            params[parameter.name] = (
+                _fall_through(params[parameter.name], default) if parameter.name in params else default
+            )
+    gradient = any(_has_gradient(v) for v in [*params.values(), *agent_defaults.values()])
 
     agents: list[AgentSpec] = []
     notes: list[str] = []
-    for position, entry in enumerate(config.models):
+    for position, entry in enumerate(entries):
         stage_info: dict[str, Any] | None = None
         if entry.stage is not None:
             label = f"{where}: models[{position}] (stage {entry.stage})"
@@ -466,33 +955,55 @@ def resolve_config(
                 _resolve_path(entry.stage, config_dir), base_path, label, allow_external_shards
             )
         else:
-            path = _resolve_path(entry.model, config_dir)
             label = f"{where}: models[{position}] ({entry.model})"
+            model, adapter = _split_lora(entry.model, config_dir)
+            path = _resolve_path(model, config_dir)
+            if adapter is not None:
+                if not path.exists() or path.resolve() != base_path.resolve():
+                    raise ConfigError(
+                        f"{label}: the adapter {adapter!r} is applied to {model!r}, not to base_model "
+                        f"{base_model!r}; ram_trl merges adapters of the base only"
+                    )
+                path = _resolve_path(adapter, config_dir)
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
         if not method.keeps_base_entries and path.resolve() == base_path.resolve():
             notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
             continue
-        values = dict(agent_defaults)
+        own: dict[str, Any] = {}
         for key, value in entry.parameters.items():
             parameter = method.parameter(key)
             if parameter is None:
-                raise ConfigError(
-                    f"{label}: {method.name} takes no per-agent parameter {key!r}; per-agent parameters: "
-                    f"{', '.join(p.name for p in method.parameters if p.scope == 'agent') or 'none'}"
-                )
+                ignored.setdefault(key, []).append(f"models[{position}]")
+                continue
             if parameter.scope == "global":
                 raise ConfigError(
                     f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'"
                 )
-            values[parameter.name] = _check_agent_value(parameter, value, label)
+            own[parameter.name] = _check_agent_value(parameter, value, label)
+            gradient = gradient or _has_gradient(own[parameter.name])
+        values = _chain([own, agent_defaults])
         for parameter in method.parameters:
-            if parameter.scope == "agent" and parameter.name not in values:
-                values[parameter.name] = alias_defaults.get(parameter.name, parameter.default)
+            if parameter.scope != "agent":
+                continue
+            default = alias_defaults.get(parameter.name, parameter.default)
+            values[parameter.name] = (
+                _fall_through(values[parameter.name], default) if parameter.name in values else default
+            )
             if parameter.kind is Path and values[parameter.name]:
                 values[parameter.name] = str(_resolve_path(values[parameter.name], config_dir))
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
         agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
+    if ignored:
+        message = (
+            f"{where}: {method.name} does not use the parameter(s) "
+            + ", ".join(f"{key!r} ({', '.join(places)})" for key, places in ignored.items())
+            + f"; ignored, as mergekit does ({method.name} takes "
+            + (", ".join(p.name for p in method.parameters) or "no parameter")
+            + ")"
+        )
+        notes.append(message)
+        warnings.warn(message, stacklevel=2)
     if not agents:
         raise ConfigError(f"{where}: no agent left to merge (every entry of 'models' is the base model)")
     fewest, most = method.agents
@@ -515,13 +1026,61 @@ def resolve_config(
 
     out_name = config.out_dtype or config.dtype
     out_dtype = DTYPES[out_name.lower()] if out_name else None
+    tokenizer_name = config.tokenizer_source
+    if config.tokenizer is not None:
+        block = config.tokenizer
+        if tokenizer_name is not None:
+            raise ConfigError(f"{where}: give tokenizer_source or the tokenizer block, not both")
+        if block.tokens or block.pad_to_multiple_of:
+            raise ConfigError(
+                f"{where}: tokenizer.{'tokens' if block.tokens else 'pad_to_multiple_of'} is not supported: ram_trl "
+                "keeps the base's vocabulary rows (use tokenizer.source: base or a model path alone)"
+            )
+        tokenizer_name = block.source
     tokenizer_source = base_path
-    if config.tokenizer_source not in (None, "base"):
-        if config.tokenizer_source == "union":
-            raise ConfigError(f"{where}: tokenizer_source 'union' is not supported; use base or a model path")
-        tokenizer_source = _resolve_path(config.tokenizer_source, config_dir)
+    union = False
+    if tokenizer_name == "union":
+        donor = _union_donor([base_path, *(a.path for a in agents)])
+        if donor is None or config.shape_mismatch != "error":
+            raise ConfigError(
+                f"{where}: tokenizer source 'union' is supported only where it re-indexes nothing (every model's "
+                "tokenizer.json numbers the tokens alike and one model's tokenizer holds them all); use base or a "
+                "model path"
+            )
+        if method.prepares_tensors:
+            raise ConfigError(
+                f"{where}: tokenizer source 'union' with {method.name} is not supported: its whole-tensor step "
+                "(angle, cut, cosines or weights) would count the added tokens' rows in mergekit and not in ram_trl"
+            )
+        tokenizer_source, union = donor, True
+    elif tokenizer_name not in (None, "base"):
+        tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
-            raise ConfigError(f"{where}: tokenizer_source {config.tokenizer_source!r} is not a directory")
+            raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
+    shape_mismatch = "merge_common_rows" if union else config.shape_mismatch
+    if (
+        tokenizer_name is not None
+        and shape_mismatch == "error"
+        and _shares_numbering(tokenizer_source, [base_path, *(a.path for a in agents)])
+    ):
+        # mergekit re-indexes each model's vocabulary rows to the config's tokenizer: with one numbering that keeps
+        # the base's rows and leaves out an agent's added-token rows past them
+        shape_mismatch = "tokenizer_rows"
+    chat_template = (
+        resolve_chat_template(
+            config.chat_template, [base_path, *(a.path for a in agents)], f"{where}: chat_template"
+        )
+        if config.chat_template
+        else None
+    )
+    layers = None
+    if gradient:
+        layers = num_layers(base_path)
+        if layers is None:
+            raise ConfigError(
+                f"{where}: a gradient (a list of numbers) is interpolated over the decoder layers, but base_model "
+                f"{base_path} has no config.json with num_hidden_layers"
+            )
     return ResolvedConfig(
         method=method,
         method_alias=config.merge_method,
@@ -531,9 +1090,11 @@ def resolve_config(
         out_dtype=out_dtype,
         tokenizer_source=tokenizer_source,
         seed=config.seed,
-        shape_mismatch=config.shape_mismatch,
+        shape_mismatch=shape_mismatch,
         allow_nonfinite=config.allow_nonfinite,
         raw=config.model_dump(exclude_defaults=True),
         notes=notes,
         source=config_path,
+        num_layers=layers,
+        chat_template=chat_template,
     )

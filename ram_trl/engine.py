@@ -39,7 +39,7 @@ from ram_trl.context import (
 )
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.errors import CheckpointError
-from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer
+from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, write_chat_template
 from ram_trl.io.fisher_files import (
     check_fisher_headers,
     default_fisher_path,
@@ -460,7 +460,12 @@ def finalize_output(
     if generation.is_file():
         shutil.copy2(generation, out_dir / generation.name)
     if not copy_tokenizer(resolved.tokenizer_source, out_dir):
-        report["warnings"].append(f"no tokenizer files found in {resolved.tokenizer_source}")
+        report["warnings"].append(
+            f"no tokenizer files found in {resolved.tokenizer_source}"
+            + ("; chat_template not written (no tokenizer to hold it)" if resolved.chat_template else "")
+        )
+    elif resolved.chat_template is not None:
+        write_chat_template(out_dir, resolved.chat_template)
     reporting.write_report(out_dir, report, reporting.model_card(report))
 
 

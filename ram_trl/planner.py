@@ -262,7 +262,8 @@ def build_plan(
         base: The base checkpoint.
         agents: Agent checkpoints, in config order.
         out_dtype: Output dtype of floating tensors (``None``: the base tensor's dtype).
-        shape_mismatch: ``"error"`` or ``"merge_common_rows"``.
+        shape_mismatch: ``"error"``, ``"merge_common_rows"``, or ``"tokenizer_rows"`` (agents may have more
+            vocabulary rows than the base, which are left out: the output keeps the base's rows).
         needs_statistics: Whether a statistics pass precedes the merge.
         trims_by_magnitude: Whether the method computes per-tensor magnitude cuts.
         chunk_budget: Bytes allowed for one chunk's buffers.
@@ -312,19 +313,19 @@ def build_plan(
                 )
             if other.shape != meta.shape:
                 rows_only = len(other.shape) == len(meta.shape) >= 1 and other.shape[1:] == meta.shape[1:]
-                if (
-                    shape_mismatch == "merge_common_rows"
-                    and rows_only
-                    and resizable is not None
-                    and not resizable(name)
-                ):
+                # "tokenizer_rows": the config's tokenizer numbers the tokens as every agent does, so an agent's
+                # rows past the base's (its added tokens) are left out, as mergekit re-indexes them away
+                common = shape_mismatch == "merge_common_rows" or (
+                    shape_mismatch == "tokenizer_rows" and rows_only and other.shape[0] > meta.shape[0]
+                )
+                if common and rows_only and resizable is not None and not resizable(name):
                     what = "its LoRA delta" if agent.kind == "lora" else "tensor"
                     raise CheckpointError(
                         f"{agent.role}: {what} {name!r} has shape {list(other.shape)} in {agent.path}, the base "
                         f"{base.path} has {list(meta.shape)}; shape_mismatch: merge_common_rows only resizes "
                         "vocabulary tensors (embeddings, output head): this agent does not fit the base"
                     )
-                if not (shape_mismatch == "merge_common_rows" and rows_only and floating):
+                if not (common and rows_only and floating):
                     hint = (
                         " (rows differ only: set shape_mismatch: merge_common_rows for resized vocabularies)"
                         if rows_only and (resizable is None or resizable(name))
@@ -336,7 +337,7 @@ def build_plan(
                     )
             rows.append(other.shape[0] if other.shape else 1)
         base_rows = meta.shape[0] if meta.shape else 1
-        out_rows = max([base_rows, *rows])
+        out_rows = base_rows if shape_mismatch == "tokenizer_rows" else max([base_rows, *rows])
         if out_rows != base_rows:
             resized.append(name)
         dtype = out_dtype if (out_dtype is not None and floating) else meta.dtype

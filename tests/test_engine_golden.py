@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ram_trl
-from tests.helpers import BASE, TAUS, write_golden
+from tests.helpers import BASE, TAUS, config_for, make_checkpoints, write_golden
 
 F = torch.float32
 
@@ -157,3 +157,17 @@ def test_a_library_merge_prints_nothing_and_logs_one_line(golden, capfd, caplog)
     ram_trl.merge(config, golden / "plan", progress=False, dry_run=True, print_summary=True)
     err = capfd.readouterr().err
     assert "agent" in err and "lambda_t" in err and "Merge plan" in err
+
+
+def test_chat_template_without_a_tokenizer_is_not_written(tmp_path):
+    """A chat template needs a tokenizer to belong to: without tokenizer files it is reported, not written alone."""
+    ckpts = make_checkpoints(tmp_path / "in", num_agents=1)
+    config = config_for(ckpts, "task_arithmetic", chat_template="{{ messages[0]['content'] }} and more text")
+    report = ram_trl.merge(config, tmp_path / "out", progress=False)
+    assert not list((tmp_path / "out").glob("chat_template*"))
+    assert any("chat_template not written" in w for w in report["warnings"])
+    (ckpts.base / "tokenizer_config.json").write_text("{}")
+    ram_trl.merge(config, tmp_path / "with", progress=False)
+    assert (
+        tmp_path / "with" / "chat_template.jinja"
+    ).read_text() == "{{ messages[0]['content'] }} and more text"

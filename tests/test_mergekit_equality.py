@@ -39,6 +39,7 @@ with warnings.catch_warnings():
     from mergekit.options import MergeOptions
 
 import ram_trl  # noqa: E402
+from ram_trl.config import interpolate  # noqa: E402
 from ram_trl.methods.ties import keep_count  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -53,11 +54,11 @@ EPS = 1e-5
 # Checkpoints
 
 
-def _tiny_config() -> transformers.Qwen2Config:
+def _tiny_config(layers: int = 2) -> transformers.Qwen2Config:
     return transformers.Qwen2Config(
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         vocab_size=64,
@@ -82,14 +83,14 @@ def _has_magnitude_ties(base: torch.Tensor, agent: torch.Tensor) -> bool:
     return torch.unique(magnitudes).numel() != magnitudes.numel()
 
 
-def _build(root: Path, sparsity: list[float] | None) -> dict[str, Any]:
+def _build(root: Path, sparsity: list[float] | None, layers: int = 2) -> dict[str, Any]:
     """A tiny Qwen2 base and three agents derived from it.
 
     ``sparsity=None``: dense task vectors (every element moved; continuous values). Otherwise agent ``t`` moves
     each element with probability ``sparsity[t]`` (an RL-like sparse update), so elements are unchanged, unique to
     one agent, or shared.
     """
-    config = _tiny_config()
+    config = _tiny_config(layers)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
     base_dir = root / "base"
@@ -125,6 +126,23 @@ def dense(tmp_path_factory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def sparse(tmp_path_factory) -> dict[str, Any]:
     return _build(tmp_path_factory.mktemp("sparse"), [0.3, 0.15, 0.08])
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory) -> dict[str, Any]:
+    """Dense task vectors on a 5-layer model (gradients interpolate between their anchors there), with a word-level
+    tokenizer beside the base (for chat templates)."""
+    ckpts = _build(tmp_path_factory.mktemp("layered"), None, layers=5)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(60)} | {"<unk>": 60, "<s>": 61, "</s>": 62, "<|im_end|>": 63}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(ckpts["base_dir"])
+    return ckpts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,7 +281,15 @@ def _check_density_premise(config: dict[str, Any], base: dict[str, torch.Tensor]
     """mergekit keeps max(1, int(density * numel)); ram_trl the exact decimal floor. The cases must not tell them apart."""
     for entry in config["models"]:
         density = entry.get("parameters", {}).get("density", 1.0)
-        values = [r["value"] for r in density] if isinstance(density, list) else [density]
+        values = (
+            [r["value"] for r in density]
+            if isinstance(density, list) and isinstance(density[0], dict)
+            else [density]
+        )
+        # gradients: every value they take on the layered fixture's 5 layers (and t = 0 outside them)
+        values = [interpolate(v, i / 4) for v in values if isinstance(v, list) for i in range(5)] + [
+            v for v in values if not isinstance(v, list)
+        ]
         for value in values:
             for tensor in base.values():
                 n = tensor.numel()
@@ -536,3 +562,432 @@ def test_della_matches_mergekit_in_distribution(method, dense, tmp_path):
             l1 = float((merged[name] - base).abs().sum())
             assert l1 == pytest.approx(float(tau.abs().sum()), rel=1e-3), name
     assert checked >= 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The config surface: gradients, whole-model slices, unused per-model parameters, chat templates
+
+GRADIENT_CASES = {
+    "per-model weight gradients, global lambda gradient": (
+        [{"weight": [0.2, 1.0, 0.4]}, {"weight": [1, 0.5, 0.7, 0.3, 0]}],
+        {"lambda": [1.0, 0.5]},
+    ),
+    "gradients inside filter rules, falling through to the global rule": (
+        [{"weight": [{"filter": "self_attn", "value": [0.0, 0.5, 0.3, 0.7, 1.0]}]}, {"weight": 0.5}],
+        {"weight": [{"filter": "mlp", "value": [1.0, 0.25]}, {"value": 0.8}], "lambda": 0.9},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_gradients_equal_mergekit(case, layered, tmp_path):
+    agent_params, params = GRADIENT_CASES[case]
+    config = _config(layered, "task_arithmetic", agent_params, params)
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
+
+
+def test_gradient_positions_equal_mergekits_evaluation(layered):
+    """ram_trl's interpolation against mergekit's own ``evaluate_setting`` at every layer of 1 to 40, for uneven
+    anchor counts (the rounding of ``t`` and of the mix is mergekit's, bit for bit)."""
+    from mergekit.config import evaluate_setting
+
+    from ram_trl.config import interpolate
+
+    anchors = [0.1, 0.9, 0.35, 0.7, 0.05, 1.0, 0.3]
+    for count in (1, 2, 3, 5, 7):
+        for layers in range(1, 41):
+            for i in range(layers):
+                t = i / (layers - 1) if layers > 1 else 1.0
+                theirs = evaluate_setting("x", anchors[:count], t, validate=float)
+                assert interpolate(anchors[:count], t) == theirs, (count, layers, i)
+
+
+def test_lazymergekit_slerp_slices_equal_mergekit(layered, tmp_path):
+    """The most published form: whole-model ``slices`` and ``t`` gradients per filter."""
+    base, other = str(layered["base_dir"]), str(layered["agents"][0])
+    config = {
+        "slices": [
+            {"sources": [{"model": base, "layer_range": [0, 5]}, {"model": other, "layer_range": [0, 5]}]}
+        ],
+        "merge_method": "slerp",
+        "base_model": base,
+        "parameters": {
+            "t": [
+                {"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},
+                {"value": 0.5},
+            ]
+        },
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    _assert_identical(ours, theirs)
+    # the gradient reached the layers: layer 0's attention is the base (t = 0), layer 4's the other model (t = 1)
+    other_tensors = load_file(str(layered["agents"][0] / "model.safetensors"))
+    name = "model.layers.{}.self_attn.q_proj.weight"
+    assert torch.equal(ours[name.format(0)], layered["base"][name.format(0)])
+    assert torch.equal(ours[name.format(4)], other_tensors[name.format(4)])
+
+
+@pytest.mark.parametrize("method", ["slerp", "model_stock", "ramplus_tl"])
+def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tmp_path):
+    """mergekit's own test configs give every model a ``weight`` (0.6, 0.4), whatever the method."""
+    agents = layered["agents"][: 1 if method == "slerp" else 2]
+    config = {
+        "merge_method": method,
+        "base_model": str(layered["base_dir"]),
+        "models": [
+            {"model": str(p), "parameters": {"weight": w}} for p, w in zip(agents, [0.6, 0.4], strict=False)
+        ],
+        "parameters": {"t": 0.35} if method == "slerp" else {},
+        "dtype": "float32",
+    }
+    if method == "slerp":
+        config["models"].insert(0, {"model": str(layered["base_dir"]), "parameters": {"weight": 0.6}})
+    with pytest.warns(UserWarning, match="does not use the parameter"):
+        ours, theirs = _run_both(config, tmp_path)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    "template", ["chatml", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"]
+)
+def test_chat_template_equals_mergekits(template, layered, tmp_path):
+    config = {
+        **_config(layered, "task_arithmetic", [{"weight": 0.5}, {"weight": 0.5}]),
+        "chat_template": template,
+    }
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
+    rendered = [
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).apply_chat_template(
+            messages, tokenize=False
+        )
+        for tool in ("ram_trl", "mergekit")
+    ]
+    assert rendered[0] == rendered[1]
+    assert ("<|im_start|>user" if template == "chatml" else "[user] w1 w2") in rendered[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sce: bit-identical (mergekit's float32 operations; the variances at the cut are distinct on these inputs)
+
+SCE_CASES = {
+    "select_topk 1 (no selection), 2 agents": ([{}, {}], {}),
+    "select_topk 0.5, 3 agents": ([{}, {}, {}], {"select_topk": 0.5}),
+    "select_topk gradient, int8_mask": ([{}, {}, {}], {"select_topk": [0.2, 0.9], "int8_mask": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCE_CASES))
+def test_sce_equals_mergekit(case, layered, tmp_path):
+    agent_params, params = SCE_CASES[case]
+    config = _config(layered, "sce", agent_params, params)
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
+
+
+def test_model_plus_lora_reference_equals_mergekit(tmp_path):
+    """mergekit's ``BASE+ADAPTER``: mergekit merges the adapter into the base first (peft, float32), ram_trl reads
+    the adapter as a LoRA agent; the same task vector up to the rounding of ``base + B @ A``."""
+    from tests.helpers import lora_adapter, qwen_model, save_base
+
+    base_dir = save_base(qwen_model(seed=0), tmp_path / "base")
+    lora_adapter(qwen_model(seed=0), tmp_path / "adapter", seed=3, r=4, target_modules=["q_proj", "v_proj"])
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base_dir),
+        "models": [{"model": f"{base_dir}+{tmp_path / 'adapter'}", "parameters": {"weight": 0.5}}],
+        "dtype": "float32",
+    }
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(
+            device="cpu",
+            quiet=True,
+            copy_tokenizer=False,
+            write_model_card=False,
+            lora_merge_cache=str(tmp_path / "c"),
+        ),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    ours, theirs = _load_dir(tmp_path / "ram_trl"), _load_dir(tmp_path / "mergekit")
+    base = _load_dir(base_dir)
+    assert set(ours) == set(theirs)
+    moved = [name for name in theirs if not torch.equal(theirs[name], base[name])]
+    assert moved and all("q_proj" in name or "v_proj" in name for name in moved)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The configs of mergekit's tests/test_tokenizer.py and test_chat_template.py (tiny Llamas, bf16, weight 1.0 on every
+# model, a global `embed_slerp` that linear does not use)
+
+
+def _pico(path: Path, vocab: int, added: list[str], seed: int) -> str:
+    """A tiny Llama with a 64-token BPE tokenizer plus ``added`` tokens (mergekit's test models)."""
+    import json
+    import tempfile
+
+    import tokenizers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=16, num_hidden_layers=2
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    words = ["<unk>", "<s>", "</s>"] + [f"_tok_{i}" for i in range(3, 64)]
+    spec = {
+        "version": "1.0",
+        "model": {"type": "BPE", "vocab": dict(zip(words, range(64), strict=True)), "merges": []},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": []})).save(
+            f"{scratch}/tokenizer.json"
+        )
+        tokenizer = transformers.LlamaTokenizerFast(tokenizer_file=f"{scratch}/tokenizer.json")
+    tokenizer.add_tokens(added)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def picollamas(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("picollama")
+    return {
+        "base": _pico(root / "base", 64, [], 0),
+        "padded": _pico(root / "padded", 64, [f"<UNUSED_{i}>" for i in range(4)], 1),
+        "chatml": _pico(root / "chatml", 66, ["<|im_start|>", "<|im_end|>"], 2),
+    }
+
+
+def _tokenizer_config(models: dict[str, str], names: list[str], **extra: Any) -> dict[str, Any]:
+    method = extra.pop("merge_method", "linear")
+    return {
+        "merge_method": method,
+        "base_model": models["base"],
+        "models": [{"model": models[n], "parameters": {"weight": 1.0}} for n in names],
+        "dtype": "bfloat16",
+        "parameters": {"embed_slerp": False, **extra.pop("parameters", {})},
+        **extra,
+    }
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
+@pytest.mark.parametrize(
+    ("names", "extra"),
+    [
+        (["base", "padded"], {}),
+        (["base", "padded"], {"tokenizer_source": "base"}),
+        (["base", "padded", "chatml"], {"tokenizer_source": "base"}),
+        (["base", "padded", "chatml"], {"tokenizer_source": "union"}),
+    ],
+)
+def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp_path):
+    """test_legacy_mode, test_source_base, test_source_union: the models' tokenizers number the
+    tokens alike (the chatml model adds two rows; the padded model's four added tokens have no rows). The base's
+    tokenizer leaves the added rows out; the union keeps the chatml model's (its tokenizer is the union). The same
+    tensors as mergekit's (bf16 rounding apart: ram_trl computes in float32) and the same vocabulary."""
+    config = _tokenizer_config(picollamas, names, **extra)
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    ours, theirs = _load_dir(tmp_path / "ram_trl"), _load_dir(tmp_path / "mergekit")
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype == torch.bfloat16
+        # one bf16 step of the inputs' scale apart at most (mergekit sums in bf16, cancellations included)
+        torch.testing.assert_close(ours[name].float(), theirs[name].float(), rtol=2**-7, atol=2e-4, msg=name)
+    assert not torch.equal(ours["lm_head.weight"], _load_dir(Path(picollamas["base"]))["lm_head.weight"])
+    vocabularies = [
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).get_vocab()
+        for tool in ("ram_trl", "mergekit")
+    ]
+    size = 66 if extra.get("tokenizer_source") == "union" else 64
+    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == size
+    assert ours["lm_head.weight"].shape[0] == size
+    if size == 66:  # the added tokens' rows are the chatml model's (rounded to bf16), in both tools
+        chatml = _load_dir(Path(picollamas["chatml"]))
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            donor = chatml[name][64:].to(torch.bfloat16)
+            assert torch.equal(ours[name][64:], donor) and torch.equal(theirs[name][64:], donor), name
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.parametrize(
+    ("names", "extra", "needle"),
+    [
+        (["base", "padded", "chatml"], {}, "rows differ only: set shape_mismatch: merge_common_rows"),
+        (
+            ["base", "padded", "chatml"],
+            {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
+            "tokenizer.tokens is not supported",
+        ),
+        (  # test_slerp_union
+            ["base", "chatml"],
+            {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
+            "tokenizer source 'union' with slerp is not supported",
+        ),
+    ],
+)
+def test_mergekit_tokenizer_configs_beyond_one_vocabulary_are_refused_in_one_line(
+    names, extra, needle, picollamas, tmp_path
+):
+    """A model with more embedding rows than the base, and a union vocabulary: one-line refusals, nothing written."""
+    with pytest.raises(ram_trl.RamTrlError) as info:
+        ram_trl.merge(_tokenizer_config(picollamas, names, **extra), tmp_path / "out", progress=False)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mergekit's examples/ (not shipped in its wheel: the model-merge examples, as published), each model name mapped
+# to a tiny stand-in, dtype float32 (the documented difference: ram_trl computes in float32 whatever `dtype` says)
+
+MERGEKIT_EXAMPLES = {
+    "gradient-slerp.yml": """
+slices:
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 40]
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [0, 40]
+merge_method: slerp
+base_model: psmathur/orca_mini_v3_13b
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5 # fallback for rest of tensors
+dtype: float16
+""",
+    "ties.yml": """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      density: [1, 0.7, 0.1] # density gradient
+      weight: 1.0
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      density: 0.5
+      weight: [0, 0.3, 0.7, 1] # weight gradient
+  - model: WizardLM/WizardMath-13B-V1.0
+    parameters:
+      density: 0.33
+      weight:
+        - filter: mlp
+          value: 0.5
+        - value: 0
+merge_method: ties
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  normalize: true
+  int8_mask: true
+dtype: float16
+""",
+    "linear.yml": """
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 1.0
+  - model: WizardLM/WizardLM-13B-V1.2
+    parameters:
+      weight: 0.3
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      weight: 0.5
+merge_method: linear
+dtype: float16
+""",
+    "bio-merge.yml": """
+models:
+  - model: mistralai/Mistral-7B-Instruct-v0.2
+    parameters:
+      density: 0.5
+      weight: 0.5
+  - model: BioMistral/BioMistral-7B
+    parameters:
+      density: 0.5
+      weight: 0.5
+merge_method: ties
+base_model: mistralai/Mistral-7B-v0.1
+parameters:
+  normalize: false
+  int8_mask: true
+dtype: float16
+""",
+}
+
+#: Each published model name's tiny stand-in: the base, or agent i of the `layered` fixture.
+STAND_INS = {
+    "TheBloke/Llama-2-13B-fp16": "base",
+    "mistralai/Mistral-7B-v0.1": "base",
+    "psmathur/orca_mini_v3_13b": 0,
+    "garage-bAInd/Platypus2-13B": 1,
+    "WizardLM/WizardMath-13B-V1.0": 2,
+    "WizardLM/WizardLM-13B-V1.2": 2,
+    "mistralai/Mistral-7B-Instruct-v0.2": 0,
+    "BioMistral/BioMistral-7B": 1,
+}
+
+
+def _stand_in(text: str, ckpts: dict[str, Any]) -> dict[str, Any]:
+    import yaml
+
+    for name, which in STAND_INS.items():
+        path = ckpts["base_dir"] if which == "base" else ckpts["agents"][which]
+        text = text.replace(name, str(path))
+    config = yaml.safe_load(text.replace("layer_range: [0, 40]", "layer_range: [0, 5]"))
+    return {**config, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("example", list(MERGEKIT_EXAMPLES))
+def test_mergekit_examples_equal_mergekit(example, layered, tmp_path):
+    config = _stand_in(MERGEKIT_EXAMPLES[example], layered)
+    if config["merge_method"] == "ties":
+        _check_density_premise(config, layered["base"])
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    if config["merge_method"] != "linear":
+        _assert_identical(ours, theirs)
+        return
+    # linear (a weighted average, no base): the same float32 sums in another order, an ulp apart at most
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=2.5e-7, atol=1e-8, msg=name)
+        assert not torch.equal(ours[name], layered["base"][name]), name
+
+
+def test_mergekit_layer_stacking_example_is_refused_in_one_line(layered, tmp_path):
+    """examples/orcamini-platy-44layer.yml: passthrough layer stacking."""
+    text = """
+slices:
+  - sources:
+    - model: psmathur/orca_mini_v3_13b
+      layer_range: [0, 24]
+  - sources:
+    - model: garage-bAInd/Platypus2-13B
+      layer_range: [20, 40]
+merge_method: passthrough
+dtype: float16
+"""
+    with pytest.raises(ram_trl.RamTrlError, match="'passthrough' is not supported") as info:
+        ram_trl.merge(_stand_in(text, layered), tmp_path / "out", progress=False)
+    assert "\n" not in str(info.value)

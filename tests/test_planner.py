@@ -125,6 +125,24 @@ def test_resized_vocabulary_with_merge_common_rows(tmp_path):
         plan_for(base, agents)
 
 
+def test_tokenizer_rows_keep_the_base_rows_and_leave_added_rows_out(tmp_path):
+    ckpts = make_checkpoints(tmp_path / "in")
+    save_checkpoint(tmp_path / "big", base_tensors(seed=5, vocab=20), vocab_size=20)
+    save_checkpoint(tmp_path / "small", base_tensors(seed=6, vocab=12), vocab_size=12)
+    base, agents = open_ckpts(ckpts)
+    plan = plan_for(
+        base, [*agents, open_checkpoint(tmp_path / "big", "agent 2")], shape_mismatch="tokenizer_rows"
+    )
+    embed = next(t for t in plan.tasks if t.name == EMBED)
+    assert plan.resized == [] and embed.out_rows == 16 and embed.out_shape == (16, 8)
+    assert embed.chunks()[-1][1] == 16  # no chunk reads past the base's rows
+    # an agent with fewer rows than the base has no row for some of the tokenizer's tokens: refused
+    with pytest.raises(CheckpointError, match=r"shape \[12, 8\]"):
+        plan_for(
+            base, [*agents, open_checkpoint(tmp_path / "small", "agent 2")], shape_mismatch="tokenizer_rows"
+        )
+
+
 def test_input_mismatches_name_the_agent_tensor_and_file(tmp_path):
     ckpts = make_checkpoints(tmp_path / "in")
     base, agents = open_ckpts(ckpts)

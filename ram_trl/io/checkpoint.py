@@ -6,6 +6,7 @@ whole merge can be validated before its first tensor is read.
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from dataclasses import dataclass, field
@@ -54,6 +55,25 @@ def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
     for name in copied:
         shutil.copy2(source / name, out_dir / name)
     return copied
+
+
+def write_chat_template(out_dir: Path, template: str) -> None:
+    """Make ``template`` the chat template of the tokenizer in ``out_dir``, as transformers saves one: the file
+    ``chat_template.jinja``, with any other copy of a template (``chat_template.json``, the ``chat_template`` entry
+    of ``tokenizer_config.json``) removed so that no loader picks the old one.
+
+    Args:
+        out_dir: The output directory, its tokenizer files already copied.
+        template: The Jinja template.
+    """
+    (out_dir / "chat_template.jinja").write_text(template)
+    (out_dir / "chat_template.json").unlink(missing_ok=True)
+    config_path = out_dir / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if "chat_template" in config:
+            del config["chat_template"]
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 @dataclass

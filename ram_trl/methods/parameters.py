@@ -21,7 +21,12 @@ __all__ = [
 
 #: The global scaling term ``lambda`` of the merged task vector.
 LAMBDA = Parameter(
-    "lambda", float, defaults.LAMBDA, "global", "global scaling term applied to the merged task vector"
+    "lambda",
+    float,
+    defaults.LAMBDA,
+    "global",
+    "global scaling term applied to the merged task vector",
+    per_tensor=True,
 )
 #: Each agent's weight ``w_t``.
 WEIGHT = Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t")

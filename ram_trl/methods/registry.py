@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, slerp, ties
+from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, sce, slerp, ties
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter, TensorView
 
 __all__ = [
@@ -108,3 +108,4 @@ register(breadcrumbs.BREADCRUMBS_TIES)
 register(model_stock.MODEL_STOCK)
 register(della.DELLA)
 register(della.DELLA_LINEAR)
+register(sce.SCE)

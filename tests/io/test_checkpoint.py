@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError
-from ram_trl.io.checkpoint import FISHER_FILE, SAFE_INDEX, open_checkpoint
+from ram_trl.io.checkpoint import FISHER_FILE, SAFE_INDEX, open_checkpoint, write_chat_template
 from ram_trl.io.safetensors_io import RowReader
 from tests.helpers import BIAS, DOWN, EMBED, UP, base_tensors, save_checkpoint
 
@@ -142,3 +142,12 @@ def test_bad_inputs_name_the_role_and_the_path(tmp_path, setup, message):
         save_file({UP: tensors[UP], DOWN: tensors[DOWN]}, str(path / "b.safetensors"))
     with pytest.raises(CheckpointError, match=message):
         open_checkpoint(path, "agent 2")
+
+
+def test_write_chat_template_replaces_every_copy_of_the_old_one(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "old", "eos_token": "</s>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "old"}))
+    write_chat_template(tmp_path, "{{ messages }}")
+    assert (tmp_path / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert not (tmp_path / "chat_template.json").exists()
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}

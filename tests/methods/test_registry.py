@@ -50,6 +50,7 @@ EXPECTED = {
     ),
     "slerp": (False, True, False, {"t": (0.5, "global")}),
     "model_stock": (False, True, False, {"filter_wise": (False, "global")}),
+    "sce": (False, True, False, {"select_topk": (1.0, "global"), "int8_mask": (False, "global")}),
     "della": (
         False,
         True,

@@ -91,7 +91,7 @@ def test_t_rules_and_range_are_checked(tmp_path):
     ckpts = make_checkpoints(tmp_path / "in", num_agents=1)
     with pytest.raises(ConfigError, match="'t'"):
         ram_trl.merge(config_for(ckpts, "slerp", parameters={"t": 1.5}), tmp_path / "a", progress=False)
-    with pytest.raises(ConfigError, match="gradients"):
+    with pytest.raises(ConfigError, match="'t' gradient: parameter 't' must be <= 1.0"):
         ram_trl.merge(
-            config_for(ckpts, "slerp", parameters={"t": [0.0, 1.0]}), tmp_path / "b", progress=False
+            config_for(ckpts, "slerp", parameters={"t": [0.0, 1.5]}), tmp_path / "b", progress=False
         )

@@ -1,0 +1,138 @@
+"""SCE: select, calculate, erase (Wan et al., 2024, "FuseChat"), as mergekit 0.1.5's ``sce`` computes it.
+
+Per tensor, with task vectors ``tau_t`` of ``k`` agents:
+
+1. **Select** (``select_topk < 1``): keep the elements whose variance across the agents (population variance) is
+   among the ``int(nonzero * select_topk)`` largest, ``nonzero`` the count of elements with a nonzero variance;
+   every task vector is zeroed elsewhere. Among equal variances at the cut, the lowest flat indices are kept.
+2. **Calculate**: each agent's weight ``w_t = mean(tau_t ** 2) / sum_s mean(tau_s ** 2)`` over the whole (selected)
+   tensor; ``1 / k`` each when that sum is below ``1e-6``.
+3. **Erase**: per element, the sign of ``sum_t tau_t`` is elected (``+`` on a zero sum); an agent counts where its
+   sign equals the elected one. The merged task vector is ``sum_t w_t tau_t / max(sum_t w_t, 1e-6)`` over the
+   agents that count.
+
+The variances, weights and the cut need whole tensors (every agent's task vector of one tensor in memory at once),
+so they are the method's per-tensor preparation; each chunk then repeats mergekit's float32 operations element by
+element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ram_trl.methods.base import ChunkInputs, MergeMethod, Parameter, TensorView
+from ram_trl.methods.parameters import INT8_MASK
+
+#: Weight sums below it give every agent the weight ``1 / k`` (mergekit's).
+WEIGHT_FLOOR = 1e-6
+#: The divisor ``sum_t w_t`` of an element is raised to at least this (mergekit's clamp).
+DIVISOR_FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class SceTensor:
+    """SCE's preparation of one tensor.
+
+    Args:
+        keep: Flat boolean mask of the selected elements (``None``: every element, ``select_topk >= 1``).
+        weights: Float32 agent weights ``w_t``, shape ``(k, 1)``.
+    """
+
+    keep: torch.Tensor | None
+    weights: torch.Tensor
+
+
+def select_mask(taus: torch.Tensor, select_topk: float) -> torch.Tensor:
+    """The elements with the largest variance across agents (step 1).
+
+    Args:
+        taus: Float32 task vectors, shape ``(k, n)``.
+        select_topk: Fraction of the elements with a nonzero variance kept, in ``[0, 1)``.
+
+    Returns:
+        Boolean mask, shape ``(n,)``.
+    """
+    if select_topk <= 0:
+        return torch.zeros(taus.shape[1], dtype=torch.bool, device=taus.device)
+    variance = torch.var(taus, dim=0, unbiased=False)
+    # mergekit's k: int(count * select_topk) in float32 tensor arithmetic
+    count = int(torch.count_nonzero(variance) * select_topk)
+    if count == 0:
+        return torch.zeros_like(variance, dtype=torch.bool)
+    magnitudes = variance.abs()
+    cut = torch.topk(magnitudes, count, largest=True, sorted=False).values.min()
+    keep = magnitudes > cut
+    missing = count - int(keep.sum())
+    if missing > 0:
+        equal = torch.nonzero(magnitudes == cut).reshape(-1)[:missing]
+        keep[equal] = True
+    return keep
+
+
+def sce_weights(taus: torch.Tensor) -> torch.Tensor:
+    """The agents' weights ``w_t`` (step 2), as mergekit: the mean square of each task vector, normalised.
+
+    Args:
+        taus: Float32 (selected) task vectors, shape ``(k, n)``.
+
+    Returns:
+        Float32 weights, shape ``(k, 1)``.
+    """
+    weights = taus.square().mean(dim=1)
+    total = torch.sum(weights).item()
+    if abs(total) < WEIGHT_FLOOR:
+        return (torch.ones_like(weights) / weights.shape[0]).unsqueeze(-1)
+    return (weights / total).unsqueeze(-1)
+
+
+def prepare(view: TensorView) -> SceTensor:
+    """SCE's per-tensor preparation hook: the selection and the agents' weights (every task vector in memory)."""
+    base = view.base()
+    taus = torch.stack([view.model(t).sub_(base) for t in range(view.num_agents)])
+    keep = None
+    if view.params["select_topk"] < 1:
+        keep = select_mask(taus, view.params["select_topk"])
+        taus *= keep
+    return SceTensor(keep, sce_weights(taus))
+
+
+def merge(inputs: ChunkInputs) -> torch.Tensor:
+    """SCE's chunk kernel: the selection, sign election and weighted disjoint mean (step 3) of one chunk."""
+    if inputs.prepared is None:
+        raise RuntimeError(f"{inputs.name}: SCE needs the tensor's selection and weights")
+    prepared: SceTensor = inputs.prepared
+    taus = inputs.deltas
+    if prepared.keep is not None:
+        taus *= prepared.keep[inputs.start : inputs.start + taus.shape[1]]
+    elected = (taus.sum(dim=0) >= 0).to(taus.dtype) * 2 - 1
+    agree = taus.sign() == elected
+    weights = prepared.weights.to(taus.device) * agree
+    return (taus * weights).sum(dim=0) / torch.sum(weights, dim=0).clamp(min=DIVISOR_FLOOR)
+
+
+SCE = MergeMethod(
+    name="sce",
+    pretty_name="SCE",
+    description="keep the elements of highest variance across agents, weight agents by mean square, "
+    "sign election and weighted disjoint mean",
+    parameters=(
+        Parameter(
+            "select_topk",
+            float,
+            1.0,
+            "global",
+            "fraction of the elements (by variance across agents) kept per tensor",
+            minimum=0.0,
+            maximum=1.0,
+            per_tensor=True,
+        ),
+        INT8_MASK,
+    ),
+    merge=merge,
+    prepare_tensor=prepare,
+    prepare_bytes=4
+    * 8,  # the base, the variance, six task vectors (each more agent: 4 bytes more per element)
+    reference="https://arxiv.org/abs/2408.07990",
+)
