@@ -49,7 +49,6 @@ from ram_trl.io.fisher_files import (
 )
 from ram_trl.io.safetensors_io import RowReader, ShardFile
 from ram_trl.lora_export import LoraExportOptions, export_lora, lora_options, print_export
-from ram_trl.methods.ties import HISTOGRAM_BLOCK  # noqa: F401 - kept importable: tests shrink the blocks here
 from ram_trl.output import OutputDir, temp_name
 from ram_trl.passes import method_factors, planned_tensors, statistics_pass, write_tensors
 from ram_trl.planner import (
@@ -417,9 +416,7 @@ def _reduce_statistics(ctx: DistContext, state: MergeState) -> None:
     """Sum every rank's counts; gather per-tensor statistics (tensor-local rho) for the report."""
     if not ctx.enabled:
         return
-    ctx.all_reduce_sum(state.stats.histogram)
-    ctx.all_reduce_sum(state.stats.pairwise)
-    state.stats.numel = ctx.all_reduce_int(state.stats.numel)
+    state.stats.all_reduce(ctx)
     if state.tensor_stats:
         merged: dict[str, OverlapStatistics] = {}
         for part in ctx.gather_objects(state.tensor_stats):

@@ -68,6 +68,7 @@ from ram_trl.callbacks import (
 from ram_trl.errors import ConfigError
 from ram_trl.manifest import StageManifest
 from ram_trl.telemetry.priors import read_prior_stages
+from ram_trl.telemetry.shards import training_context
 
 logger = logging.getLogger(__name__)
 
@@ -792,13 +793,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
 
     def _share(self, value: Any) -> Any:
         """The main process's ``value`` on every rank (a no-op in one process)."""
-        if self.trainer.accelerator.num_processes == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return training_context().broadcast_object(value)
 
     # -- the stage -----------------------------------------------------------------------------------------------
 

@@ -243,6 +243,35 @@ def test_the_package_has_no_import_cycles():
     assert cycles == [], cycles
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The package modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for other in graph[todo.pop()] - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
+#: The modules of single merge methods (the engine reaches them only through the registry).
+METHOD_MODULES = {
+    f"ram_trl.methods.{name}"
+    for name in ("breadcrumbs", "dare", "della", "fisher", "linear", "model_stock", "ram", "slerp", "ties")
+}
+
+
+def test_layers_point_one_way():
+    """The counting maths lies below the statistics and the methods: the statistics reach no method; the engine
+    and its passes name no method (they reach them through the registry)."""
+    graph = _import_graph()
+    for module in ("ram_trl.counting", "ram_trl.statistics.overlap", "ram_trl.statistics.magnitude"):
+        reached = {m for m in _reachable(graph, module) if m.startswith("ram_trl.methods")}
+        assert not reached, (module, sorted(reached))
+    for module in ("ram_trl.passes", "ram_trl.engine"):
+        assert not graph[module] & METHOD_MODULES, (module, sorted(graph[module] & METHOD_MODULES))
+
+
 def test_no_private_names_across_modules():
     """A module uses only the public names of the package's other modules (no ``from ram_trl.x import _y``, no
     ``module._y``)."""
