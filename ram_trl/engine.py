@@ -134,7 +134,6 @@ def merge(
         allow_external_shards=allow_external_shards,
         print_summary=print_summary,
     )
-    check_device(device)
     parsed, config_path = load_config(config)
     resolved = resolve_config(parsed, config_path)
     if lora is not None:
@@ -259,17 +258,33 @@ def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkp
         warnings.warn(message, stacklevel=3)
 
 
+def run_copy(resolved: ResolvedConfig) -> ResolvedConfig:
+    """The run's own copy of a validated config: what a run learns on the way (each agent's kind, the Fisher file
+    each agent's Fisher came from, notes, the LoRA export's float32 output) is written into it, never into the
+    caller's config, which stays as validated (and can be merged again).
+
+    Args:
+        resolved: The validated merge config.
+
+    Returns:
+        A copy with its own agents (and their parameters) and notes.
+    """
+    agents = [dataclasses.replace(a, parameters=dict(a.parameters)) for a in resolved.agents]
+    return dataclasses.replace(resolved, agents=agents, notes=list(resolved.notes))
+
+
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
     """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun.
 
     Args:
-        resolved: The validated merge config.
+        resolved: The validated merge config (left as it is: the run works on :func:`run_copy`).
         output_dir: Where the merged model is written (committed atomically).
         options: The run's options.
 
     Returns:
         The merge report (the plan's summary with ``options.dry_run``); the same on every process.
     """
+    resolved = run_copy(resolved)
     ctx = DistContext.from_env(options.device)
     try:
         return _run_merge(resolved, output_dir, options, ctx)
@@ -361,7 +376,7 @@ def run_lora_merge(
     fails every rank.
 
     Args:
-        resolved: The validated merge config (its ``out_dtype`` is set to float32).
+        resolved: The validated merge config (left as it is; the run's copy merges in float32).
         output_dir: Where the LoRA adapter is written.
         options: The run's options.
         lora: The export's rank options.
@@ -369,7 +384,8 @@ def run_lora_merge(
     Returns:
         The export's report (with ``options.dry_run``, the merge plan's summary with the export options).
     """
-    resolved.out_dtype = torch.float32  # exact deltas for the SVD
+    resolved = run_copy(resolved)
+    resolved.out_dtype = torch.float32  # exact deltas for the SVD (in the run's copy)
     merge_options = dataclasses.replace(options, overwrite=False)
     if options.dry_run:
         summary = run_merge(resolved, output_dir, merge_options)
