@@ -62,6 +62,7 @@ from ram_trl.callbacks import (
     TaskVectorSparsityCallback,
     agent_output,
     last_reward_metrics,
+    library_versions,
     policy_of,
     save_agent,
 )
@@ -265,6 +266,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             except Exception as exc:  # noqa: BLE001 - pydantic's message, with the argument named
                 raise ConfigError(f"MergePreviewCallback evaluation={evaluation!r}: {exc}") from None
         self.priors = read_prior_stages(prior_stages)
+        # transformers' DeepSpeed config, set again after the reference scores (see _without_zero3_init)
+        self.hf_deepspeed_config: Any = None
         self.prior_files = [p.manifest_file for p in self.priors]
         self.method = method
         self.parameters = dict(parameters or {})
@@ -356,7 +359,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if accelerator.is_main_process:
             start = time.perf_counter()
-            with _training_rng_kept(), _without_zero3_init():
+            with _training_rng_kept(), _without_zero3_init(self):
                 references = self._reference_scores()
             references = (*references, round(time.perf_counter() - start, 4))
         else:
@@ -901,10 +904,18 @@ def _swapped_partitions(engine: Any, shards: list[Any]):
     copy is one partition per parameter, on the CPU.
     """
     optimizer = engine.optimizer
+    # DeepSpeed's ZeRO-3 optimizer releases every gathered parameter through its offload manager's public method
+    release = getattr(getattr(optimizer, "parameter_offload", None), "partition_all_parameters", None)
+    if release is None:
+        raise ConfigError(
+            f"the merge preview under DeepSpeed ZeRO-3 needs the ZeRO-3 optimizer's "
+            f"parameter_offload.partition_all_parameters() (DeepSpeed >= 0.10); {type(optimizer).__name__} of "
+            f"DeepSpeed {library_versions().get('deepspeed', '(not installed)')} has none"
+        )
     backup = [s.values.detach().to("cpu", copy=True) for s in shards]
 
     def write(values: Sequence[torch.Tensor]) -> None:
-        optimizer._partition_all_parameters()
+        release()
         with torch.no_grad():
             for shard, value in zip(shards, values, strict=True):
                 shard.values.copy_(value.to(shard.values.device))
@@ -919,19 +930,30 @@ def _swapped_partitions(engine: Any, shards: list[Any]):
 
 
 @contextlib.contextmanager
-def _without_zero3_init():
+def _without_zero3_init(owner: Any):
     """Let one process of a DeepSpeed ZeRO-3 run load and generate on its own: without it transformers'
     ``from_pretrained`` partitions the model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the
-    other processes (``synced_gpus``), collectives the other processes never join."""
+    other processes (``synced_gpus``), collectives the other processes never join.
+
+    Only transformers' public functions: the run's DeepSpeed config (``deepspeed_config()``) is unset, and set again
+    on exit as a new ``HfDeepSpeedConfig`` of the same config, which ``owner`` keeps alive (transformers holds it by a
+    weak reference).
+    """
     try:
-        from transformers.integrations import deepspeed as hf_deepspeed
+        from transformers.integrations.deepspeed import (
+            HfDeepSpeedConfig,
+            deepspeed_config,
+            unset_hf_deepspeed_config,
+        )
     except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration
         yield
         return
-    # transformers keeps the run's DeepSpeed config behind this module-level weak reference (no public getter)
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
+    config = deepspeed_config()
+    if config is None:  # not a DeepSpeed run
+        yield
+        return
+    unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        owner.hf_deepspeed_config = HfDeepSpeedConfig(config)
