@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,mergekit,telemetry,distributed,gguf]"
+	$(BIN)/python -m pip install --quiet -e ".[cli,test,mergekit,telemetry,distributed,gguf]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -119,7 +119,7 @@ def main() -> None:
             trainer = build_trainer(stage(target, args.steps), base, splits[target.name][0], out, recipe.seed)
             if with_preview:
                 callback = MergePreviewCallback(
-                    trainer, base, priors, target.name, tasks=tasks, evaluation=recipe.evaluation,
+                    trainer, base, prior_stages=priors, stage_name=target.name, tasks=tasks, evaluation=recipe.evaluation,
                     preview_every=args.every, prompts=prompts, save_dtype=target.save_dtype,
                 )  # fmt: skip
             else:

@@ -79,6 +79,42 @@ def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, floa
     return dict(sorted(out.items()))
 
 
+def resolve_base_model(base_model: str | os.PathLike | None) -> str | os.PathLike | None:
+    """The local directory of a base model: a path that exists as it is; a Hugging Face Hub repository id
+    (``"org/name"``) through ``huggingface_hub.snapshot_download`` (its ``*.safetensors`` and ``*.json`` files),
+    which answers from the local cache when the files are there and honours ``HF_HUB_OFFLINE``.
+
+    Args:
+        base_model (`str` or `os.PathLike`, *optional*): A local path or a Hub repository id (``None``: none).
+
+    Returns:
+        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it was fetched); a path that
+        is neither is returned as it is, for the caller's "does not exist" error.
+
+    Raises:
+        ConfigError: for a repository id that cannot be fetched (offline and not cached, unknown, no network),
+            saying how to download it first.
+    """
+    if base_model is None or os.path.exists(base_model):
+        return base_model
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    name = os.fspath(base_model)
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return base_model  # not a repository id: a local path that does not exist
+    try:
+        return snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
+    except Exception as exc:  # noqa: BLE001 - offline without a cache, unknown repository, no network, ...
+        raise ConfigError(
+            f"base_model: {name} is not a local directory, and the Hub repository could not be fetched "
+            f"({type(exc).__name__}); download it first (`hf download {name} --local-dir DIR`) and pass "
+            "base_model=DIR"
+        ) from exc
+
+
 def policy_of(model: torch.nn.Module) -> torch.nn.Module:
     """The policy inside a trainer's model: TRL's PPO wraps policy and value model in one module with ``.policy``.
 
@@ -100,9 +136,12 @@ class TaskVectorSparsityCallback(TrainerCallback):
             The trainer (or set it later with :meth:`bind`): the metrics go through its logging path, and its
             reference model (GRPO / RLOO with ``beta > 0``) is the cheapest base.
         base_model (`str` or `os.PathLike`, *optional*):
-            The base checkpoint on disk, read through memory maps when the trainer holds no reference model. Also
-            recorded in the manifest. Without it (and without a reference model or PEFT) the callback snapshots the
-            parameters at train begin.
+            The base checkpoint, read through memory maps when the trainer holds no reference model: a local
+            directory, or a Hugging Face Hub repository id, whose weights and JSON files are fetched with
+            ``huggingface_hub.snapshot_download`` (from the local cache when they are there; ``HF_HUB_OFFLINE=1``
+            allows only the cache) at construction (:func:`resolve_base_model`). Also recorded in the manifest.
+            Without it (and without a reference model or PEFT) the callback snapshots the parameters at train
+            begin. Every argument after it is keyword-only.
         every_n_steps (`int`, *optional*):
             Measure every this many optimizer steps (default: the trainer's logging steps); the final step is
             always measured.
@@ -121,9 +160,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
         prefix (`str`, *optional*, defaults to `"task_vector/"`):
             Prefix of every metric name.
         r (`float`, *optional*, defaults to `0.1`):
-            RAM+ / RAM+s rescale strength for the prior-stage lambda_t (keyword only).
+            RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
         alpha (`float`, *optional*, defaults to `2.0`):
-            RAM+ clip bound of rho_t (keyword only).
+            RAM+ clip bound of rho_t.
         magnitudes (`bool`, *optional*, defaults to `True`):
             Also report the magnitude statistics.
         magnitude_sample (`int`, *optional*, defaults to `2**25`):
@@ -155,6 +194,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         self,
         trainer: Any = None,
         base_model: str | os.PathLike | None = None,
+        *,
         every_n_steps: int | None = None,
         eps: float = defaults.EPS,
         save_dtype: str = defaults.SAVE_DTYPE,
@@ -162,7 +202,6 @@ class TaskVectorSparsityCallback(TrainerCallback):
         stage_name: str | None = None,
         domain: str | None = None,
         prefix: str = DEFAULT_PREFIX,
-        *,
         r: float = defaults.R,
         alpha: float = defaults.ALPHA,
         magnitudes: bool = True,
@@ -175,7 +214,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
             raise ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer (or None)")
         # validates eps, save_dtype, base_model, r, alpha now; the reference model is known at train begin
         self.tracker = TaskVectorTracker(
-            base_model,
+            resolve_base_model(base_model),
             eps=eps,
             save_dtype=save_dtype,
             prior_stages=prior_stages,
@@ -502,5 +541,6 @@ __all__ = [
     "check_finite_agent",
     "last_reward_metrics",
     "library_versions",
+    "resolve_base_model",
     "save_agent",
 ]

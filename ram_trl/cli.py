@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.util
 import logging
 import signal
 import sys
@@ -612,12 +613,37 @@ def _run_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What the command line prints and draws with (the ``cli`` extra); the library and the callbacks need neither.
+CLI_PACKAGES = ("rich", "matplotlib")
+
+
+def missing_cli_packages() -> list[str]:
+    """The packages of :data:`CLI_PACKAGES` that cannot be imported here."""
+    missing = []
+    for name in CLI_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a module blocked in sys.modules, a broken install
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
     )
+    missing = missing_cli_packages()
+    if missing:
+        print(
+            f"ram-trl {args.command}: error: the command line needs {' and '.join(missing)} "
+            "(pip install 'ram-trl[cli]')",
+            file=sys.stderr,
+        )
+        return 2
     handlers = {
         "merge": _run_merge,
         "example": _run_example,

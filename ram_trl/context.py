@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ram_trl.config import ResolvedConfig
+from ram_trl.counting import DEFAULT_EPS
 from ram_trl.distributed import DistContext
 from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
-from ram_trl.methods.ram import DEFAULT_EPS
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.streaming import ReadCounter

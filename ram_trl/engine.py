@@ -49,7 +49,6 @@ from ram_trl.io.fisher_files import (
 )
 from ram_trl.io.safetensors_io import RowReader, ShardFile
 from ram_trl.lora_export import LoraExportOptions, export_lora, lora_options, print_export
-from ram_trl.methods.ties import HISTOGRAM_BLOCK  # noqa: F401 - kept importable: tests shrink the blocks here
 from ram_trl.output import OutputDir, temp_name
 from ram_trl.passes import method_factors, planned_tensors, statistics_pass, write_tensors
 from ram_trl.planner import (
@@ -135,7 +134,6 @@ def merge(
         allow_external_shards=allow_external_shards,
         print_summary=print_summary,
     )
-    check_device(device)
     parsed, config_path = load_config(config)
     resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
     if lora is not None:
@@ -260,17 +258,33 @@ def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkp
         warnings.warn(message, stacklevel=3)
 
 
+def run_copy(resolved: ResolvedConfig) -> ResolvedConfig:
+    """The run's own copy of a validated config: what a run learns on the way (each agent's kind, the Fisher file
+    each agent's Fisher came from, notes, the LoRA export's float32 output) is written into it, never into the
+    caller's config, which stays as validated (and can be merged again).
+
+    Args:
+        resolved: The validated merge config.
+
+    Returns:
+        A copy with its own agents (and their parameters) and notes.
+    """
+    agents = [dataclasses.replace(a, parameters=dict(a.parameters)) for a in resolved.agents]
+    return dataclasses.replace(resolved, agents=agents, notes=list(resolved.notes))
+
+
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
     """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun.
 
     Args:
-        resolved: The validated merge config.
+        resolved: The validated merge config (left as it is: the run works on :func:`run_copy`).
         output_dir: Where the merged model is written (committed atomically).
         options: The run's options.
 
     Returns:
         The merge report (the plan's summary with ``options.dry_run``); the same on every process.
     """
+    resolved = run_copy(resolved)
     ctx = DistContext.from_env(options.device)
     try:
         return _run_merge(resolved, output_dir, options, ctx)
@@ -362,7 +376,7 @@ def run_lora_merge(
     fails every rank.
 
     Args:
-        resolved: The validated merge config (its ``out_dtype`` is set to float32).
+        resolved: The validated merge config (left as it is; the run's copy merges in float32).
         output_dir: Where the LoRA adapter is written.
         options: The run's options.
         lora: The export's rank options.
@@ -370,7 +384,8 @@ def run_lora_merge(
     Returns:
         The export's report (with ``options.dry_run``, the merge plan's summary with the export options).
     """
-    resolved.out_dtype = torch.float32  # exact deltas for the SVD
+    resolved = run_copy(resolved)
+    resolved.out_dtype = torch.float32  # exact deltas for the SVD (in the run's copy)
     merge_options = dataclasses.replace(options, overwrite=False)
     if options.dry_run:
         summary = run_merge(resolved, output_dir, merge_options)
@@ -417,9 +432,7 @@ def _reduce_statistics(ctx: DistContext, state: MergeState) -> None:
     """Sum every rank's counts; gather per-tensor statistics (tensor-local rho) for the report."""
     if not ctx.enabled:
         return
-    ctx.all_reduce_sum(state.stats.histogram)
-    ctx.all_reduce_sum(state.stats.pairwise)
-    state.stats.numel = ctx.all_reduce_int(state.stats.numel)
+    state.stats.all_reduce(ctx)
     if state.tensor_stats:
         merged: dict[str, OverlapStatistics] = {}
         for part in ctx.gather_objects(state.tensor_stats):

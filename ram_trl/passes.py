@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ram_trl import counting
 from ram_trl.config import ResolvedConfig
 from ram_trl.context import RunContext
 from ram_trl.errors import NonFiniteError
@@ -32,8 +33,6 @@ from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, ShardFile
 from ram_trl.methods import ChunkInputs
-from ram_trl.methods import ties as ties_method
-from ram_trl.methods.ram import active_flags, float32_threshold
 from ram_trl.parallel import compute_pool, map_blocks, submit_blocks
 from ram_trl.planner import ShardPlan, TensorTask
 from ram_trl.statistics import MAX_SUBSET_AGENTS, OverlapStatistics, subset_counts
@@ -113,7 +112,7 @@ def statistics_pass(run: RunContext) -> None:
 
     def count(block: RawChunk) -> torch.Tensor | OverlapStatistics:
         deltas, _ = to_deltas(block, device, base, agents, reader, resolved.allow_nonfinite)
-        flags = torch.gt(deltas.abs_(), float32_threshold(eps), out=deltas)  # active_flags, in place
+        flags = torch.gt(deltas.abs_(), counting.float32_threshold(eps), out=deltas)  # active_flags, in place
         if by_subsets:
             return subset_counts(flags)
         counts = OverlapStatistics.zeros(len(agents))
@@ -218,7 +217,7 @@ def fill_magnitudes(
     pool: ThreadPoolExecutor | None,
 ) -> int:
     """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one (the
-    blocks of the TIES histograms, :data:`ram_trl.methods.ties.HISTOGRAM_BLOCK`).
+    blocks of the TIES histograms, :data:`ram_trl.counting.HISTOGRAM_BLOCK`).
 
     Args:
         out: Float32, flat, the tensor's length: receives the magnitudes.
@@ -233,7 +232,7 @@ def fill_magnitudes(
     numel = out.numel()
     flat_values = None if values is None else values.reshape(-1)
     flat_lora = None if lora is None else lora.reshape(-1)
-    block = ties_method.HISTOGRAM_BLOCK if pool is not None else max(numel, 1)
+    block = counting.HISTOGRAM_BLOCK if pool is not None else max(numel, 1)
 
     def fill(lo: int) -> int:
         hi = min(numel, lo + block)
@@ -555,7 +554,7 @@ def merge_block(
     counts = None
     if context.stats is not None:
         counts = OverlapStatistics.zeros(len(run.agents))
-        counts.update(active_flags(deltas, run.eps))
+        counts.update(counting.active_flags(deltas, run.eps))
     method = resolved.method
     inputs = ChunkInputs(
         name=task.name,

@@ -62,12 +62,14 @@ from ram_trl.callbacks import (
     TaskVectorSparsityCallback,
     agent_output,
     last_reward_metrics,
+    library_versions,
     policy_of,
     save_agent,
 )
 from ram_trl.errors import ConfigError
 from ram_trl.manifest import StageManifest
 from ram_trl.telemetry.priors import read_prior_stages
+from ram_trl.telemetry.shards import training_context
 
 logger = logging.getLogger(__name__)
 
@@ -224,9 +226,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self,
         trainer: Any = None,
         base_model: str | os.PathLike | None = None,
+        *,
         prior_stages: Sequence[str | os.PathLike] = (),
         stage_name: str | None = None,
-        *,
         tasks: Sequence[Any],
         evaluation: Any = None,
         method: str = defaults.PREVIEW_METHOD,
@@ -265,6 +267,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             except Exception as exc:  # noqa: BLE001 - pydantic's message, with the argument named
                 raise ConfigError(f"MergePreviewCallback evaluation={evaluation!r}: {exc}") from None
         self.priors = read_prior_stages(prior_stages)
+        # transformers' DeepSpeed config, set again after the reference scores (see _without_zero3_init)
+        self.hf_deepspeed_config: Any = None
         self.prior_files = [p.manifest_file for p in self.priors]
         self.method = method
         self.parameters = dict(parameters or {})
@@ -357,7 +361,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if accelerator.is_main_process:
             start = time.perf_counter()
-            with _training_rng_kept(), _without_zero3_init():
+            with _training_rng_kept(), _without_zero3_init(self):
                 references = self._reference_scores()
             references = (*references, round(time.perf_counter() - start, 4))
         else:
@@ -805,13 +809,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
 
     def _share(self, value: Any) -> Any:
         """The main process's ``value`` on every rank (a no-op in one process)."""
-        if self.trainer.accelerator.num_processes == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return training_context().broadcast_object(value)
 
     # -- the stage -----------------------------------------------------------------------------------------------
 
@@ -949,10 +947,18 @@ def _swapped_partitions(engine: Any, shards: list[Any]):
     copy is one partition per parameter, on the CPU.
     """
     optimizer = engine.optimizer
+    # DeepSpeed's ZeRO-3 optimizer releases every gathered parameter through its offload manager's public method
+    release = getattr(getattr(optimizer, "parameter_offload", None), "partition_all_parameters", None)
+    if release is None:
+        raise ConfigError(
+            f"the merge preview under DeepSpeed ZeRO-3 needs the ZeRO-3 optimizer's "
+            f"parameter_offload.partition_all_parameters() (DeepSpeed >= 0.10); {type(optimizer).__name__} of "
+            f"DeepSpeed {library_versions().get('deepspeed', '(not installed)')} has none"
+        )
     backup = [s.values.detach().to("cpu", copy=True) for s in shards]
 
     def write(values: Sequence[torch.Tensor]) -> None:
-        optimizer._partition_all_parameters()
+        release()
         with torch.no_grad():
             for shard, value in zip(shards, values, strict=True):
                 shard.values.copy_(value.to(shard.values.device))
@@ -967,19 +973,30 @@ def _swapped_partitions(engine: Any, shards: list[Any]):
 
 
 @contextlib.contextmanager
-def _without_zero3_init():
+def _without_zero3_init(owner: Any):
     """Let one process of a DeepSpeed ZeRO-3 run load and generate on its own: without it transformers'
     ``from_pretrained`` partitions the model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the
-    other processes (``synced_gpus``), collectives the other processes never join."""
+    other processes (``synced_gpus``), collectives the other processes never join.
+
+    Only transformers' public functions: the run's DeepSpeed config (``deepspeed_config()``) is unset, and set again
+    on exit as a new ``HfDeepSpeedConfig`` of the same config, which ``owner`` keeps alive (transformers holds it by a
+    weak reference).
+    """
     try:
-        from transformers.integrations import deepspeed as hf_deepspeed
+        from transformers.integrations.deepspeed import (
+            HfDeepSpeedConfig,
+            deepspeed_config,
+            unset_hf_deepspeed_config,
+        )
     except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration
         yield
         return
-    # transformers keeps the run's DeepSpeed config behind this module-level weak reference (no public getter)
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
+    config = deepspeed_config()
+    if config is None:  # not a DeepSpeed run
+        yield
+        return
+    unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        owner.hf_deepspeed_config = HfDeepSpeedConfig(config)

@@ -26,12 +26,12 @@ import torch
 
 from ram_trl.config import ResolvedConfig
 from ram_trl.context import open_inputs, run_eps
+from ram_trl.counting import active_flags
 from ram_trl.distributed import DistContext
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.methods import ChunkInputs, MergeMethod
-from ram_trl.methods.ram import active_flags
 from ram_trl.passes import agent_parameter_values, kernel_output
 from ram_trl.planner import TensorTask, build_plan
 from ram_trl.statistics import OverlapStatistics

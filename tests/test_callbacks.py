@@ -8,7 +8,12 @@ from their manifests alone.
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,7 @@ import ram_trl  # noqa: E402
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
 from ram_trl.errors import ConfigError  # noqa: E402
 from ram_trl.manifest import MANIFEST_NAME, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.preview import MergePreviewCallback  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests.helpers import (  # noqa: E402
     RL_STEPS,
@@ -291,6 +297,46 @@ def test_callback_without_trainer_fails_clearly(base, tmp_path):
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         TaskVectorSparsityCallback(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [TaskVectorSparsityCallback, MergePreviewCallback])
+def test_arguments_after_base_model_are_keyword_only(cls):
+    params = list(inspect.signature(cls).parameters.values())
+    assert [p.name for p in params[:2]] == ["trainer", "base_model"]
+    kinds = {p.name: p.kind for p in params[2:]}
+    assert set(kinds.values()) <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}, kinds
+    with pytest.raises(TypeError, match="positional"):
+        TaskVectorSparsityCallback(None, None, 5)
+
+
+HUB = """
+from ram_trl.callbacks import TaskVectorSparsityCallback
+from ram_trl.errors import ConfigError
+
+print(TaskVectorSparsityCallback(base_model="acme/tiny-base").base_model)
+try:
+    TaskVectorSparsityCallback(base_model="acme/not-cached")
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def test_hub_repository_id_as_base_from_the_local_cache(base, tmp_path):
+    # a Hub id resolves through huggingface_hub.snapshot_download: offline, from the local cache; one that is not
+    # cached is refused with the command that downloads it
+    repo = tmp_path / "hub" / "models--acme--tiny-base"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(base, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    done = subprocess.run([sys.executable, "-c", HUB], env=env, capture_output=True, text=True, check=True)
+    resolved, refused = done.stdout.strip().splitlines()[-2:]
+    assert resolved == str(snapshot)
+    assert refused.startswith("base_model: acme/not-cached is not a local directory, and the Hub repository")
+    assert refused.endswith(
+        "download it first (`hf download acme/not-cached --local-dir DIR`) and pass base_model=DIR"
+    )
 
 
 def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):

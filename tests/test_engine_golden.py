@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import ram_trl
-from tests.helpers import BASE, TAUS, config_for, make_checkpoints, write_golden
+import ram_trl.engine
+from ram_trl.config import load_config, resolve_config
+from ram_trl.context import MergeOptions
+from ram_trl.engine import run_merge
+from tests.helpers import BASE, TAUS, config_for, make_checkpoints, random_fisher, write_golden
 
 F = torch.float32
 
@@ -171,3 +176,24 @@ def test_chat_template_without_a_tokenizer_is_not_written(tmp_path):
     assert (
         tmp_path / "with" / "chat_template.jinja"
     ).read_text() == "{{ messages[0]['content'] }} and more text"
+
+
+def test_a_merge_leaves_the_validated_config_as_it_was(golden, monkeypatch):
+    # the engine learns each agent's Fisher file (and kind, notes, the LoRA export's float32) in its own copy: the
+    # caller's validated config is the same after the run, and the device is checked once
+    for t in range(3):
+        state = load_file(str(golden / f"agent{t}" / "model.safetensors"))
+        save_file(random_fisher(state, seed=t), str(golden / f"agent{t}" / "fisher.safetensors"))
+    resolved = resolve_config(*load_config(_config(golden, "fisher")))
+    before = copy.deepcopy(resolved)
+    checked = []
+    monkeypatch.setattr(ram_trl.engine, "check_device", checked.append)
+    run_merge(resolved, golden / "out", MergeOptions(progress=False))
+    assert resolved == before and resolved.agents[0].parameters["fisher"] == ""  # as validated: the default
+    assert checked == ["cpu"]
+    run_merge(resolved, golden / "again", MergeOptions(progress=False))
+    report = json.loads((golden / "again" / "ram_merge_report.json").read_text())
+    assert report["agents"][0]["parameters"]["fisher"] == str(golden / "agent0" / "fisher.safetensors")
+    checked.clear()
+    ram_trl.merge(_config(golden, "ram_plus"), golden / "ram", progress=False)
+    assert checked == ["cpu"]

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ram_trl
+import ram_trl.counting
 import ram_trl.engine
 import ram_trl.methods.ties
 import ram_trl.streaming
@@ -201,7 +202,7 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
     monkeypatch.setattr(ram_trl.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
     monkeypatch.setattr(ram_trl.methods.ties, "HISTOGRAM_BLOCK", 100)
-    monkeypatch.setattr(ram_trl.engine, "HISTOGRAM_BLOCK", 100)
+    monkeypatch.setattr(ram_trl.counting, "HISTOGRAM_BLOCK", 100)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -79,6 +79,44 @@ def test_importing_changes_no_global_state(module):
     assert after == before
 
 
+WITHOUT_CLI_PACKAGES = """
+import sys
+for name in ("rich", "matplotlib"):
+    sys.modules[name] = None  # as if not installed: importing them raises ImportError
+from pathlib import Path
+import ram_trl
+from ram_trl.callbacks import TaskVectorSparsityCallback
+from ram_trl.preview import MergePreviewCallback
+from ram_trl.cli import main
+from ram_trl.synthetic import make_agent_set, make_base_checkpoint
+
+root = Path(sys.argv[1])
+base = make_base_checkpoint(root / "base", hidden_size=8, num_layers=1, intermediate_size=16)
+TaskVectorSparsityCallback(base_model=base)
+agents = make_agent_set(base, root / "agents", (0.1, 0.2))
+config = {"merge_method": "ram_plus", "base_model": str(base), "models": [{"model": str(a)} for a in agents]}
+ram_trl.merge(config, root / "merged", progress=False)
+print("exit", main(["merge", "x.yaml", str(root / "cli")]))
+"""
+
+
+def test_the_library_and_the_callbacks_need_neither_rich_nor_matplotlib(tmp_path):
+    """rich and matplotlib are the command line's (the ``cli`` extra): the callbacks import and a library merge runs
+    without them; the command line refuses to start, naming the extra."""
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_CLI_PACKAGES, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines()[-1] == "exit 2"
+    assert (
+        "ram-trl merge: error: the command line needs rich and matplotlib (pip install 'ram-trl[cli]')"
+        in (done.stderr)
+    )
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
 def test_defaults_and_sizes_import_nothing_heavy():
     loaded = _loaded_after("import ram_trl.defaults, ram_trl.sizes")
     assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
@@ -241,6 +279,35 @@ def test_the_package_has_no_import_cycles():
     a cycle kept alive by a deferred import is still a cycle."""
     cycles = _cycles(_import_graph())
     assert cycles == [], cycles
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The package modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for other in graph[todo.pop()] - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
+#: The modules of single merge methods (the engine reaches them only through the registry).
+METHOD_MODULES = {
+    f"ram_trl.methods.{name}"
+    for name in ("breadcrumbs", "dare", "della", "fisher", "linear", "model_stock", "ram", "slerp", "ties")
+}
+
+
+def test_layers_point_one_way():
+    """The counting maths lies below the statistics and the methods: the statistics reach no method; the engine
+    and its passes name no method (they reach them through the registry)."""
+    graph = _import_graph()
+    for module in ("ram_trl.counting", "ram_trl.statistics.overlap", "ram_trl.statistics.magnitude"):
+        reached = {m for m in _reachable(graph, module) if m.startswith("ram_trl.methods")}
+        assert not reached, (module, sorted(reached))
+    for module in ("ram_trl.passes", "ram_trl.engine"):
+        assert not graph[module] & METHOD_MODULES, (module, sorted(graph[module] & METHOD_MODULES))
 
 
 def test_no_private_names_across_modules():

@@ -10,9 +10,9 @@ from typing import Any
 
 from ram_trl import defaults
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
+from ram_trl.counting import DEFAULT_EPS
 from ram_trl.errors import ConfigError
 from ram_trl.manifest import is_stage, read_manifest
-from ram_trl.methods.ram import DEFAULT_EPS
 from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import torch
 
+from ram_trl.counting import active_mask
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
-from ram_trl.methods.ram import active_mask
 from ram_trl.planner import TensorTask
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
 from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas

@@ -13,144 +13,27 @@ stage 2 over a whole model.
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ram_trl import defaults
+from ram_trl.counting import (  # noqa: F401 - re-exported: RAM's counting maths, importable from here as before
+    DEFAULT_EPS,
+    active_flags,
+    active_mask,
+    float32_threshold,
+    masked_deltas,
+    overlap_counts,
+    overlap_unique_ratio,
+    rescale_factor,
+    soft_rescale_factor,
+    subset_codes,
+)
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
 
 if TYPE_CHECKING:
     from ram_trl.statistics import OverlapStatistics
-
-DEFAULT_EPS = defaults.EPS
-
-
-def float32_threshold(eps: float) -> float:
-    """The largest float32 value not above ``eps``.
-
-    For a float32 ``x``, ``|x| > eps`` (compared exactly, as real numbers) holds exactly when
-    ``|x| > float32_threshold(eps)`` in float32. Comparing against ``eps`` rounded to nearest would be wrong whenever
-    ``eps`` rounds up (e.g. ``0.1``): a task vector element equal to ``float32(0.1)`` exceeds 0.1 but not itself.
-    """
-    value = np.float32(eps)
-    if float(value) > eps:
-        value = np.nextafter(value, np.float32(-np.inf))
-    return float(value)
-
-
-def active_mask(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Mask of active task-vector elements, ``|tau| > eps`` (strict; NaN is inactive).
-
-    Args:
-        deltas: Float32 task vectors, any shape (usually ``(num_agents, n)``).
-        eps: Threshold; an element equal to ``eps`` in magnitude is inactive.
-
-    Returns:
-        A bool tensor of the same shape.
-    """
-    threshold = float32_threshold(eps)
-    return (deltas > threshold) | (deltas < -threshold)
-
-
-def active_flags(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """:func:`active_mask` as float32 ``1.0`` / ``0.0`` (``|tau| > eps``, strict; NaN is inactive).
-
-    Comparisons that write floats run several times faster on the CPU than comparisons that write bools; the flags
-    feed :func:`subset_codes` directly.
-
-    Args:
-        deltas: Float32 task vectors, any shape (usually ``(num_agents, n)``).
-        eps: Threshold; an element equal to ``eps`` in magnitude is inactive.
-
-    Returns:
-        A float32 tensor of the same shape.
-    """
-    return deltas.abs().gt_(float32_threshold(eps))
-
-
-def masked_deltas(
-    deltas: torch.Tensor, eps: float = DEFAULT_EPS, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``).
-
-    Args:
-        deltas: Float32 task vectors, any shape.
-        eps: Threshold (default :data:`DEFAULT_EPS`); an element equal to ``eps`` in magnitude is inactive.
-        out: A float32 tensor of the same shape the result is written into (default ``None``: a new one).
-
-    Returns:
-        The masked task vectors (``out`` when given).
-    """
-    if out is not None:
-        return torch.hardshrink(deltas, float32_threshold(eps), out=out)
-    return F.hardshrink(deltas, float32_threshold(eps))
-
-
-def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Number of active agents per element, ``c = sum_t m_t``.
-
-    Args:
-        mask: Bool tensor of shape ``(num_agents, n)``.
-
-    Returns:
-        An integer tensor of shape ``(n,)`` (uint8 for up to 255 agents, int32 beyond).
-    """
-    dtype = torch.uint8 if mask.shape[0] < 256 else torch.int32
-    rows = mask.view(torch.uint8) if dtype == torch.uint8 else mask.to(dtype)
-    counts = rows[0].to(dtype, copy=True)
-    for row in rows[1:]:
-        counts += row
-    return counts
-
-
-def overlap_unique_ratio(shared: int, unique: int) -> float:
-    """The Overlap-Unique Ratio ``rho_t = shared_t / unique_t`` (eq. 2).
-
-    An agent with shared but no unique elements gets ``inf``; an agent with no active element at all gets 0 (it has
-    no unique element for the factor to act on, so its value does not matter).
-
-    Args:
-        shared: The agent's active elements that another agent also updates.
-        unique: Its active elements no other agent updates.
-
-    Returns:
-        ``rho_t``.
-    """
-    if unique > 0:
-        return shared / unique
-    return math.inf if shared > 0 else 0.0
-
-
-def rescale_factor(rho: float, r: float, alpha: float) -> float:
-    """RAM+ rescale factor ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` (eq. 6); RAM is ``r = 0``.
-
-    Args:
-        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
-        r: The rescale strength.
-        alpha: The upper clip of ``rho``.
-
-    Returns:
-        ``lambda_t``.
-    """
-    return 1.0 + r * min(max(rho, 0.0), alpha)
-
-
-def soft_rescale_factor(rho: float, r: float) -> float:
-    """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``.
-
-    Args:
-        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
-        r: The rescale strength.
-
-    Returns:
-        ``lambda_t``.
-    """
-    saturation = 1.0 if math.isinf(rho) else rho / (1.0 + rho)
-    return 1.0 + r * saturation
 
 
 def clipped_factors(stats: OverlapStatistics, params: dict[str, Any]) -> list[float]:
@@ -232,28 +115,6 @@ def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Te
     if not torch.equal(excess + 1.0, f32) or not bool(torch.isfinite(f32).all()):
         return None
     return excess.to(device)
-
-
-def subset_codes(mask: torch.Tensor) -> torch.Tensor:
-    """Per element, the set of active agents as a bit field (bit ``t`` set when agent ``t`` is active).
-
-    Args:
-        mask: Bool tensor, or float tensor of ``0`` / ``1`` flags (:func:`active_flags`), of shape
-            ``(num_agents, n)``, at most 31 agents.
-
-    Returns:
-        Shape ``(n,)``; uint8 for up to 8 agents, int32 beyond.
-    """
-    num_agents = mask.shape[0]
-    dtype = torch.uint8 if num_agents <= 8 else torch.int32
-    # sum_t 2**t * m_t: whole numbers below 2**24 (2**53), so the float32 (float64) dot product is exact
-    exact = torch.float32 if num_agents <= 24 else torch.float64
-    return (_code_weights(num_agents, exact, mask.device) @ mask.to(exact)).to(dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _code_weights(num_agents: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.pow(2.0, torch.arange(num_agents, dtype=dtype, device=device))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,30 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 
 import torch
 
+from ram_trl.counting import HISTOGRAM_BLOCK, keep_count  # noqa: F401 - re-exported, as before
 from ram_trl.methods.base import ChunkInputs, MergeMethod, TensorView
 from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, density, normalize
-
-
-def keep_count(numel: int, density: float) -> int:
-    """Number of elements kept by magnitude trimming at ``density``.
-
-    Args:
-        numel: Elements in the tensor.
-        density: Fraction to keep; ``>= 1`` keeps all, ``<= 0`` keeps none.
-
-    Returns:
-        ``max(1, floor(density * numel))`` for ``0 < density < 1``, computed in exact decimal arithmetic on the
-        shortest decimal form of ``density`` (so ``0.29`` of 100 elements keeps 29, not 28).
-    """
-    if density >= 1:
-        return numel
-    if density <= 0 or numel == 0:
-        return 0
-    return max(1, math.floor(Decimal(repr(float(density))) * numel))
 
 
 @dataclass(frozen=True)
@@ -86,9 +68,6 @@ def magnitude_cut(magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | No
 
 
 BlockMapper = Callable[[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
-
-#: Elements per block of the histograms of :func:`kth_largest_bits` (bounds their temporaries).
-HISTOGRAM_BLOCK = 1 << 20
 
 #: High 16 bits of the float32 bit patterns of infinity and NaN (and above).
 _FLOAT32_NONFINITE_HIGH = 0x7F80

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ram_trl.methods import ram
+from ram_trl import counting
 
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
@@ -34,7 +34,7 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def subset_counts(mask: torch.Tensor) -> torch.Tensor:
     """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
-    ``code`` (:func:`~ram_trl.methods.ram.subset_codes`).
+    ``code`` (:func:`~ram_trl.counting.subset_codes`).
 
     Args:
         mask: Bool tensor, or float ``0`` / ``1`` flags, of shape ``(num_agents, n)``, at most
@@ -47,7 +47,7 @@ def subset_counts(mask: torch.Tensor) -> torch.Tensor:
     num_agents = mask.shape[0]
     if num_agents > MAX_SUBSET_AGENTS:
         raise ValueError(f"subset counts take at most {MAX_SUBSET_AGENTS} agents, got {num_agents}")
-    code = ram.subset_codes(mask)
+    code = counting.subset_codes(mask)
     return torch.bincount(code.reshape(-1), minlength=2**num_agents).to(torch.int64)
 
 
@@ -87,7 +87,7 @@ class OverlapStatistics:
             self.add_subset_counts(subset_counts(mask), mask.shape[-1])
             return
         mask = mask.to(torch.bool)
-        counts = ram.overlap_counts(mask)
+        counts = counting.overlap_counts(mask)
         # the chunk's counts on the mask's device, added to the host totals once (one owner of the boundary)
         histogram = torch.zeros_like(self.histogram, device=mask.device)
         pairwise = torch.zeros_like(self.pairwise, device=mask.device)
@@ -144,7 +144,7 @@ class OverlapStatistics:
         return self.active(t) / self.numel if self.numel else 0.0
 
     def rho(self, t: int) -> float:
-        return ram.overlap_unique_ratio(self.shared(t), self.unique(t))
+        return counting.overlap_unique_ratio(self.shared(t), self.unique(t))
 
     def jaccard(self, s: int, t: int) -> float:
         """Jaccard index of the active sets of agents ``s`` and ``t``.
@@ -171,9 +171,9 @@ class OverlapStatistics:
             One factor per agent, from its ``rho`` (:meth:`rho`).
         """
         if soft:
-            return [ram.soft_rescale_factor(self.rho(t), r) for t in range(self.num_agents)]
+            return [counting.soft_rescale_factor(self.rho(t), r) for t in range(self.num_agents)]
         assert alpha is not None
-        return [ram.rescale_factor(self.rho(t), r, alpha) for t in range(self.num_agents)]
+        return [counting.rescale_factor(self.rho(t), r, alpha) for t in range(self.num_agents)]
 
     def overlap_shares(self, t: int) -> list[float]:
         """Share of agent ``t``'s active elements that exactly ``0, 1, ..., num_agents - 1`` OTHER agents also update

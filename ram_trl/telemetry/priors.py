@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ram_trl.counting import active_mask
 from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.manifest import StageManifest, manifest_path, read_manifest, verify_stage
-from ram_trl.methods.ram import active_mask
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,8 @@ import math
 import pytest
 import torch
 
-from ram_trl.methods.ram import (
-    active_mask,
-    float32_threshold,
-    overlap_counts,
-    overlap_unique_ratio,
-    ram_merge,
-    rescale_factor,
-    soft_rescale_factor,
-)
+from ram_trl.counting import active_mask, float32_threshold, overlap_counts
+from ram_trl.methods.ram import ram_merge
 from ram_trl.statistics import OverlapStatistics
 
 F = torch.float32
@@ -36,13 +29,6 @@ def test_mask_is_strict_and_counts_agents():
     mask = active_mask(TAUS, 1e-5)
     assert mask[0].tolist() == [False, True, True, True, False, False, True]
     assert overlap_counts(mask).tolist() == [0, 1, 2, 3, 0, 1, 1]
-
-
-def test_mask_threshold_in_float32():
-    # 1e-5 in float32 is 9.99999974738e-06; a float32 delta of exactly that value is not active.
-    eps32 = torch.tensor(1e-5, dtype=F)
-    assert not bool(active_mask(eps32.reshape(1, 1), 1e-5))
-    assert bool(active_mask(torch.nextafter(eps32, torch.tensor(1.0)).reshape(1, 1), 1e-5))
 
 
 def test_statistics_histogram():
@@ -75,27 +61,6 @@ def test_statistics_accumulate_over_chunks_like_one_pass():
         parts.update(active_mask(chunk, 1e-5))
     assert torch.equal(whole.histogram, parts.histogram)
     assert whole.numel == parts.numel
-
-
-def test_rho_edge_cases():
-    assert overlap_unique_ratio(4, 2) == 2.0
-    assert overlap_unique_ratio(3, 0) == math.inf  # shared but no unique element
-    assert overlap_unique_ratio(0, 0) == 0.0  # no active element at all
-    assert overlap_unique_ratio(0, 5) == 0.0
-
-
-def test_rescale_factor_clips_at_alpha():
-    assert rescale_factor(1.0, 0.1, 1.5) == pytest.approx(1.1)
-    assert rescale_factor(2.0, 0.1, 1.5) == pytest.approx(1.15)  # clipped
-    assert rescale_factor(math.inf, 0.1, 2.0) == pytest.approx(1.2)  # no unique element -> alpha
-    assert rescale_factor(5.0, 0.0, 2.0) == 1.0  # RAM
-
-
-def test_soft_rescale_factor():
-    assert soft_rescale_factor(1.0, 0.1) == pytest.approx(1.05)
-    assert soft_rescale_factor(2.0, 0.1) == pytest.approx(1 + 0.1 * 2 / 3)
-    assert soft_rescale_factor(math.inf, 0.1) == pytest.approx(1.1)
-    assert soft_rescale_factor(0.0, 0.1) == 1.0
 
 
 def _expected(lambdas):

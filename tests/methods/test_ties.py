@@ -12,31 +12,12 @@ from ram_trl.methods.ties import (
     MagnitudeCut,
     disjoint_merge,
     elect_sign,
-    keep_count,
     kth_largest_bits,
     magnitude_cut,
     magnitude_trim,
 )
 
 F = torch.float32
-
-
-@pytest.mark.parametrize(
-    ("numel", "density", "k"),
-    [
-        (100, 0.29, 29),
-        (10, 0.3, 3),
-        (10, 0.7, 7),
-        (7, 0.5, 3),
-        (1000, 0.001, 1),
-        (5, 0.01, 1),
-        (5, 1.0, 5),
-        (5, 0.0, 0),
-    ],
-)
-def test_keep_count_exact_decimal(numel, density, k):
-    # int(0.29 * 100) == 28 in binary floating point; the decimal density as written keeps 29.
-    assert keep_count(numel, density) == k
 
 
 def test_trim_keeps_top_k_and_breaks_ties_by_lowest_index():
