@@ -312,8 +312,8 @@ def _single(active: int, numel: int) -> OverlapStatistics:
     """One agent's overlap statistics from its active count (all its active elements are unique)."""
     return OverlapStatistics(
         1,
-        torch.tensor([[0, active]], dtype=torch.int64),
-        torch.tensor([[active]], dtype=torch.int64),
+        torch.tensor([[0, active]], dtype=torch.int64),  # host
+        torch.tensor([[active]], dtype=torch.int64),  # host
         numel,
     )
 
@@ -582,7 +582,7 @@ class TaskVectorTracker:
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
         totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
-        squares = torch.zeros((), dtype=torch.float64)  # sum tau**2, added in chunk order
+        squares = torch.zeros((), dtype=torch.float64)  # host; sum tau**2, added in chunk order
         overlap = OverlapStatistics.zeros(num_priors + 1)
         regions = _local_regions(layout, ctx)
         for region in regions:
@@ -616,7 +616,7 @@ class TaskVectorTracker:
         for ws in self._workspaces:
             magnitudes.add(ws.histogram)
         magnitudes.square_sums[0] += squares
-        counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)
+        counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)  # host
         if ctx.enabled:
             ctx.all_reduce_sum(counts)
             magnitudes.all_reduce(ctx)
