@@ -48,17 +48,58 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
     if device.type != "cpu" or workers <= 1:
         yield None
         return
-    with ThreadPoolExecutor(
-        max_workers=workers, thread_name_prefix="ram-trl-compute", initializer=_single_threaded_worker
-    ) as pool:
-        started = threading.Barrier(workers + 1)
-        for _ in range(
-            workers
-        ):  # start every worker now (the executor starts them lazily, one per waiting task)
-            pool.submit(started.wait)
-        started.wait()
-        torch.set_num_threads(previous)  # the process default, which the workers' setting also wrote
+    with _started_pool(workers, previous) as pool:
         yield pool
+
+
+def _start_pool(workers: int, default: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` single-threaded worker threads, all started, with the process default that new threads
+    start from put back to ``default`` (a worker's setting writes it too) before any work runs."""
+    pool = ThreadPoolExecutor(
+        max_workers=workers, thread_name_prefix="ram-trl-compute", initializer=_single_threaded_worker
+    )
+    started = threading.Barrier(workers + 1)
+    for _ in range(workers):  # start every worker now (the executor starts them lazily, one per waiting task)
+        pool.submit(started.wait)
+    started.wait()
+    torch.set_num_threads(default)
+    return pool
+
+
+@contextmanager
+def _started_pool(workers: int, default: int) -> Iterator[ThreadPoolExecutor]:
+    with _start_pool(workers, default) as pool:
+        yield pool
+
+
+def single_threaded_worker() -> ThreadPoolExecutor:
+    """One started worker thread that runs single-threaded torch operations, for :func:`single_threaded_call` (keep it
+    to reuse the thread; it ends when the executor is shut down or collected).
+
+    Returns:
+        The executor.
+    """
+    return _start_pool(1, torch.get_num_threads())
+
+
+def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | None = None) -> Result:
+    """``fn()`` on a worker thread that runs single-threaded torch operations; the caller's settings stay as they are.
+
+    For host work done beside a training loop (e.g. the telemetry's summary of its histograms): on a CPU shared with
+    training, torch's multi-threaded operations on small tensors wait at barriers for busy cores (measured on 2 busy
+    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here).
+
+    Args:
+        fn: The work.
+        worker: A kept :func:`single_threaded_worker` (default: a new thread for this call).
+
+    Returns:
+        What ``fn`` returns (its exception is raised here).
+    """
+    if worker is not None:
+        return worker.submit(fn).result()
+    with _started_pool(1, torch.get_num_threads()) as pool:
+        return pool.submit(fn).result()
 
 
 def map_blocks(

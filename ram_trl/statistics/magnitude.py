@@ -564,6 +564,11 @@ class MagnitudeStatistics:
         for tensor in (self._counts, self._remainders, self.square_sums):
             ctx.all_reduce_sum(tensor)
 
+    def settle(self) -> None:
+        """Move every packed count and remainder (held on the device of the last values added) into the host
+        totals, so that later reads need no device."""
+        self._unpack()
+
     def _unpack(self, t: int | None = None) -> None:
         """Move the packed counts and remainders of agent ``t`` (default: all) into the int64 totals."""
         agents = range(self.num_agents) if t is None else [t]
