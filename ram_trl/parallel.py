@@ -6,17 +6,70 @@ their own block use every core without the barrier of a multi-threaded operation
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """How many threads each part of the work gets on a machine (see :func:`plan_threads`).
+
+    Args:
+        cores: The cores the plan is for.
+        compute: Workers of a merge's compute pool (:func:`compute_pool`).
+        readers: Threads reading input tensors ahead of the compute.
+        telemetry: Workers of a telemetry measurement beside CPU training (the training keeps the rest).
+    """
+
+    cores: int
+    compute: int
+    readers: int
+    telemetry: int
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else the CPU count).
+
+    Returns:
+        At least 1.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def plan_threads(cores: int | None = None) -> ThreadPlan:
+    """The thread plan for ``cores`` cores: the merge computes on every core but the one its readers use (from 4 cores
+    on; below that the readers mostly wait on the disk and take no core of their own), reads with one thread per
+    16 cores (at least one), and the telemetry beside CPU training takes a quarter of the cores (at least one).
+
+    Args:
+        cores: The cores (default: :func:`available_cores`).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: for fewer than one core.
+    """
+    cores = available_cores() if cores is None else cores
+    if cores < 1:
+        raise ValueError(f"cores={cores}: plan for at least one core")
+    readers = max(1, cores // 16)
+    compute = cores if cores < 4 else cores - readers
+    return ThreadPlan(cores, compute, readers, max(1, cores // 4))
 
 
 def _single_threaded_worker() -> None:
