@@ -13,8 +13,15 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.telemetry import TaskVectorTracker
-from tests.telemetry.helpers import tiny_model, train, write_base, write_full_prior, write_stage
-from tests.telemetry.test_tracker import random_model, random_training
+from tests.telemetry.helpers import (
+    random_model,
+    random_training,
+    tiny_model,
+    train,
+    write_base,
+    write_full_prior,
+    write_stage,
+)
 
 TIMING = ("_seconds", "_mb")
 
