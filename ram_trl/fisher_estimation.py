@@ -145,7 +145,7 @@ def _completion_length(completion: torch.Tensor, eos: int | list[int] | None) ->
     """Tokens up to and including the first end-of-sequence token (padding after it is not the model's)."""
     if eos is None:
         return completion.numel()
-    ids = torch.tensor(eos if isinstance(eos, list) else [eos])
+    ids = torch.tensor(eos if isinstance(eos, list) else [eos])  # host
     hits = torch.isin(completion.cpu(), ids).nonzero()
     return int(hits[0]) + 1 if hits.numel() else completion.numel()
 

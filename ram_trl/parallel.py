@@ -6,17 +6,70 @@ their own block use every core without the barrier of a multi-threaded operation
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """How many threads each part of the work gets on a machine (see :func:`plan_threads`).
+
+    Args:
+        cores: The cores the plan is for.
+        compute: Workers of a merge's compute pool (:func:`compute_pool`).
+        readers: Threads reading input tensors ahead of the compute.
+        telemetry: Workers of a telemetry measurement beside CPU training (the training keeps the rest).
+    """
+
+    cores: int
+    compute: int
+    readers: int
+    telemetry: int
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else the CPU count).
+
+    Returns:
+        At least 1.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def plan_threads(cores: int | None = None) -> ThreadPlan:
+    """The thread plan for ``cores`` cores: the merge computes on every core but the one its readers use (from 4 cores
+    on; below that the readers mostly wait on the disk and take no core of their own), reads with one thread per
+    16 cores (at least one), and the telemetry beside CPU training takes a quarter of the cores (at least one).
+
+    Args:
+        cores: The cores (default: :func:`available_cores`).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: for fewer than one core.
+    """
+    cores = available_cores() if cores is None else cores
+    if cores < 1:
+        raise ValueError(f"cores={cores}: plan for at least one core")
+    readers = max(1, cores // 16)
+    compute = cores if cores < 4 else cores - readers
+    return ThreadPlan(cores, compute, readers, max(1, cores // 4))
 
 
 def _single_threaded_worker() -> None:
@@ -48,17 +101,58 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
     if device.type != "cpu" or workers <= 1:
         yield None
         return
-    with ThreadPoolExecutor(
-        max_workers=workers, thread_name_prefix="ram-trl-compute", initializer=_single_threaded_worker
-    ) as pool:
-        started = threading.Barrier(workers + 1)
-        for _ in range(
-            workers
-        ):  # start every worker now (the executor starts them lazily, one per waiting task)
-            pool.submit(started.wait)
-        started.wait()
-        torch.set_num_threads(previous)  # the process default, which the workers' setting also wrote
+    with _started_pool(workers, previous) as pool:
         yield pool
+
+
+def _start_pool(workers: int, default: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` single-threaded worker threads, all started, with the process default that new threads
+    start from put back to ``default`` (a worker's setting writes it too) before any work runs."""
+    pool = ThreadPoolExecutor(
+        max_workers=workers, thread_name_prefix="ram-trl-compute", initializer=_single_threaded_worker
+    )
+    started = threading.Barrier(workers + 1)
+    for _ in range(workers):  # start every worker now (the executor starts them lazily, one per waiting task)
+        pool.submit(started.wait)
+    started.wait()
+    torch.set_num_threads(default)
+    return pool
+
+
+@contextmanager
+def _started_pool(workers: int, default: int) -> Iterator[ThreadPoolExecutor]:
+    with _start_pool(workers, default) as pool:
+        yield pool
+
+
+def single_threaded_worker() -> ThreadPoolExecutor:
+    """One started worker thread that runs single-threaded torch operations, for :func:`single_threaded_call` (keep it
+    to reuse the thread; it ends when the executor is shut down or collected).
+
+    Returns:
+        The executor.
+    """
+    return _start_pool(1, torch.get_num_threads())
+
+
+def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | None = None) -> Result:
+    """``fn()`` on a worker thread that runs single-threaded torch operations; the caller's settings stay as they are.
+
+    For host work done beside a training loop (e.g. the telemetry's summary of its histograms): on a CPU shared with
+    training, torch's multi-threaded operations on small tensors wait at barriers for busy cores (measured on 2 busy
+    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here).
+
+    Args:
+        fn: The work.
+        worker: A kept :func:`single_threaded_worker` (default: a new thread for this call).
+
+    Returns:
+        What ``fn`` returns (its exception is raised here).
+    """
+    if worker is not None:
+        return worker.submit(fn).result()
+    with _started_pool(1, torch.get_num_threads()) as pool:
+        return pool.submit(fn).result()
 
 
 def map_blocks(

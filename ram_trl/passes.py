@@ -473,7 +473,7 @@ def start_chunk(
             return merged.reshape(shape).cpu()
 
         return finish_single
-    out = torch.empty(shape, dtype=task.out_dtype)
+    out = torch.empty(shape, dtype=task.out_dtype)  # host
     flat = out.reshape(-1)
     scan = run.resolved.method.scan
     if context.ordered and pool is not None:
@@ -668,8 +668,8 @@ def extra_rows(
     Raises:
         NonFiniteError: if an agent's rows hold NaN/Inf and ``allow_nonfinite`` is off.
     """
-    total = torch.zeros(shape, dtype=torch.float32)
-    count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)
+    total = torch.zeros(shape, dtype=torch.float32)  # host
+    count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)  # host
     for raw, lora, agent in zip(chunk.agents, chunk.lora, agents, strict=True):
         if raw is None:
             continue

@@ -285,7 +285,7 @@ def _statistics(
     index = {n: i for i, n in enumerate(names)}
     # one row per tensor: histogram and pairwise counts, flattened, so one all-reduce sums them all
     width = num_agents * (num_agents + 1) + num_agents * num_agents
-    table = torch.zeros((len(names), width + 1), dtype=torch.int64)
+    table = torch.zeros((len(names), width + 1), dtype=torch.int64)  # host
     for r in ranges:
         if not r.counted:
             continue
@@ -324,7 +324,7 @@ def _merge_range(
 ) -> torch.Tensor:
     resolved = inputs.resolved
     task = inputs.tasks[r.name]
-    out = torch.empty(r.values.numel(), dtype=task.out_dtype)
+    out = torch.empty(r.values.numel(), dtype=task.out_dtype)  # host
     params = resolved.params_for(task.name)
     agent_params = agent_parameter_values(resolved, task.name, inputs.device)
     row = task.row_numel

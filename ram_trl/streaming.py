@@ -182,7 +182,8 @@ def iter_chunks(
         counter.bytes += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
         fisher_values = None
         if fishers is not None and task.floating and start < task.base_rows:
-            fisher_values = torch.empty((len(fishers), (stop - start) * task.row_numel), dtype=torch.float32)
+            rows_shape = (len(fishers), (stop - start) * task.row_numel)
+            fisher_values = torch.empty(rows_shape, dtype=torch.float32)  # host: read rows land here
             for t, fisher in enumerate(fishers):
                 rows = read_fisher_rows(fisher, task.name, reader, start, stop)
                 if rows is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from safetensors.torch import save_file
 
 import ram_trl

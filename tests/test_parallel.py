@@ -8,7 +8,14 @@ import time
 import pytest
 import torch
 
-from ram_trl.parallel import compute_pool, imap_blocks, map_blocks, submit_blocks
+from ram_trl.parallel import (
+    available_cores,
+    compute_pool,
+    imap_blocks,
+    map_blocks,
+    plan_threads,
+    submit_blocks,
+)
 
 
 def test_compute_pool_workers_run_single_threaded_and_the_caller_keeps_its_setting():
@@ -109,3 +116,19 @@ def test_submit_blocks_raises_the_first_error_in_order():
             wait()
     with pytest.raises(ValueError, match="item 1"):
         submit_blocks(None, work, range(4))  # no pool: runs at once
+
+
+@pytest.mark.parametrize(
+    "cores, compute, readers, telemetry",
+    [(1, 1, 1, 1), (2, 2, 1, 1), (4, 3, 1, 1), (16, 15, 1, 4), (64, 60, 4, 16)],
+)
+def test_thread_plan_follows_the_cores(cores, compute, readers, telemetry):
+    plan = plan_threads(cores)
+    assert (plan.cores, plan.compute, plan.readers, plan.telemetry) == (cores, compute, readers, telemetry)
+    assert plan.compute + (plan.readers if cores >= 4 else 0) == cores  # every core used, none oversubscribed
+
+
+def test_thread_plan_defaults_to_this_machine_and_refuses_zero_cores():
+    assert plan_threads().cores == available_cores() >= 1
+    with pytest.raises(ValueError, match="cores=0"):
+        plan_threads(0)

@@ -110,7 +110,7 @@ def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Te
     For a float32 ``lambda >= 1`` (every RAM, RAM+ and RAM+s factor) the difference is exact, and so is adding 1
     back; other factors take the :func:`torch.where` path of :func:`ram_merge`.
     """
-    f32 = torch.tensor(factors, dtype=torch.float32)
+    f32 = torch.tensor(factors, dtype=torch.float32)  # host
     excess = f32 - 1.0
     if not torch.equal(excess + 1.0, f32) or not bool(torch.isfinite(f32).all()):
         return None

@@ -63,7 +63,7 @@ def magnitude_cut(magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | No
     bits, above = found
     if bits == 0:
         return MagnitudeCut(threshold=0.0, keep_equal=0, keep_all=True)
-    threshold = float(torch.tensor(bits, dtype=torch.int32).view(torch.float32))
+    threshold = float(torch.tensor(bits, dtype=torch.int32).view(torch.float32))  # host
     return MagnitudeCut(threshold=threshold, keep_equal=k - above)
 
 

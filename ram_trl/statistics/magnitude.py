@@ -62,7 +62,7 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
         ``stop - first + 1`` edges.
     """
     shift = _FLOAT32_MANTISSA_BITS - mantissa_bits
-    bits = (torch.arange(first, stop + 1, dtype=torch.int64) << shift).to(torch.int32)
+    bits = (torch.arange(first, stop + 1, dtype=torch.int64) << shift).to(torch.int32)  # host
     return bits.view(torch.float32).to(torch.float64)
 
 
@@ -283,7 +283,7 @@ def _nonfinite_bins(mantissa_bits: int, device: torch.device) -> torch.Tensor:
     """The signed bins of the non-finite values (exponent 255; positive ones, then negative ones, the first of each
     being infinity)."""
     bins = 2 ** (8 + mantissa_bits)
-    nonfinite = torch.arange(255 << mantissa_bits, bins, dtype=torch.int64)
+    nonfinite = torch.arange(255 << mantissa_bits, bins, dtype=torch.int64)  # host
     return torch.cat([nonfinite, nonfinite + bins]).to(device)
 
 
@@ -299,7 +299,7 @@ def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.
     for the biased exponent ``e``, ``2**-149`` for subnormals); a magnitude is its bin's edge plus ``u`` times the
     mantissa bits the bin drops."""
     dropped = _FLOAT32_MANTISSA_BITS - mantissa_bits
-    index = torch.arange(2 ** (8 + mantissa_bits), dtype=torch.int64)
+    index = torch.arange(2 ** (8 + mantissa_bits), dtype=torch.int64)  # host
     lower = (index << dropped).to(torch.int32).view(torch.float32).to(torch.float64)
     exponent = (index >> mantissa_bits).clamp(min=1) - 127 - _FLOAT32_MANTISSA_BITS
     unit = ((exponent + 1023) << 52).view(torch.float64)
@@ -344,12 +344,12 @@ class MagnitudeStatistics:
         self.num_agents = num_agents
         self.mantissa_bits = mantissa_bits
         bins = 2 ** (9 + mantissa_bits)  # positive values, then negative ones
-        self._counts = torch.zeros(num_agents, bins, dtype=torch.int64)
-        self._remainders = torch.zeros(num_agents, bins, dtype=torch.int64)
-        self._packed = torch.zeros(num_agents, bins, dtype=torch.int64)
+        self._counts = torch.zeros(num_agents, bins, dtype=torch.int64)  # host
+        self._remainders = torch.zeros(num_agents, bins, dtype=torch.int64)  # host
+        self._packed = torch.zeros(num_agents, bins, dtype=torch.int64)  # host; moves to the values' device
         self._pending = [0] * num_agents
         #: float64 ``(num_agents,)``: ``sum tau**2`` of each agent's active values.
-        self.square_sums = torch.zeros(num_agents, dtype=torch.float64)
+        self.square_sums = torch.zeros(num_agents, dtype=torch.float64)  # host
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
@@ -405,10 +405,10 @@ class MagnitudeStatistics:
     def _power_sums(self, sums: torch.Tensor) -> torch.Tensor:
         """:attr:`power_sums` from the signed bins' sums (every value at its bin's mean for the powers 3 and 4)."""
         half = sums.shape[1] // 2
-        sign = torch.ones(sums.shape[1], dtype=torch.float64)
+        sign = torch.ones(sums.shape[1], dtype=torch.float64)  # host
         sign[half:] = -1.0
         mean = sums / self._counts.clamp(min=1)  # each bin's mean magnitude (0 in empty bins)
-        out = torch.empty(self.num_agents, 4, dtype=torch.float64)
+        out = torch.empty(self.num_agents, 4, dtype=torch.float64)  # host
         out[:, 0] = (sums * sign).sum(dim=1)
         out[:, 1] = self.square_sums
         out[:, 2] = (sums * mean * mean * sign).sum(dim=1)
@@ -484,7 +484,7 @@ class MagnitudeStatistics:
                     positive, negative = int((part == math.inf).sum()), int((part == -math.inf).sum())
                     positive_bin, negative_bin = (
                         255 << self.mantissa_bits
-                    ) + layout.magnitude_bins * torch.arange(2)
+                    ) + layout.magnitude_bins * torch.arange(2)  # host
                     accumulator[positive_bin] += positive << layout.shift
                     accumulator[negative_bin] += negative << layout.shift
                     added += positive + negative - arrived
@@ -564,6 +564,11 @@ class MagnitudeStatistics:
         for tensor in (self._counts, self._remainders, self.square_sums):
             ctx.all_reduce_sum(tensor)
 
+    def settle(self) -> None:
+        """Move every packed count and remainder (held on the device of the last values added) into the host
+        totals, so that later reads need no device."""
+        self._unpack()
+
     def _unpack(self, t: int | None = None) -> None:
         """Move the packed counts and remainders of agent ``t`` (default: all) into the int64 totals."""
         agents = range(self.num_agents) if t is None else [t]
@@ -631,6 +636,7 @@ class MagnitudeStatistics:
         coarse = self.counts.reshape(self.num_agents, -1, group).sum(dim=2)
         nonempty = coarse.sum(dim=0).nonzero().flatten()
         if nonempty.numel() == 0:
-            return torch.zeros(0, dtype=torch.float64), torch.zeros(self.num_agents, 0, dtype=torch.int64)
+            edges = torch.zeros(0, dtype=torch.float64)  # host
+            return edges, torch.zeros(self.num_agents, 0, dtype=torch.int64)  # host
         first, last = int(nonempty[0]), int(nonempty[-1])
         return magnitude_bin_edges(first, last + 1, bits), coarse[:, first : last + 1]

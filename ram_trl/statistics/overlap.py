@@ -26,8 +26,8 @@ MAX_SUBSET_AGENTS = 12
 @functools.cache
 def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For every subset code, its member agents ``(2**N, N)`` and its size one-hot ``(2**N, N + 1)``, as int64."""
-    codes = torch.arange(2**num_agents, dtype=torch.int64)
-    members = (codes.unsqueeze(1) >> torch.arange(num_agents)) & 1
+    codes = torch.arange(2**num_agents, dtype=torch.int64)  # host
+    members = (codes.unsqueeze(1) >> torch.arange(num_agents)) & 1  # host
     sizes = torch.nn.functional.one_hot(members.sum(dim=1), num_agents + 1)
     return members, sizes
 
@@ -68,15 +68,15 @@ class OverlapStatistics:
 
     num_agents: int
     histogram: torch.Tensor
-    pairwise: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))
+    pairwise: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int64))  # host
     numel: int = 0
 
     @classmethod
     def zeros(cls, num_agents: int) -> OverlapStatistics:
         return cls(
             num_agents,
-            torch.zeros(num_agents, num_agents + 1, dtype=torch.int64),
-            torch.zeros(num_agents, num_agents, dtype=torch.int64),
+            torch.zeros(num_agents, num_agents + 1, dtype=torch.int64),  # host
+            torch.zeros(num_agents, num_agents, dtype=torch.int64),  # host
             0,
         )
 

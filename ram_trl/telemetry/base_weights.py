@@ -189,7 +189,7 @@ class ModelBase:
         ctx = training_context()
         if not (shard.partitioned and ctx.enabled):
             return _slice(shard, name, 0, numel, self.description)
-        buffer = torch.zeros(numel, dtype=torch.float64)
+        buffer = torch.zeros(numel, dtype=torch.float64)  # host
         stop = min(shard.offset + shard.numel, numel)
         if stop > shard.offset:
             buffer[shard.offset : stop] = shard.values[: stop - shard.offset].to("cpu", torch.float64)

@@ -46,6 +46,7 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,7 +60,7 @@ from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
 from ram_trl.manifest import BaseFingerprint, fingerprint_checkpoint
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
-from ram_trl.parallel import compute_pool, imap_blocks
+from ram_trl.parallel import compute_pool, imap_blocks, single_threaded_call, single_threaded_worker
 from ram_trl.statistics import (
     MagnitudeStatistics,
     MagnitudeWorkspace,
@@ -312,8 +313,8 @@ def _single(active: int, numel: int) -> OverlapStatistics:
     """One agent's overlap statistics from its active count (all its active elements are unique)."""
     return OverlapStatistics(
         1,
-        torch.tensor([[0, active]], dtype=torch.int64),
-        torch.tensor([[active]], dtype=torch.int64),
+        torch.tensor([[0, active]], dtype=torch.int64),  # host
+        torch.tensor([[active]], dtype=torch.int64),  # host
         numel,
     )
 
@@ -411,6 +412,9 @@ class TaskVectorTracker:
         self._zero_fill = self._threshold >= float(magnitude_bin_edges(1, 1)[0])
         self._workspaces: list[_Workspace] = []
         self._spare_workspaces: dict[torch.device, list[_Workspace]] = {}
+        self._host_worker: ThreadPoolExecutor | None = (
+            None  # the single-threaded host work, started on first use
+        )
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -582,7 +586,7 @@ class TaskVectorTracker:
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
         totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
-        squares = torch.zeros((), dtype=torch.float64)  # sum tau**2, added in chunk order
+        squares = torch.zeros((), dtype=torch.float64)  # host; sum tau**2, added in chunk order
         overlap = OverlapStatistics.zeros(num_priors + 1)
         regions = _local_regions(layout, ctx)
         for region in regions:
@@ -598,8 +602,14 @@ class TaskVectorTracker:
         small = self.threads is None and sum(chunk.count for chunk in chunks) < SMALL_MODEL_ELEMENTS
         workers = 1 if small else max(1, min(workers, len(chunks)))
         self._reserve_workspaces(device, workers)
-        for ws in self._workspaces:
-            ws.histogram = MagnitudeStatistics.zeros(1)
+        if self._host_worker is None:
+            self._host_worker = single_threaded_worker()
+
+        def reset_histograms() -> None:
+            for ws in self._workspaces:
+                ws.histogram = MagnitudeStatistics.zeros(1)
+
+        single_threaded_call(reset_histograms, self._host_worker)
         # chunk results are added in chunk order: the float64 sums do not depend on the number of workers
         with compute_pool(device, workers) as pool:
             for part in imap_blocks(pool, self._measure_chunk, chunks, ahead=2 * workers):
@@ -611,17 +621,30 @@ class TaskVectorTracker:
                     squares += part.square_sum
                 if part.overlap is not None:
                     overlap.add(part.overlap)
-        # the histograms hold integers: their sum does not depend on which worker counted which chunk
-        magnitudes = MagnitudeStatistics.zeros(1)
-        for ws in self._workspaces:
-            magnitudes.add(ws.histogram)
-        magnitudes.square_sums[0] += squares
-        counts = torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)
-        if ctx.enabled:
+        # the host work after the counting runs single-threaded off the calling thread (a guest: the training
+        # thread's settings are its own; multi-threaded operations on these small tensors stall on busy cores)
+
+        def reduce_locally() -> tuple[MagnitudeStatistics, torch.Tensor]:
+            # the histograms hold integers: their sum does not depend on which worker counted which chunk
+            magnitudes = MagnitudeStatistics.zeros(1)
+            for ws in self._workspaces:
+                magnitudes.add(ws.histogram)
+            magnitudes.square_sums[0] += squares
+            return magnitudes, torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)  # host
+
+        if (
+            device.type != "cpu"
+        ):  # the device's histograms into their host totals, on the calling thread (its device)
+            for ws in self._workspaces:
+                ws.histogram.settle()
+        magnitudes, counts = single_threaded_call(reduce_locally, self._host_worker)
+        if ctx.enabled:  # collectives on the calling thread (its current device)
             ctx.all_reduce_sum(counts)
             magnitudes.all_reduce(ctx)
             overlap.all_reduce(ctx)
-        metrics = self._metrics(names, counts, magnitudes, overlap)
+        metrics = single_threaded_call(
+            lambda: self._metrics(names, counts, magnitudes, overlap), self._host_worker
+        )
         if self.magnitudes:
             metrics["magnitude/sample_fraction"] = 1.0 / stride
         metrics["state_mb"] = self.state_bytes / 2**20
@@ -774,7 +797,7 @@ class TaskVectorTracker:
         trained = shard.values[chunk.start : chunk.start + count]
         stored = ws.stage(self.source.read(chunk.region.name, shard.offset + chunk.start, count))
         base = ws.base[:count]
-        base.copy_(stored, non_blocking=stored.is_pinned())
+        base.copy_(stored, non_blocking=ws.device.type == "cuda")  # pinned staging: an asynchronous copy
         torch.sub(trained, base, out=tau)
         if self._saving_is_exact(trained.dtype, stored.dtype):
             return tau, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -120,3 +121,32 @@ def write_full_prior(directory: Path) -> Path:
     tensors["model.layers.1.mlp.up_proj.weight"].view(-1)[0] -= L
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
+
+
+def random_model(seed: int = 0) -> nn.Module:
+    """A decoder-shaped module of a few thousand random weights (more than one chunk per parameter in the tests)."""
+    torch.manual_seed(seed)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = nn.Embedding(100, 32)
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = nn.Module()
+    model.model.layers[0].mlp.up_proj = nn.Linear(32, 48, bias=False)
+    model.model.norm = Norm()
+    return model
+
+
+def random_training(model: nn.Module, case: str) -> nn.Module:
+    """Dense noise of mixed magnitudes around eps = 1e-5, some unchanged elements, and per ``case``: NaN and inf
+    (``nonfinite``) or a subnormal task vector element in bin 0 of the magnitude histogram (``subnormal``)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-7, -3, p.shape, generator=g)
+            p.add_(torch.where(torch.rand(p.shape, generator=g) < 0.2, 0.0, noise))
+        weight = model.model.layers[0].mlp.up_proj.weight
+        if case == "nonfinite":
+            weight[3, 5], weight[40, 1] = math.nan, math.inf
+        if case == "subnormal":
+            weight[3, 5] = 1e-42  # over a base element of 0
+    return model

@@ -13,8 +13,15 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.telemetry import TaskVectorTracker
-from tests.telemetry.helpers import tiny_model, train, write_base, write_full_prior, write_stage
-from tests.telemetry.test_tracker import random_model, random_training
+from tests.telemetry.helpers import (
+    random_model,
+    random_training,
+    tiny_model,
+    train,
+    write_base,
+    write_full_prior,
+    write_stage,
+)
 
 TIMING = ("_seconds", "_mb")
 
@@ -63,3 +70,10 @@ def test_device_model_with_prior_stages(tmp_path, device):
     out = TaskVectorTracker(base_model=base, prior_stages=stages).measure(model)
     assert _numbers(out) == _numbers(expected)
     assert out["task_vector/prior/overlap"] == expected["task_vector/prior/overlap"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("source", ["disk", "snapshot"])
+def test_real_cuda_model_measures_like_the_cpu_one(tmp_path, source):
+    """The same check on a real GPU (skipped without one): the base resident on the GPU, the numbers the CPU's."""
+    test_device_model_measures_like_the_cpu_one(tmp_path, torch.device("cuda"), "dense", source)

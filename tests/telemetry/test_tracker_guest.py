@@ -42,8 +42,10 @@ def test_measurement_changes_no_thread_or_gc_setting(tmp_path):
     stop = threading.Event()
 
     def observe() -> None:
-        while not stop.is_set():
+        while True:
             observed.append(_settings())
+            if stop.wait(0.001):  # sample every millisecond, leaving the GIL to the measurement
+                break
 
     observer = threading.Thread(target=observe)
     observer.start()
@@ -58,6 +60,6 @@ def test_measurement_changes_no_thread_or_gc_setting(tmp_path):
     later.start()
     later.join()
     assert inside == [before]
-    assert set(observed) == {before}
+    assert len(observed) > 1 and set(observed) == {before}
     assert _settings() == before and fresh == [before]
     assert in_workers and set(in_workers) == {1}  # the workers themselves run single-threaded operations
