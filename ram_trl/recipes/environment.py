@@ -243,6 +243,17 @@ def validate_recipe(
     notes: list[str] = []
     if recipe.base.path is not None and check_paths:
         _check_path(recipe.base.path, root, "base.path", problems, directory=True)
+    if recipe.base.gguf is not None:
+        from ram_trl.io.gguf import open_gguf_source, require_gguf
+
+        try:
+            require_gguf()
+            if check_paths:
+                open_gguf_source(
+                    _check_path(recipe.base.gguf, root, "base.gguf", []), recipe.base.gguf_member
+                )
+        except ConfigError as exc:
+            problems.append(f"base.gguf: {exc}")
     if recipe.base.build is not None:
         import inspect
 

@@ -3,7 +3,7 @@
 Run directory layout (``--out``, else the recipe's ``output_dir``, else ``runs/NAME``)::
 
     recipe.yaml              the validated recipe the stage processes read
-    base_init/               the built base (recipes with base.build)
+    base_init/               the built base (recipes with base.build), or the converted GGUF base (base.gguf)
     base/                    the warm-started base (recipes with warm_start): base of every stage and merge
     data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out test prompts, val.jsonl its
                              validation prompts (what sweeps and the merge to ship are chosen on)
@@ -165,7 +165,13 @@ class Run:
         the recipe's ``base.path`` (resolved)."""
         if self.recipe.warm_start is not None:
             return self.dir / "base"
-        if self.recipe.base.build is not None:
+        return self.initial_base
+
+    @property
+    def initial_base(self) -> Path:
+        """The base before any warm start: ``RUN/base_init`` (built, or converted from GGUF), else the recipe's
+        ``base.path`` (resolved)."""
+        if self.recipe.base.build is not None or self.recipe.base.gguf is not None:
             return self.dir / "base_init"
         return _resolve(self.recipe.base.path, self.root)
 
@@ -180,8 +186,9 @@ class Run:
             `dict[str, Any]`: The recipe as JSON-ready data.
         """
         data = self.recipe.model_dump(mode="json", exclude_none=True)
-        if "path" in data["base"]:
-            data["base"]["path"] = str(_resolve(data["base"]["path"], self.root))
+        for key in ("path", "gguf"):
+            if key in data["base"]:
+                data["base"][key] = str(_resolve(data["base"][key], self.root))
         for stage in data["stages"]:
             for key in ("checkpoint", "accelerate_config"):
                 if key in stage:
@@ -237,6 +244,8 @@ class Run:
         reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
         if "path" in data["base"]:
             reads.append(("base model", Path(data["base"]["path"])))
+        if "gguf" in data["base"]:
+            reads.append(("GGUF base", Path(data["base"]["gguf"])))
         for stage in data["stages"]:
             for key in ("checkpoint", "accelerate_config"):
                 if key in stage:
@@ -244,7 +253,13 @@ class Run:
             for key in ("train_file", "eval_file", "val_file"):
                 if key in stage.get("prompts", {}):
                     reads.append((f"stage {stage['name']!r} prompts.{key}", Path(stage["prompts"][key])))
-        markers = ("recipe.yaml", "results.json", "base_init/ram_build.json", "base/ram_warm_start.json")
+        markers = (
+            "recipe.yaml",
+            "results.json",
+            "base_init/ram_build.json",
+            "base_init/ram_gguf.json",
+            "base/ram_warm_start.json",
+        )
         OutputDir(self.dir, reads=reads, markers=markers, replace_previous=True, what="run directory").check()
 
     def prepare(self, recipe_file: Path | None = None) -> None:
@@ -276,6 +291,8 @@ class Run:
         self._timed("data", start)
         if self.recipe.base.build is not None:
             self.build_base()
+        if self.recipe.base.gguf is not None:
+            self.convert_base()
         if self.recipe.warm_start is not None:
             self.warm_start()
 
@@ -304,6 +321,39 @@ class Run:
         self._timed("build_base", start)
         self.console.print(f"[green]built[/] base model {target}")
 
+    def convert_base(self) -> None:
+        """Convert the recipe's GGUF base (``base.gguf``) into ``RUN/base_init``
+        (:func:`ram_trl.io.gguf.convert_gguf`), unless a conversion of the same bytes in the same dtype is there."""
+        import json
+
+        from ram_trl.io.gguf import RECORD_NAME, convert_gguf, open_gguf_source
+
+        spec = self.recipe.base
+        target = self.dir / "base_init"
+        source = open_gguf_source(_resolve(spec.gguf, self.root), spec.gguf_member)
+        record = target / RECORD_NAME
+        if record.is_file():
+            try:
+                done = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                done = None
+            if (
+                isinstance(done, dict)
+                and done.get("sha256") == source.sha256()
+                and done.get("dtype") == spec.gguf_dtype
+            ):
+                return
+        start = time.perf_counter()
+        self.console.print(f"converting the GGUF base {source.label} ...")
+        result = convert_gguf(
+            source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True
+        )
+        self._timed("convert_base", start)
+        self.console.print(
+            f"[green]converted[/] {result['gguf_file']} -> {target} ({result['parameters']:,} parameters, "
+            f"{result['dtype']}; logits identical to the GGUF model's in {result['dtype']})"
+        )
+
     def warm_start(self) -> None:
         """Supervised warm start of the base (``warm_start``) into ``RUN/base``, unless an identical one is already
         there."""
@@ -312,11 +362,7 @@ class Run:
         from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
 
         spec = self.recipe.warm_start
-        source = (
-            self.dir / "base_init"
-            if self.recipe.base.build is not None
-            else _resolve(self.recipe.base.path, self.root)
-        )
+        source = self.initial_base
         if spec.abstain_share:
             spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
         record = self.base / WARM_START_RECORD

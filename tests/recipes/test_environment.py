@@ -70,6 +70,9 @@ def test_paths_are_checked_unless_skipped(tmp_path):
         (DEMO_RECIPE, QUICK_OVERRIDES),
         (REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml", None),
         (REPO / "recipes" / "qwen2.5-1.5b-grpo-zero3.yaml", None),
+        (REPO / "recipes" / "smollm2-agents.yaml", None),
+        (REPO / "recipes" / "smollm2-agents-lora.yaml", None),
+        (REPO / "recipes" / "smollm2-agents-gpu.yaml", None),
     ],
 )
 def test_shipped_recipes_pass_dry_run_validation(path, overrides):
@@ -143,3 +146,53 @@ def test_preview_is_checked_against_the_stage_launch(tmp_path, launch, stage, ma
     else:
         with pytest.raises(ConfigError, match=match):
             check_recipe(data)
+
+
+def test_gguf_base_is_checked_before_any_work(tmp_path, monkeypatch):
+    """A recipe's ``base.gguf``: the file must exist and start like a GGUF file, and the gguf package be installed."""
+    pytest.importorskip("gguf")
+    gguf_base = {"build": None, "gguf": str(tmp_path / "m.gguf")}
+    with pytest.raises(ConfigError, match=r"base.gguf: GGUF source .*m.gguf does not exist"):
+        check_recipe(recipe_dict(base=gguf_base))
+    (tmp_path / "m.gguf").write_bytes(b"GGML and more")
+    with pytest.raises(ConfigError, match=r"base.gguf: GGUF source .*m.gguf is not a GGUF file"):
+        check_recipe(recipe_dict(base=gguf_base))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF and more")
+    assert check_recipe(recipe_dict(base=gguf_base)) == []
+    assert any(
+        "--skip-paths" in n
+        for n in check_recipe(recipe_dict(base={**gguf_base, "gguf": "x"}), check_paths=False)
+    )
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)
+    with pytest.raises(ConfigError, match=r"base.gguf: reading a GGUF file needs the gguf package"):
+        check_recipe(recipe_dict(base=gguf_base), check_paths=False)
+
+
+def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
+    """The LoRA and GPU variants change only what their headers say: the base, tasks, rewards and merges agree."""
+    full, _ = load_recipe(REPO / "recipes" / "smollm2-agents.yaml")
+    lora, _ = load_recipe(REPO / "recipes" / "smollm2-agents-lora.yaml")
+    gpu, _ = load_recipe(REPO / "recipes" / "smollm2-agents-gpu.yaml")
+    for other in (lora, gpu):
+        assert other.base == full.base and other.names == full.names
+        assert [(m.method, m.parameters) for m in other.merges] == [
+            (m.method, m.parameters) for m in full.merges
+        ]
+        for a, b in zip(full.stages, other.stages, strict=True):
+            assert (a.rewards, a.prompts.generator, a.prompts.kwargs) == (
+                b.rewards,
+                b.prompts.generator,
+                b.prompts.kwargs,
+            )
+    for stage in full.stages:
+        assert stage.peft is None and stage.save_dtype == "bfloat16" and stage.has_validation
+        assert 1e-6 <= stage.config["learning_rate"] <= 1e-5
+    assert all(s.peft and s.peft["r"] == 16 and s.config["learning_rate"] <= 1e-5 for s in lora.stages)
+    assert all(
+        s.config["max_steps"] > full.stages[0].config["max_steps"] and s.config.get("bf16")
+        for s in gpu.stages
+    )
+    methods = {m.method for m in full.merges}
+    from ram_trl.methods.registry import method_names
+
+    assert methods == set(method_names()) - {"slerp"}

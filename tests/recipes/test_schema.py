@@ -66,8 +66,21 @@ def test_methods_check_how_many_stages_they_merge():
 
 
 def test_schema_errors_say_what_to_change(tmp_path):
-    with pytest.raises(ConfigError, match="base: give exactly one of 'path: CHECKPOINT_DIR' and 'build:"):
+    with pytest.raises(
+        ConfigError, match="base: give exactly one of 'path: CHECKPOINT_DIR', 'gguf: FILE_OR_WHEEL'"
+    ):
         load_recipe(recipe_dict(base={"path": "x"}))
+    with pytest.raises(ConfigError, match="base: give exactly one of"):
+        load_recipe(recipe_dict(base={"build": None, "path": "x", "gguf": "m.gguf"}))
+    with pytest.raises(ConfigError, match="base: 'gguf_member' applies to 'gguf: ARCHIVE'"):
+        load_recipe(recipe_dict(base={"gguf_member": "a/m.gguf"}))
+    gguf = load_recipe(recipe_dict(base={"build": None, "gguf": "m.whl", "gguf_member": "a/m.gguf"}))[0].base
+    assert (gguf.gguf, gguf.gguf_member, gguf.gguf_dtype, gguf.build) == (
+        "m.whl",
+        "a/m.gguf",
+        "bfloat16",
+        None,
+    )
     with pytest.raises(ConfigError, match="stage name 'coding' is used twice"):
         data = recipe_dict()
         data["stages"] = data["stages"] * 2

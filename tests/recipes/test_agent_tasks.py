@@ -1,0 +1,124 @@
+"""``ram_trl.recipes.agent_tasks``: the chat-template tasks of the SmolLM2 recipes, their answers and rewards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ram_trl.recipes.agent_tasks import (
+    AGENT_TOOLS,
+    DEFAULT_SYSTEM,
+    chat_prompt,
+    fact_recall_prompts,
+    fact_recall_reward,
+    json_tool_call_prompts,
+    json_tool_call_reward,
+    program_output_prompts,
+    program_output_reward,
+    run_program,
+    schema_valid,
+)
+
+
+def test_chat_prompt_is_chatml_with_the_generation_prompt():
+    assert chat_prompt("hi") == (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat_prompt("hi", system=None) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_prompt_matches_a_chatml_tokenizer_template():
+    """The template SmolLM2-Instruct ships (its GGUF file's tokenizer.chat_template), applied by transformers."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    template = (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+        "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"x": 0}, unk_token="x")))
+    tokenizer.chat_template = template
+    user = "What is 2 + 2?\nLine two."
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == chat_prompt(user)
+
+
+def test_program_answers_are_what_the_programs_print():
+    rows = program_output_prompts(60, seed=3)
+    assert len({r["prompt"] for r in rows}) == 60
+    for row in rows:
+        source = row["prompt"].split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert row["answer"] == run_program(source) != ""
+        assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith(
+            "<|im_start|>assistant\n"
+        )
+    assert run_program("x = 7\ny = 3\nprint(x * y + 2)") == "23"
+    assert run_program('word = "robot"\nprint(word[::-1])') == "tobor"
+    with pytest.raises(NameError):
+        run_program("print(open('/etc/passwd'))")
+    assert (
+        program_output_prompts(5, seed=1) == program_output_prompts(5, seed=1) != program_output_prompts(5, 2)
+    )
+
+
+def test_program_reward():
+    completions = ["23", "```\n23\n```", "The output is 23.", "123", "`23` is printed", "", "24"]
+    assert program_output_reward(completions, ["23"] * 7) == [1.0, 1.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    assert program_output_reward([[{"role": "assistant", "content": "tobor"}]], ["tobor"]) == [1.0]
+
+
+def test_tool_call_prompts_show_every_schema_and_answers_validate():
+    rows = json_tool_call_prompts(40, seed=0)
+    names = set()
+    for row in rows:
+        call = json.loads(row["answer"])
+        names.add(call["name"])
+        assert schema_valid(call["arguments"], AGENT_TOOLS[call["name"]]["schema"])
+        for tool in AGENT_TOOLS:
+            assert f'"name":"{tool}"' in row["prompt"]
+    assert names == set(AGENT_TOOLS)
+
+
+def test_tool_call_reward_grades_format_tool_schema_and_arguments():
+    want = '{"name":"set_timer","arguments":{"minutes":5,"label":"tea"}}'
+    completions = [
+        want,  # exact
+        '```json\n{"name": "set_timer", "arguments": {"label": "tea", "minutes": 5}}\n```',  # same call, fenced
+        '{"name":"set_timer","arguments":{"minutes":6,"label":"tea"}}',  # valid, wrong value
+        '{"name":"set_timer","arguments":{"minutes":"5","label":"tea"}}',  # a string for an integer
+        '{"name":"set_timer","arguments":{"minutes":true,"label":"tea"}}',  # a bool is not an integer
+        '{"name":"set_timer","arguments":{"minutes":5,"label":"tea","x":1}}',  # an extra key
+        '{"name":"get_weather","arguments":{"city":"Oslo","day":"monday"}}',  # wrong tool
+        '{"name":"set_timer"}',  # no arguments
+        "set_timer(minutes=5, label=tea)",  # not JSON
+    ]
+    assert json_tool_call_reward(completions, [want] * len(completions)) == [
+        1.0,
+        1.0,
+        0.75,
+        0.5,
+        0.5,
+        0.5,
+        0.25,
+        0.0,
+        0.0,
+    ]
+    weather = '{"name":"get_weather","arguments":{"city":"Oslo","day":"monday"}}'
+    bad_enum = '{"name":"get_weather","arguments":{"city":"Oslo","day":"Mon"}}'
+    assert json_tool_call_reward([bad_enum], [weather]) == [0.5]
+
+
+def test_fact_recall_prompts_and_reward():
+    rows = fact_recall_prompts(30, seed=0, num_facts=8)
+    for row in rows:
+        assert row["prompt"].count(" is ") == 8 + 1  # eight records and the question's "What is"
+        assert f"is {row['answer']}." in row["prompt"]
+    completions = ["4821", "The locker code of Mia is 4821.", "It is 1234, or maybe 4821", "48210", "none"]
+    assert fact_recall_reward(completions, ["4821"] * 5) == [1.0, 1.0, 0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="num_facts=17"):
+        fact_recall_prompts(1, num_facts=17)
