@@ -55,7 +55,7 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"LoRA factors of shapes {tuple(b.shape)} and {tuple(a.shape)} do not multiply")
     m, r = b.shape
     n = a.shape[1]
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32, device=b.device)
     if m == 0 or n == 0:
         return out
     if r == 0:
@@ -83,7 +83,7 @@ def _block(
     unsure_rows, unsure_cols = torch.ne(lo.view(torch.int32), hi.view(torch.int32)).nonzero(as_tuple=True)
     if unsure_rows.numel():
         products = b64[unsure_rows] * a64[:, unsure_cols].T
-        total = torch.zeros(unsure_rows.numel(), dtype=torch.float64)
+        total = torch.zeros(unsure_rows.numel(), dtype=torch.float64, device=b64.device)
         for k in range(products.shape[1]):
             total += products[:, k]
         out[unsure_rows, unsure_cols] = total.to(torch.float32)
