@@ -85,7 +85,8 @@ def test_any_split_into_row_blocks_gives_the_same_bits(monkeypatch):
     b = torch.randn(257, 64, generator=gen) * 0.02
     a = torch.randn(64, 129, generator=gen) * 0.02
     whole = lora_product(b, a)
-    monkeypatch.setattr(module, "BLOCK_ELEMENTS", 7 * 129)  # 7 rows at a time inside the product
+    monkeypatch.setattr(module, "PRODUCT_ELEMENTS", 20 * 129)  # 20 rows per BLAS call
+    monkeypatch.setattr(module, "BLOCK_ELEMENTS", 7 * 129)  # 7 rows per check
     assert torch.equal(_bits(lora_product(b, a)), _bits(whole))
     pieces = torch.cat([lora_product(b[start : start + 37], a) for start in range(0, 257, 37)])
     assert torch.equal(_bits(pieces), _bits(whole))
