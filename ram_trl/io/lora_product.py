@@ -10,15 +10,15 @@ budget or number of processes, and the telemetry that must see the merge's delta
     ``float32( (((0 + p_0) + p_1) + ... + p_{r-1}) )``, ``p_k = float64(B[i, k]) * float64(A[k, j])``,
 
 the float64 sum of the exact products (float32 factors have 24-bit significands, so their products are exact in
-float64) in the order ``k = 0 .. r-1``, rounded once to float32, with a zero always ``+0``. Each element depends only on
-its row of ``B`` and its column of ``A``.
+float64) in the order ``k = 0 .. r-1``, rounded once to float32 (a sum that is exactly zero is ``+0``). Each element
+depends only on its row of ``B`` and its column of ``A``.
 
-It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum, with
-``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot product,
-with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included), that is the
-element; the rare elements whose interval holds a rounding boundary (about ``r * 2**-20`` of them, more where the
-products cancel) are summed again in order. The result is the same bits on every CPU, thread count and ``MKL_CBWR``
-setting, and for any split into row blocks.
+It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum,
+with ``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot
+product, with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included),
+that is the element; the rare elements whose interval holds a rounding boundary (34 in 262,144 for random rank-64
+factors, more where the products cancel) are summed again in order. The result is the same bits on every CPU, thread
+count and ``MKL_CBWR`` setting, and for any split into row blocks.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 def _block(
     s: torch.Tensor, row_bound: torch.Tensor, col_norms: torch.Tensor, out: torch.Tensor, first: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Rows ``first:`` of :func:`lora_product` into ``out`` from the float64 product ``s``; the elements still unsure."""
+    """Rows ``first:`` of :func:`lora_product` into ``out`` from the float64 product ``s``; returns the unsure ones."""
     torch.add(s, 0.0, out=out)  # rounded once; a zero becomes +0 (-0 + 0 = +0)
     rows, cols = row_bound[:, None], col_norms[None, :]
     hi = torch.addcmul(s, rows, cols, out=torch.empty_like(out))  # float64 sums, rounded once to float32
