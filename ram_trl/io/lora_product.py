@@ -10,23 +10,27 @@ budget or number of processes, and the telemetry that must see the merge's delta
     ``float32( (((0 + p_0) + p_1) + ... + p_{r-1}) )``, ``p_k = float64(B[i, k]) * float64(A[k, j])``,
 
 the float64 sum of the exact products (float32 factors have 24-bit significands, so their products are exact in
-float64) in the order ``k = 0 .. r-1``, rounded once to float32, with a zero always ``+0``. Each element depends only on
-its row of ``B`` and its column of ``A``.
+float64) in the order ``k = 0 .. r-1``, rounded once to float32 (a sum that is exactly zero is ``+0``). Each element
+depends only on its row of ``B`` and its column of ``A``.
 
-It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum, with
-``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot product,
-with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included), that is the
-element; the rare elements whose interval holds a rounding boundary (about ``r * 2**-20`` of them, more where the
-products cancel) are summed again in order. The result is the same bits on every CPU, thread count and ``MKL_CBWR``
-setting, and for any split into row blocks.
+It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum,
+with ``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot
+product, with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included),
+that is the element; the rare elements whose interval holds a rounding boundary (34 in 262,144 for random rank-64
+factors, more where the products cancel) are summed again in order. The result is the same bits on every CPU, thread
+count and ``MKL_CBWR`` setting, and for any split into row blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
-#: Rows of the product computed at a time (float64 temporaries of about ``rows x columns x 8`` bytes, cache-sized).
-BLOCK_ELEMENTS = 1 << 20
+#: Elements of the float64 BLAS product per call (32 MB): few calls, since every call may start the BLAS's threads.
+PRODUCT_ELEMENTS = 1 << 22
+
+#: Elements checked at a time: below ATen's grain size (32768), so the elementwise passes run on the calling thread
+#: without an OpenMP region each (on a busy machine every region waits for all its threads), in cache.
+BLOCK_ELEMENTS = 32000
 
 #: The float64 BLAS product the check starts from (any summation order; the tests swap in other orders).
 _float64_product = torch.matmul
@@ -55,7 +59,7 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"LoRA factors of shapes {tuple(b.shape)} and {tuple(a.shape)} do not multiply")
     m, r = b.shape
     n = a.shape[1]
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=torch.float32, device=b.device)
     if m == 0 or n == 0:
         return out
     if r == 0:
@@ -64,26 +68,37 @@ def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     a64 = a.to(torch.float32).to(torch.float64)
     col_norms = torch.linalg.vector_norm(a64, dim=0)
     row_norms = torch.linalg.vector_norm(b64, dim=1).mul_(8.0 * (r + 2) * _UNIT)
-    step = max(1, BLOCK_ELEMENTS // n)
-    for start in range(0, m, step):
-        stop = min(m, start + step)
-        _block(b64[start:stop], a64, row_norms[start:stop], col_norms, out[start:stop])
+    unsure = []
+    product_rows, block_rows = max(1, PRODUCT_ELEMENTS // n), max(1, BLOCK_ELEMENTS // n)
+    for first in range(0, m, product_rows):
+        product = _float64_product(b64[first : first + product_rows], a64)
+        for start in range(first, first + product.shape[0], block_rows):
+            stop = min(start + block_rows, first + product.shape[0])
+            rows = product[start - first : stop - first]
+            unsure.append(_block(rows, row_norms[start:stop], col_norms, out[start:stop], start))
+    unsure = [u for u in unsure if u is not None]
+    # sum again in rank order where the float64 product's error bound straddles a float32 rounding boundary
+    if unsure:
+        rows = torch.cat([u[0] for u in unsure])
+        cols = torch.cat([u[1] for u in unsure])
+        products = b64[rows] * a64[:, cols].T  # exact
+        total = torch.zeros(rows.numel(), dtype=torch.float64, device=b64.device)
+        for k in range(r):
+            total += products[:, k]
+        out[rows, cols] = total.to(torch.float32)
     return out
 
 
 def _block(
-    b64: torch.Tensor, a64: torch.Tensor, row_bound: torch.Tensor, col_norms: torch.Tensor, out: torch.Tensor
-) -> None:
-    """Rows of :func:`lora_product` into ``out``: the float64 product, and the ordered sum where it is unsure."""
-    s = _float64_product(b64, a64)
+    s: torch.Tensor, row_bound: torch.Tensor, col_norms: torch.Tensor, out: torch.Tensor, first: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows ``first:`` of :func:`lora_product` into ``out`` from the float64 product ``s``; returns the unsure ones."""
     torch.add(s, 0.0, out=out)  # rounded once; a zero becomes +0 (-0 + 0 = +0)
     rows, cols = row_bound[:, None], col_norms[None, :]
     hi = torch.addcmul(s, rows, cols, out=torch.empty_like(out))  # float64 sums, rounded once to float32
     lo = torch.addcmul(s, rows, cols, value=-1.0, out=torch.empty_like(out))
-    unsure_rows, unsure_cols = torch.ne(lo.view(torch.int32), hi.view(torch.int32)).nonzero(as_tuple=True)
-    if unsure_rows.numel():
-        products = b64[unsure_rows] * a64[:, unsure_cols].T
-        total = torch.zeros(unsure_rows.numel(), dtype=torch.float64)
-        for k in range(products.shape[1]):
-            total += products[:, k]
-        out[unsure_rows, unsure_cols] = total.to(torch.float32)
+    unsure = torch.ne(lo.view(torch.int32), hi.view(torch.int32))
+    if not unsure.any():
+        return None
+    unsure_rows, unsure_cols = unsure.nonzero(as_tuple=True)
+    return unsure_rows.add_(first), unsure_cols

@@ -67,7 +67,10 @@ def test_single_lora_agent_equals_peft_merge_and_unload(tmp_path, variant):
     assert set(ours) == set(merged_reference)
     changed = 0
     for name, value in merged_reference.items():
-        torch.testing.assert_close(ours[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)
+        # PEFT's float32 product and ours round differently: a few float32 ulps of the tensor's largest value apart
+        # (the random embedding LoRA's deltas reach ~8, and an element where base and delta cancel keeps their error)
+        scale = max(1.0, float(value.abs().max()))
+        torch.testing.assert_close(ours[name], value.float(), rtol=1e-6, atol=1e-7 * scale, msg=name)
         changed += int(not torch.equal(ours[name], load_file(str(base / "model.safetensors"))[name]))
     assert changed >= 3  # several tensors really moved
     card = (tmp_path / "out" / "README.md").read_text()

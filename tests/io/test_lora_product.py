@@ -85,7 +85,8 @@ def test_any_split_into_row_blocks_gives_the_same_bits(monkeypatch):
     b = torch.randn(257, 64, generator=gen) * 0.02
     a = torch.randn(64, 129, generator=gen) * 0.02
     whole = lora_product(b, a)
-    monkeypatch.setattr(module, "BLOCK_ELEMENTS", 7 * 129)  # 7 rows at a time inside the product
+    monkeypatch.setattr(module, "PRODUCT_ELEMENTS", 20 * 129)  # 20 rows per BLAS call
+    monkeypatch.setattr(module, "BLOCK_ELEMENTS", 7 * 129)  # 7 rows per check
     assert torch.equal(_bits(lora_product(b, a)), _bits(whole))
     pieces = torch.cat([lora_product(b[start : start + 37], a) for start in range(0, 257, 37)])
     assert torch.equal(_bits(pieces), _bits(whole))
@@ -121,3 +122,39 @@ def test_empty_shapes_and_a_mismatch():
     assert torch.equal(lora_product(torch.ones(2, 0), torch.ones(0, 3)), torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"\(2, 3\) and \(4, 5\)"):
         lora_product(torch.ones(2, 3), torch.ones(4, 5))
+
+
+def test_a_lora_merge_has_the_ordered_bits_for_any_chunk_budget(tmp_path):
+    """The merge's LoRA task vectors are the product's bits, for chunks of a few rows and for whole tensors.
+
+    Under ``MKL_CBWR=AVX2`` a float32 ``B[rows] @ A`` gave other bytes for each chunk budget (tests/test_numerics_env.py
+    runs this module so).
+    """
+    pytest.importorskip("peft", reason="peft is needed to build a real LoRA adapter")
+    from safetensors.torch import load_file
+
+    import ram_trl
+    from tests.helpers import lora_adapter, qwen_model, save_base
+
+    base = save_base(qwen_model(), tmp_path / "base")
+    lora_adapter(qwen_model(), tmp_path / "lora", r=8, lora_alpha=16, target_modules=["q_proj", "down_proj"])
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(base),
+        "models": [{"model": str(tmp_path / "lora")}],
+        "out_dtype": "float32",
+    }
+    merged = {}
+    for budget in ("8KB", "512MB"):
+        ram_trl.merge(config, tmp_path / budget, chunk_budget=budget, progress=False)
+        merged[budget] = load_file(tmp_path / budget / "model.safetensors")
+    assert merged["8KB"].keys() == merged["512MB"].keys()
+    for name, values in merged["8KB"].items():
+        assert torch.equal(_bits(values), _bits(merged["512MB"][name])), name
+    base_tensors = load_file(base / "model.safetensors")
+    factors = load_file(tmp_path / "lora" / "adapter_model.safetensors")
+    for module_name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        prefix = f"base_model.model.{module_name}"
+        delta = _ordered(factors[f"{prefix}.lora_B.weight"], factors[f"{prefix}.lora_A.weight"]) * 2.0
+        want = base_tensors[f"{module_name}.weight"] + delta
+        assert torch.equal(_bits(merged["8KB"][f"{module_name}.weight"]), _bits(want)), module_name
