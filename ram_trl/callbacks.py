@@ -40,6 +40,7 @@ from ram_trl.manifest import (
 )
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
+from ram_trl.validation import check_callback_arguments
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
@@ -171,8 +172,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         save_agent: bool = True,
         write_stage: bool = True,
     ) -> None:
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
-            raise ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer (or None)")
+        check_callback_arguments(locals(), type(self).__name__)  # every argument, before any training
         # validates eps, save_dtype, base_model, r, alpha now; the reference model is known at train begin
         self.tracker = TaskVectorTracker(
             base_model,

@@ -63,3 +63,37 @@ def test_eval_refuses_zero_new_tokens(eval_inputs, capsys):
     model, recipe = eval_inputs
     line = error_line(capsys, main(["eval", str(model), "--recipe", str(recipe), "--max-new-tokens", "0"]))
     assert "--max-new-tokens" in line
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The callback's arguments: all validated at construction, before any training
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"every_n_steps": True}, "every_n_steps=True"),
+        ({"every_n_steps": 2.0}, "every_n_steps=2.0"),
+        ({"eps": float("inf")}, "eps must be a finite number"),
+        ({"eps": "1e-5"}, "eps must be a number"),
+        ({"r": float("nan")}, "r must be a finite number"),
+        ({"threads": 2.5}, "threads=2.5"),
+        ({"magnitude_sample": 0}, "magnitude_sample=0"),
+        ({"prior_stages": "runs/coding"}, "prior_stages='runs/coding': give a list"),
+        ({"prior_stages": [3]}, "every entry must be a path"),
+        ({"stage_name": 5}, "stage_name=5: give a non-empty string"),
+        ({"domain": ["code"]}, "domain=['code']"),
+        ({"stage_name": "a\n# injected"}, "without control characters"),
+        ({"stage_name": "../other"}, "may not hold '/'"),
+        ({"stage_name": "x" * 250}, "at most 200 characters"),
+        ({"save_agent": "yes"}, "save_agent='yes': give True or False"),
+        ({"base_model": 5}, "base_model=5"),
+    ],
+)
+def test_callback_arguments_are_refused_at_construction(kwargs, needle):
+    from ram_trl.callbacks import TaskVectorSparsityCallback
+    from ram_trl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="TaskVectorSparsityCallback") as exc:
+        TaskVectorSparsityCallback(**kwargs)
+    assert needle in str(exc.value) and "\n" not in str(exc.value).replace(repr(kwargs.get("stage_name")), "")
