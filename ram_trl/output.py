@@ -599,7 +599,7 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     remove_stale(target)
     temp = temp_name(target)
     try:
-        with catch_signals():
+        with catch_signals(), guard_os_errors(f"{what} {target}"):
             yield temp
             os.replace(temp, target)
     except OSError as exc:
@@ -652,6 +652,25 @@ def check_output_file(
         )
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def wrapped_errno(exc: BaseException) -> int | None:
+    """The ``errno`` of a file-system error that a library reports as its own exception type: safetensors' Rust
+    writer raises ``SafetensorError("... (os error 28) ...")`` for a full disk.
+
+    Args:
+        exc: The exception.
+
+    Returns:
+        The error number, or ``None`` when ``exc`` is not such an error.
+    """
+    if type(exc).__name__ != "SafetensorError":
+        return None
+    match = _OS_ERROR.search(str(exc))
+    return int(match.group(1)) if match else None
+
+
 def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
     """A context that turns file-system errors of the output (``ENOSPC``, ``EROFS``, ...) into :class:`OutputError`."""
 
@@ -662,6 +681,11 @@ def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
         except OSError as exc:
             if exc.errno in OUTPUT_ERRNOS:
                 raise as_output_error(exc, what) from exc
+            raise
+        except Exception as exc:
+            code = wrapped_errno(exc)
+            if code in OUTPUT_ERRNOS:
+                raise as_output_error(OSError(code, os.strerror(code)), what) from exc
             raise
 
     return guard()

@@ -97,3 +97,54 @@ def test_callback_arguments_are_refused_at_construction(kwargs, needle):
     with pytest.raises(ConfigError, match="TaskVectorSparsityCallback") as exc:
         TaskVectorSparsityCallback(**kwargs)
     assert needle in str(exc.value) and "\n" not in str(exc.value).replace(repr(kwargs.get("stage_name")), "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Disk full / read-only while safetensors writes: one line, not the library's exception
+
+
+@pytest.mark.parametrize(("code", "needle"), [(28, "free some space"), (30, "read-only")])
+def test_safetensors_errors_of_a_full_or_read_only_disk_are_one_line(tmp_path, code, needle):
+    from ram_trl.errors import OutputError
+    from ram_trl.output import guard_os_errors
+
+    class SafetensorError(Exception):  # the Rust writer's exception type, by name
+        pass
+
+    match = rf"cannot write agent directory {tmp_path}.*{needle}"
+    with pytest.raises(OutputError, match=match) as exc, guard_os_errors(f"agent directory {tmp_path}"):
+        raise SafetensorError(f'Error while serializing: I/O error: x (os error {code}) at path "/x"')
+    assert "\n" not in str(exc.value)
+    with pytest.raises(SafetensorError), guard_os_errors("x"):  # anything else is not the user's disk
+        raise SafetensorError("Error while serializing: header too large")
+
+
+def test_atomic_file_turns_a_full_disk_in_safetensors_into_one_line(tmp_path):
+    from ram_trl.errors import OutputError
+    from ram_trl.output import atomic_file
+
+    class SafetensorError(Exception):
+        pass
+
+    target = tmp_path / "fisher.safetensors"
+    match = f"cannot write Fisher file {target}.*free some space"
+    with pytest.raises(OutputError, match=match), atomic_file(target, "Fisher file") as temp:
+        temp.write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_of_a_directory_without_a_model_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "notamodel"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x\n")
+    recipe = tmp_path / "recipe.yaml"
+    import yaml
+
+    from tests.helpers import recipe_dict
+
+    recipe.write_text(
+        yaml.safe_dump(recipe_dict(name="r", stages={"*": {"prompts": {"train_size": 8, "eval_size": 4}}}))
+    )
+    line = error_line(capsys, main(["eval", str(empty), "--recipe", str(recipe)]))
+    assert f"agent {empty} holds no model" in line
