@@ -148,3 +148,21 @@ def test_eval_of_a_directory_without_a_model_is_one_line(tmp_path, capsys):
     )
     line = error_line(capsys, main(["eval", str(empty), "--recipe", str(recipe)]))
     assert f"agent {empty} holds no model" in line
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_shard_size", 0), ("max_shard_size", "0MB"), ("chunk_budget", "0"), ("chunk_budget", -1)],
+)
+def test_zero_or_negative_sizes_are_refused(tmp_path, option, value):
+    import ram_trl
+    from ram_trl.errors import ConfigError
+    from tests.helpers import config_for, make_checkpoints
+
+    ckpts = make_checkpoints(tmp_path / "inputs")
+    with pytest.raises(ConfigError, match=rf"{option}={value!r}: give a positive size"):
+        ram_trl.merge(config_for(ckpts, "ram"), tmp_path / "out", progress=False, **{option: value})
+    assert not (tmp_path / "out").exists()
+    if option == "chunk_budget":
+        with pytest.raises(ConfigError, match=rf"{option}={value!r}: give a positive size"):
+            ram_trl.analyze(ckpts.base, ckpts.agents, None, progress=False, chunk_budget=value)
