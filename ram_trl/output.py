@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -192,7 +193,7 @@ def remove_stale(target: Path) -> list[Path]:
     Returns:
         The entries removed.
     """
-    parent, name = target.parent, target.name
+    parent, name = target.parent, _temp_stem(target.name)
     if not parent.is_dir():
         return []
     removed = []
@@ -268,7 +269,20 @@ def temp_name(target: Path, kind: str = "tmp") -> Path:
     Returns:
         A hidden path beside ``target``: ``.NAME.ram-trl-KIND-PID-RANDOM`` (not created).
     """
-    return target.parent / f".{target.name}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+#: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
+_STEM_BYTES = 200
+
+
+def _temp_stem(name: str) -> str:
+    """``name`` as temporary siblings carry it: whole when short, else shortened with a digest of the whole name,
+    so that an output name of up to 255 bytes still has a temporary sibling."""
+    if len(name.encode()) <= _STEM_BYTES:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 
 class OutputDir:

@@ -166,3 +166,15 @@ def test_zero_or_negative_sizes_are_refused(tmp_path, option, value):
     if option == "chunk_budget":
         with pytest.raises(ConfigError, match=rf"{option}={value!r}: give a positive size"):
             ram_trl.analyze(ckpts.base, ckpts.agents, None, progress=False, chunk_budget=value)
+
+
+def test_an_output_name_of_250_characters_is_written(tmp_path):
+    from ram_trl.output import OutputDir, atomic_file
+
+    name = "m" * 250
+    OutputDir(tmp_path / name, what="output directory").write(lambda temp: (temp / "a.txt").write_text("x"))
+    assert (tmp_path / name / "a.txt").read_text() == "x"
+    with atomic_file(tmp_path / ("f" * 250)) as temp:
+        temp.write_text("y")
+    assert (tmp_path / ("f" * 250)).read_text() == "y"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f" * 250, name]
