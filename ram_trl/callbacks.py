@@ -323,6 +323,8 @@ class TaskVectorSparsityCallback(TrainerCallback):
         unwrapped = policy_of(self.trainer.accelerator.unwrap_model(self.trainer.model))
         config = getattr(unwrapped, "config", None)
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
+        if self.base_model and Path(base_id).exists():
+            base_id = Path(base_id).resolve()  # readers do not run from this run's working directory
         telemetry = {k: v for k, v in self.tracker.last.items() if math.isfinite(v)}
         return StageManifest(
             stage=self.stage_name or Path(args.output_dir).resolve().name,
