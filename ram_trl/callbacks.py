@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import ram_trl
 from ram_trl import defaults
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.manifest import (
+    FINGERPRINT_ELEMENTS,
     MANIFEST_NAME,
     StageManifest,
     check_save_target,
@@ -39,7 +41,9 @@ from ram_trl.manifest import (
     write_manifest,
 )
 from ram_trl.output import OutputDir, guard_os_errors
+from ram_trl.telemetry.base_weights import ModelBase
 from ram_trl.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
+from ram_trl.validation import check_callback_arguments
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
@@ -210,8 +214,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         save_agent: bool = True,
         write_stage: bool = True,
     ) -> None:
-        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
-            raise ConfigError(f"every_n_steps={every_n_steps!r} must be a positive integer (or None)")
+        check_callback_arguments(locals(), type(self).__name__)  # every argument, before any training
         # validates eps, save_dtype, base_model, r, alpha now; the reference model is known at train begin
         self.tracker = TaskVectorTracker(
             resolve_base_model(base_model),
@@ -273,6 +276,8 @@ class TaskVectorSparsityCallback(TrainerCallback):
             check_save_target(args.output_dir)
         self.tracker.reference_model = reference
         self.tracker.setup(model)
+        if state.global_step == 0 and reference is None and self.tracker.kind == "full" and self.base_model:
+            check_policy_starts_from_base(self.tracker, model)
         if state.global_step > 0 and self.tracker.base_description.startswith("in-memory snapshot"):
             raise ConfigError(
                 f"training resumes at step {state.global_step}, so the weights at train begin are not the base; "
@@ -366,6 +371,8 @@ class TaskVectorSparsityCallback(TrainerCallback):
         unwrapped = policy_of(self.trainer.accelerator.unwrap_model(self.trainer.model))
         config = getattr(unwrapped, "config", None)
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
+        if self.base_model and Path(base_id).exists():
+            base_id = Path(base_id).resolve()  # readers do not run from this run's working directory
         telemetry = {k: v for k, v in self.tracker.last.items() if math.isfinite(v)}
         return StageManifest(
             stage=self.stage_name or Path(args.output_dir).resolve().name,
@@ -474,6 +481,50 @@ def save_agent(
     return out_dir / MANIFEST_NAME if manifest is not None else None
 
 
+def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Module) -> None:
+    """Compare the policy at train begin with the base checkpoint on the base fingerprint's tensors (their leading
+    elements, in the lower of the two precisions): a ``base_model`` that is not where the policy starts from (same
+    architecture, other weights) makes every metric meaningless, so it is reported before training.
+
+    Args:
+        tracker (`TaskVectorTracker`): The set-up tracker (its base source and fingerprint).
+        model (`torch.nn.Module`): The policy, before its first step.
+
+    Raises:
+        NonFiniteError: naming the base and the tensor, when the base holds NaN/Inf there.
+
+    Warns:
+        UserWarning: naming the base and the first tensor that differs (the policy may start from another
+            checkpoint on purpose, e.g. a fine-tune measured against its original base).
+    """
+    source, fingerprint = tracker.source, tracker.base_fingerprint
+    if source is None or fingerprint is None:
+        return
+    policy = ModelBase.from_model(model, "policy")
+    available = set(policy.names())
+    dtypes = {p.dtype for p in model.parameters() if torch.is_floating_point(p)}
+    for name in fingerprint.tensors:
+        if name not in available:
+            continue
+        numel = min(math.prod(source.shape(name)), FINGERPRINT_ELEMENTS)
+        theirs = source.read(name, 0, numel)
+        ours = policy.head(name, numel)
+        if not bool(torch.isfinite(theirs.float()).all()):
+            raise NonFiniteError(f"base_model {tracker.base_model}: tensor {name!r} holds NaN/Inf values")
+        coarse = max(
+            [theirs.dtype, *dtypes], key=lambda d: torch.finfo(d).eps if d.is_floating_point else 0.0
+        )
+        if not torch.equal(ours.cpu().to(coarse), theirs.cpu().to(coarse)):
+            warnings.warn(
+                f"base_model {tracker.base_model}: tensor {name!r} differs from the policy's at train begin, so the "
+                "base is not the checkpoint the policy was loaded from; every task-vector metric and the merge "
+                "measure against this base. Pass the policy's own starting checkpoint as base_model",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+
+
 def check_finite_agent(
     tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
 ) -> None:
@@ -539,6 +590,7 @@ __all__ = [
     "TaskVectorSparsityCallback",
     "agent_output",
     "check_finite_agent",
+    "check_policy_starts_from_base",
     "last_reward_metrics",
     "library_versions",
     "resolve_base_model",

@@ -147,12 +147,14 @@ def open_inputs(
     )
     if base.config_path is not None:
         check_model_config(base.config_path, base.role)
+    shapes = {name: tuple(meta.shape) for name, meta in base.tensors.items()}
     agents = [
         open_checkpoint(
             agent.path,
             f"agent {agent.index} ({agent.name}, {agent.path})",
             allow_pickle=allow_pickle,
             allow_external_shards=allow_external_shards,
+            base_shapes=shapes,
         )
         for agent in resolved.agents
     ]

@@ -371,6 +371,11 @@ def load_agent(
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
     agent_dir = _stage_checkpoint(agent_dir)
+    if not is_adapter_dir(agent_dir) and not (agent_dir / "config.json").is_file():
+        raise RamTrlError(
+            f"agent {agent_dir} holds no model: no config.json (a model saved with save_pretrained) and no "
+            "adapter_config.json (a PEFT adapter)"
+        )
     _check_weights_format(agent_dir, "agent", allow_pickle)
     if not is_adapter_dir(agent_dir):
         model = AutoModelForCausalLM.from_pretrained(agent_dir, dtype=dtype)

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -192,7 +193,7 @@ def remove_stale(target: Path) -> list[Path]:
     Returns:
         The entries removed.
     """
-    parent, name = target.parent, target.name
+    parent, name = target.parent, _temp_stem(target.name)
     if not parent.is_dir():
         return []
     removed = []
@@ -268,7 +269,20 @@ def temp_name(target: Path, kind: str = "tmp") -> Path:
     Returns:
         A hidden path beside ``target``: ``.NAME.ram-trl-KIND-PID-RANDOM`` (not created).
     """
-    return target.parent / f".{target.name}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+#: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
+_STEM_BYTES = 200
+
+
+def _temp_stem(name: str) -> str:
+    """``name`` as temporary siblings carry it: whole when short, else shortened with a digest of the whole name,
+    so that an output name of up to 255 bytes still has a temporary sibling."""
+    if len(name.encode()) <= _STEM_BYTES:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 
 class OutputDir:
@@ -599,7 +613,7 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     remove_stale(target)
     temp = temp_name(target)
     try:
-        with catch_signals():
+        with catch_signals(), guard_os_errors(f"{what} {target}"):
             yield temp
             os.replace(temp, target)
     except OSError as exc:
@@ -652,6 +666,25 @@ def check_output_file(
         )
 
 
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def wrapped_errno(exc: BaseException) -> int | None:
+    """The ``errno`` of a file-system error that a library reports as its own exception type: safetensors' Rust
+    writer raises ``SafetensorError("... (os error 28) ...")`` for a full disk.
+
+    Args:
+        exc: The exception.
+
+    Returns:
+        The error number, or ``None`` when ``exc`` is not such an error.
+    """
+    if type(exc).__name__ != "SafetensorError":
+        return None
+    match = _OS_ERROR.search(str(exc))
+    return int(match.group(1)) if match else None
+
+
 def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
     """A context that turns file-system errors of the output (``ENOSPC``, ``EROFS``, ...) into :class:`OutputError`."""
 
@@ -662,6 +695,11 @@ def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
         except OSError as exc:
             if exc.errno in OUTPUT_ERRNOS:
                 raise as_output_error(exc, what) from exc
+            raise
+        except Exception as exc:
+            code = wrapped_errno(exc)
+            if code in OUTPUT_ERRNOS:
+                raise as_output_error(OSError(code, os.strerror(code)), what) from exc
             raise
 
     return guard()

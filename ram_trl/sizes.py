@@ -21,7 +21,7 @@ _UNITS.update(
 )
 
 
-def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False) -> int:
+def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False, name: str | None = None) -> int:
     """Bytes in a size such as ``"5GB"``, ``"500MiB"``, ``"1.5GB"`` or ``1048576``.
 
     Args:
@@ -32,6 +32,9 @@ def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False) -> int:
             The convention of transformers' ``max_shard_size``: a decimal unit written with a lowercase final
             ``b`` (``"5Gb"``) counts bits, so the bytes are divided by 8 (rounded down). Without it, ``"5Gb"``
             is ``"5GB"``.
+        name (`str`, *optional*):
+            The option the size is given for (e.g. ``"max_shard_size"``): with it, a size below one byte is refused,
+            naming the option.
 
     Returns:
         `int`: the number of bytes.
@@ -46,8 +49,19 @@ def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False) -> int:
     (5000000000, 268435456, 125000000)
     ```
     """
-    if isinstance(value, int):
-        return value
+    size = (
+        value
+        if isinstance(value, int) and not isinstance(value, bool)
+        else _parse(value, lowercase_b_is_bits)
+    )
+    if name is not None and size < 1:
+        raise ConfigError(f"{name}={value!r}: give a positive size, e.g. 5GB, 500MB or 256MiB")
+    return size
+
+
+def _parse(value: str, lowercase_b_is_bits: bool) -> int:
+    if not isinstance(value, str):
+        raise ConfigError(f"cannot parse size {value!r}; write e.g. 5GB, 500MB or 256MiB")
     match = _SIZE.match(value)
     unit = (match.group(2) or "").upper() if match else None
     if not match or unit not in _UNITS:

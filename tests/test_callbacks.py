@@ -542,3 +542,24 @@ def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
     with pytest.raises(NonFiniteError, match=r"NaN/Inf values in float16 .*nothing was saved"):
         trainer.train()
     assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()
+
+
+def test_a_base_model_the_policy_does_not_start_from_is_reported_before_training(base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ram_trl.errors import NonFiniteError
+
+    other = tmp_path / "other_base"
+    shutil.copytree(base, other)
+    tensors = load_file(str(other / "model.safetensors"))
+    name = fingerprint_checkpoint(base).tensors[-1]
+    tensors[name] = tensors[name] + 0.5  # same architecture, other weights
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    callback = TaskVectorSparsityCallback(base_model=other, stage_name="s")
+    with pytest.warns(UserWarning, match=rf"base_model {other}: tensor '{name}' differs from the policy's"):
+        grpo_run(base, tmp_path / "out", callback, max_steps=1, report_to=[])
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    callback = TaskVectorSparsityCallback(base_model=other, stage_name="s")
+    with pytest.raises(NonFiniteError, match=rf"base_model {other}: tensor '{name}' holds NaN/Inf"):
+        grpo_run(base, tmp_path / "out2", callback, max_steps=1, report_to=[])

@@ -35,13 +35,12 @@ def stage_for(ckpts, t: int, **fields) -> Path:
     manifest = StageManifest(
         stage=f"vertical{t}",
         domain=["coding", "tools", "memory"][t],
-        base_model=str(ckpts.base),
         base_fingerprint=fingerprint_checkpoint(ckpts.base),
         checkpoint=".",
         trainer="GRPOTrainer",
         steps=12,
         save_dtype="bfloat16",
-        **{"rewards": {"reward": 0.5 + t}, **fields},
+        **{"rewards": {"reward": 0.5 + t}, "base_model": str(ckpts.base), **fields},
     )
     write_manifest(manifest, directory)
     return directory
@@ -235,3 +234,19 @@ def test_non_finite_telemetry_in_a_manifest_keeps_the_report_strict_json(tmp_pat
     report = json.loads(text, parse_constant=lambda token: pytest.fail(f"invalid JSON token {token}"))
     assert report["agents"][0]["stage"]["telemetry"] == {"rho": 0.25}
     assert report["agents"][0]["stage"]["rewards"] == {}
+
+
+def test_a_relative_base_model_resolves_beside_the_manifest(tmp_path, monkeypatch):
+    ckpts = make_checkpoints(tmp_path / "inputs")
+    stages = [stage_for(ckpts, t, base_model=str(Path("..") / ckpts.base.name)) for t in range(2)]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the base is found from the manifests, not from the working directory
+    result = ram_trl.analyze(None, stages, None, progress=False, figures=False)
+    assert [a["name"] for a in result["agents"]] == ["vertical0", "vertical1"]
+
+
+def test_names_for_an_agent_that_is_the_base_say_why_it_was_left_out(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    with pytest.raises(ConfigError, match=r"2 names given for 1 agents \(models\[0\] is the base model"):
+        ram_trl.analyze(ckpts.base, [ckpts.base, ckpts.agents[0]], None, names=["b", "a"], progress=False)

@@ -313,3 +313,26 @@ def test_bad_arguments(base, first, kwargs, match):
     }
     with pytest.raises(ConfigError, match=match):
         MergePreviewCallback(**settings)
+
+
+def test_a_users_output_last_directory_is_never_taken_for_the_previews(tmp_path):
+    from ram_trl.manifest import StageManifest, write_manifest
+    from ram_trl.preview import check_last_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    assert check_last_dir(out) is False
+    (out / "last").mkdir()
+    (out / "last" / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match=rf"{out / 'last'} exists and is not an earlier merge preview's"):
+        check_last_dir(out)
+    manifest = StageManifest(
+        stage="s", base_model="b", checkpoint=".", extra={"preview": {"last_checkpoint": "."}}
+    )
+    write_manifest(manifest, out)
+    with pytest.raises(ConfigError, match="not an earlier merge preview's"):
+        check_last_dir(out)  # a preview that kept its last step wrote no last/
+    manifest.extra["preview"]["last_checkpoint"] = "last"
+    write_manifest(manifest, out)
+    assert check_last_dir(out) is True
+    assert (out / "last" / "notes.txt").read_text() == "mine\n"

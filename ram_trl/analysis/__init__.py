@@ -178,7 +178,7 @@ def _run(run: AnalysisRun) -> dict[str, Any]:
             shape_mismatch="error",
             needs_statistics=False,
             trims_by_magnitude=False,
-            chunk_budget=parse_size(run.chunk_budget),
+            chunk_budget=parse_size(run.chunk_budget, name="chunk_budget"),
         )
         return base, agents, plan
 

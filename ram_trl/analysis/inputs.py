@@ -12,7 +12,7 @@ from ram_trl import defaults
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.counting import DEFAULT_EPS
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import is_stage, read_manifest
+from ram_trl.manifest import is_stage, manifest_path, read_manifest
 from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R
@@ -77,8 +77,8 @@ def resolve_inputs(
         resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
     else:
         if base is None and agents and all(is_stage(a) for a in agents):
-            bases = {read_manifest(a).base_model for a in agents}
-            if len(bases) == 1 and Path(next(iter(bases))).exists():
+            bases = {stage_base(a) for a in agents}
+            if len(bases) == 1 and next(iter(bases)).exists():
                 base = next(iter(bases))
         if base is None or not agents:
             raise ConfigError(
@@ -101,8 +101,9 @@ def resolve_inputs(
         resolved = resolve_config(load_config(raw)[0], allow_external_shards=allow_external_shards)
     if names is not None:
         if len(names) != len(resolved.agents):
+            dropped = f" ({'; '.join(resolved.notes)})" if resolved.notes else ""
             raise ConfigError(
-                f"{len(names)} names given for {len(resolved.agents)} agents; give one per agent"
+                f"{len(names)} names given for {len(resolved.agents)} agents{dropped}; give one per agent"
             )
         for agent, name in zip(resolved.agents, names, strict=True):
             agent.name = name
@@ -116,4 +117,20 @@ def resolve_inputs(
     return AnalysisInputs(resolved, values["eps"], values["r"], values["alpha"])
 
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_R", "AnalysisInputs", "resolve_inputs"]
+def stage_base(path: str | os.PathLike) -> Path:
+    """The base model a stage manifest names, a relative path resolved against the manifest's directory (where it
+    exists there) rather than the current directory.
+
+    Args:
+        path (`str` or `os.PathLike`): The manifest or its directory.
+
+    Returns:
+        `Path`: The base model's path.
+    """
+    file = manifest_path(path)
+    base = Path(read_manifest(file).base_model).expanduser()
+    beside = file.parent / base
+    return beside.resolve() if not base.is_absolute() and beside.exists() else base
+
+
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_R", "AnalysisInputs", "resolve_inputs", "stage_base"]

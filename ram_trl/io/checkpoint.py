@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,7 +172,12 @@ class Checkpoint:
 
 
 def open_checkpoint(
-    path: str | Path, role: str, *, allow_pickle: bool = False, allow_external_shards: bool = False
+    path: str | Path,
+    role: str,
+    *,
+    allow_pickle: bool = False,
+    allow_external_shards: bool = False,
+    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Checkpoint:
     """Open a checkpoint directory and read every tensor's metadata.
 
@@ -182,6 +188,8 @@ def open_checkpoint(
         allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
         allow_external_shards: Accept index files whose shards resolve outside ``path`` (absolute paths, ``..``,
             symbolic links out of the directory); refused by default.
+        base_shapes: The base model's tensor shapes, for a LoRA adapter: they tell its Linear layers from GPT-2
+            ``Conv1D`` layers as PEFT does (:func:`~ram_trl.io.lora.read_adapter`).
 
     Returns:
         The opened :class:`Checkpoint`.
@@ -205,7 +213,7 @@ def open_checkpoint(
     if single.is_file():
         return _from_safetensors_files(path, role, [single])
     if is_adapter_dir(path):
-        return _from_adapter(path, role)
+        return _from_adapter(path, role, base_shapes)
     pickles = [path / PICKLE_INDEX, path / PICKLE_SINGLE]
     if any(p.is_file() for p in pickles):
         if not allow_pickle:
@@ -224,8 +232,10 @@ def open_checkpoint(
     )
 
 
-def _from_adapter(path: Path, role: str) -> Checkpoint:
-    content = read_adapter(path, role)
+def _from_adapter(
+    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> Checkpoint:
+    content = read_adapter(path, role, base_shapes)
     metas: dict[str, TensorMeta] = {}
     for name, info in content.full.items():
         metas[name] = TensorMeta(name, info.dtype, info.shape)

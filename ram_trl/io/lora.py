@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -158,12 +159,37 @@ def _factor_key(name: str) -> tuple[str, str, str | None] | None:
     return None
 
 
-def read_adapter(path: Path, role: str) -> AdapterContent:
+def _layout(
+    module: str,
+    a: TensorInfo,
+    b: TensorInfo,
+    fan_in_fan_out: bool,
+    base_shapes: Mapping[str, tuple[int, ...]] | None,
+) -> Literal["linear", "transposed"]:
+    """How PEFT applies a ``lora_A``/``lora_B`` pair: by the module's class, not by the config's flag (PEFT resets
+    ``fan_in_fan_out`` to False on ``nn.Linear`` and to True on GPT-2's ``Conv1D``). The class shows in the base
+    tensor's shape, ``(out, in)`` for a Linear and ``(in, out)`` for a Conv1D; the flag decides only where the base
+    is unknown or square."""
+    shape = None if base_shapes is None else base_shapes.get(f"{module}.weight")
+    if shape is not None and len(a.shape) == 2 and len(b.shape) == 2:
+        linear, transposed = (b.shape[0], a.shape[1]), (a.shape[1], b.shape[0])
+        if linear != transposed and tuple(shape) == linear:
+            return "linear"
+        if linear != transposed and tuple(shape) == transposed:
+            return "transposed"
+    return "transposed" if fan_in_fan_out else "linear"
+
+
+def read_adapter(
+    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> AdapterContent:
     """Read and validate a PEFT adapter directory.
 
     Args:
         path: The adapter directory (``adapter_config.json`` and the adapter's weights).
         role: How messages name the adapter (e.g. ``"agent 1 (math)"``).
+        base_shapes: The base model's tensor shapes by name, when known: they tell a Linear layer from a GPT-2
+            ``Conv1D`` as PEFT does (a ``fan_in_fan_out`` flag that contradicts the layer is ignored, as in PEFT).
 
     Returns:
         Its config and tensors, mapped onto base tensor names.
@@ -249,7 +275,7 @@ def read_adapter(path: Path, role: str) -> AdapterContent:
         scaling = module_alpha / math.sqrt(r) if rslora else module_alpha / r
         if "lora_A" in parts and "lora_B" in parts:
             a, b = parts["lora_A"], parts["lora_B"]
-            layout: Literal["linear", "transposed"] = "transposed" if fan_in_fan_out else "linear"
+            layout: Literal["linear", "transposed"] = _layout(module, a, b, fan_in_fan_out, base_shapes)
         elif "lora_embedding_A" in parts and "lora_embedding_B" in parts:
             a, b = parts["lora_embedding_A"], parts["lora_embedding_B"]
             layout = "transposed"

@@ -9,6 +9,7 @@ on), scored the same way, each split's prompts generated on their own.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     hf_logging.disable_progress_bar()
     model, tokenizer = load_agent(path, base, getattr(torch, dtype))
     model.eval()
+    for name, parameter in model.named_parameters():
+        if torch.is_floating_point(parameter) and not bool(torch.isfinite(parameter).all()):
+            warnings.warn(
+                f"model {path}: parameter {name!r} holds NaN/Inf values; its completions (and scores) are those "
+                "of a broken model",
+                UserWarning,
+                stacklevel=2,
+            )
+            break
     return model, generation_tokenizer(tokenizer)
 
 

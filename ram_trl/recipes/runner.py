@@ -22,13 +22,17 @@ run with a :class:`StageError` naming the stage and its log; finished stages are
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +52,18 @@ from ram_trl.recipes.schema import (
     load_recipe,
 )
 
-__all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds", "stage_complete"]
+__all__ = [
+    "STAGE_RECORD",
+    "RunOptions",
+    "StageError",
+    "die_with_parent",
+    "run_recipe",
+    "run_seeds",
+    "stage_complete",
+]
+
+#: What a stage was trained with, beside its manifest (``--resume`` compares it with the recipe).
+STAGE_RECORD = "ram_recipe_stage.json"
 
 
 class StageError(RamTrlError):
@@ -514,6 +529,7 @@ class Run:
                 )
         for stage in stages:
             if self.options.resume and stage_complete(self.stage_dir(stage)):
+                self.check_recorded_stage(stage)
                 self.console.print(f"[cyan]skip[/] stage {stage.name}: complete ({self.stage_dir(stage)})")
                 continue
             self.train_stage(stage)
@@ -599,6 +615,41 @@ class Run:
             what=f"stage {stage.name!r} directory",
         )
 
+    def stage_record(self, stage: StageSpec) -> dict[str, Any]:
+        """What a stage was trained with (kept in ``STAGE/ram_recipe_stage.json``): its spec and the run's seed.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `dict[str, Any]`: The record (JSON).
+        """
+        return {"stage": stage.model_dump(mode="json"), "seed": self.recipe.seed}
+
+    def check_recorded_stage(self, stage: StageSpec) -> None:
+        """Refuse to ``--resume`` over a finished stage trained with another config than the recipe's.
+
+        Args:
+            stage (`StageSpec`): The stage about to be skipped.
+
+        Raises:
+            ConfigError: naming the stage, its directory and the first field that differs.
+        """
+        file = self.stage_dir(stage) / STAGE_RECORD
+        if not file.is_file():
+            return  # a stage finished before records were kept
+        try:
+            recorded = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            recorded = None
+        wanted = json.loads(json.dumps(self.stage_record(stage)))
+        if recorded != wanted:
+            field = _first_difference(recorded, wanted)
+            raise ConfigError(
+                f"--resume: stage {stage.name!r} in {self.stage_dir(stage)} was trained with another config than the "
+                f"recipe's ({field}); retrain it with --only {stage.name}, or restore the recipe"
+            )
+
     def train_stage(self, stage: StageSpec) -> None:
         """Train one stage in its own process and commit its directory when it finished with a manifest.
 
@@ -612,6 +663,9 @@ class Run:
         output = self.stage_output(stage)
         work = output.begin()  # removes a killed run's leftovers of this stage
         try:
+            (work / STAGE_RECORD).write_text(
+                json.dumps(self.stage_record(stage), indent=2, sort_keys=True) + "\n"
+            )
             code, log, tail, started = self._run_stage_process(stage, work)
             complete = code == 0 and stage_complete(work)
             if complete:
@@ -669,6 +723,7 @@ class Run:
                 cwd=str(self.root),
                 env=env,
                 bufsize=1,
+                preexec_fn=die_with_parent(os.getpid()),
             )
             try:
                 assert process.stdout is not None
@@ -941,6 +996,43 @@ class Run:
             if swept and len(names) > 1:
                 out.append({"label": spec.name or spec.method, "parameters": swept, "rows": names})
         return out
+
+
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """What a child process runs before its program (``Popen(preexec_fn=...)``) so that it is terminated with its
+    parent: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, so a runner killed even by ``kill -9`` takes its stage
+    process down with it (and the stage's temporary directory is then removed by the next run).
+
+    Args:
+        parent (`int`): The parent's process id (a child whose parent is already gone exits at once).
+
+    Returns:
+        The function, or ``None`` where the operating system has no such request.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def request() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return request
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _first_difference(recorded: Any, wanted: Any, path: str = "") -> str:
+    """The first field where two JSON values differ, as ``path: recorded -> wanted``."""
+    if isinstance(recorded, dict) and isinstance(wanted, dict):
+        for key in sorted(set(recorded) | set(wanted), key=str):
+            if recorded.get(key) != wanted.get(key):
+                return _first_difference(
+                    recorded.get(key), wanted.get(key), f"{path}.{key}" if path else str(key)
+                )
+    return f"{path or 'record'}: {recorded!r} -> {wanted!r}"
 
 
 def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:

@@ -39,6 +39,8 @@ from ram_trl import defaults
 from ram_trl.errors import ConfigError
 
 __all__ = [
+    "RESERVED_NAMES",
+    "check_row_names",
     "ABSTAIN_REPLIES",
     "DEFAULT_METHODS",
     "BaseSpec",
@@ -585,8 +587,45 @@ def load_recipe(
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{where}: {_format_errors(exc)}") from None
-    expand_merges(recipe)
+    check_row_names(recipe, where)
     return recipe, root
+
+
+#: Names a stage may not take: the base model's row of the results, the mean over stages in score tables.
+RESERVED_NAMES = ("base", "average")
+
+
+def check_row_names(recipe: Recipe, where: str = "recipe") -> None:
+    """Refuse names that would collide in the results: a stage named like a reserved row or like a merge row, or two
+    rows equal up to case (their ``eval/NAME.json`` files collide on case-insensitive file systems).
+
+    Args:
+        recipe (`Recipe`): The validated recipe.
+        where (`str`, *optional*, defaults to `"recipe"`): How messages name the recipe.
+
+    Raises:
+        ConfigError: naming both rows.
+    """
+    rows = [("base", "the base model's row")]
+    rows += [(stage.name, f"stage {stage.name!r}") for stage in recipe.stages]
+    try:
+        rows += [(row.name, f"merge row {row.name!r}") for row in expand_merges(recipe)]
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    for stage in recipe.stages:
+        if stage.name.lower() in RESERVED_NAMES:
+            raise ConfigError(
+                f"{where}: stages: the name {stage.name!r} is reserved for the results' {stage.name.lower()!r} row; "
+                "rename the stage"
+            )
+    seen: dict[str, str] = {}
+    for name, what in rows:
+        other = seen.setdefault(name.lower(), what)
+        if other != what:
+            raise ConfigError(
+                f"{where}: {what} and {other} would share a row of the results (and eval/{name}.json); rename one "
+                "(a merge entry takes a 'name:')"
+            )
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -201,3 +201,18 @@ def test_several_adapter_names_in_one_file_are_refused(tmp_path):
     save_file(both, str(tmp_path / "adapter" / "adapter_model.safetensors"))
     with pytest.raises(CheckpointError, match=r"several adapters \('default', 'other'.*selected_adapters"):
         ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+
+
+def test_a_hand_edited_fan_in_fan_out_on_linear_layers_is_read_as_peft_applies_it(tmp_path):
+    """PEFT ignores ``fan_in_fan_out: true`` on ``nn.Linear`` (it warns and resets it): the delta stays B @ A."""
+    base = save_base(qwen_model(), tmp_path / "base")
+    peft_model = lora_adapter(
+        qwen_model(), tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["up_proj", "down_proj"]
+    )
+    merged_reference = peft_model.merge_and_unload().state_dict()
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "fan_in_fan_out": True}))
+    ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    ours = reference.load_state_dict(tmp_path / "out")
+    for name, value in merged_reference.items():
+        torch.testing.assert_close(ours[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)

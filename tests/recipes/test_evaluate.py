@@ -46,3 +46,22 @@ def test_a_task_imports_and_wraps_its_reward_functions():
         StageFailure, match="stage 'math': reward function ram_trl.recipes.tasks:arithmetic_reward"
     ):
         score_completions(task.functions(), ROWS, ["82"])  # one completion for three rows
+
+
+def test_a_model_with_non_finite_weights_is_named_before_it_is_scored(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ram_trl.recipes.evaluate import load_model
+    from ram_trl.synthetic import make_base_checkpoint
+
+    path = make_base_checkpoint(tmp_path / "model", hidden_size=16, num_layers=1, intermediate_size=32)
+    load_model(
+        path
+    )  # finite: no warning (pytest's filterwarnings would not catch one, so check the next one)
+    tensors = load_file(str(path / "model.safetensors"))
+    name = sorted(tensors)[-1]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=rf"model {path}: parameter .* holds NaN/Inf values"):
+        load_model(path)

@@ -85,6 +85,11 @@ CASES = [
     ("generator-unwritable", prompts(generator=f"{F}:unwritable_prompts"), "row 0 cannot be written as JSON"),
     ("generator-duplicates", prompts(generator=f"{F}:one_prompt"), "only 0 of prompts.eval_size=4 test prompts are distinct"),
     ("missing-train-file", files(train_file="nowhere.jsonl"), "stage 'coding': prompts.train_file"),
+    ("stage-named-base", stage(name="base"), "stages: the name 'base' is reserved for the results' 'base' row"),
+    ("stage-named-average", stage(name="Average"), "the name 'Average' is reserved"),
+    ("stage-named-like-a-merge", stage(name="ram"), "merge row 'ram' and stage 'ram' would share a row of the results"),
+    ("merge-named-like-a-stage", recipe(merges=[{"method": "ram", "name": "coding"}]), "merge row 'coding' and stage 'coding' would share"),
+    ("rows-equal-up-to-case", recipe(merges=[{"method": "ram", "name": "CODING"}]), "merge row 'CODING' and stage 'coding'"),
 ]  # fmt: skip
 
 

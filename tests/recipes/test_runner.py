@@ -5,9 +5,14 @@ These run real TRL GRPOTrainer processes on tiny models built from configs (abou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ import yaml
 from safetensors import safe_open
 
 from ram_trl.cli import main
+from ram_trl.errors import ConfigError
 from ram_trl.manifest import fingerprint_checkpoint, read_manifest
 from ram_trl.output import LOCK_FILE
 from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
@@ -245,6 +251,15 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert (
         "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
     )
+    # --resume over a finished stage whose recipe entry changed since it trained: refused, naming the field
+    changed = _recipe("ram_trl.recipes.tasks:recall_reward")
+    changed["stages"][0]["config"]["learning_rate"] = 1e-3
+    recipe.write_text(yaml.safe_dump(changed))
+    with pytest.raises(
+        ConfigError, match=r"stage 'good' .* another config .*stage\.config\.learning_rate: None -> 0\.001"
+    ):
+        run_recipe(recipe, RunOptions(out=out, resume=True, progress=False))
+    assert (out / "stages" / "good" / "model.safetensors").read_bytes() == good_weights
 
 
 def test_seeds_run_the_pipeline_per_seed_and_report_t_intervals(tmp_path):
@@ -373,3 +388,31 @@ def test_gguf_base_is_converted_once_into_base_init(tmp_path, monkeypatch):
     source.write_bytes(b"GGUF" + b"\1" * 60)
     run("float32").convert_base()
     assert len(calls) == 3
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_stage_process_dies_with_a_runner_killed_by_sigkill(tmp_path):
+    """The runner's stage processes are started with die_with_parent: kill -9 of the runner leaves no orphan."""
+    middle = (
+        "import os, subprocess, sys, time\n"
+        "from ram_trl.recipes.runner import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " preexec_fn=die_with_parent(os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    child = int(runner.stdout.readline())
+    os.kill(runner.pid, signal.SIGKILL)
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail(f"stage process {child} outlived its runner")
