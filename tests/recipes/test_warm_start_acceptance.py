@@ -260,3 +260,18 @@ def test_seeds_draw_different_splits_and_the_same_seed_the_same(tmp_path):
         prompts = {r["prompt"] for r in check}
         assert len(check) == 4
         assert not prompts & {r["prompt"] for r in train + test + val + warm}, stage
+
+
+def test_check_rows_skip_training_prompts_and_leave_the_warm_start():
+    from ram_trl.recipes.data import split_check_rows
+
+    warm = [{"prompt": p, "answer": p.upper()} for p in ["a", "b", "c", "d", "b", "e"]]
+    train = [{"prompt": "a"}, {"prompt": "c"}]
+    kept, check = split_check_rows(warm, train, 2)
+    assert [r["prompt"] for r in check] == ["b", "d"]  # the first two warm rows that are not training prompts
+    assert [r["prompt"] for r in kept] == [
+        "a",
+        "c",
+        "e",
+    ]  # no row of a check prompt is trained on (the 2nd "b")
+    assert split_check_rows(warm, train, 10)[1] == [r for r in warm if r["prompt"] not in "ac"]
