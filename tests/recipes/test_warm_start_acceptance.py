@@ -109,6 +109,8 @@ def test_acceptance_fields_are_validated():
     with pytest.raises(ValidationError, match="pass_k"):
         WarmStartAcceptance(pass_k=0)
     assert WarmStartSpec().accept is None  # off by default: recipes without it train exactly `steps`
+    with pytest.raises(ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"):
+        WarmStartSpec(steps=600, accept=WarmStartAcceptance(max_steps=500))
 
 
 def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
