@@ -109,7 +109,9 @@ def test_acceptance_fields_are_validated():
     with pytest.raises(ValidationError, match="pass_k"):
         WarmStartAcceptance(pass_k=0)
     assert WarmStartSpec().accept is None  # off by default: recipes without it train exactly `steps`
-    with pytest.raises(ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"):
+    with pytest.raises(
+        ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"
+    ):
         WarmStartSpec(steps=600, accept=WarmStartAcceptance(max_steps=500))
 
 
