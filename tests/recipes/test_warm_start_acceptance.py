@@ -42,8 +42,18 @@ def test_phase_met_every_stage_or_the_mean():
 
 def test_train_until_stops_at_the_first_check_that_meets_the_criterion():
     trained, train, measure = _scripted([{"a": 0.2}, {"a": 0.4}, {"a": 0.6}, {"a": 0.9}])
-    out = train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=1500)
+    reported = []
+    out = train_until(
+        train,
+        measure,
+        lambda v: phase_met(v, 0.5),
+        first=600,
+        every=100,
+        cap=1500,
+        on_check=lambda step, values: reported.append((step, values["a"])),
+    )
     assert trained == [600, 100, 100]
+    assert reported == [(600, 0.2), (700, 0.4), (800, 0.6)]
     assert out["steps"] == 800 and out["met"] is True and out["cap"] == 1500
     assert [c["step"] for c in out["checks"]] == [600, 700, 800]
     assert [c["values"]["a"] for c in out["checks"]] == [0.2, 0.4, 0.6]
@@ -156,8 +166,18 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
         abstain_learning_rate=1e-2,
         accept=accept,
     )
+    reported = []
     with pytest.warns(UserWarning, match="phase 'answers' hit its cap of 12 steps"):
-        record = warm_start(tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks)
+        record = warm_start(
+            tmp_path / "init",
+            tmp_path / "out",
+            rows,
+            spec,
+            progress=False,
+            checks=checks,
+            on_check=lambda phase, step, values: reported.append((phase, step)),
+        )
+    assert reported == [("answers", 5), ("answers", 10), ("answers", 12), ("abstain", 4)]
     saved = json.loads((tmp_path / "out" / WARM_START_RECORD).read_text())
     acceptance = saved["acceptance"]
     assert acceptance == record["acceptance"]
