@@ -167,6 +167,10 @@ def _ci(value: float | None, interval: Any, spec: str = ".3f") -> str:
     return text + (f" [{interval[0]:{spec}}, {interval[1]:{spec}}]" if interval else "")
 
 
+def _share(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else f"{value:{spec}}"
+
+
 def meets(vertical: dict[str, Any]) -> bool:
     """Whether a specialist reached the target: gain >= :data:`TARGET_GAIN`, interval clear of zero.
 
@@ -200,7 +204,7 @@ def table(runs: dict[str, dict[str, Any] | None], times: dict[str, dict[str, Any
             lines.append(
                 f"| {name} | {stage} | {_ci(v['base'], v['base_interval'])} | "
                 f"{_ci(v['specialist'], v['specialist_interval'])} | {_ci(v['gain'], v['gain_interval'], '+.3f')} | "
-                f"{'yes' if meets(v) else '**no**'} | {v['density']:.0%} | {v['unique_share']:.1%} |"
+                f"{'yes' if meets(v) else '**no**'} | {_share(v['density'], '.0%')} | {_share(v['unique_share'], '.1%')} |"
             )
     lines += [
         "",

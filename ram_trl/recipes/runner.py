@@ -409,6 +409,7 @@ class Run:
             progress=self.options.progress,
             record_extra={"rows_digest": digest},
             checks=self.check_tasks() if spec.accept is not None else None,
+            on_check=self._report_check,
         )
         self._timed("warm_start", start)
         self.console.print(
@@ -417,6 +418,11 @@ class Run:
         )
         if "acceptance" in result:
             self.console.print(acceptance_line(result))
+
+    def _report_check(self, phase: str, step: int, values: dict[str, float]) -> None:
+        what = "sampled pass@k" if phase == "answers" else "greedy declines"
+        shown = ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
+        self.console.print(f"warm start ({phase}) step {step}: {what} {shown}")
 
     def abstain_reply(self, reply: str | None) -> str:
         """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of

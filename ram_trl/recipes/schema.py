@@ -218,6 +218,15 @@ class WarmStartSpec(_Strict):
     abstain_reply: str | None = Field(None, min_length=1)
     accept: WarmStartAcceptance | None = None
 
+    @model_validator(mode="after")
+    def _cap_after_the_first_check(self) -> WarmStartSpec:
+        if self.accept is not None and self.accept.max_steps < self.steps:
+            raise ValueError(
+                f"accept.max_steps ({self.accept.max_steps}) caps phase one below its first check at steps "
+                f"({self.steps}): make it at least steps"
+            )
+        return self
+
     @field_validator("abstain_reply")
     @classmethod
     def _one_line(cls, value: str | None) -> str | None:

@@ -204,6 +204,7 @@ def train_until(
     first: int,
     every: int,
     cap: int,
+    on_check: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``first`` steps, then measure; while the measurement does not meet the criterion, train ``every`` more
     steps (never past ``cap`` in all) and measure again.
@@ -215,6 +216,7 @@ def train_until(
         first: Steps before the first check (at most ``cap``).
         every: Steps between checks.
         cap: Most steps in all.
+        on_check: Called with the step and the measurement after each check (progress reports).
 
     Returns:
         ``{"steps", "cap", "met", "checks": [{"step", "values"}]}``; ``met`` is ``False`` when the cap was hit with
@@ -227,6 +229,8 @@ def train_until(
         steps += todo
         values = measure()
         checks.append({"step": steps, "values": values})
+        if on_check is not None:
+            on_check(steps, values)
         if met(values):
             return {"steps": steps, "cap": cap, "met": True, "checks": checks}
         if steps >= cap:
@@ -342,6 +346,7 @@ def decline_target(spec: WarmStartSpec) -> float:
 
 
 def _values(values: dict[str, float]) -> str:
+    """``stage value, ...`` with two decimals."""
     return ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
 
 
@@ -401,6 +406,7 @@ def warm_start(
     progress: bool = True,
     record_extra: dict[str, Any] | None = None,
     checks: list[Any] | None = None,
+    on_check: Callable[[str, int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
 
@@ -421,6 +427,8 @@ def warm_start(
         record_extra: More fields of the record (the runner's digest of the rows).
         checks: With ``spec.accept``, each stage's check rows and rewards
             (:class:`~ram_trl.recipes.evaluate.EvalTask`): rows held out of ``rows`` that no stage trains on.
+        on_check: Called with the phase (``"answers"`` or ``"abstain"``), the step and the measurement after each
+            check (the runner prints them).
 
     With ``spec.accept``, each phase trains until its criterion holds on ``checks`` or its cap is hit
     (:func:`train_until`); the record's ``acceptance`` holds the criterion, every check, the steps taken, the final
@@ -470,6 +478,7 @@ def warm_start(
                 first=spec.steps,
                 every=accept.every,
                 cap=accept.max_steps,
+                on_check=(lambda step, values: on_check("answers", step, values)) if on_check else None,
             )
         losses = list(answers.losses)
         if spec.abstain_share:
@@ -492,6 +501,7 @@ def warm_start(
                     first=accept.abstain_every,
                     every=accept.abstain_every,
                     cap=accept.abstain_max_steps,
+                    on_check=(lambda step, values: on_check("abstain", step, values)) if on_check else None,
                 )
             losses += declining.losses
     record = {

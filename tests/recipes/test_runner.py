@@ -87,10 +87,32 @@ def test_quick_demo_rows_and_files(quick_demo):
         assert not prompts[3] & (prompts[1] | prompts[2])
     analysis = json.loads((out / "analysis" / "analysis.json").read_text())
     assert [a["name"] for a in analysis["agents"]] == STAGES
-    # the demo's warm start: 20 steps on the answers, then 10 with about half the rows declining
+    # the demo's warm start: at least 20 steps on the answers (then 10 more at a time, cap 30), then 5 steps at a time
+    # (cap 10) with about half the rows declining, each phase until its criterion holds on the check rows
     record = json.loads((out / "base" / "ram_warm_start.json").read_text())
-    assert record["steps"] == 30 and record["spec"]["abstain_reply"] == "(I don't know)"
+    acceptance = record["acceptance"]
+    answers, abstain = acceptance["phases"]["answers"], acceptance["phases"]["abstain"]
+    assert answers["steps"] in (20, 30) and abstain["steps"] in (5, 10)
+    assert record["steps"] == answers["steps"] + abstain["steps"]
+    assert acceptance["accepted"] == (answers["met"] and abstain["met"])
+    assert acceptance["check_rows"] == {s: 4 for s in STAGES}
+    assert results["warm_start"]["accepted"] == acceptance["accepted"]
+    assert "## Warm start" in markdown and f"Criterion: {acceptance['criterion']}." in markdown
+    assert record["spec"]["abstain_reply"] == "(I don't know)"
     assert 0.3 * record["rows"] < record["abstaining_rows"] < 0.7 * record["rows"]
+    for (
+        stage
+    ) in STAGES:  # the check rows: no stage trains, tests or validates on them, nor does the warm start
+        check = {
+            json.loads(line)["prompt"]
+            for line in (out / "data" / stage / "check.jsonl").read_text().splitlines()
+        }
+        assert len(check) == 4
+        others = [
+            (out / "data" / stage / f"{split}.jsonl").read_text()
+            for split in ("train", "eval", "val", "warm")
+        ]
+        assert not check & {json.loads(line)["prompt"] for text in others for line in text.splitlines()}
     for agent in analysis["agents"]:
         assert results["regime"][agent["name"]]["density"] == agent["density"]
 

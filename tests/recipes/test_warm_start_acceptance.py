@@ -42,8 +42,18 @@ def test_phase_met_every_stage_or_the_mean():
 
 def test_train_until_stops_at_the_first_check_that_meets_the_criterion():
     trained, train, measure = _scripted([{"a": 0.2}, {"a": 0.4}, {"a": 0.6}, {"a": 0.9}])
-    out = train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=1500)
+    reported = []
+    out = train_until(
+        train,
+        measure,
+        lambda v: phase_met(v, 0.5),
+        first=600,
+        every=100,
+        cap=1500,
+        on_check=lambda step, values: reported.append((step, values["a"])),
+    )
     assert trained == [600, 100, 100]
+    assert reported == [(600, 0.2), (700, 0.4), (800, 0.6)]
     assert out["steps"] == 800 and out["met"] is True and out["cap"] == 1500
     assert [c["step"] for c in out["checks"]] == [600, 700, 800]
     assert [c["values"]["a"] for c in out["checks"]] == [0.2, 0.4, 0.6]
@@ -109,6 +119,10 @@ def test_acceptance_fields_are_validated():
     with pytest.raises(ValidationError, match="pass_k"):
         WarmStartAcceptance(pass_k=0)
     assert WarmStartSpec().accept is None  # off by default: recipes without it train exactly `steps`
+    with pytest.raises(
+        ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"
+    ):
+        WarmStartSpec(steps=600, accept=WarmStartAcceptance(max_steps=500))
 
 
 def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
@@ -152,8 +166,18 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
         abstain_learning_rate=1e-2,
         accept=accept,
     )
+    reported = []
     with pytest.warns(UserWarning, match="phase 'answers' hit its cap of 12 steps"):
-        record = warm_start(tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks)
+        record = warm_start(
+            tmp_path / "init",
+            tmp_path / "out",
+            rows,
+            spec,
+            progress=False,
+            checks=checks,
+            on_check=lambda phase, step, values: reported.append((phase, step)),
+        )
+    assert reported == [("answers", 5), ("answers", 10), ("answers", 12), ("abstain", 4)]
     saved = json.loads((tmp_path / "out" / WARM_START_RECORD).read_text())
     acceptance = saved["acceptance"]
     assert acceptance == record["acceptance"]
@@ -260,3 +284,18 @@ def test_seeds_draw_different_splits_and_the_same_seed_the_same(tmp_path):
         prompts = {r["prompt"] for r in check}
         assert len(check) == 4
         assert not prompts & {r["prompt"] for r in train + test + val + warm}, stage
+
+
+def test_check_rows_skip_training_prompts_and_leave_the_warm_start():
+    from ram_trl.recipes.data import split_check_rows
+
+    warm = [{"prompt": p, "answer": p.upper()} for p in ["a", "b", "c", "d", "b", "e"]]
+    train = [{"prompt": "a"}, {"prompt": "c"}]
+    kept, check = split_check_rows(warm, train, 2)
+    assert [r["prompt"] for r in check] == ["b", "d"]  # the first two warm rows that are not training prompts
+    assert [r["prompt"] for r in kept] == [
+        "a",
+        "c",
+        "e",
+    ]  # no row of a check prompt is trained on (the 2nd "b")
+    assert split_check_rows(warm, train, 10)[1] == [r for r in warm if r["prompt"] not in "ac"]
