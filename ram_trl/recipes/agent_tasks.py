@@ -29,6 +29,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ram_trl.recipes.tasks import unique_rows
+
 __all__ = [
     "AGENT_TOOLS",
     "DEFAULT_SYSTEM",
@@ -60,19 +62,6 @@ def chat_prompt(user: str, system: str | None = DEFAULT_SYSTEM) -> str:
     """
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _unique(make: Any, n: int, seed: int) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    rows: dict[str, dict[str, str]] = {}
-    attempts = 0
-    while len(rows) < n:
-        row = make(rng)
-        rows.setdefault(row["prompt"], row)
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct prompts (only {len(rows)} exist); ask for fewer")
-    return list(rows.values())
 
 
 def _strip_fences(text: str) -> str:
@@ -169,7 +158,7 @@ def program_output_prompts(
         user = f"What does this Python program print?\n```python\n{source}\n```\nReply with the output only."
         return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
 
-    return _unique(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
@@ -288,7 +277,7 @@ def json_tool_call_prompts(
         answer = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
         return {"prompt": chat_prompt(user, system), "answer": answer}
 
-    return _unique(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def _json_object(text: str) -> Any:
@@ -402,7 +391,7 @@ def fact_recall_prompts(
         user = f"{facts}\nWhat is the {attribute} of {people[asked]}? Reply with the number only."
         return {"prompt": chat_prompt(user, system), "answer": values[asked]}
 
-    return _unique(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def fact_recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:

@@ -58,8 +58,20 @@ def completion_text(completion: Any) -> str:
     return str(completion).split("\n", 1)[0].strip()
 
 
-def _unique_rows(make, n: int, seed: int) -> list[dict[str, str]]:
-    """``n`` rows with distinct prompts from ``make(rng)`` (seeded ``random.Random``)."""
+def unique_rows(make: Callable[[random.Random], dict[str, str]], n: int, seed: int) -> list[dict[str, str]]:
+    """``n`` rows with distinct prompts drawn by ``make`` from one seeded ``random.Random``.
+
+    Args:
+        make: Draws one row (a dict with at least ``prompt``) from the generator it is given.
+        n: How many rows.
+        seed: Seeds the generator.
+
+    Returns:
+        The rows, in the order their prompts were first drawn.
+
+    Raises:
+        ValueError: when ``make`` cannot produce ``n`` distinct prompts.
+    """
     rng = random.Random(seed)
     rows: dict[str, dict[str, str]] = {}
     attempts = 0
@@ -99,7 +111,7 @@ def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 49, ops: str = 
         value = a + b if op == "+" else a - b if op == "-" else a * b
         return {"prompt": f"{a}{op}{b}=", "answer": str(value)}
 
-    return _unique_rows(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def _prefix_share(text: str, answer: str) -> float:
@@ -166,7 +178,7 @@ def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, st
         word = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
         return {"prompt": f'{name}("{word}")=', "answer": PROGRAMS[name](word)}
 
-    return _unique_rows(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def program_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
@@ -283,7 +295,7 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
         arguments = ",".join(f"{k}={v}" for k, v in zip(names, values, strict=True))
         return {"prompt": rng.choice(templates).format(*values) + " ", "answer": f"{tool}({arguments})"}
 
-    return _unique_rows(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
@@ -372,7 +384,7 @@ def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 
         context = ";".join(f"{k}={v}" for k, v in zip(keys, values, strict=True))
         return {"prompt": f"{context};{keys[asked]}?", "answer": values[asked]}
 
-    return _unique_rows(make, n, seed)
+    return unique_rows(make, n, seed)
 
 
 def recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
