@@ -141,7 +141,8 @@ class WarmStartAcceptance(_Strict):
 
     Phase one (the answers) ends when every stage's sampled pass@``pass_k`` (temperature ``temperature``; a
     completion passes when its summed reward is at least ``pass_reward``) reaches ``min_pass``, or at ``max_steps``.
-    With ``abstain_share``, phase two (the abstentions) is checked every ``abstain_every`` steps and ends when greedy
+    With ``abstain_share``, phase two (the abstentions) is checked after ``abstain_steps`` and every
+    ``abstain_every`` steps after, and ends when greedy
     decoding declines (answers ``abstain_reply``) on at least ``abstain_share - decline_tolerance`` of the check rows,
     averaged over the stages, or at ``abstain_max_steps``. A phase that ends at its cap is reported loudly (a
     warning, ``accepted: false`` in ``ram_warm_start.json`` and a line in results.md).
@@ -202,7 +203,7 @@ class WarmStartSpec(_Strict):
             :data:`ABSTAIN_REPLIES` that earns nothing on every stage.
         accept: Train until a measured criterion holds (:class:`WarmStartAcceptance`): phase one is checked after
             ``steps`` (its cosine schedule's length; the rate then stays at 10%) and every ``accept.every`` steps
-            after, phase two every ``accept.abstain_every`` steps (``abstain_steps`` is its schedule's length).
+            after, phase two after ``abstain_steps`` and every ``accept.abstain_every`` after.
             ``null`` (the default): exactly ``steps`` (and ``abstain_steps``) steps, nothing measured.
     """
 
@@ -224,6 +225,15 @@ class WarmStartSpec(_Strict):
             raise ValueError(
                 f"accept.max_steps ({self.accept.max_steps}) caps phase one below its first check at steps "
                 f"({self.steps}): make it at least steps"
+            )
+        if (
+            self.accept is not None
+            and self.abstain_share
+            and self.accept.abstain_max_steps < self.abstain_steps
+        ):
+            raise ValueError(
+                f"accept.abstain_max_steps ({self.accept.abstain_max_steps}) caps phase two below its first check at "
+                f"abstain_steps ({self.abstain_steps}): make it at least abstain_steps"
             )
         return self
 

@@ -327,8 +327,8 @@ def criterion(spec: WarmStartSpec) -> str:
     )
     if spec.abstain_share:
         text += (
-            f"; then greedy declines on >= {decline_target(spec):g} of the check rows (mean over stages), checked every "
-            f"{accept.abstain_every} steps, cap {accept.abstain_max_steps}"
+            f"; then greedy declines on >= {decline_target(spec):g} of the check rows (mean over stages), checked after "
+            f"{spec.abstain_steps} steps and every {accept.abstain_every} after, cap {accept.abstain_max_steps}"
         )
     return text
 
@@ -498,7 +498,7 @@ def warm_start(
                     declining.run,
                     lambda: checker.declines(model),
                     lambda values: phase_met(values, decline_target(spec), how="mean"),
-                    first=accept.abstain_every,
+                    first=spec.abstain_steps,
                     every=accept.abstain_every,
                     cap=accept.abstain_max_steps,
                     on_check=(lambda step, values: on_check("abstain", step, values)) if on_check else None,

@@ -80,7 +80,7 @@ def test_criterion_and_decline_target_in_words():
     assert criterion(spec) == (
         "every stage's sampled pass@4 (temperature 1, summed reward >= 1) on its 64 check rows >= 0.35, checked "
         "after 600 steps and every 100 after, cap 2000; then greedy declines on >= 0.4 of the check rows (mean over "
-        "stages), checked every 25 steps, cap 400"
+        "stages), checked after 200 steps and every 25 after, cap 400"
     )
     assert decline_target(spec.model_copy(update={"abstain_share": 0.05})) == 0.0
 
@@ -162,7 +162,7 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
         save_dtype="float32",
         abstain_share=0.5,
         abstain_reply="zz",
-        abstain_steps=8,
+        abstain_steps=6,
         abstain_learning_rate=1e-2,
         accept=accept,
     )
@@ -177,7 +177,7 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
             checks=checks,
             on_check=lambda phase, step, values: reported.append((phase, step)),
         )
-    assert reported == [("answers", 5), ("answers", 10), ("answers", 12), ("abstain", 4)]
+    assert reported == [("answers", 5), ("answers", 10), ("answers", 12), ("abstain", 6)]
     saved = json.loads((tmp_path / "out" / WARM_START_RECORD).read_text())
     acceptance = saved["acceptance"]
     assert acceptance == record["acceptance"]
@@ -189,9 +189,9 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
         [5, 10, 12],
     )
     assert all(c["values"] == {"t": 0.0} for c in answers["checks"])
-    # target max(0, 0.5 - 1.0) = 0: met at the first check
-    assert (abstain["steps"], abstain["met"], [c["step"] for c in abstain["checks"]]) == (4, True, [4])
-    assert saved["steps"] == 16  # 12 + 4 steps taken, not spec.steps + spec.abstain_steps
+    # target max(0, 0.5 - 1.0) = 0: met at the first check, after abstain_steps
+    assert (abstain["steps"], abstain["met"], [c["step"] for c in abstain["checks"]]) == (6, True, [6])
+    assert saved["steps"] == 18  # 12 + 6 steps taken, not spec.steps + spec.abstain_steps
     assert set(acceptance["final"]) == {"pass_at_k", "decline"}
     assert acceptance["check_rows"] == {"t": 4}
     assert acceptance["criterion"] == criterion(spec)
