@@ -10,8 +10,9 @@ often wraps its answer in a sentence or a code fence), giving full credit only t
 - ``program_output`` (coding): what a small generated Python program prints. The reference answer is obtained by
   *executing* the program (:func:`run_program`). 1.0 when the completion's first line (code fences and backticks
   stripped) is exactly the output, 0.5 when the output appears in the completion as a whole token, else 0.
-- ``json_tool_call`` (tool use): a JSON tool call ``{"name": ..., "arguments": {...}}`` answering a request, checked
-  against the tool's JSON schema (:data:`AGENT_TOOLS`). 0.25 for a JSON object with a string ``name`` and an object
+- ``json_tool_call`` (tool use): a JSON tool call ``{"name": ..., "arguments": {...}}`` answering a request (the
+  prompt lists each tool's JSON schema and shows :data:`EXAMPLE_CALL`), checked against the tool's JSON schema
+  (:data:`AGENT_TOOLS`). 0.25 for a JSON object with a string ``name`` and an object
   ``arguments``, +0.25 for the right tool, +0.25 when the arguments validate against its schema (required keys,
   types, enums, no extra keys), +0.25 when they are exactly the expected ones.
 - ``fact_recall`` (memory): a context of ``num_facts`` records ("The locker code of Mia is 4821."), then a question
@@ -34,6 +35,7 @@ from ram_trl.recipes.tasks import unique_rows
 __all__ = [
     "AGENT_TOOLS",
     "DEFAULT_SYSTEM",
+    "EXAMPLE_CALL",
     "chat_prompt",
     "fact_recall_prompts",
     "fact_recall_reward",
@@ -242,9 +244,14 @@ AGENT_TOOLS: dict[str, dict[str, Any]] = {
 _TYPES = {"string": str, "integer": int, "object": dict}
 
 
+#: The example call every tool prompt shows (values outside every draw, so it never is the answer).
+EXAMPLE_CALL = '{"name": "set_timer", "arguments": {"minutes": 120, "label": "bread"}}'
+
+
 def _tool_list() -> str:
+    # "name: schema" lines, not {"name": ..., "parameters": ...} objects: a small model copies the listing's shape
     return "\n".join(
-        json.dumps({"name": name, "parameters": spec["schema"]}, separators=(",", ":"))
+        f"{name}: {json.dumps(spec['schema'], separators=(',', ':'))}"
         for name, spec in sorted(AGENT_TOOLS.items())
     )
 
@@ -271,8 +278,8 @@ def json_tool_call_prompts(
         arguments = spec["draw"](rng)
         request = rng.choice(spec["requests"]).format(**arguments)
         user = (
-            f"Tools:\n{tools}\nRequest: {request}\n"
-            'Reply with one JSON tool call only: {"name": ..., "arguments": {...}}'
+            f"Tools (name: JSON schema of the arguments):\n{tools}\nRequest: {request}\n"
+            f"Reply with one JSON tool call only, for example {EXAMPLE_CALL}"
         )
         answer = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
         return {"prompt": chat_prompt(user, system), "answer": answer}

@@ -9,6 +9,7 @@ import pytest
 from ram_trl.recipes.agent_tasks import (
     AGENT_TOOLS,
     DEFAULT_SYSTEM,
+    EXAMPLE_CALL,
     chat_prompt,
     fact_recall_prompts,
     fact_recall_reward,
@@ -79,9 +80,15 @@ def test_tool_call_prompts_show_every_schema_and_answers_validate():
         call = json.loads(row["answer"])
         names.add(call["name"])
         assert schema_valid(call["arguments"], AGENT_TOOLS[call["name"]]["schema"])
-        for tool in AGENT_TOOLS:
-            assert f'"name":"{tool}"' in row["prompt"]
+        for tool, spec in AGENT_TOOLS.items():
+            assert f"\n{tool}: {json.dumps(spec['schema'], separators=(',', ':'))}\n" in row["prompt"]
+        assert EXAMPLE_CALL in row["prompt"]
     assert names == set(AGENT_TOOLS)
+    # the example call is a valid call that no row asks for
+    example = json.loads(EXAMPLE_CALL)
+    assert schema_valid(example["arguments"], AGENT_TOOLS[example["name"]]["schema"])
+    compact = json.dumps(example, separators=(",", ":"))
+    assert compact not in {r["answer"] for r in json_tool_call_prompts(1500, seed=1)}
 
 
 def test_tool_call_reward_grades_format_tool_schema_and_arguments():
