@@ -645,3 +645,13 @@ def check_recipe(data: dict, **kwargs: Any) -> list[str]:
 
     parsed, root = load_recipe(data)
     return validate_recipe(parsed, root, **kwargs)
+
+
+def error_line(capsys, code: int) -> str:
+    """The one ``error:`` line of a refused command (exit 2, no traceback)."""
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert len(lines) == 1, err
+    return lines[0]

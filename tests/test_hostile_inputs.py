@@ -33,6 +33,7 @@ from tests.helpers import (
     VOCAB,
     Checkpoints,
     config_for,
+    error_line,
     leftovers,
     load_checkpoint,
     make_checkpoints,
@@ -52,16 +53,6 @@ def ckpts(tmp_path) -> Checkpoints:
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
-
-
-def error_line(capsys, code: int) -> str:
-    """The one ``error:`` line of a refused command (exit 2, no traceback)."""
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if ": error: " in line]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def refused_merge(

@@ -11,17 +11,7 @@ from pathlib import Path
 import pytest
 
 from ram_trl.cli import main
-
-
-def error_line(capsys, code: int) -> str:
-    """The one ``error:`` line of a refused command (exit 2, no traceback)."""
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if ": error: " in line]
-    assert len(lines) == 1, err
-    return lines[0]
-
+from tests.helpers import error_line
 
 # ---------------------------------------------------------------------------------------------------------------
 # ram-trl eval --json: never over an input, never over a file it did not create
