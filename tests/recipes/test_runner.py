@@ -5,14 +5,9 @@ These run real TRL GRPOTrainer processes on tiny models built from configs (abou
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -368,73 +363,13 @@ def test_fisher_rows_estimate_fisher_whatever_the_method_is_called(tmp_path, met
         run.fisher(rows)
 
 
-def test_gguf_base_is_converted_once_into_base_init(tmp_path, monkeypatch):
-    """``base: {gguf: ...}``: the run converts into RUN/base_init through convert_gguf, reuses a conversion of the
-    same bytes and dtype, converts again when either changes, and every stage trains from RUN/base_init."""
-    import hashlib
+def test_the_split_modules_names_still_import_from_the_runner():
+    """The runner's public names stay importable from ``ram_trl.recipes.runner`` after its split into layout,
+    prepare and launch: user code and scripts written against the old path keep working."""
+    from ram_trl.recipes import launch, layout, runner
 
-    from ram_trl.io import gguf as gguf_module
-    from ram_trl.recipes.runner import Run
-    from ram_trl.recipes.schema import load_recipe
-    from tests.helpers import recipe_dict
-
-    source = tmp_path / "m.gguf"
-    source.write_bytes(b"GGUF" + b"\0" * 60)
-    calls = []
-
-    def fake_convert(path, out, *, member=None, dtype="bfloat16", replace_previous=False, **kwargs):
-        calls.append((Path(path), member, dtype, replace_previous))
-        out.mkdir(parents=True, exist_ok=True)
-        record = {"sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(), "dtype": dtype}
-        (out / gguf_module.RECORD_NAME).write_text(json.dumps(record))
-        return {"gguf_file": Path(path).name, "parameters": 1, "dtype": dtype}
-
-    monkeypatch.setattr(gguf_module, "convert_gguf", fake_convert)
-
-    def run(dtype: str) -> Run:
-        recipe, root = load_recipe(
-            recipe_dict(base={"build": None, "gguf": str(source), "gguf_dtype": dtype})
-        )
-        return Run(recipe, root, tmp_path / "run", RunOptions())
-
-    first = run("bfloat16")
-    assert first.base == first.initial_base == tmp_path / "run" / "base_init"
-    assert first.stage_command(first.recipe.stages[0])[
-        first.stage_command(first.recipe.stages[0]).index("--base") + 1
-    ] == str(tmp_path / "run" / "base_init")
-    first.convert_base()
-    first.convert_base()
-    assert calls == [(source, None, "bfloat16", True)]
-    run("float32").convert_base()
-    assert calls[-1] == (source, None, "float32", True) and len(calls) == 2
-    source.write_bytes(b"GGUF" + b"\1" * 60)
-    run("float32").convert_base()
-    assert len(calls) == 3
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_stage_process_dies_with_a_runner_killed_by_sigkill(tmp_path):
-    """The runner's stage processes are started with die_with_parent: kill -9 of the runner leaves no orphan."""
-    middle = (
-        "import os, subprocess, sys, time\n"
-        "from ram_trl.recipes.runner import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-        " preexec_fn=die_with_parent(os.getpid()))\n"
-        "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    runner = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
-    child = int(runner.stdout.readline())
-    os.kill(runner.pid, signal.SIGKILL)
-    runner.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(child, os.WNOHANG)
-        time.sleep(0.1)
-    os.kill(child, signal.SIGKILL)
-    pytest.fail(f"stage process {child} outlived its runner")
+    assert runner.STAGE_RECORD == launch.STAGE_RECORD == "ram_recipe_stage.json"
+    assert runner.StageError is launch.StageError and runner.die_with_parent is launch.die_with_parent
+    assert runner.stage_complete is layout.stage_complete and runner.safe_name is layout.safe_name
+    assert {"RunOptions", "run_recipe", "run_seeds", "StageError", "stage_complete"} <= set(runner.__all__)
+    assert issubclass(runner.Run, layout.RunLayout)

@@ -1,0 +1,328 @@
+"""Stage launching for ``ram-trl run``: each trained stage runs in its own process (``python -m
+ram_trl.recipes.stage``, or under ``accelerate launch``), writing into a temporary sibling of its directory that is
+committed when the process finished with a manifest (:class:`StageLauncher`, a part of
+:class:`~ram_trl.recipes.runner.Run`).
+
+``--resume`` skips complete stages (:func:`~ram_trl.recipes.layout.stage_complete`) after checking that they were
+trained with the recipe's config (``STAGE/ram_recipe_stage.json``). A failed stage stops the run with a
+:class:`StageError` naming the stage and its log; finished stages are kept.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.output import OutputDir
+from ram_trl.recipes.layout import RunLayout, resolve_path, stage_complete
+from ram_trl.recipes.schema import StageSpec
+
+__all__ = ["STAGE_RECORD", "StageError", "StageLauncher", "die_with_parent"]
+
+#: What a stage was trained with, beside its manifest (``--resume`` compares it with the recipe).
+STAGE_RECORD = "ram_recipe_stage.json"
+
+
+class StageError(RamTrlError):
+    """A stage process failed; the message names the stage, its exit code, its last error line and its log."""
+
+
+class StageLauncher(RunLayout):
+    """Training a run's stages, each in its own process (a part of :class:`~ram_trl.recipes.runner.Run`)."""
+
+    def train_stages(self) -> None:
+        """Train every stage without a given checkpoint (only ``options.only`` when set; complete stages skipped
+        with ``options.resume``).
+
+        Raises:
+            ConfigError: when the one stage asked for has a checkpoint already.
+        """
+        stages = [s for s in self.recipe.stages if s.trained]
+        if self.options.only is not None:
+            self.recipe.stage(self.options.only)
+            stages = [s for s in stages if s.name == self.options.only]
+            if not stages:
+                raise ConfigError(
+                    f"stage {self.options.only!r} has an existing checkpoint; there is nothing to train"
+                )
+        for stage in stages:
+            if self.options.resume and stage_complete(self.stage_dir(stage)):
+                self.check_recorded_stage(stage)
+                self.console.print(f"[cyan]skip[/] stage {stage.name}: complete ({self.stage_dir(stage)})")
+                continue
+            self.train_stage(stage)
+
+    def _prior(self, stage: StageSpec) -> list[Path]:
+        from ram_trl.manifest import MANIFEST_NAME
+
+        prior = []
+        for other in self.recipe.stages:
+            if other.name == stage.name:
+                break
+            if other.trained and stage_complete(self.stage_dir(other)):
+                prior.append(self.stage_dir(other) / MANIFEST_NAME)
+        return prior
+
+    def stage_command(self, stage: StageSpec, work: Path | None = None) -> list[str]:
+        """The stage process's command line; it writes into ``work`` (default: the stage directory).
+
+        Args:
+            stage (`StageSpec`): The stage.
+            work (`Path`, *optional*, defaults to `None`): The directory the process writes into.
+
+        Returns:
+            `list[str]`: The command (``python -m ram_trl.recipes.stage ...``, or under ``accelerate launch``).
+        """
+        args = [
+            "--recipe",
+            str(self.dir / "recipe.yaml"),
+            "--stage",
+            stage.name,
+            "--base",
+            str(self.base),
+            "--train-file",
+            str(self.dir / "data" / stage.name / "train.jsonl"),
+            "--out",
+            str(work or self.stage_dir(stage)),
+        ]
+        prior = self._prior(stage)
+        if prior:
+            args += ["--prior", *map(str, prior)]
+        if stage.preview is not None:
+            merged = [p.parent.name for p in prior] + [stage.name]
+            args += ["--val", *(f"{name}={self.dir / 'data' / name / 'val.jsonl'}" for name in merged)]
+        if stage.accelerate_config is None:
+            return [sys.executable, "-m", "ram_trl.recipes.stage", *args]
+        config = resolve_path(stage.accelerate_config, self.root)
+        return [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "-m",
+            "ram_trl.recipes.stage",
+            *args,
+        ]
+
+    def stage_output(self, stage: StageSpec) -> OutputDir:
+        """The output-commit protocol of a stage directory: the stage process writes into a temporary sibling,
+        committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
+        the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
+        another stage's agent or a prompt file.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `OutputDir`: The stage directory's output protocol.
+        """
+        from ram_trl.manifest import MANIFEST_NAME
+
+        reads = [("base model", self.base)] + [
+            (f"stage {other.name!r} agent", self.agent_path(other))
+            for other in self.recipe.stages
+            if other.name != stage.name
+        ]
+        reads += [(f"stage {stage.name!r} prompt files", self.dir / "data" / stage.name)]
+        return OutputDir(
+            self.stage_dir(stage),
+            markers=(MANIFEST_NAME,),
+            replace_previous=True,
+            reads=reads,
+            what=f"stage {stage.name!r} directory",
+        )
+
+    def stage_record(self, stage: StageSpec) -> dict[str, Any]:
+        """What a stage was trained with (kept in ``STAGE/ram_recipe_stage.json``): its spec and the run's seed.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `dict[str, Any]`: The record (JSON).
+        """
+        return {"stage": stage.model_dump(mode="json"), "seed": self.recipe.seed}
+
+    def check_recorded_stage(self, stage: StageSpec) -> None:
+        """Refuse to ``--resume`` over a finished stage trained with another config than the recipe's.
+
+        Args:
+            stage (`StageSpec`): The stage about to be skipped.
+
+        Raises:
+            ConfigError: naming the stage, its directory and the first field that differs.
+        """
+        file = self.stage_dir(stage) / STAGE_RECORD
+        if not file.is_file():
+            return  # a stage finished before records were kept
+        try:
+            recorded = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            recorded = None
+        wanted = json.loads(json.dumps(self.stage_record(stage)))
+        if recorded != wanted:
+            field = _first_difference(recorded, wanted)
+            raise ConfigError(
+                f"--resume: stage {stage.name!r} in {self.stage_dir(stage)} was trained with another config than the "
+                f"recipe's ({field}); retrain it with --only {stage.name}, or restore the recipe"
+            )
+
+    def train_stage(self, stage: StageSpec) -> None:
+        """Train one stage in its own process and commit its directory when it finished with a manifest.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Raises:
+            StageError: when the process fails or leaves no complete stage, naming the stage and its log.
+        """
+        out = self.stage_dir(stage)
+        output = self.stage_output(stage)
+        work = output.begin()  # removes a killed run's leftovers of this stage
+        try:
+            (work / STAGE_RECORD).write_text(
+                json.dumps(self.stage_record(stage), indent=2, sort_keys=True) + "\n"
+            )
+            code, log, tail, started = self._run_stage_process(stage, work)
+            complete = code == 0 and stage_complete(work)
+            if complete:
+                output.commit()
+        except BaseException:
+            output.abort()
+            raise
+        if not complete:
+            output.abort()  # a failed stage leaves nothing behind; a previous result, if any, is kept as it was
+        self._timed(f"stage:{stage.name}", started)
+        if not complete:
+            errors = [t for t in tail if "error" in t.lower()]
+            reason = errors[-1] if errors else (tail[-1] if tail else "no output")
+            done = [
+                s.name
+                for s in self.recipe.stages
+                if s.trained and s.name != stage.name and stage_complete(self.stage_dir(s))
+            ]
+            raise StageError(
+                f"stage {stage.name!r} failed (exit code {code}): {reason}\n  log: {log}\n  "
+                + (f"finished stages kept: {', '.join(done)}; " if done else "")
+                + (
+                    f"the stage's previous result in {out} is kept as it was (--resume would reuse it); fix it "
+                    f"and rerun with --only {stage.name} to retrain it"
+                    if stage_complete(out)
+                    else f"fix it and rerun with --resume to continue from stage {stage.name!r}"
+                )
+            )
+        self.console.print(
+            f"[green]stage[/] {stage.name}: done in {self.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+        )
+
+    def _run_stage_process(self, stage: StageSpec, work: Path) -> tuple[int, Path, deque[str], float]:
+        """Run the stage process writing into ``work``; returns its exit code, log, last lines and start time."""
+        log = self.dir / "logs" / f"{stage.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = self.stage_command(stage, work)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        if self.recipe.torch_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
+        if not _has_cuda():
+            env.setdefault("ACCELERATE_USE_CPU", "1")
+        start = time.perf_counter()
+        tail: deque[str] = deque(maxlen=40)
+        with (
+            open(log, "w", encoding="utf-8") as handle,
+            self.console.status(f"stage {stage.name}: starting") as status,
+        ):
+            handle.write("$ " + " ".join(command) + "\n")
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=str(self.root),
+                env=env,
+                bufsize=1,
+                preexec_fn=die_with_parent(os.getpid()),
+            )
+            try:
+                assert process.stdout is not None
+                for line in process.stdout:
+                    handle.write(line)
+                    text = line.strip()
+                    if text:
+                        tail.append(text)
+                        status.update(
+                            f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}"
+                        )
+                code = process.wait()
+            except BaseException:  # interrupted: stop the stage process before its directory is removed
+                _stop(process)
+                raise
+        return code, log, tail, start
+
+
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """What a child process runs before its program (``Popen(preexec_fn=...)``) so that it is terminated with its
+    parent: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, so a runner killed even by ``kill -9`` takes its stage
+    process down with it (and the stage's temporary directory is then removed by the next run).
+
+    Args:
+        parent (`int`): The parent's process id (a child whose parent is already gone exits at once).
+
+    Returns:
+        The function, or ``None`` where the operating system has no such request.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def request() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return request
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _first_difference(recorded: Any, wanted: Any, path: str = "") -> str:
+    """The first field where two JSON values differ, as ``path: recorded -> wanted``."""
+    if isinstance(recorded, dict) and isinstance(wanted, dict):
+        for key in sorted(set(recorded) | set(wanted), key=str):
+            if recorded.get(key) != wanted.get(key):
+                return _first_difference(
+                    recorded.get(key), wanted.get(key), f"{path}.{key}" if path else str(key)
+                )
+    return f"{path or 'record'}: {recorded!r} -> {wanted!r}"
+
+
+def _stop(process: subprocess.Popen, grace: float = 10.0) -> None:
+    """Terminate a child process (SIGTERM, then SIGKILL after ``grace`` seconds) and wait for it."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False

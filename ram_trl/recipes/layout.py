@@ -1,0 +1,230 @@
+"""The run directory of ``ram-trl run``: where every file of a run goes, the checks on it, and the state the
+pipeline's phases share (:class:`RunLayout`, the base of :class:`~ram_trl.recipes.runner.Run`).
+
+Run directory layout (``--out``, else the recipe's ``output_dir``, else ``runs/NAME``)::
+
+    recipe.yaml              the validated recipe the stage processes read
+    base_init/               the built base (recipes with base.build), or the converted GGUF base (base.gguf)
+    base/                    the warm-started base (recipes with warm_start): base of every stage and merge
+    data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out test prompts, val.jsonl its
+                             validation prompts (what sweeps and the merge to ship are chosen on)
+    stages/STAGE/            the agent (saved in the stage's save_dtype) and ram_stage.json
+    logs/STAGE.log           the stage process's output
+    analysis/                ram-trl analyze over the agents (analysis.json, analysis.md, figures)
+    merges/ROW/              one merged model per merge row
+    eval/MODEL.json          each model's test and validation scores, per-prompt rewards, sample completions
+    results.json, results.md, scores.png, retention.png
+
+A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint (:func:`stage_complete`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ram_trl.errors import ConfigError
+from ram_trl.output import OutputDir
+from ram_trl.recipes.data import read_jsonl
+from ram_trl.recipes.schema import Recipe, StageSpec
+
+if TYPE_CHECKING:
+    from ram_trl.recipes.runner import RunOptions
+
+__all__ = ["RunLayout", "resolve_path", "safe_name", "stage_complete", "stderr_console"]
+
+
+def stderr_console():
+    """The console the run reports on (rich, on standard error).
+
+    Returns:
+        `rich.console.Console`: A console writing to standard error.
+    """
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def resolve_path(path: str, root: Path) -> Path:
+    """A recipe's path, made absolute: relative paths are resolved against ``root`` (the recipe file's directory).
+
+    Args:
+        path (`str`): The path as the recipe writes it (``~`` expanded).
+        root (`Path`): The directory relative paths are resolved against.
+
+    Returns:
+        `Path`: The absolute path.
+    """
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else (root / p).resolve()
+
+
+def stage_complete(stage_dir: Path) -> bool:
+    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage).
+
+    Args:
+        stage_dir (`Path`): The stage's output directory.
+
+    Returns:
+        `bool`: ``True`` for a finished stage (the runner skips it).
+    """
+    from ram_trl.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
+
+    try:
+        manifest = read_manifest(stage_dir / MANIFEST_NAME)
+    except ConfigError:
+        return False
+    checkpoint = checkpoint_path(manifest, stage_dir / MANIFEST_NAME)
+    return (checkpoint / "config.json").is_file() or (checkpoint / "adapter_config.json").is_file()
+
+
+def safe_name(name: str) -> str:
+    """A directory name for a row label (``ram_plus(r=0.1)`` -> ``ram_plus_r=0.1_``)."""
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
+
+
+class RunLayout:
+    """Where one run's files are, and the state its phases share: the recipe, the run directory, the options, the
+    console, the timings and the notes (the base class of :class:`~ram_trl.recipes.runner.Run`).
+
+    Args:
+        recipe (`Recipe`): The validated recipe.
+        root (`Path`): The directory the recipe's relative paths are resolved against (the recipe file's).
+        run_dir (`Path`): The run directory everything is written into.
+        options (`RunOptions`): The run's options (seed, resume, only one stage, ...).
+    """
+
+    def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
+        self.recipe, self.root, self.dir, self.options = recipe, root, run_dir, options
+        self.console = stderr_console()
+        self.timings: dict[str, float] = {}
+        self.notes: list[str] = []
+
+    # -- paths -----------------------------------------------------------------------------------------------
+    def stage_dir(self, stage: StageSpec) -> Path:
+        """Where a stage's trained agent and manifest go.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `Path`: ``RUN/stages/NAME``.
+        """
+        return self.dir / "stages" / stage.name
+
+    def agent_path(self, stage: StageSpec) -> Path:
+        """The stage's agent checkpoint: its given ``checkpoint`` (resolved), else the stage directory.
+
+        Args:
+            stage (`StageSpec`): The stage.
+
+        Returns:
+            `Path`: The agent's directory.
+        """
+        return resolve_path(stage.checkpoint, self.root) if stage.checkpoint else self.stage_dir(stage)
+
+    @property
+    def base(self) -> Path:
+        """The base model the stages train from and the merges use: the warm-started base, the built base, or
+        the recipe's ``base.path`` (resolved)."""
+        if self.recipe.warm_start is not None:
+            return self.dir / "base"
+        return self.initial_base
+
+    @property
+    def initial_base(self) -> Path:
+        """The base before any warm start: ``RUN/base_init`` (built, or converted from GGUF), else the recipe's
+        ``base.path`` (resolved)."""
+        if self.recipe.base.build is not None or self.recipe.base.gguf is not None:
+            return self.dir / "base_init"
+        return resolve_path(self.recipe.base.path, self.root)
+
+    def _timed(self, key: str, start: float) -> None:
+        self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
+
+    def resolved_recipe(self) -> dict[str, Any]:
+        """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
+        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere.
+
+        Returns:
+            `dict[str, Any]`: The recipe as JSON-ready data.
+        """
+        data = self.recipe.model_dump(mode="json", exclude_none=True)
+        for key in ("path", "gguf"):
+            if key in data["base"]:
+                data["base"][key] = str(resolve_path(data["base"][key], self.root))
+        for stage in data["stages"]:
+            for key in ("checkpoint", "accelerate_config"):
+                if key in stage:
+                    stage[key] = str(resolve_path(stage[key], self.root))
+            for key in ("train_file", "eval_file", "val_file"):
+                if key in stage.get("prompts", {}):
+                    stage["prompts"][key] = str(resolve_path(stage["prompts"][key], self.root))
+        return data
+
+    def check_dir(self, recipe_file: Path | None) -> None:
+        """Refuse a run directory that is or holds an input of the run (the recipe, the base, an agent, a prompt
+        file, an accelerate config), or that exists and is not a previous run (it would be written into).
+
+        Args:
+            recipe_file (`Path`, *optional*): The recipe file read, if any.
+
+        Raises:
+            OutputError: naming the input or the foreign directory.
+        """
+        data = self.resolved_recipe()
+        reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
+        if "path" in data["base"]:
+            reads.append(("base model", Path(data["base"]["path"])))
+        if "gguf" in data["base"]:
+            reads.append(("GGUF base", Path(data["base"]["gguf"])))
+        for stage in data["stages"]:
+            for key in ("checkpoint", "accelerate_config"):
+                if key in stage:
+                    reads.append((f"stage {stage['name']!r} {key}", Path(stage[key])))
+            for key in ("train_file", "eval_file", "val_file"):
+                if key in stage.get("prompts", {}):
+                    reads.append((f"stage {stage['name']!r} prompts.{key}", Path(stage["prompts"][key])))
+        markers = (
+            "recipe.yaml",
+            "results.json",
+            "base_init/ram_build.json",
+            "base_init/ram_gguf.json",
+            "base/ram_warm_start.json",
+        )
+        OutputDir(self.dir, reads=reads, markers=markers, replace_previous=True, what="run directory").check()
+
+    def eval_tasks(self) -> list[Any]:
+        """Every stage's test and validation prompts with its rewards (stages without rows are left out).
+
+        Returns:
+            `list[EvalTask]`: The tasks, stage by stage.
+        """
+        from ram_trl.recipes.evaluate import EvalTask
+
+        tasks = []
+        for split, file in (("test", "eval.jsonl"), ("val", "val.jsonl")):
+            for stage in self.recipe.stages:
+                path = self.dir / "data" / stage.name / file
+                rows = read_jsonl(path) if path.is_file() else []
+                if rows and stage.rewards:
+                    tasks.append(EvalTask(stage.name, rows, stage.rewards, split=split))
+        return tasks
+
+    def check_tasks(self) -> list[Any]:
+        """Every stage's warm-start check rows (``data/STAGE/check.jsonl``) with its rewards.
+
+        Returns:
+            `list[EvalTask]`: The stages that have check rows, in order.
+        """
+        from ram_trl.recipes.evaluate import EvalTask
+
+        tasks = []
+        for stage in self.recipe.stages:
+            path = self.dir / "data" / stage.name / "check.jsonl"
+            rows = read_jsonl(path) if path.is_file() else []
+            if rows and stage.rewards:
+                tasks.append(EvalTask(stage.name, rows, stage.rewards, split="check"))
+        return tasks

@@ -1,0 +1,280 @@
+"""What a run does before its stages train (:class:`RunPreparation`, a part of
+:class:`~ram_trl.recipes.runner.Run`): check the run directory, draw every stage's prompt rows and call its reward
+functions once on them, write ``recipe.yaml`` and the prompt files, build or convert the base, and warm-start it.
+Each step is skipped when an identical result is already in the run directory.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ram_trl.errors import ConfigError
+from ram_trl.output import OutputDir, atomic_file
+from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, split_check_rows, write_jsonl
+from ram_trl.recipes.layout import RunLayout, resolve_path
+
+__all__ = ["RunPreparation"]
+
+
+class RunPreparation(RunLayout):
+    """The base, the warm start and the prompt files of a run (a part of :class:`~ram_trl.recipes.runner.Run`)."""
+
+    def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
+        """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
+        called once on them: the checks of user code that run before anything is written.
+
+        Returns:
+            `dict[str, tuple]`: Per stage, ``(train, test, val, warm, check)`` rows (``warm`` is ``None`` without a
+            warm start, ``check`` without ``warm_start.accept``: the rows its criterion is measured on, held out of
+            the warm-start rows, never a training prompt).
+
+        Raises:
+            ConfigError: with ``warm_start.accept`` when no stage has a check row (none draws warm-start rows).
+        """
+        from ram_trl.recipes.stage import preflight_rewards
+
+        drawn = {}
+        spec = self.recipe.warm_start
+        for stage in self.recipe.stages:
+            train, held, val = draw_splits(stage, self.root)
+            preflight_rewards(stage, train or held or val)
+            warm = draw_warm_rows(stage, held + val) if spec is not None else None
+            check = None
+            if warm is not None and spec.accept is not None and stage.rewards:
+                warm, check = split_check_rows(warm, train, spec.accept.check_size)
+            drawn[stage.name] = (train, held, val, warm, check)
+        if spec is not None and spec.accept is not None and not any(d[4] for d in drawn.values()):
+            raise ConfigError(
+                "warm_start.accept measures its criterion on rows held out of the warm-start rows, and no stage draws "
+                "any: give the stages prompts.warm_size (or remove warm_start.accept)"
+            )
+        return drawn
+
+    def prepare(self, recipe_file: Path | None = None) -> None:
+        """Check the run directory, draw and check every stage's rows, write ``recipe.yaml`` and the prompt files,
+        then build the base and run the warm start when the recipe asks for them.
+
+        Args:
+            recipe_file (`Path`, *optional*, defaults to `None`): The recipe file read (an input the run directory
+                must not hold).
+        """
+        self.check_dir(recipe_file)
+        start = time.perf_counter()
+        drawn = self.draw()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
+        with atomic_file(self.dir / "recipe.yaml", "run recipe") as tmp:
+            tmp.write_text(text, encoding="utf-8")
+        for stage in self.recipe.stages:
+            train, held, val, warm, check = drawn[stage.name]
+            write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
+            write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
+            write_jsonl(val, self.dir / "data" / stage.name / "val.jsonl")
+            if warm is not None:
+                write_jsonl(warm, self.dir / "data" / stage.name / "warm.jsonl")
+            if check:
+                write_jsonl(check, self.dir / "data" / stage.name / "check.jsonl")
+            else:
+                (self.dir / "data" / stage.name / "check.jsonl").unlink(missing_ok=True)
+        self._timed("data", start)
+        if self.recipe.base.build is not None:
+            self.build_base()
+        if self.recipe.base.gguf is not None:
+            self.convert_base()
+        if self.recipe.warm_start is not None:
+            self.warm_start()
+
+    def build_base(self) -> None:
+        """Build the recipe's synthetic base (``base.build``) into ``RUN/base_init``, unless an identical build is
+        already there."""
+        from ram_trl.synthetic import make_base_checkpoint
+
+        target = self.dir / "base_init"
+        record = target / "ram_build.json"
+        spec = yaml.safe_dump(self.recipe.base.build, sort_keys=True)
+        if record.is_file() and record.read_text(encoding="utf-8") == spec:
+            return
+        start = time.perf_counter()
+        import torch
+
+        build = dict(self.recipe.base.build)
+        if isinstance(build.get("dtype"), str):
+            build["dtype"] = getattr(torch, build["dtype"])
+        output = OutputDir(
+            target, markers=("ram_build.json",), replace_previous=True, what="base model directory"
+        )
+        with output as tmp:
+            make_base_checkpoint(tmp, **build)
+            (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
+        self._timed("build_base", start)
+        self.console.print(f"[green]built[/] base model {target}")
+
+    def convert_base(self) -> None:
+        """Convert the recipe's GGUF base (``base.gguf``) into ``RUN/base_init``
+        (:func:`ram_trl.io.gguf.convert_gguf`), unless a conversion of the same bytes in the same dtype is there."""
+        import json
+
+        from ram_trl.io.gguf import RECORD_NAME, convert_gguf, open_gguf_source
+
+        spec = self.recipe.base
+        target = self.dir / "base_init"
+        source = open_gguf_source(resolve_path(spec.gguf, self.root), spec.gguf_member)
+        record = target / RECORD_NAME
+        if record.is_file():
+            try:
+                done = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                done = None
+            if (
+                isinstance(done, dict)
+                and done.get("sha256") == source.sha256()
+                and done.get("dtype") == spec.gguf_dtype
+            ):
+                return
+        start = time.perf_counter()
+        self.console.print(f"converting the GGUF base {source.label} ...")
+        result = convert_gguf(
+            source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True
+        )
+        self._timed("convert_base", start)
+        self.console.print(
+            f"[green]converted[/] {result['gguf_file']} -> {target} ({result['parameters']:,} parameters, "
+            f"{result['dtype']}; logits identical to the GGUF model's in {result['dtype']})"
+        )
+
+    def warm_start(self) -> None:
+        """Supervised warm start of the base (``warm_start``) into ``RUN/base``, unless an identical one is already
+        there."""
+        import json
+
+        from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
+
+        spec = self.recipe.warm_start
+        source = self.initial_base
+        if spec.abstain_share:
+            spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
+        record = self.base / WARM_START_RECORD
+        if record.is_file():
+            try:
+                done = json.loads(record.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                done = None  # unreadable: warm-start again (the protocol replaces the directory)
+            if (
+                isinstance(done, dict)
+                and done.get("spec") == spec.model_dump()
+                and done.get("rows_digest") == self._rows_digest()
+            ):
+                return
+        from ram_trl.recipes.tasks import mixture
+
+        rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)
+        digest = self._rows_digest()
+        start = time.perf_counter()
+        steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
+        if spec.accept is not None:
+            steps = f"until {criterion(spec)}: at least {spec.steps}"
+        self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
+        result = warm_start(
+            source,
+            self.base,
+            rows,
+            spec,
+            progress=self.options.progress,
+            record_extra={"rows_digest": digest},
+            checks=self.check_tasks() if spec.accept is not None else None,
+            on_check=self._report_check,
+        )
+        self._timed("warm_start", start)
+        self.console.print(
+            f"[green]warm start[/] {result['steps']} steps: loss {result['loss_first']:.3f} -> "
+            f"{result['loss_last']:.3f} ({result['seconds']:.0f}s)"
+        )
+        if "acceptance" in result:
+            self.console.print(acceptance_line(result))
+
+    def _report_check(self, phase: str, step: int, values: dict[str, float]) -> None:
+        what = "sampled pass@k" if phase == "answers" else "greedy declines"
+        shown = ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
+        self.console.print(f"warm start ({phase}) step {step}: {what} {shown}")
+
+    def abstain_reply(self, reply: str | None) -> str:
+        """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
+        :data:`~ram_trl.recipes.schema.ABSTAIN_REPLIES` that earns no reward on any stage's validation or test rows.
+
+        Raises:
+            ConfigError: when ``reply`` earns a reward on some stage (it would no longer be an abstention: RL could
+                keep it), naming the stage and the mean reward; or when every default reply does.
+
+        Args:
+            reply (`str`, *optional*): The recipe's reply; ``None`` chooses one.
+
+        Returns:
+            `str`: The reply.
+        """
+        from ram_trl.recipes.evaluate import score_completions
+        from ram_trl.recipes.schema import ABSTAIN_REPLIES
+
+        def earning(candidate: str) -> tuple[str, str, float] | None:
+            for task in self.eval_tasks():
+                earned = score_completions(task.functions(), task.rows, [candidate] * len(task.rows))
+                if any(value > 0 for value in earned):
+                    return task.stage, task.split, sum(earned) / len(earned)
+            return None
+
+        for candidate in ABSTAIN_REPLIES if reply is None else (reply,):
+            found = earning(candidate)
+            if found is None:
+                return candidate
+            if reply is not None:
+                stage, split, mean = found
+                raise ConfigError(
+                    f"recipe {self.recipe.name!r}: warm_start.abstain_reply {reply!r} earns a reward on stage "
+                    f"{stage!r} ({split} mean {mean:.3f}): choose a reply that no stage rewards (an abstention must "
+                    "score 0)"
+                )
+        raise ConfigError(
+            f"recipe {self.recipe.name!r}: every default warm_start.abstain_reply {list(ABSTAIN_REPLIES)} earns a "
+            "reward on some stage: set warm_start.abstain_reply to a reply that no stage rewards"
+        )
+
+    def warm_start_record(self) -> dict[str, Any] | None:
+        """The warm start's record (``RUN/base/ram_warm_start.json``) when it measured an acceptance criterion.
+
+        Returns:
+            `dict[str, Any]` or `None`: The record's ``acceptance`` with its ``steps``; ``None`` otherwise.
+        """
+        import json
+
+        from ram_trl.recipes.warm_start import WARM_START_RECORD
+
+        path = self.base / WARM_START_RECORD
+        if self.recipe.warm_start is None or self.recipe.warm_start.accept is None or not path.is_file():
+            return None
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if "acceptance" not in record:
+            return None
+        return {"steps": record["steps"], **record["acceptance"]}
+
+    def _warm_files(self) -> list[Path]:
+        """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
+        draws warm-start rows."""
+        warm = [self.dir / "data" / s.name / "warm.jsonl" for s in self.recipe.stages]
+        if any(f.is_file() and f.stat().st_size for f in warm):
+            return [f for f in warm if f.is_file()]
+        return [self.dir / "data" / s.name / "train.jsonl" for s in self.recipe.stages if s.trained]
+
+    def _rows_digest(self) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for file in self._warm_files():
+            digest.update(file.read_bytes())
+        for stage in self.recipe.stages:
+            check = self.dir / "data" / stage.name / "check.jsonl"
+            if check.is_file():
+                digest.update(check.read_bytes())
+        return digest.hexdigest()
