@@ -46,6 +46,7 @@ def test_resolve_path_and_safe_name(tmp_path):
     assert resolve_path("~/x", tmp_path) == Path.home() / "x"
     assert safe_name("ram_plus(r=0.1)") == "ram_plus_r=0.1_"
     assert safe_name("task arithmetic/λ") == "task_arithmetic__"
+    assert safe_name("dare-ties(lambda=0.5)") == "dare-ties_lambda=0.5_"
 
 
 def test_a_stage_is_complete_when_its_manifest_names_an_existing_checkpoint(tmp_path):
