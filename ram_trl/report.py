@@ -13,7 +13,7 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import yaml
@@ -390,8 +390,13 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     Console(stderr=True).print(table)
 
 
-def print_summary(report: dict[str, Any]) -> None:
-    """Print the per-agent summary table after a merge."""
+def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
+    """Print the per-agent summary table after a merge.
+
+    Args:
+        report: The merge report (:func:`ram_trl.merge`'s return value).
+        file: Where to print (default: standard error).
+    """
     from rich.console import Console
     from rich.table import Table
 
@@ -409,7 +414,7 @@ def print_summary(report: dict[str, Any]) -> None:
             rho if isinstance(rho, str) else f"{rho:.3f}",
             "-" if lam is None else f"{lam:.4f}",
         )
-    console = Console(stderr=True)
+    console = Console(stderr=True) if file is None else Console(file=file)
     console.print(table)
     seconds = report["timings"].get("total_seconds", 0.0)
     console.print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import ram_trl.engine
 from ram_trl.config import load_config, resolve_config
 from ram_trl.context import MergeOptions
 from ram_trl.engine import run_merge
+from ram_trl.report import print_summary
 from tests.helpers import BASE, TAUS, config_for, make_checkpoints, random_fisher, write_golden
 
 F = torch.float32
@@ -162,6 +164,12 @@ def test_a_library_merge_prints_nothing_and_logs_one_line(golden, capfd, caplog)
     ram_trl.merge(config, golden / "plan", progress=False, dry_run=True, print_summary=True)
     err = capfd.readouterr().err
     assert "agent" in err and "lambda_t" in err and "Merge plan" in err
+    # the recipe runner writes the same table into its log file, without redirecting the process's streams
+    report = ram_trl.merge(config, golden / "out", progress=False, overwrite=True)
+    log = io.StringIO()
+    print_summary(report, file=log)
+    assert capfd.readouterr() == ("", "")
+    assert "(RAM+)" in log.getvalue() and "wrote 28 bytes" in log.getvalue()
 
 
 def test_chat_template_without_a_tokenizer_is_not_written(tmp_path):

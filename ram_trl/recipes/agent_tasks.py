@@ -22,7 +22,7 @@ often wraps its answer in a sentence or a code fence), giving full credit only t
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import io
 import json
 import random
@@ -111,10 +111,10 @@ def run_program(source: str) -> str:
     Returns:
         `str`: Its standard output.
     """
-    allowed = {f.__name__: f for f in (print, len, sum, max, min, sorted, range, str)}
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        exec(source, {"__builtins__": allowed})  # noqa: S102 - only programs this module generated
+    allowed = {f.__name__: f for f in (len, sum, max, min, sorted, range, str)}
+    allowed["print"] = functools.partial(print, file=buffer)  # no process-wide stdout redirection
+    exec(source, {"__builtins__": allowed})  # noqa: S102 - only programs this module generated
     return buffer.getvalue().rstrip("\n")
 
 

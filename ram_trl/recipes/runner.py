@@ -12,7 +12,6 @@ run with a :class:`StageError` naming the stage and its log; finished stages are
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -164,6 +163,7 @@ class Run(RunPreparation, StageLauncher):
         from tqdm.auto import tqdm
 
         from ram_trl.engine import merge
+        from ram_trl.report import print_summary
 
         rows = expand_merges(self.recipe)
         self.fisher(rows)
@@ -184,8 +184,8 @@ class Run(RunPreparation, StageLauncher):
                 }
                 log.write(f"\n# merge {row.name}\n")
                 try:
-                    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                        merge(config, out, overwrite=True, progress=False, print_summary=True)
+                    report = merge(config, out, overwrite=True, progress=False)
+                    print_summary(report, file=log)
                 except RamTrlError as exc:
                     raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
                 done.append((row, out))

@@ -67,6 +67,19 @@ def test_program_answers_are_what_the_programs_print():
     )
 
 
+def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):
+    # the reward runs inside the user's trainer: its output is captured without redirecting sys.stdout
+    class Refuses:
+        def write(self, text):
+            raise AssertionError("run_program wrote to sys.stdout")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr("sys.stdout", Refuses())
+    assert run_program("nums = [3, 9, 4]\nprint(max(nums))\nprint(len(nums), end='!')") == "9\n3!"
+
+
 def test_program_reward():
     completions = ["23", "```\n23\n```", "The output is 23.", "123", "`23` is printed", "", "24"]
     assert program_output_reward(completions, ["23"] * 7) == [1.0, 1.0, 0.5, 0.0, 0.5, 0.0, 0.0]
