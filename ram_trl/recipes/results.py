@@ -22,7 +22,7 @@ from typing import Any
 
 from ram_trl.output import atomic_file
 from ram_trl.recipes.results_markdown import markdown, print_table
-from ram_trl.recipes.results_plots import plot_preview, plot_retention, plot_scores
+from ram_trl.recipes.results_plots import plot_preview, plot_retention, plot_scores, plot_training
 from ram_trl.recipes.selection import (
     SELECTION_RULE,
     add_statistics,
@@ -82,6 +82,10 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
         for name in reversed(names):
             if name not in results["figures"]:
                 results["figures"].insert(0, name)
+    if figures and results.get("training"):
+        plot_training(results["training"], out_dir / "training.png")
+        results["training_figure"] = "training.png"
+        written.append(out_dir / "training.png")
     for stage, record in (results.get("previews") or {}).items() if figures else ():
         if record.get("history"):
             name = f"preview-{stage}.png"

@@ -129,10 +129,38 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["Notes:", ""] + [f"- {note}" for note in results["notes"]] + [""]
     if results.get("figures"):
         lines += [f"![{Path(f).stem}]({f})" for f in results["figures"]] + [""]
+    lines += _training_section(results)
     lines += _preview_section(results)
     lines += _warm_start_section(results)
     lines += ["## Verdict", "", results["verdict"], ""]
     return "\n".join(lines)
+
+
+def _training_section(results: dict[str, Any]) -> list[str]:
+    """results.md's section on the telemetry during training: per stage its first and last measurement."""
+    training = results.get("training") or {}
+    if not training:
+        return []
+    lines = [
+        "## During training",
+        "",
+        "The telemetry callback's measurements of each stage's task vector (density: share of elements with "
+        "|tau| > eps; saved: in the dtype the agent is saved in; each stage's `trainer_state.json` has them all).",
+        "",
+        "| stage | measurements | first step | density (first) | saved (first) | last step | density (last) "
+        "| saved (last) | reward (last) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for stage, curve in training.items():
+        first, last = curve[0], curve[-1]
+        lines.append(
+            f"| {stage} | {len(curve)} | {first['step']} | {pct(first['density'])} | {pct(first['density_saved'])} "
+            f"| {last['step']} | {pct(last['density'])} | {pct(last['density_saved'])} | {fmt3(last['reward'])} |"
+        )
+    lines.append("")
+    if results.get("training_figure"):
+        lines += [f"![training]({results['training_figure']})", ""]
+    return lines
 
 
 def _warm_start_section(results: dict[str, Any]) -> list[str]:

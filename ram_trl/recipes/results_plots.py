@@ -13,7 +13,7 @@ import numpy as np
 from ram_trl.output import atomic_file
 from ram_trl.recipes.selection import row_average
 
-__all__ = ["plot_preview", "plot_retention", "plot_scores"]
+__all__ = ["plot_preview", "plot_retention", "plot_scores", "plot_training"]
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
@@ -162,3 +162,43 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{stage}: merge preview ({record.get('method', '')}) vs step", fontsize=9)
     figure.tight_layout()
     figure.savefig(path)
+
+
+def plot_training(training: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """The task vector's density at every telemetry measurement of each stage (left; the saved dtype's view solid
+    where measured, ``|tau| > eps`` in the training dtype dashed) and the batch reward logged with it (right).
+
+    Args:
+        training (`dict[str, list[dict[str, Any]]]`): Per stage its curve (:func:`~ram_trl.recipes.training.
+            training_curve`).
+        path (`Path`): The PNG file written.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10.0, 3.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    density_axes, reward_axes = figure.subplots(1, 2)
+    cmap = colormaps["tab10"]
+    for index, (stage, curve) in enumerate(training.items()):
+        color = cmap(index % 10)
+        for key, style, label in (("density_saved", "-", "saved dtype"), ("density", "--", "|tau| > eps")):
+            points = [(p["step"], 100 * p[key]) for p in curve if p.get(key) is not None]
+            if points:
+                steps, values = zip(*points, strict=True)
+                density_axes.plot(steps, values, style, color=color, marker=".", label=f"{stage} ({label})")
+        points = [(p["step"], p["reward"]) for p in curve if p.get("reward") is not None]
+        if points:
+            steps, values = zip(*points, strict=True)
+            reward_axes.plot(steps, values, "-", color=color, marker=".", label=stage)
+    density_axes.set_xlabel("training step")
+    density_axes.set_ylabel("density (% of elements)")
+    density_axes.set_title("Task-vector density during training")
+    density_axes.legend(fontsize=7)
+    reward_axes.set_xlabel("training step")
+    reward_axes.set_ylabel("batch reward (logged)")
+    reward_axes.set_title("Reward at the measurements")
+    if reward_axes.lines:
+        reward_axes.legend(fontsize=7)
+    _save_figure(figure, path)

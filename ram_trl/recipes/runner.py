@@ -27,6 +27,7 @@ from ram_trl.recipes.launch import STAGE_RECORD, StageError, StageLauncher, die_
 from ram_trl.recipes.layout import resolve_path, safe_name, stage_complete, stderr_console
 from ram_trl.recipes.prepare import RunPreparation
 from ram_trl.recipes.schema import MergeRow, StageSpec, apply_overrides, expand_merges, load_recipe
+from ram_trl.recipes.training import read_training
 
 __all__ = [
     "STAGE_RECORD",
@@ -285,6 +286,13 @@ class Run(RunPreparation, StageLauncher):
             "notes": self.notes,
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
             "previews": self.previews(),
+            "training": read_training(
+                {
+                    s.name: self.stage_dir(s)
+                    for s in self.recipe.stages
+                    if s.trained and stage_complete(self.stage_dir(s))
+                }
+            ),
         }
         warm = self.warm_start_record()
         if warm is not None:

@@ -227,6 +227,10 @@ def run_stage(
     attach_telemetry(trainer, base, stage, prior, recipe, val_files)
     trainer.train()
     trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():  # the log history (telemetry during training), for results.md
+        from ram_trl.recipes.training import TRAINER_STATE
+
+        trainer.state.save_to_json(str(out / TRAINER_STATE))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,8 +68,17 @@ def test_quick_demo_rows_and_files(quick_demo):
     for name in ["base", *STAGES, *MERGES]:
         assert f"| {name} | " in markdown
     assert markdown.rstrip().endswith(results["verdict"])
-    for figure in ("scores.png", "retention.png", "analysis/density.png"):
+    for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG"
+    # each stage's log history (the telemetry during training) is saved beside its agent and summarized
+    assert sorted(results["training"]) == sorted(STAGES)
+    for stage in STAGES:
+        history = json.loads((out / "stages" / stage / "trainer_state.json").read_text())["log_history"]
+        assert [p["step"] for p in results["training"][stage]] == [
+            e["step"] for e in history if "task_vector/density" in e
+        ]
+        assert all(0.0 <= p["density"] <= 1.0 for p in results["training"][stage])
+    assert "## During training" in markdown
     for stage in STAGES:  # train, test and validation prompts are disjoint
         prompts = [
             {

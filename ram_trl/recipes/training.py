@@ -1,0 +1,82 @@
+"""What each stage's telemetry measured while it trained: the task vector's density at every measurement, read
+from the stage's ``trainer_state.json`` (the trainer's own ``log_history``, which the stage process saves next to
+the agent), for ``results.json``'s ``training`` block, its figure and its section of ``results.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TRAINER_STATE", "TRAINING_KEYS", "read_training", "training_curve"]
+
+#: The file the stage process writes with ``TrainerState.save_to_json`` (the name transformers uses in checkpoints).
+TRAINER_STATE = "trainer_state.json"
+
+#: Telemetry keys (after the callback's prefix) kept per measurement, with the short name they get.
+TRAINING_KEYS = {
+    "density": "density",
+    "density_saved": "density_saved",
+    "density_exact": "density_exact",
+    "magnitude/gini": "gini",
+    "magnitude/top_1pct_mass": "top_1pct_mass",
+}
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector/") -> list[dict[str, Any]]:
+    """The telemetry measurements of one training run, in step order.
+
+    Args:
+        log_history (`list[dict[str, Any]]`): A trainer's ``state.log_history``.
+        prefix (`str`, *optional*, defaults to `"task_vector/"`): The telemetry callback's metric prefix.
+
+    Returns:
+        `list[dict[str, Any]]`: One ``{"step", "reward", <TRAINING_KEYS short names>}`` per log entry that carries
+        ``PREFIX + "density"`` (values that are missing or not finite are ``None``; ``reward`` is the entry's
+        ``reward`` when the trainer logged one there).
+    """
+    points = []
+    for entry in log_history:
+        if prefix + "density" not in entry:
+            continue
+        point: dict[str, Any] = {
+            "step": int(entry.get("step", len(points))),
+            "reward": _finite(entry.get("reward")),
+        }
+        for key, short in TRAINING_KEYS.items():
+            point[short] = _finite(entry.get(prefix + key))
+        points.append(point)
+    return sorted(points, key=lambda p: p["step"])
+
+
+def read_training(stage_dirs: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
+    """Per stage, the telemetry curve of its ``trainer_state.json`` (stages without one, or without a measurement,
+    are left out).
+
+    Args:
+        stage_dirs (`dict[str, Path]`): Stage name to its directory.
+
+    Returns:
+        `dict[str, list[dict[str, Any]]]`: Stage name to :func:`training_curve`.
+    """
+    out = {}
+    for name, directory in stage_dirs.items():
+        path = Path(directory) / TRAINER_STATE
+        if not path.is_file():
+            continue
+        try:
+            history = json.loads(path.read_text(encoding="utf-8")).get("log_history") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        curve = training_curve(history)
+        if curve:
+            out[name] = curve
+    return out
