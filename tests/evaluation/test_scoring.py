@@ -1,4 +1,4 @@
-"""ram_trl/recipes/evaluate.py: scoring completions with a stage's reward functions, by hand with the example tasks'
+"""ram_trl/evaluation/scoring.py: scoring completions with a stage's reward functions, by hand with the example tasks'
 rewards (generation and whole-model evaluation run with a real tiny model in tests/test_preview.py)."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from tests.helpers import (  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-WORKER = Path(__file__).with_name("_grpo_preview_zero3_worker.py")
+WORKER = Path(__file__).parents[1] / "_grpo_preview_zero3_worker.py"
 WORLD = 2
 EVALUATION = {"max_new_tokens": 8, "batch_size": 8}  # the worker's
 PARAMETERS = 27  # of the tiny Qwen2 model
