@@ -3,7 +3,9 @@
 Greedy decoding by default, the seed set before each stage's generation, prompts batched with left padding. A
 completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
 stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
-on), scored the same way, each split's prompts generated on their own.
+on), scored the same way, each split's prompts generated on their own. The recipes' evaluation
+(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.preview`) both score through it;
+:mod:`ram_trl.recipes.evaluate` re-exports its names.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ram_trl.recipes.environment import import_object
-from ram_trl.recipes.rewards import wrap_reward
-from ram_trl.recipes.schema import EvaluationSpec
+from ram_trl.evaluation.rewards import import_object, wrap_reward
+from ram_trl.evaluation.spec import EvaluationSpec
 
 __all__ = [
     "EvalTask",

@@ -1,12 +1,12 @@
 """ram_trl/evaluation/scoring.py: scoring completions with a stage's reward functions, by hand with the example tasks'
-rewards (generation and whole-model evaluation run with a real tiny model in tests/test_preview.py)."""
+rewards (generation and whole-model evaluation run with a real tiny model in tests/preview/)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ram_trl.recipes.evaluate import EvalTask, score_completions
-from ram_trl.recipes.rewards import StageFailure
+from ram_trl.evaluation.rewards import StageFailure
+from ram_trl.evaluation.scoring import EvalTask, score_completions
 from ram_trl.recipes.tasks import arithmetic_reward, recall_reward
 
 ROWS = [
@@ -52,7 +52,7 @@ def test_a_model_with_non_finite_weights_is_named_before_it_is_scored(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from ram_trl.recipes.evaluate import load_model
+    from ram_trl.evaluation.scoring import load_model
     from ram_trl.synthetic import make_base_checkpoint
 
     path = make_base_checkpoint(tmp_path / "model", hidden_size=16, num_layers=1, intermediate_size=32)
