@@ -208,7 +208,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             except Exception as exc:  # noqa: BLE001 - pydantic's message, with the argument named
                 raise ConfigError(f"MergePreviewCallback evaluation={evaluation!r}: {exc}") from None
         self.priors = read_prior_stages(prior_stages)
-        # transformers' DeepSpeed config, set again after the reference scores (see _without_zero3_init)
+        # transformers' DeepSpeed config, set again after the reference scores (see ram_trl.preview.partitions.without_zero3_init)
         self.hf_deepspeed_config: Any = None
         self.prior_files = [p.manifest_file for p in self.priors]
         self.method = method
