@@ -1,6 +1,6 @@
 """One rank of a real TRL GRPO run under DDP on 2 CPU processes (gloo), with MergePreviewCallback.
 
-Run by tests/test_preview_distributed.py through torchrun:
+Run by tests/preview/test_callback_distributed.py through torchrun:
 ``torchrun --nproc_per_node 2 _grpo_preview_worker.py BASE PRIOR OUT``. The preview merges the policy with the prior
 stage ``PRIOR`` every 2 steps; writes ``OUT/preview_rank{R}.json``: the distributed type, the preview records and the
 step kept as this rank sees them.

@@ -1,6 +1,6 @@
 """One rank of a real TRL GRPO run under DeepSpeed ZeRO-3 on 2 CPU processes (gloo), with MergePreviewCallback.
 
-Run by tests/test_preview_zero3.py through the DeepSpeed launcher:
+Run by tests/preview/test_partitions.py through the DeepSpeed launcher:
 ``python -m deepspeed.launcher.runner --num_gpus 2 _grpo_preview_zero3_worker.py BASE PRIOR OUT [MODE]``
 (``MODE``: the method, default ``ram_plus``, or ``no-16bit-save`` for a DeepSpeed config that cannot save the policy;
 what the preview refuses is refused at train begin and written to ``OUT/refused_rank{R}.txt``). The preview merges

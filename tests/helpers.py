@@ -375,7 +375,7 @@ def distinct_char_count(completions, **kwargs) -> list[float]:
 def preview_tasks() -> list[Any]:
     """Validation prompts of the distributed merge-preview runs: stages ``first`` and ``second``, 6 prompts each,
     scored with :func:`distinct_chars`."""
-    from ram_trl.recipes.evaluate import EvalTask
+    from ram_trl.evaluation.scoring import EvalTask
 
     reward = "tests.helpers:distinct_chars"
     return [

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ram_trl"
 EXEMPT = {
     "ram_trl/callbacks.py:TaskVectorSparsityCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/preview.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
+    "ram_trl/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
     "ram_trl/passes.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
     "ram_trl/telemetry/base_weights.py:*Base.read": "implements the protocol BaseSource.read, documented there",

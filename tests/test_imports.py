@@ -310,6 +310,21 @@ def test_layers_point_one_way():
         assert not graph[module] & METHOD_MODULES, (module, sorted(graph[module] & METHOD_MODULES))
 
 
+def test_the_preview_and_the_evaluation_reach_no_recipe_module():
+    """The merge preview scores through the evaluation the recipes also use (``ram_trl.evaluation``), which lies
+    below both: neither reaches ``ram_trl.recipes`` (which imports the preview for a stage's ``preview:``)."""
+    graph = _import_graph()
+    assert "ram_trl.preview" in _reachable(graph, "ram_trl.recipes.stage")
+    assert "ram_trl.evaluation.scoring" in _reachable(graph, "ram_trl.preview")
+    preview = [m for m in graph if m == "ram_trl.preview" or m.startswith("ram_trl.preview.")]
+    evaluation = [m for m in graph if m == "ram_trl.evaluation" or m.startswith("ram_trl.evaluation.")]
+    for module in preview + evaluation:
+        reached = {
+            m for m in _reachable(graph, module) if m == "ram_trl.recipes" or m.startswith("ram_trl.recipes.")
+        }
+        assert not reached, (module, sorted(reached))
+
+
 def test_no_private_names_across_modules():
     """A module uses only the public names of the package's other modules (no ``from ram_trl.x import _y``, no
     ``module._y``)."""

@@ -3,7 +3,7 @@
 The in-memory agent's tensors are cut into flat ranges (as ZeRO-3 partitions them: not on row boundaries, uneven,
 some empty) and merged with the other agents read from disk; the merged elements must be the engine's output bit for
 bit, for every method that merges element by element (with and without global statistics, per-tensor factors,
-random drops, bf16 rounding of the saved agent). The 2-process case runs in tests/test_preview_zero3.py (DeepSpeed).
+random drops, bf16 rounding of the saved agent). The 2-process case runs in tests/preview/test_partitions.py (DeepSpeed).
 """
 
 from __future__ import annotations

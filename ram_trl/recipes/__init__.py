@@ -8,7 +8,9 @@
 - :mod:`ram_trl.recipes.runner`: the pipeline (base, warm start, stages, analysis, merges, evaluation), from
   :mod:`~ram_trl.recipes.layout` (the run directory), :mod:`~ram_trl.recipes.prepare` (prompt files, base, warm
   start) and :mod:`~ram_trl.recipes.launch` (one process per stage).
-- :mod:`ram_trl.recipes.evaluate`: held-out scoring with each stage's rewards.
+- :mod:`ram_trl.recipes.evaluate`: held-out scoring with each stage's rewards (re-exported from
+  :mod:`ram_trl.evaluation`, which the merge preview shares); ``EvalTask``, ``EvaluationSpec`` and
+  ``evaluate_model`` are also importable from here.
 - :mod:`ram_trl.recipes.results`: ``results.json``, ``results.md``, charts, the terminal table, from
   :mod:`~ram_trl.recipes.selection` (statistics, the choice on validation, the verdict),
   :mod:`~ram_trl.recipes.results_markdown`, :mod:`~ram_trl.recipes.results_plots` and
@@ -17,9 +19,36 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "seed_overrides"]
+if TYPE_CHECKING:
+    from ram_trl.evaluation.scoring import EvalTask, evaluate_model
+    from ram_trl.evaluation.spec import EvaluationSpec
+
+#: The evaluation's public names, loaded on first access: name -> defining module.
+_LAZY = {
+    "EvalTask": "ram_trl.evaluation.scoring",
+    "EvaluationSpec": "ram_trl.evaluation.spec",
+    "evaluate_model": "ram_trl.evaluation.scoring",
+}
+
+__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "EvalTask", "EvaluationSpec", "evaluate_model", "seed_overrides"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ram_trl.recipes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 #: The embedded CPU demo recipe (package data; ``recipes/demo-cpu.yaml`` in the repository links to it).
 DEMO_RECIPE = Path(__file__).with_name("demo-cpu.yaml")

@@ -2,13 +2,12 @@
 
 :func:`validate_recipe` is what ``ram-trl run RECIPE --dry-run`` runs offline after the schema
 (:mod:`ram_trl.recipes.schema`) has accepted the file: the import paths of prompt generators and reward functions
-(:func:`import_object`), the trainer and PEFT configs, the accelerate/DeepSpeed config files, and the model and data
+(:func:`~ram_trl.evaluation.rewards.import_object`, re-exported here), the trainer and PEFT configs, the accelerate/DeepSpeed config files, and the model and data
 paths. :func:`trainer_settings` builds a stage's trainer-config keyword arguments for this machine.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.evaluation.rewards import import_object
 from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec, expand_merges
 
 __all__ = [
@@ -28,36 +28,6 @@ __all__ = [
     "trainer_settings",
     "validate_recipe",
 ]
-
-
-def import_object(path: str, what: str = "object") -> Any:
-    """Import ``package.module:attribute`` (or ``package.module.attribute``).
-
-    Args:
-        path: The import path.
-        what: What it is, for the error message (e.g. ``"reward function"``).
-
-    Returns:
-        `Any`: The imported object.
-
-    Raises:
-        ConfigError: naming the path and what is wrong (module not found, no such attribute).
-    """
-    module_name, sep, attribute = path.partition(":")
-    if not sep:
-        module_name, _, attribute = path.rpartition(".")
-    if not module_name or not attribute:
-        raise ConfigError(f"{what} {path!r}: write it as 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from None
-    obj = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def _check_path(path: str, root: Path, what: str, problems: list[str], directory: bool = False) -> Path:

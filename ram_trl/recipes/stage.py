@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from ram_trl.errors import ConfigError
+from ram_trl.evaluation.rewards import StageFailure, wrap_reward
 from ram_trl.recipes.environment import import_object, trainer_settings
-from ram_trl.recipes.rewards import StageFailure, wrap_reward
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 
 __all__ = [
@@ -158,10 +158,10 @@ def attach_telemetry(
 
         callback = TaskVectorSparsityCallback(**common)
     else:
+        from ram_trl.evaluation.scoring import EvalTask
         from ram_trl.manifest import read_manifest
         from ram_trl.preview import MergePreviewCallback
         from ram_trl.recipes.data import read_jsonl
-        from ram_trl.recipes.evaluate import EvalTask
 
         if recipe is None:
             raise ConfigError(f"stage {stage.name!r}: the merge preview needs the recipe")

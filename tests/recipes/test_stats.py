@@ -1,4 +1,5 @@
-"""Golden tests of the results statistics: retention, t and bootstrap intervals, selection (hand-computed)."""
+"""Golden tests of the results statistics: t and bootstrap intervals, selection (hand-computed); retention is tested in
+tests/evaluation/test_retention.py, and re-exported here."""
 
 from __future__ import annotations
 
@@ -8,24 +9,6 @@ import numpy as np
 import pytest
 
 from ram_trl.recipes import stats
-
-
-def test_retention_golden_and_undefined_cases():
-    assert stats.retention(0.5, 0.2, 0.6) == pytest.approx(0.75)  # (0.5 - 0.2) / (0.6 - 0.2)
-    assert stats.retention(0.1, 0.2, 0.6) == pytest.approx(-0.25)  # below the base
-    assert stats.retention(0.8, 0.2, 0.6) == pytest.approx(1.5)  # beats the specialist
-    assert stats.retention(0.5, 0.2, 0.21) is None  # gain 0.01 < MIN_GAIN 0.02
-    assert stats.retention(0.5, 0.2, 0.21, min_gain=0.01) == pytest.approx(30.0)
-    assert stats.retention(0.5, 0.2, 0.2, min_gain=0.0) is None  # no gain: never inf
-    assert stats.retention(0.5, 0.3, 0.2, min_gain=0.0) is None  # the specialist lost
-    assert stats.retention(0.5, 0.2, float("nan")) is None
-
-
-def test_mean_retention_over_defined_verticals():
-    assert stats.mean_retention({"a": 0.75, "b": None, "c": 1.25}) == pytest.approx(1.0)
-    assert stats.mean_retention([0.5, 0.25]) == pytest.approx(0.375)
-    assert stats.mean_retention({"a": None}) is None
-    assert stats.mean_retention([]) is None
 
 
 def test_t_interval_golden():

@@ -1,11 +1,11 @@
-"""ram_trl/recipes/rewards.py: reward functions wrapped so that failures name the stage and the function."""
+"""ram_trl/evaluation/rewards.py: reward functions wrapped so that failures name the stage and the function."""
 
 from __future__ import annotations
 
 import pytest
 
 from ram_trl.errors import RamTrlError
-from ram_trl.recipes.rewards import StageFailure, wrap_reward
+from ram_trl.evaluation.rewards import StageFailure, wrap_reward
 
 
 def length_reward(completions, **kwargs):

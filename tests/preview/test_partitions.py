@@ -22,9 +22,9 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 
 import ram_trl  # noqa: E402
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
+from ram_trl.evaluation.scoring import evaluate_model  # noqa: E402
+from ram_trl.evaluation.spec import EvaluationSpec  # noqa: E402
 from ram_trl.manifest import read_manifest  # noqa: E402
-from ram_trl.recipes.evaluate import evaluate_model  # noqa: E402
-from ram_trl.recipes.schema import EvaluationSpec  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -38,7 +38,7 @@ from tests.helpers import (  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-WORKER = Path(__file__).with_name("_grpo_preview_zero3_worker.py")
+WORKER = Path(__file__).parents[1] / "_grpo_preview_zero3_worker.py"
 WORLD = 2
 EVALUATION = {"max_new_tokens": 8, "batch_size": 8}  # the worker's
 PARAMETERS = 27  # of the tiny Qwen2 model

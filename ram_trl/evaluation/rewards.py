@@ -1,19 +1,52 @@
-"""Reward functions as the recipe runs them: wrapped so that a failure names the stage and the function.
+"""Reward functions as the recipes and the evaluation run them: imported by path (:func:`import_object`) and
+wrapped so that a failure names the stage and the function.
 
-Shared by the stage process (:mod:`ram_trl.recipes.stage`, training and the reward pre-flight) and the evaluation
-(:mod:`ram_trl.recipes.evaluate`), which therefore do not import each other.
+Shared by the stage process (:mod:`ram_trl.recipes.stage`, training and the reward pre-flight), the recipe checks
+(:mod:`ram_trl.recipes.environment`) and the evaluation (:mod:`ram_trl.evaluation.scoring`, also the merge preview's),
+which therefore do not import each other.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.validation import check_reward_values
 
-__all__ = ["StageFailure", "wrap_reward"]
+__all__ = ["StageFailure", "import_object", "wrap_reward"]
+
+
+def import_object(path: str, what: str = "object") -> Any:
+    """Import ``package.module:attribute`` (or ``package.module.attribute``).
+
+    Args:
+        path: The import path.
+        what: What it is, for the error message (e.g. ``"reward function"``).
+
+    Returns:
+        `Any`: The imported object.
+
+    Raises:
+        ConfigError: naming the path and what is wrong (module not found, no such attribute).
+    """
+    module_name, sep, attribute = path.partition(":")
+    if not sep:
+        module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ConfigError(f"{what} {path!r}: write it as 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {path!r}: cannot import module {module_name!r} ({exc})") from None
+    obj = module
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {path!r}: module {module_name!r} has no attribute {attribute!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 class StageFailure(RamTrlError, RuntimeError):

@@ -24,7 +24,7 @@ from tests.helpers import distinct_chars, rl_config, rl_prompts, train_rl
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-WORKER = Path(__file__).with_name("_grpo_preview_worker.py")
+WORKER = Path(__file__).parents[1] / "_grpo_preview_worker.py"
 WORLD = 2
 
 

@@ -1,0 +1,67 @@
+"""How a model is scored on held-out prompts (:class:`EvaluationSpec`), and the strict pydantic base of the settings
+models (:class:`StrictModel`, also the recipe schema's: :mod:`ram_trl.recipes.schema`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["MAX_SEED", "EvaluationSpec", "StrictModel"]
+
+
+#: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
+MAX_SEED = 2**32 - 1
+
+
+class StrictModel(BaseModel):
+    """Unknown keys, NaN/Inf and booleans given for numbers are refused (YAML's ``.nan``, ``yes``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and _numeric(field.annotation):
+                    raise ValueError(f"{name}: must be a number, got {value!r}")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type is a number (``int``, ``float``, optionally ``None``), not a ``bool``."""
+    import typing
+
+    options = typing.get_args(annotation) or (annotation,)
+    return bool(options) and bool not in options and any(o in (int, float) for o in options)
+
+
+class EvaluationSpec(StrictModel):
+    """How held-out prompts are scored.
+
+    Args:
+        enabled: Evaluate (merge-only recipes without held-out prompts may turn it off).
+        max_new_tokens: Tokens generated per prompt.
+        do_sample: Sample instead of greedy decoding (default greedy).
+        temperature: Sampling temperature (with ``do_sample``).
+        seed: Seed set before each model's generation.
+        batch_size: Prompts per ``generate`` call.
+        dtype: Dtype the models are loaded in for evaluation.
+        bootstrap_resamples: Resamples of the percentile bootstrap over prompts behind every 95% interval.
+        bootstrap_seed: Seed of the bootstrap (intervals are deterministic).
+        retention_min_gain: Retention on a vertical is reported only when the specialist beats the base there by
+            at least this much (absolute; rewards in [0, 1]); otherwise it is undefined.
+    """
+
+    enabled: bool = True
+    max_new_tokens: int = Field(32, ge=1)
+    do_sample: bool = False
+    temperature: float = Field(1.0, gt=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    batch_size: int = Field(64, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    bootstrap_resamples: int = Field(2000, ge=100)
+    bootstrap_seed: int = Field(0, ge=0, le=MAX_SEED)
+    retention_min_gain: float = Field(0.02, ge=0)
