@@ -236,6 +236,10 @@ class FakeCuda(TorchFunctionMode):
             with torch.no_grad():
                 args[0]._data[_unwrap(args[1])] = _unwrap(value)
             return None
+        if func is torch.Tensor.untyped_storage and isinstance(args[0], FakeCudaTensor):
+            # a wrapper has no storage of its own: its data's (tensors that share memory on CUDA share it here too,
+            # so code that keys tied weights by ``data_ptr()`` sees what it sees on CUDA)
+            return args[0]._data.untyped_storage()
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.is_pinned:
