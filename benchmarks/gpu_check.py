@@ -169,7 +169,7 @@ def _grpo(base: Path, out: Path, device: torch.device, smoke: bool, steps: int, 
         save_strategy="no",
         use_cpu=not cuda,
         bf16=cuda,
-        model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
+        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32"},
         seed=0,
         disable_tqdm=True,
     )
@@ -468,7 +468,11 @@ def run_rows(root: Path, device: torch.device) -> list[dict[str, Any]]:
     recipe = root / "recipe.yaml"
     recipe.write_text(RECIPE % (", bf16: true" if cuda else ""))
     out = root / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(paths),
+    }  # this checkout; the recipe's reward (tests.helpers)
     command = [sys.executable, "-m", "ram_trl", "run", str(recipe), "--only", "check", "--out", str(out)]
     start = time.perf_counter()
     done = subprocess.run(
