@@ -36,7 +36,9 @@ import gc
 import io
 import json
 import math
+import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +61,7 @@ for path in (REPO, HERE):  # this checkout's ram_trl; the training reward of ben
 
 import ram_trl  # noqa: E402
 from ram_trl.parallel import plan_threads  # noqa: E402
-from ram_trl.synthetic import make_agent_set, make_base_checkpoint  # noqa: E402
+from ram_trl.synthetic import make_base_checkpoint, make_rl_agent  # noqa: E402
 
 #: Qwen2.5-0.5B's shapes (GRPO rows) and a ~1B-param Qwen2 (merges); tiny ones for --smoke
 SHAPES = {
@@ -75,6 +78,8 @@ GRPO = {
 }
 #: the preview rows' validation prompts and evaluation
 PREVIEW_PROMPTS = 8
+#: the merge rows' agents: the share of each tensor's elements each one changes
+DENSITIES = (0.05, 0.2, 0.4)
 REWARD_PATH = "bench_callback:reward"
 PROMPTS = ["ab", "cd", "ef", "gh"]
 
@@ -100,9 +105,12 @@ class Rows:
                 torch.cuda.empty_cache()
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], Any], repeats: int, clear: Path | None = None) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` (``clear``, an output directory, removed before each)."""
     times = []
     for _ in range(repeats):
+        if clear is not None:
+            shutil.rmtree(clear, ignore_errors=True)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -115,12 +123,42 @@ def _sync(device: torch.device) -> None:
 
 
 def _base(root: Path, name: str, smoke: bool) -> Path:
-    directory = root / f"{name}_base"
-    if (directory / "config.json").is_file():
-        return directory
-    return make_base_checkpoint(
-        directory, materialize="eager" if smoke else "stream", **SHAPES["smoke" if smoke else name]
-    )
+    """The rows' base checkpoint, built once per work directory (a marker file says it is complete)."""
+    directory = root / f"{name}_base{'_smoke' if smoke else ''}"
+    done = directory.with_name(directory.name + ".complete")
+    if not done.is_file():
+        shutil.rmtree(directory, ignore_errors=True)
+        make_base_checkpoint(
+            directory, materialize="eager" if smoke else "stream", **SHAPES["smoke" if smoke else name]
+        )
+        done.write_text("")
+    return directory
+
+
+def _fresh(directory: Path) -> Path:
+    """``directory``, emptied (a row's output from an earlier run in the same work directory)."""
+    shutil.rmtree(directory, ignore_errors=True)
+    return directory
+
+
+def _agents(root: Path, base: Path) -> list[Path]:
+    """The merge rows' synthetic RL agents (:func:`ram_trl.synthetic.make_rl_agent`, shared supports), one process
+    each, built once per work directory."""
+    folder = root / f"{base.name}_agents"
+    agents = [folder / f"agent_{i}" for i in range(len(DENSITIES))]
+    done = folder.with_name(folder.name + ".complete")
+    if not done.is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        workers = max(1, min(len(agents), plan_threads().cores))
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            jobs = [
+                pool.submit(make_rl_agent, base, agent, density=density, seed=3 + i)
+                for i, (agent, density) in enumerate(zip(agents, DENSITIES, strict=True))
+            ]
+            for job in jobs:
+                job.result()
+        done.write_text("")
+    return agents
 
 
 # -- GRPO rows ---------------------------------------------------------------------------------------------------
@@ -199,7 +237,7 @@ def telemetry_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[s
 
     settings = GRPO["smoke" if smoke else "gpu"]
     base = _base(root, "grpo", smoke)
-    out = root / "grpo_telemetry"
+    out = _fresh(root / "grpo_telemetry")
     timer = _step_timer()
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="gpu_check")
     trainer = _grpo(base, out, device, smoke, settings["steps"], [timer, callback])
@@ -248,13 +286,13 @@ def preview_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[str
     from ram_trl.recipes.schema import EvaluationSpec
 
     base = _base(root, "grpo", smoke)
-    prior = root / "preview_prior"
+    prior = _fresh(root / "preview_prior")
     _grpo(base, prior, device, smoke, 2, [TaskVectorSparsityCallback(base_model=base, stage_name="prior")])
     tasks = [
         EvalTask(name, [{"prompt": f"{name[0]}{i}"} for i in range(PREVIEW_PROMPTS)], [REWARD_PATH])
         for name in ("prior", "stage")
     ]
-    stage = root / "preview_stage"
+    stage = _fresh(root / "preview_stage")
     timer = _step_timer()
     callback = MergePreviewCallback(
         base_model=base, prior_stages=[prior], stage_name="stage", tasks=tasks,
@@ -359,7 +397,7 @@ def _mergekit() -> Callable[[dict[str, Any], Path, torch.device], None]:
 def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> list[dict[str, Any]]:
     """ram_trl.merge on the device and on the CPU, the read floors, mergekit."""
     base = _base(root, "merge", smoke)
-    agents = make_agent_set(base, root / "agents", densities=(0.05, 0.2, 0.4), seed=3)
+    agents = _agents(root, base)
     inputs = [base, *agents]
     cpu = torch.device("cpu")
     floors = {"cpu": _median_seconds(lambda: read_floor(inputs, cpu), repeats)}
@@ -382,7 +420,7 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
                     ram_trl.merge(config, out, overwrite=True, device=where, progress=False)
                 _sync(torch.device(where))
 
-            seconds[where] = _median_seconds(run, repeats)
+            seconds[where] = _median_seconds(run, repeats, clear=out)
         device_files = sorted((root / f"{method}_{device.type}").glob("*.safetensors"))
         identical = bool(device_files) and all(
             (root / f"{method}_cpu" / f.name).read_bytes() == f.read_bytes() for f in device_files
@@ -390,7 +428,9 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
         theirs_s = None
         if mergekit is not None:
             out = root / f"{method}_mergekit"
-            theirs_s = _median_seconds(lambda out=out, config=theirs: mergekit(config, out, device), repeats)
+            theirs_s = _median_seconds(
+                lambda out=out, config=theirs: mergekit(config, out, device), repeats, clear=out
+            )
         ours_s, floor = seconds[device.type], floors[device.type]
         name = theirs["merge_method"]
         versus = f"floor {floor:.2f} s"
@@ -467,7 +507,7 @@ def run_rows(root: Path, device: torch.device) -> list[dict[str, Any]]:
     cuda = device.type == "cuda"
     recipe = root / "recipe.yaml"
     recipe.write_text(RECIPE % (", bf16: true" if cuda else ""))
-    out = root / "run"
+    out = _fresh(root / "run")
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {
         **os.environ,
@@ -542,6 +582,12 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default="telemetry,preview,merge,run", help="rows to run (default: all of them)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the generated models here and reuse them on the next run (default: a temporary directory)",
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -552,8 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.only.split(","))
     started = time.perf_counter()
     table = Rows()
-    with tempfile.TemporaryDirectory(prefix="ram_trl_gpu_check_") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ram_trl_gpu_check_")))
+        else:
+            root = args.workdir
+            root.mkdir(parents=True, exist_ok=True)
         if "telemetry" in wanted:
             table.run("GRPO + telemetry callback", lambda: telemetry_rows(root, device, args.smoke))
         if "preview" in wanted:
