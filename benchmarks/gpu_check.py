@@ -92,8 +92,11 @@ class Rows:
 
     def run(self, name: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
         """Append ``fn``'s rows; a missing package or an error becomes a row that says so."""
+        start = time.perf_counter()
         try:
-            self.rows += fn()
+            rows = fn()
+            rows[0]["group_wall_s"] = round(time.perf_counter() - start, 1)  # the rows' time, setup included
+            self.rows += rows
         except ImportError as error:
             self.rows.append({"row": name, "note": f"skipped: {error} (see docs/development.md#gpu-check)"})
         except Exception as error:  # noqa: BLE001 - the other rows still run; the status says it failed
@@ -141,22 +144,26 @@ def _fresh(directory: Path) -> Path:
     return directory
 
 
-def _agents(root: Path, base: Path) -> list[Path]:
-    """The merge rows' synthetic RL agents (:func:`ram_trl.synthetic.make_rl_agent`, shared supports), one process
-    each, built once per work directory."""
+def _agents(root: Path, base: Path, smoke: bool) -> list[Path]:
+    """The merge rows' synthetic RL agents (:func:`ram_trl.synthetic.make_rl_agent`, shared supports), built once per
+    work directory: one process each (with ``smoke``, tiny ones in this process: starting a process costs more)."""
     folder = root / f"{base.name}_agents"
     agents = [folder / f"agent_{i}" for i in range(len(DENSITIES))]
     done = folder.with_name(folder.name + ".complete")
     if not done.is_file():
         shutil.rmtree(folder, ignore_errors=True)
-        workers = max(1, min(len(agents), plan_threads().cores))
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            jobs = [
-                pool.submit(make_rl_agent, base, agent, density=density, seed=3 + i)
-                for i, (agent, density) in enumerate(zip(agents, DENSITIES, strict=True))
-            ]
-            for job in jobs:
-                job.result()
+        jobs = [
+            (agent, {"density": density, "seed": 3 + i})
+            for i, (agent, density) in enumerate(zip(agents, DENSITIES, strict=True))
+        ]
+        if smoke:
+            for agent, settings in jobs:
+                make_rl_agent(base, agent, **settings)
+        else:
+            workers = max(1, min(len(agents), plan_threads().cores))
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for future in [pool.submit(make_rl_agent, base, agent, **kw) for agent, kw in jobs]:
+                    future.result()
         done.write_text("")
     return agents
 
@@ -397,7 +404,7 @@ def _mergekit() -> Callable[[dict[str, Any], Path, torch.device], None]:
 def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> list[dict[str, Any]]:
     """ram_trl.merge on the device and on the CPU, the read floors, mergekit."""
     base = _base(root, "merge", smoke)
-    agents = _agents(root, base)
+    agents = _agents(root, base, smoke)
     inputs = [base, *agents]
     cpu = torch.device("cpu")
     floors = {"cpu": _median_seconds(lambda: read_floor(inputs, cpu), repeats)}
