@@ -16,17 +16,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_gpu_check_smoke_runs_every_row(tmp_path):
-    out = tmp_path / "rows.json"
+def _gpu_check(out: Path, *options: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--json", str(out)],
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *options, "--json", str(out)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=900,
     )
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_every_row(tmp_path):
+    out = tmp_path / "rows.json"
+    done = _gpu_check(out, "--smoke")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gpu_check on CPU only (smoke)" in done.stdout
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
@@ -53,3 +57,17 @@ def test_gpu_check_smoke_runs_every_row(tmp_path):
         assert cpu["seconds"] > 0 and cpu["read_floor_s"] > 0
     run = rows["ram-trl run (one stage)"]
     assert run["check"] is True and run["steps"] == 3 and 0 <= run["density_saved"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_gpu_check_on_cuda(tmp_path):
+    """The real check on a GPU machine (minutes): every row runs on CUDA and every check holds."""
+    out = tmp_path / "rows.json"
+    done = _gpu_check(out, "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["GRPO + telemetry callback"]["device"] == "cuda:0"
+    assert rows["merge ram_plus --device cuda"]["byte_identical_to_cpu"] is True
+    assert rows["merge ties --device cuda"]["byte_identical_to_cpu"] is True
+    assert rows["ram-trl run (one stage)"]["check"] is True
