@@ -14,10 +14,10 @@ Prints one table (rich when installed) and, with ``--json PATH``, writes every r
   ``MergePreviewCallback`` previewing every 2 steps: one preview's seconds (of which merge) against a step, and the
   check that ``ram-trl merge`` of the kept checkpoint with the prior is the previewed merge bit for bit;
 - ``merge <method> --device cuda``: ``ram_trl.merge`` (what ``ram-trl merge`` runs) of 3 synthetic RL-like agents of
-  ~1B params each on the GPU, against the GPU read floor (read every input once, move it to the GPU, upcast to
-  float32; target: within 1.5x) and mergekit 0.1.5 ``--cuda --read-to-gpu --low-cpu-memory`` in-process (``ram`` for
-  ram_plus, ``ties`` for TIES; target: at least 2x faster), and the check that the output is byte-identical to the
-  CPU merge's;
+  853M params each (the GPU issue's size) on the GPU, against the GPU read floor (read every input once, move it to
+  the GPU, upcast to float32; target: within 1.5x) and mergekit 0.1.5 ``--cuda --read-to-gpu --low-cpu-memory``
+  in-process (``ram`` for ram_plus, ``ties`` for TIES; target: at least 2x faster), and the check that the output is
+  byte-identical to the CPU merge's;
 - ``merge <method> on the CPU``: the CPU merge (all cores, the thread plan of ``ram_trl.parallel.plan_threads``)
   against the single-threaded CPU read floor (target: within 1.5x);
 - ``ram-trl run (one stage)``: ``ram-trl run RECIPE --only STAGE`` of a tiny recipe written here; it trains on CUDA
@@ -63,7 +63,7 @@ import ram_trl  # noqa: E402
 from ram_trl.parallel import plan_threads  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint, make_rl_agent  # noqa: E402
 
-#: Qwen2.5-0.5B's shapes (GRPO rows) and a ~1B-param Qwen2 (merges); tiny ones for --smoke
+#: Qwen2.5-0.5B's shapes (GRPO rows) and an 853M-param Qwen2 (merges, the GPU issue's size); tiny ones for --smoke
 SHAPES = {
     "grpo": dict(hidden_size=896, num_layers=24, intermediate_size=4864, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
