@@ -93,6 +93,10 @@ def test_storage_is_shared_as_on_cuda(fake_cuda: torch.device) -> None:
         x.untyped_storage().data_ptr() == x[2:].untyped_storage().data_ptr() and x[2:].storage_offset() == 2
     )
     assert copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    tied.to("cuda")
+    assert tied[1].weight is tied[0].weight and tied[0].weight.device == fake_cuda  # as Module.to on CUDA
 
 
 def test_rng_state_and_patches_are_restored() -> None:
