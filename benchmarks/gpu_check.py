@@ -69,7 +69,10 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "merge": dict(hidden_size=2048, num_layers=16, intermediate_size=5632, num_attention_heads=16,
                   num_key_value_heads=4, vocab_size=32000),
-    "smoke": dict(hidden_size=64, num_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "grpo_smoke": dict(hidden_size=64, num_layers=2, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=True),
+    "merge_smoke": dict(hidden_size=64, num_layers=2, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2),
 }  # fmt: skip
 #: GRPO batch and steps on the GPU and with --smoke; ``interval`` = logging_steps = the telemetry's default interval
 GRPO = {
@@ -132,7 +135,9 @@ def _base(root: Path, name: str, smoke: bool) -> Path:
     if not done.is_file():
         shutil.rmtree(directory, ignore_errors=True)
         make_base_checkpoint(
-            directory, materialize="eager" if smoke else "stream", **SHAPES["smoke" if smoke else name]
+            directory,
+            materialize="eager" if smoke else "stream",
+            **SHAPES[f"{name}_smoke" if smoke else name],
         )
         done.write_text("")
     return directory
