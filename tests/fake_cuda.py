@@ -236,6 +236,10 @@ class FakeCuda(TorchFunctionMode):
             with torch.no_grad():
                 args[0]._data[_unwrap(args[1])] = _unwrap(value)
             return None
+        if func is torch.Tensor.untyped_storage and isinstance(args[0], FakeCudaTensor):
+            # a wrapper has no storage of its own: its data's (tensors that share memory on CUDA share it here too,
+            # so code that keys tied weights by ``data_ptr()`` sees what it sees on CUDA)
+            return args[0]._data.untyped_storage()
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.is_pinned:
@@ -329,5 +333,27 @@ def fake_cuda_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
             compatible(a, b) and not isinstance(a, FakeCudaTensor) and not isinstance(b, FakeCudaTensor)
         ),
     )
+    monkeypatch.setattr(torch.nn.Module, "_apply", _apply_keeping_ties(torch.nn.Module._apply))
     with torch.no_grad(), FakeCuda() as mode:
         yield mode
+
+
+def _apply_keeping_ties(apply: Any) -> Any:
+    """``Module._apply`` that keeps shared parameters shared: replacing each parameter (see above) would give the two
+    places of a tied weight (embeddings and ``lm_head``) two new parameters, where CUDA's ``param.data = ...`` keeps
+    the one."""
+
+    def _apply(self: torch.nn.Module, fn: Any, recurse: bool = True) -> torch.nn.Module:
+        places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for module in self.modules() if recurse else [self]:
+            for name, param in module._parameters.items():
+                if param is not None:
+                    places.setdefault(id(param), []).append((module, name))
+        out = apply(self, fn, recurse)
+        for shared in places.values():
+            first = shared[0][0]._parameters[shared[0][1]]
+            for module, name in shared[1:]:
+                module._parameters[name] = first
+        return out
+
+    return _apply

@@ -83,6 +83,22 @@ def test_to_cuda_copies_and_views_alias(fake_cuda: torch.device) -> None:
     assert module(torch.ones(1, 3, device="cuda")).device == fake_cuda
 
 
+def test_storage_is_shared_as_on_cuda(fake_cuda: torch.device) -> None:
+    """``untyped_storage().data_ptr()`` (how a state dict's tied weights are found) tells shared memory apart as CUDA
+    does: a tensor, its detached alias and its views share one storage; a copy has its own."""
+    x = torch.arange(6, dtype=torch.float32, device="cuda")
+    copy = x.clone()
+    assert x.untyped_storage().data_ptr() == x.detach().untyped_storage().data_ptr()
+    assert (
+        x.untyped_storage().data_ptr() == x[2:].untyped_storage().data_ptr() and x[2:].storage_offset() == 2
+    )
+    assert copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    tied.to("cuda")
+    assert tied[1].weight is tied[0].weight and tied[0].weight.device == fake_cuda  # as Module.to on CUDA
+
+
 def test_rng_state_and_patches_are_restored() -> None:
     monkeypatch = pytest.MonkeyPatch()
     real = torch.cuda.is_available()
