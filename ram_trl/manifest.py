@@ -161,6 +161,24 @@ def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -
     return path if path.is_absolute() else manifest_path(manifest_file).parent / path
 
 
+def base_model_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path | None:
+    """The base model a manifest names, as a local path: a relative ``base_model`` is resolved against the manifest's
+    directory, never the current directory (a stage is read from anywhere).
+
+    Args:
+        manifest (`StageManifest`): The manifest.
+        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
+
+    Returns:
+        `Path` or `None`: The base's path, or ``None`` when no such file or directory exists (a Hub id, or a base
+        that has moved since the run).
+    """
+    path = Path(manifest.base_model).expanduser()
+    if not path.is_absolute():
+        path = (manifest_path(manifest_file).parent / path).resolve()
+    return path if path.exists() else None
+
+
 def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:
     """Write ``directory/ram_stage.json`` atomically (temporary sibling, then rename).
 

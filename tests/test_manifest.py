@@ -244,6 +244,9 @@ def test_a_relative_base_model_resolves_beside_the_manifest(tmp_path, monkeypatc
     monkeypatch.chdir(elsewhere)  # the base is found from the manifests, not from the working directory
     result = ram_trl.analyze(None, stages, None, progress=False, figures=False)
     assert [a["name"] for a in result["agents"]] == ["vertical0", "vertical1"]
+    # the merge report names the base the manifest means, not the bare relative path
+    report = _merge_stage(ckpts, tmp_path, stages[0])
+    assert report["agents"][0]["stage"]["base_model"] == str(ckpts.base.resolve())
 
 
 def test_names_for_an_agent_that_is_the_base_say_why_it_was_left_out(tmp_path):

@@ -56,7 +56,8 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     Args:
         path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
         dtype: Dtype to load in.
-        base: Base model of an adapter (default: the adapter config's ``base_model_name_or_path``).
+        base: Base model of an adapter (default: a stage's ``base_model``, relative to its manifest, else the adapter
+            config's ``base_model_name_or_path``).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer comes from ``path`` when it has one, else from the base.
