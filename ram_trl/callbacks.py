@@ -462,14 +462,12 @@ def save_agent(
     try:
         with guard_os_errors(f"agent directory {out_dir}"):
             unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
-            with ThreadPoolExecutor(
-                1
-            ) as hasher:  # the weights hash while the config and tokenizer are written
+            # the weights hash while the config and tokenizer are written
+            with ThreadPoolExecutor(1) as hasher:
                 digests = hasher.submit(describe_files, tmp) if manifest is not None else None
                 config_file = tmp / "config.json"
-                if (
-                    config_file.is_file()
-                ):  # say what the weights hold (save_pretrained writes the training dtype)
+                # say what the weights hold (save_pretrained writes the training dtype)
+                if config_file.is_file():
                     config = json.loads(config_file.read_text())
                     config["dtype"] = str(dtype).removeprefix("torch.")
                     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -479,9 +477,7 @@ def save_agent(
                 if manifest is not None and digests is not None:
                     stage = manifest()
                     files = digests.result()
-                    if sorted(files) != weight_files(
-                        tmp
-                    ):  # a weight file written since: describe them all again
+                    if sorted(files) != weight_files(tmp):  # a weight file written since: describe all
                         files = describe_files(tmp)
                     stage.files = files  # the stage contract: exactly these files, these bytes
                     write_manifest(stage, tmp)
@@ -544,10 +540,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
         return True
     try:
         low, high = torch.aminmax(tensor)
-    except (
-        RuntimeError,
-        NotImplementedError,
-    ):  # dtypes without min/max kernels (float8): the elementwise test
+    except (RuntimeError, NotImplementedError):  # a dtype without a min/max kernel: the elementwise test
         return bool(torch.isfinite(tensor).all())
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
