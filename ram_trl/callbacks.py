@@ -21,6 +21,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -461,18 +462,25 @@ def save_agent(
     try:
         with guard_os_errors(f"agent directory {out_dir}"):
             unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
-            config_file = tmp / "config.json"
-            if config_file.is_file():  # say what the weights hold (save_pretrained writes the training dtype)
-                config = json.loads(config_file.read_text())
-                config["dtype"] = str(dtype).removeprefix("torch.")
-                config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            processing = getattr(trainer, "processing_class", None)
-            if processing is not None and hasattr(processing, "save_pretrained"):
-                processing.save_pretrained(str(tmp))
-            if manifest is not None:
-                stage = manifest()
-                stage.files = describe_files(tmp)  # the stage contract: exactly these files, these bytes
-                write_manifest(stage, tmp)
+            # the weights hash while the config and tokenizer are written
+            with ThreadPoolExecutor(1) as hasher:
+                digests = hasher.submit(describe_files, tmp) if manifest is not None else None
+                config_file = tmp / "config.json"
+                # say what the weights hold (save_pretrained writes the training dtype)
+                if config_file.is_file():
+                    config = json.loads(config_file.read_text())
+                    config["dtype"] = str(dtype).removeprefix("torch.")
+                    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                processing = getattr(trainer, "processing_class", None)
+                if processing is not None and hasattr(processing, "save_pretrained"):
+                    processing.save_pretrained(str(tmp))
+                if manifest is not None and digests is not None:
+                    stage = manifest()
+                    files = digests.result()
+                    if sorted(files) != weight_files(tmp):  # a weight file written since: describe all
+                        files = describe_files(tmp)
+                    stage.files = files  # the stage contract: exactly these files, these bytes
+                    write_manifest(stage, tmp)
         # the previous save's weight files that this one does not replace go with the commit
         output.commit(remove=check_save_target(out_dir, weight_files(tmp)))
     except BaseException:
@@ -525,6 +533,18 @@ def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Mo
             return
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN or Inf: its minimum and maximum in one pass without a temporary
+    (NaN propagates into both, an Inf is one of them), an order of magnitude faster than ``isfinite`` on the CPU."""
+    if tensor.numel() == 0:
+        return True
+    try:
+        low, high = torch.aminmax(tensor)
+    except (RuntimeError, NotImplementedError):  # a dtype without a min/max kernel: the elementwise test
+        return bool(torch.isfinite(tensor).all())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
 def check_finite_agent(
     tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
 ) -> None:
@@ -540,10 +560,8 @@ def check_finite_agent(
     """
     bad: list[tuple[str, int]] = []
     for name, tensor in tensors.items():
-        if torch.is_floating_point(tensor):
-            count = int(tensor.numel() - torch.isfinite(tensor).sum())
-            if count:
-                bad.append((name, count))
+        if torch.is_floating_point(tensor) and not _all_finite(tensor):
+            bad.append((name, int(tensor.numel() - torch.isfinite(tensor).sum())))
     if bad:
         total = sum(count for _, count in bad)
         name = str(dtype).removeprefix("torch.")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ram_trl.anatomy import layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
-from ram_trl.manifest import check_base, manifest_path, read_manifest, verify_stage
+from ram_trl.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
 
@@ -512,7 +512,7 @@ def _resolve_stage(
         "steps": manifest.steps,
         "kind": manifest.kind,
         "save_dtype": manifest.save_dtype,
-        "base_model": manifest.base_model,
+        "base_model": str(base_model_path(manifest, manifest_file) or manifest.base_model),
         # non-finite values (a hand-edited or diverged manifest) are left out: the report is strict JSON
         "rewards": {k: v for k, v in manifest.rewards.items() if math.isfinite(v)},
         "telemetry": {k: v for k, v in manifest.telemetry.items() if math.isfinite(v)},

@@ -155,6 +155,7 @@ def open_inputs(
             allow_pickle=allow_pickle,
             allow_external_shards=allow_external_shards,
             base_shapes=shapes,
+            base_config=base.config_path,
         )
         for agent in resolved.agents
     ]

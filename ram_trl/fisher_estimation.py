@@ -332,17 +332,19 @@ def _check_weights_format(directory: Path, role: str, allow_pickle: bool) -> Non
         )
 
 
-def _stage_checkpoint(directory: Path) -> Path:
-    """A stage directory's checkpoint, verified against its manifest (:func:`~ram_trl.manifest.verify_stage`);
-    a directory without a manifest, or whose manifest describes no saved agent, is read as it is."""
-    from ram_trl.manifest import MANIFEST_NAME, read_manifest, verify_stage
+def _stage_checkpoint(directory: Path) -> tuple[Path, Path | None]:
+    """A stage directory's checkpoint, verified against its manifest (:func:`~ram_trl.manifest.verify_stage`), and
+    the base model the manifest names (a relative path resolved beside the manifest); a directory without a
+    manifest is read as it is (no base), and so is one whose manifest describes no saved agent."""
+    from ram_trl.manifest import MANIFEST_NAME, base_model_path, read_manifest, verify_stage
 
     if not (directory / MANIFEST_NAME).is_file():
-        return directory
+        return directory, None
     manifest = read_manifest(directory)
+    base = base_model_path(manifest, directory)
     if manifest.files is not None and not manifest.files:
-        return directory  # save_agent=False: the manifest says nothing about the weights found here
-    return verify_stage(manifest, directory)
+        return directory, base  # save_agent=False: the manifest says nothing about the weights found here
+    return verify_stage(manifest, directory), base
 
 
 def load_agent(
@@ -355,7 +357,8 @@ def load_agent(
 
     Args:
         agent_dir: A model checkpoint directory or a PEFT LoRA adapter directory.
-        base: The adapter's base model (default: its ``base_model_name_or_path``); ignored for full models.
+        base: The adapter's base model (default: a stage's ``base_model``, relative to its manifest, else the adapter
+            config's ``base_model_name_or_path``); ignored for full models.
         dtype: Dtype to load in (float32 by default: gradients in full precision).
         allow_pickle: Accept weights stored only as pickles (``pytorch_model*.bin``, ``adapter_model.bin``).
 
@@ -370,7 +373,7 @@ def load_agent(
     agent_dir = Path(agent_dir)
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
-    agent_dir = _stage_checkpoint(agent_dir)
+    agent_dir, stage_base = _stage_checkpoint(agent_dir)
     if not is_adapter_dir(agent_dir) and not (agent_dir / "config.json").is_file():
         raise RamTrlError(
             f"agent {agent_dir} holds no model: no config.json (a model saved with save_pretrained) and no "
@@ -387,7 +390,10 @@ def load_agent(
     )
     if claimed is not None and not isinstance(claimed, str):
         raise RamTrlError(f"agent {agent_dir}: base_model_name_or_path must be a path, got {claimed!r}")
-    base_path = Path(base) if base is not None else (Path(claimed) if claimed else None)
+    if base is not None:
+        base_path: Path | None = Path(base)
+    else:  # a stage's base (its manifest, read beside it) before the adapter config's own claim
+        base_path = stage_base or (Path(claimed) if claimed else None)
     if base_path is None or not base_path.is_dir():
         raise RamTrlError(
             f"agent {agent_dir} is a LoRA adapter whose base ({base_path}) is not a local directory; pass --base "

@@ -20,9 +20,10 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -159,6 +160,24 @@ def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -
     """
     path = Path(manifest.checkpoint).expanduser()
     return path if path.is_absolute() else manifest_path(manifest_file).parent / path
+
+
+def base_model_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path | None:
+    """The base model a manifest names, as a local path: a relative ``base_model`` is resolved against the manifest's
+    directory, never the current directory (a stage is read from anywhere).
+
+    Args:
+        manifest (`StageManifest`): The manifest.
+        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
+
+    Returns:
+        `Path` or `None`: The base's path, or ``None`` when no such file or directory exists (a Hub id, or a base
+        that has moved since the run).
+    """
+    path = Path(manifest.base_model).expanduser()
+    if not path.is_absolute():
+        path = (manifest_path(manifest_file).parent / path).resolve()
+    return path if path.exists() else None
 
 
 def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:
@@ -319,7 +338,7 @@ def check_base(
 
 #: The adapter files of a PEFT LoRA checkpoint.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_DIGEST_BLOCK = 1 << 24
+_DIGEST_BLOCK = 1 << 20
 _digest_memo: dict[tuple[str, int, int, int], str] = {}
 _digest_lock = threading.Lock()
 
@@ -358,6 +377,18 @@ def weight_files(directory: str | os.PathLike) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if is_weight_file(p.name) and p.is_file())
 
 
+def _sha256(handle: BinaryIO) -> str:
+    """The SHA-256 of an open file's bytes, read into one reused buffer (no new block per read; the GIL is released
+    while each block hashes). Not a memory map: a file truncated by another process meanwhile would kill this one
+    with SIGBUS instead of giving a short read."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_DIGEST_BLOCK)
+    view = memoryview(buffer)
+    while count := handle.readinto(buffer):
+        digest.update(view[:count])
+    return digest.hexdigest()
+
+
 def file_digest(file: str | os.PathLike) -> str:
     """The SHA-256 of a file's bytes, streamed (remembered per path, inode, size and modification time).
 
@@ -374,11 +405,8 @@ def file_digest(file: str | os.PathLike) -> str:
         known = _digest_memo.get(key)
     if known is not None:
         return known
-    digest = hashlib.sha256()
-    with file.open("rb") as handle:
-        while block := handle.read(_DIGEST_BLOCK):
-            digest.update(block)
-    value = digest.hexdigest()
+    with file.open("rb", buffering=0) as handle:
+        value = _sha256(handle)
     with _digest_lock:
         _digest_memo[key] = value
     return value
@@ -393,7 +421,13 @@ def describe_files(directory: str | os.PathLike) -> dict[str, str]:
     Returns:
         `dict[str, str]`: File name to hex digest, sorted by name.
     """
-    return {name: file_digest(Path(directory) / name) for name in weight_files(directory)}
+    names = weight_files(directory)
+    workers = min(len(names), os.cpu_count() or 1, 8)
+    if workers <= 1:
+        return {name: file_digest(Path(directory) / name) for name in names}
+    with ThreadPoolExecutor(workers) as pool:  # the shards of a large model hash side by side (no GIL held)
+        digests = list(pool.map(lambda name: file_digest(Path(directory) / name), names))
+    return dict(zip(names, digests, strict=True))
 
 
 def _check_kind(manifest: StageManifest, directory: Path, where: str) -> None:

@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.lora import meta_model
 from ram_trl.io.safetensors_io import TensorInfo
 from ram_trl.lora_svd import LoraExportOptions
 
@@ -67,12 +66,8 @@ def _module_name(module: nn.Module | None, modules: dict[str, nn.Module]) -> str
 
 def build_architecture(base_dir: Path) -> Architecture:
     """The base's architecture on the meta device (no weights) from its ``config.json``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
-        config = AutoConfig.from_pretrained(base_dir)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_model(base_dir)
     except Exception as exc:  # transformers raises many types for unknown or broken configs
         raise CheckpointError(
             f"base model {base_dir}: cannot build its architecture from config.json to find the nn.Linear weights "

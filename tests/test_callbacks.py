@@ -8,6 +8,7 @@ from their manifests alone.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import os
@@ -457,6 +458,7 @@ def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp
     trainer = grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
     manifest = read_manifest(out)
     assert manifest.kind == "full" and sorted(manifest.files) == ["model.safetensors"]
+    assert manifest.files == {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in manifest.files}
     ram_trl.analyze(base, [out], progress=False, figures=False)  # intact: accepted
     trainer.save_model(str(out))
     with pytest.raises(ConfigError, match=rf"{out / 'model.safetensors'} no longer matches"):
@@ -480,6 +482,7 @@ def test_a_lora_save_into_a_full_agent_directory_leaves_only_the_adapter(base, t
     manifest = read_manifest(out)
     assert manifest.kind == "lora" and not (out / "model.safetensors").exists()
     assert sorted(manifest.files) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert manifest.files == {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in manifest.files}
     ram_trl.analyze(base, [out], progress=False, figures=False)
 
 
@@ -542,6 +545,29 @@ def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
     with pytest.raises(NonFiniteError, match=r"NaN/Inf values in float16 .*nothing was saved"):
         trainer.train()
     assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finiteness_check_finds_every_nan_and_inf(dtype, tmp_path):
+    from ram_trl.callbacks import check_finite_agent
+    from ram_trl.errors import NonFiniteError
+
+    clean = {
+        "a": torch.randn(1000).to(dtype),
+        "b": torch.randn(7, 33).to(dtype),
+        "empty": torch.empty(0, dtype=dtype),
+    }
+    check_finite_agent({**clean, "ids": torch.arange(4)}, dtype, tmp_path)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for position in (0, 500, 999):  # the first, a middle and the last element (vectorised tails included)
+            broken = clean["a"].clone()
+            broken[position] = value
+            with pytest.raises(NonFiniteError, match=r"holds 1 NaN/Inf values .*\(1 tensors, first 'a'\)"):
+                check_finite_agent({**clean, "a": broken}, dtype, tmp_path)
+    worse = clean["b"].clone()
+    worse[3, ::4] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"holds 9 NaN/Inf values .*\(1 tensors, first 'b'\)"):
+        check_finite_agent({**clean, "b": worse}, dtype, tmp_path)
 
 
 def test_a_base_model_the_policy_does_not_start_from_is_reported_before_training(base, tmp_path):

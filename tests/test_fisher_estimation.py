@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from ram_trl.fisher_estimation import (
     read_prompts,
     save_fisher,
 )
+from ram_trl.manifest import StageManifest, describe_files, write_manifest
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
 
@@ -310,3 +312,31 @@ def test_lora_agent_fisher_is_keyed_by_base_names_and_merges(tiny, tmp_path):
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     for name, value in merged_model.state_dict().items():
         torch.testing.assert_close(merged[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_lora_stage_finds_its_relative_base_beside_its_manifest(tiny, tmp_path, monkeypatch):
+    """eval and fisher load a LoRA stage on the base its manifest names, a relative path read from the manifest's
+    directory (not the working directory), before the adapter config's own (moved-away) claim."""
+    peft = pytest.importorskip("peft")
+    _, untied, _ = tiny
+    shutil.copytree(untied, tmp_path / "run" / "base")
+    stage = tmp_path / "run" / "stages" / "s"
+    model = AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, config)
+    lora.save_pretrained(stage)
+    config_file = stage / "adapter_config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "base_model_name_or_path": "moved-away"})
+    )
+    manifest = StageManifest(
+        stage="s", base_model="../../base", checkpoint=".", kind="lora", files=describe_files(stage)
+    )
+    write_manifest(manifest, stage)
+    elsewhere = tmp_path / "elsewhere" / "deeper"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)  # "../../base" from here does not exist
+    loaded, _ = load_agent(stage)
+    expected = lora.merge_and_unload().state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from ram_trl.manifest import (
     StageManifest,
     check_base,
     describe_files,
+    file_digest,
     fingerprint_checkpoint,
     fingerprint_names,
     fingerprint_state,
@@ -244,9 +246,21 @@ def test_a_relative_base_model_resolves_beside_the_manifest(tmp_path, monkeypatc
     monkeypatch.chdir(elsewhere)  # the base is found from the manifests, not from the working directory
     result = ram_trl.analyze(None, stages, None, progress=False, figures=False)
     assert [a["name"] for a in result["agents"]] == ["vertical0", "vertical1"]
+    # the merge report names the base the manifest means, not the bare relative path
+    report = _merge_stage(ckpts, tmp_path, stages[0])
+    assert report["agents"][0]["stage"]["base_model"] == str(ckpts.base.resolve())
 
 
 def test_names_for_an_agent_that_is_the_base_say_why_it_was_left_out(tmp_path):
     ckpts = make_checkpoints(tmp_path)
     with pytest.raises(ConfigError, match=r"2 names given for 1 agents \(models\[0\] is the base model"):
         ram_trl.analyze(ckpts.base, [ckpts.base, ckpts.agents[0]], None, names=["b", "a"], progress=False)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 24) + 3])
+def test_file_digest_is_the_sha256_of_the_bytes_on_disk(tmp_path, size):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(
+        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).byte().numpy()
+    )
+    assert file_digest(file) == hashlib.sha256(file.read_bytes()).hexdigest()

@@ -12,7 +12,7 @@ from ram_trl import defaults
 from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
 from ram_trl.counting import DEFAULT_EPS
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import is_stage, manifest_path, read_manifest
+from ram_trl.manifest import base_model_path, is_stage, manifest_path, read_manifest
 from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R
@@ -78,7 +78,7 @@ def resolve_inputs(
     else:
         if base is None and agents and all(is_stage(a) for a in agents):
             bases = {stage_base(a) for a in agents}
-            if len(bases) == 1 and next(iter(bases)).exists():
+            if len(bases) == 1 and None not in bases:
                 base = next(iter(bases))
         if base is None or not agents:
             raise ConfigError(
@@ -117,20 +117,18 @@ def resolve_inputs(
     return AnalysisInputs(resolved, values["eps"], values["r"], values["alpha"])
 
 
-def stage_base(path: str | os.PathLike) -> Path:
-    """The base model a stage manifest names, a relative path resolved against the manifest's directory (where it
-    exists there) rather than the current directory.
+def stage_base(path: str | os.PathLike) -> Path | None:
+    """The base model a stage manifest names (:func:`~ram_trl.manifest.base_model_path`: a relative path resolved
+    against the manifest's directory, not the current directory).
 
     Args:
         path (`str` or `os.PathLike`): The manifest or its directory.
 
     Returns:
-        `Path`: The base model's path.
+        `Path` or `None`: The base model's path, ``None`` when it names no existing local path.
     """
     file = manifest_path(path)
-    base = Path(read_manifest(file).base_model).expanduser()
-    beside = file.parent / base
-    return beside.resolve() if not base.is_absolute() and beside.exists() else base
+    return base_model_path(read_manifest(file), file)
 
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_R", "AnalysisInputs", "resolve_inputs", "stage_base"]

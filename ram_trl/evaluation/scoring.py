@@ -57,7 +57,8 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     Args:
         path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
         dtype: Dtype to load in.
-        base: Base model of an adapter (default: the adapter config's ``base_model_name_or_path``).
+        base: Base model of an adapter (default: a stage's ``base_model``, relative to its manifest, else the adapter
+            config's ``base_model_name_or_path``).
 
     Returns:
         ``(model, tokenizer)``; the tokenizer comes from ``path`` when it has one, else from the base.
@@ -65,12 +66,11 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     Raises:
         RamTrlError: naming the path when it is missing, or an adapter whose base cannot be found.
     """
-    from transformers.utils import logging as hf_logging
-
     from ram_trl.fisher_estimation import load_agent
+    from ram_trl.io.quiet import progress_bars_off
 
-    hf_logging.disable_progress_bar()
-    model, tokenizer = load_agent(path, base, getattr(torch, dtype))
+    with progress_bars_off():  # quiet while loading, then as the host had it
+        model, tokenizer = load_agent(path, base, getattr(torch, dtype))
     model.eval()
     for name, parameter in model.named_parameters():
         if torch.is_floating_point(parameter) and not bool(torch.isfinite(parameter).all()):

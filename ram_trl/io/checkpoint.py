@@ -178,6 +178,7 @@ def open_checkpoint(
     allow_pickle: bool = False,
     allow_external_shards: bool = False,
     base_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    base_config: Path | None = None,
 ) -> Checkpoint:
     """Open a checkpoint directory and read every tensor's metadata.
 
@@ -190,6 +191,8 @@ def open_checkpoint(
             symbolic links out of the directory); refused by default.
         base_shapes: The base model's tensor shapes, for a LoRA adapter: they tell its Linear layers from GPT-2
             ``Conv1D`` layers as PEFT does (:func:`~ram_trl.io.lora.read_adapter`).
+        base_config: The base model's ``config.json``, for a LoRA adapter: its architecture places the square
+            targets that ``base_shapes`` cannot (:func:`~ram_trl.io.lora.conv1d_modules`).
 
     Returns:
         The opened :class:`Checkpoint`.
@@ -213,7 +216,7 @@ def open_checkpoint(
     if single.is_file():
         return _from_safetensors_files(path, role, [single])
     if is_adapter_dir(path):
-        return _from_adapter(path, role, base_shapes)
+        return _from_adapter(path, role, base_shapes, base_config)
     pickles = [path / PICKLE_INDEX, path / PICKLE_SINGLE]
     if any(p.is_file() for p in pickles):
         if not allow_pickle:
@@ -233,9 +236,12 @@ def open_checkpoint(
 
 
 def _from_adapter(
-    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None
+    path: Path,
+    role: str,
+    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    base_config: Path | None = None,
 ) -> Checkpoint:
-    content = read_adapter(path, role, base_shapes)
+    content = read_adapter(path, role, base_shapes, base_config)
     metas: dict[str, TensorMeta] = {}
     for name, info in content.full.items():
         metas[name] = TensorMeta(name, info.dtype, info.shape)

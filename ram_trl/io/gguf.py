@@ -275,12 +275,19 @@ def convert_gguf(
 
 
 def _convert_into(found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...]) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from ram_trl.io.quiet import progress_bars_off
 
     start = time.perf_counter()
-    hf_logging.disable_progress_bar()
+    with progress_bars_off():
+        return _convert_quietly(found, temp, dtype, prompts, start)
+
+
+def _convert_quietly(
+    found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...], start: float
+) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     file = found.materialise(temp / _STAGING)
     info = _describe(file, found.label)
     try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -159,17 +159,79 @@ def _factor_key(name: str) -> tuple[str, str, str | None] | None:
     return None
 
 
+#: The transformers model types whose modeling code builds ``transformers.pytorch_utils.Conv1D`` layers (the GPT-2
+#: family); every other model type's LoRA targets are ``nn.Linear`` layers. tests/io/test_lora.py checks it against
+#: the installed transformers.
+CONV1D_MODEL_TYPES = frozenset(
+    {"clvp", "clvp_decoder", "clvp_encoder", "decision_transformer", "gpt2", "imagegpt", "openai-gpt"}
+)
+
+
+def meta_model(base_dir: Path) -> torch.nn.Module:
+    """The base's causal LM built on the meta device (no weights, no ``trust_remote_code``) from its ``config.json``.
+
+    Args:
+        base_dir: The base checkpoint directory.
+
+    Returns:
+        The model, on the meta device.
+
+    Raises:
+        Exception: whatever transformers raises for an unknown or broken config (callers name the base).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def conv1d_modules(base_config: Path) -> frozenset[str] | None:
+    """The names of the base's transformers ``Conv1D`` modules, the layers PEFT applies LoRA to transposed.
+
+    PEFT decides ``fan_in_fan_out`` by the class of the layer it wraps: it resets the flag to ``False`` on an
+    ``nn.Linear`` and to ``True`` on a ``Conv1D`` (with a warning), so the base's architecture, not the adapter
+    config's flag, says how a delta applies. Model types outside :data:`CONV1D_MODEL_TYPES` have no ``Conv1D``; the
+    others are built on the meta device to name theirs.
+
+    Args:
+        base_config: The base's ``config.json``.
+
+    Returns:
+        The module names (empty for a model built from ``nn.Linear`` layers), or ``None`` when the architecture is
+        unknown: no readable ``model_type``, remote code (``auto_map``), or one transformers cannot build.
+    """
+    try:
+        config = read_json_object(base_config, "base model config")
+    except CheckpointError:
+        return None
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or config.get("auto_map"):
+        return None
+    if model_type not in CONV1D_MODEL_TYPES:
+        return frozenset()
+    from transformers.pytorch_utils import Conv1D
+
+    try:
+        model = meta_model(base_config.parent)
+    except Exception:  # transformers raises many types for unknown or broken configs
+        return None
+    return frozenset(name for name, module in model.named_modules() if isinstance(module, Conv1D))
+
+
 def _layout(
     module: str,
     a: TensorInfo,
     b: TensorInfo,
     fan_in_fan_out: bool,
     base_shapes: Mapping[str, tuple[int, ...]] | None,
+    conv1d: Callable[[], frozenset[str] | None],
 ) -> Literal["linear", "transposed"]:
     """How PEFT applies a ``lora_A``/``lora_B`` pair: by the module's class, not by the config's flag (PEFT resets
     ``fan_in_fan_out`` to False on ``nn.Linear`` and to True on GPT-2's ``Conv1D``). The class shows in the base
-    tensor's shape, ``(out, in)`` for a Linear and ``(in, out)`` for a Conv1D; the flag decides only where the base
-    is unknown or square."""
+    tensor's shape, ``(out, in)`` for a Linear and ``(in, out)`` for a Conv1D; where the shape is square or unknown,
+    the base's architecture names its ``Conv1D`` modules (:func:`conv1d_modules`); the flag decides only where the
+    architecture is unknown too."""
     shape = None if base_shapes is None else base_shapes.get(f"{module}.weight")
     if shape is not None and len(a.shape) == 2 and len(b.shape) == 2:
         linear, transposed = (b.shape[0], a.shape[1]), (a.shape[1], b.shape[0])
@@ -177,11 +239,17 @@ def _layout(
             return "linear"
         if linear != transposed and tuple(shape) == transposed:
             return "transposed"
+    known = conv1d()
+    if known is not None:
+        return "transposed" if module in known else "linear"
     return "transposed" if fan_in_fan_out else "linear"
 
 
 def read_adapter(
-    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None
+    path: Path,
+    role: str,
+    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    base_config: Path | None = None,
 ) -> AdapterContent:
     """Read and validate a PEFT adapter directory.
 
@@ -190,6 +258,8 @@ def read_adapter(
         role: How messages name the adapter (e.g. ``"agent 1 (math)"``).
         base_shapes: The base model's tensor shapes by name, when known: they tell a Linear layer from a GPT-2
             ``Conv1D`` as PEFT does (a ``fan_in_fan_out`` flag that contradicts the layer is ignored, as in PEFT).
+        base_config: The base model's ``config.json``, when known: its architecture tells a square Linear weight
+            from a square ``Conv1D`` one (:func:`conv1d_modules`, read only for such targets).
 
     Returns:
         Its config and tensors, mapped onto base tensor names.
@@ -235,6 +305,13 @@ def read_adapter(
     rank_pattern, alpha_pattern = settings.rank_pattern, settings.alpha_pattern
     rslora, fan_in_fan_out = settings.rslora, settings.fan_in_fan_out
     content = AdapterContent(config=config)
+    kinds: list[frozenset[str] | None] = []
+
+    def conv1d() -> frozenset[str] | None:  # read once, and only for a target its shape cannot place
+        if not kinds:
+            kinds.append(None if base_config is None else conv1d_modules(base_config))
+        return kinds[0]
+
     pairs: dict[str, dict[str, TensorInfo]] = {}
     adapter_names: dict[str | None, str] = {}
     for key, info in tensors.items():
@@ -275,7 +352,9 @@ def read_adapter(
         scaling = module_alpha / math.sqrt(r) if rslora else module_alpha / r
         if "lora_A" in parts and "lora_B" in parts:
             a, b = parts["lora_A"], parts["lora_B"]
-            layout: Literal["linear", "transposed"] = _layout(module, a, b, fan_in_fan_out, base_shapes)
+            layout: Literal["linear", "transposed"] = _layout(
+                module, a, b, fan_in_fan_out, base_shapes, conv1d
+            )
         elif "lora_embedding_A" in parts and "lora_embedding_B" in parts:
             a, b = parts["lora_embedding_A"], parts["lora_embedding_B"]
             layout = "transposed"

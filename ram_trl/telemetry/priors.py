@@ -132,7 +132,16 @@ def compute_prior_masks(
     from ram_trl.streaming import iter_chunks, to_deltas
 
     base = open_checkpoint(base_path, "base model")
-    agents = [open_checkpoint(s.checkpoint, f"prior stage {s.name!r} ({s.checkpoint})") for s in stages]
+    shapes = {name: tuple(meta.shape) for name, meta in base.tensors.items()}
+    agents = [
+        open_checkpoint(
+            s.checkpoint,
+            f"prior stage {s.name!r} ({s.checkpoint})",
+            base_shapes=shapes,
+            base_config=base.config_path,
+        )
+        for s in stages
+    ]
     plan = build_plan(
         base, agents, out_dtype=None, shape_mismatch="error", needs_statistics=False, trims_by_magnitude=False
     )

@@ -58,7 +58,7 @@ from ram_trl.anatomy import summarize
 from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
-from ram_trl.manifest import BaseFingerprint, fingerprint_checkpoint
+from ram_trl.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
 from ram_trl.parallel import compute_pool, imap_blocks, single_threaded_call, single_threaded_worker
 from ram_trl.statistics import (
@@ -530,9 +530,9 @@ class TaskVectorTracker:
         base_path = self.base_model
         if base_path is None:
             for stage in stages:
-                candidate = stage.manifest.base_model
-                if os.path.isdir(candidate) or os.path.isfile(candidate):
-                    base_path = candidate
+                candidate = base_model_path(stage.manifest, stage.manifest_file)  # beside the manifest
+                if candidate is not None:
+                    base_path = str(candidate)
                     break
         if base_path is None:
             raise ConfigError(

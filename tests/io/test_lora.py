@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import ram_trl
 from ram_trl.errors import CheckpointError
+from ram_trl.io.lora import CONV1D_MODEL_TYPES, conv1d_modules
 from tests import reference
 from tests.helpers import dense_lora_deltas, lora_adapter, qwen_model, save_base
 
@@ -216,3 +219,92 @@ def test_a_hand_edited_fan_in_fan_out_on_linear_layers_is_read_as_peft_applies_i
     ours = reference.load_state_dict(tmp_path / "out")
     for name, value in merged_reference.items():
         torch.testing.assert_close(ours[name], value.float(), rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _hand_edit(adapter, **changes):
+    config_file = adapter / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+
+
+def _assert_merge_equals(ours_dir, merged_reference, base, moved):
+    ours = reference.load_state_dict(ours_dir)
+    assert len(ours) >= len(merged_reference) - 1  # GPT-2's tied lm_head is saved once, as its embedding
+    for name, value in ours.items():
+        torch.testing.assert_close(value, merged_reference[name].float(), rtol=1e-6, atol=1e-7, msg=name)
+    base_state = load_file(str(base / "model.safetensors"))
+    assert not torch.equal(ours[moved], base_state[moved].float())  # the square target really moved
+
+
+def test_a_fan_in_fan_out_flag_on_square_linear_weights_is_read_as_peft_applies_it(tmp_path):
+    """Square ``nn.Linear`` targets (a tiny Llama's q_proj and o_proj): their shape cannot tell the layout, the base's
+    architecture does; PEFT resets a hand-edited ``fan_in_fan_out: true`` to False there."""
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=96,
+    )
+    torch.manual_seed(0)
+    base = save_base(LlamaForCausalLM(config), tmp_path / "base")
+    torch.manual_seed(0)
+    peft_model = lora_adapter(
+        LlamaForCausalLM(config), tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]
+    )
+    merged_reference = peft_model.merge_and_unload().state_dict()
+    _hand_edit(tmp_path / "adapter", fan_in_fan_out=True)
+    ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    _assert_merge_equals(tmp_path / "out", merged_reference, base, "model.layers.0.self_attn.o_proj.weight")
+
+
+def test_a_fan_in_fan_out_flag_off_on_square_conv1d_weights_is_read_as_peft_applies_it(tmp_path):
+    """A tiny GPT-2's attention c_proj is a square ``Conv1D``: PEFT transposes its delta whatever the flag says."""
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=96, n_positions=64)
+    torch.manual_seed(0)
+    base = save_base(GPT2LMHeadModel(config), tmp_path / "base")
+    torch.manual_seed(0)
+    peft_model = lora_adapter(
+        GPT2LMHeadModel(config),
+        tmp_path / "adapter",
+        r=4,
+        lora_alpha=8,
+        target_modules=["c_proj"],
+        fan_in_fan_out=True,
+    )
+    merged_reference = peft_model.merge_and_unload().state_dict()
+    _hand_edit(tmp_path / "adapter", fan_in_fan_out=False)
+    ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
+    _assert_merge_equals(tmp_path / "out", merged_reference, base, "transformer.h.0.attn.c_proj.weight")
+
+
+def test_conv1d_model_types_are_those_transformers_builds_with_conv1d():
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+
+    models = Path(transformers.__file__).parent / "models"
+    uses = {
+        path.parent.name
+        for path in models.glob("*/modeling_*.py")
+        if re.search(r"from \.\.\.pytorch_utils import[^\n]*\bConv1D\b", path.read_text())
+    }
+    assert {t for t in CONFIG_MAPPING_NAMES if model_type_to_module_name(t) in uses} == CONV1D_MODEL_TYPES
+
+
+def test_conv1d_modules_of_a_base(tmp_path):
+    GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=96, n_positions=64).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    ).save_pretrained(tmp_path / "llama")
+    assert conv1d_modules(tmp_path / "gpt2" / "config.json") == {
+        "transformer.h.0.attn.c_attn",
+        "transformer.h.0.attn.c_proj",
+        "transformer.h.0.mlp.c_fc",
+        "transformer.h.0.mlp.c_proj",
+    }
+    assert conv1d_modules(tmp_path / "llama" / "config.json") == frozenset()
+    (tmp_path / "remote.json").write_text('{"model_type": "custom", "auto_map": {"AutoModel": "m.M"}}')
+    assert conv1d_modules(tmp_path / "remote.json") is None  # remote code: the flag decides
+    assert conv1d_modules(tmp_path / "missing.json") is None

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerControl, Tr
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
-from ram_trl.preview import PREVIEW_PREFIX, MergePreviewCallback  # noqa: E402
 from ram_trl.evaluation.spec import EvaluationSpec  # noqa: E402
+from ram_trl.preview import PREVIEW_PREFIX, MergePreviewCallback  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests.helpers import distinct_chars, preview_tasks, rl_config, rl_prompts, train_rl  # noqa: E402
 

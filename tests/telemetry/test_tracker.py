@@ -435,3 +435,18 @@ def test_model_base_refuses_a_range_it_does_not_hold():
     assert base.read("w", 5, 2).tolist() == [1.0, 2.0]
     with pytest.raises(CheckpointError, match="partitioned differently"):
         base.read("w", 2, 4)
+
+
+def test_a_prior_stage_finds_its_relative_base_beside_its_manifest(tmp_path, monkeypatch):
+    """Without base_model, the priors' base is the one their manifests name: a relative path is read from the
+    manifest's directory, not from the working directory."""
+    base = write_base(tmp_path / "base")
+    stage = write_stage(tmp_path, "full", write_full_prior(tmp_path / "agent_full"), base)
+    manifest = json.loads((stage / "ram_stage.json").read_text())
+    (stage / "ram_stage.json").write_text(json.dumps({**manifest, "base_model": "../base"}))
+    elsewhere = tmp_path / "elsewhere" / "deeper"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)  # "../base" from here does not exist
+    expected = TaskVectorTracker(base_model=base, prior_stages=[stage]).measure(train(tiny_model()))
+    out = TaskVectorTracker(reference_model=tiny_model(), prior_stages=[stage]).measure(train(tiny_model()))
+    assert out[f"{P}prior/full/overlap"] == expected[f"{P}prior/full/overlap"] == 2 / 5
