@@ -22,7 +22,7 @@ from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.prefetch import BackgroundWriter
 from ram_trl.io.safetensors_io import PlannedTensor, ShardFile
 from ram_trl.methods import ChunkInputs
-from ram_trl.parallel import compute_pool, map_blocks, submit_blocks
+from ram_trl.parallel import compute_pool, map_blocks, plan_threads, submit_blocks
 from ram_trl.passes.epilogue import kernel_output
 from ram_trl.passes.statistics import progress_bar
 from ram_trl.passes.tensors import TensorContext, tensor_context
@@ -68,7 +68,8 @@ def write_tensors(run: RunContext, out_dir: Path) -> None:
             if done:  # the job held its tensor's last chunk
                 _finish_tensor(run, job_context, bar)
 
-        with compute_pool(run.device) as pool:
+        threads = plan_threads()  # how many threads, never what they compute: each block writes its own rows
+        with compute_pool(run.device, threads.compute) as pool:
             chunks = iter_chunks(
                 run.base,
                 run.agents,
@@ -77,6 +78,7 @@ def write_tensors(run: RunContext, out_dir: Path) -> None:
                 floating_only=False,
                 counter=state.read,
                 fishers=plan.fishers,
+                readers=threads.readers,
             )
             for chunk in chunks:
                 task = chunk.task

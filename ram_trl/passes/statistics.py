@@ -13,7 +13,7 @@ import torch
 
 from ram_trl import counting
 from ram_trl.context import RunContext
-from ram_trl.parallel import compute_pool, submit_blocks
+from ram_trl.parallel import compute_pool, plan_threads, submit_blocks
 from ram_trl.planner import TensorTask
 from ram_trl.statistics import MAX_SUBSET_AGENTS, OverlapStatistics, subset_counts
 from ram_trl.streaming import RawChunk, iter_chunks, statistics_blocks, to_deltas
@@ -103,10 +103,12 @@ def statistics_pass(run: RunContext) -> None:
                 subsets = counts if subsets is None else subsets.add_(counts)
         numel += (chunk.stop - chunk.start) * chunk.task.row_numel
 
-    with compute_pool(device) as pool:
+    threads = plan_threads()  # how many threads, never what they compute: the counts are integers
+    with compute_pool(device, threads.compute) as pool:
         # one chunk in flight ahead: its blocks are queued before the previous chunk's results are awaited
         pending: tuple[RawChunk, Callable[[], list[torch.Tensor | OverlapStatistics]]] | None = None
-        for chunk in iter_chunks(base, agents, floating, reader, counter=state.read):
+        chunks = iter_chunks(base, agents, floating, reader, counter=state.read, readers=threads.readers)
+        for chunk in chunks:
             started = (
                 chunk,
                 submit_blocks(pool, count, statistics_blocks(chunk, device)),
