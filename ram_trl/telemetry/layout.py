@@ -2,8 +2,9 @@
 
 :func:`model_layout` turns a model (plain, wrapped, DDP, ZeRO-3, FSDP2, PEFT LoRA) into :class:`Region` objects: one
 per locally held floating parameter range, each ``dense`` (``tau = trained - base``), ``lora`` (``tau`` = the live
-adapter's ``B @ A * scaling``) or ``frozen`` (``tau = 0``); :func:`local_regions` picks this process's share and
-:func:`compute_device` where the chunks compute. The measurement itself is :mod:`ram_trl.telemetry.tracker`.
+adapter's ``B @ A * scaling``) or ``frozen`` (``tau = 0``); :func:`check_layout` checks it against the base,
+:func:`local_regions` picks this process's share and :func:`compute_device` where the chunks compute. The
+measurement itself is :mod:`ram_trl.telemetry.tracker`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Literal
 import torch
 
 from ram_trl.distributed import DistContext
-from ram_trl.errors import ConfigError
+from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.lora import lora_delta_rows
-from ram_trl.telemetry.base_weights import ModelBase, base_name
+from ram_trl.telemetry.base_weights import BaseSource, ModelBase, base_name
 from ram_trl.telemetry.shards import LocalShard, iter_local_shards
 
 
@@ -199,6 +200,44 @@ def model_layout(model: torch.nn.Module) -> ModelLayout:
     return ModelLayout(regions, peft, frozen)
 
 
+def check_layout(source: BaseSource, layout: ModelLayout) -> None:
+    """Check a model's layout against its base: every ``dense`` region names a base tensor of its shape, every
+    ``lora`` region's factors give a delta of its base weight's shape.
+
+    Args:
+        source: Where the base weights come from.
+        layout: The model's layout.
+
+    Raises:
+        CheckpointError: for a trained parameter the base lacks, or of another shape.
+        ConfigError: for LoRA factors whose delta does not fit their base weight.
+    """
+    available = set(source.names())
+    for region in layout.regions:
+        if region.kind == "dense":
+            if region.name not in available:
+                raise CheckpointError(
+                    f"{source.description}: has no tensor {region.name!r} for the trained parameter "
+                    f"{region.shard.name!r} (unsupported model layout, or not this model's base)"
+                )
+            shape = tuple(source.shape(region.name))
+            if shape != tuple(region.shard.shape):
+                raise CheckpointError(
+                    f"{source.description}: tensor {region.name!r} has shape {list(shape)}, the trained "
+                    f"parameter {region.shard.name!r} has {list(region.shard.shape)}"
+                )
+        if region.kind == "lora":
+            assert region.lora is not None
+            expected = tuple(region.shard.shape)
+            rows, cols = region.lora.b.shape[0], region.lora.a.shape[1]
+            got = (rows, cols) if region.lora.layout == "linear" else (cols, rows)
+            if got != expected:
+                raise ConfigError(
+                    f"LoRA layer {region.lora.module!r}: factors give a delta of shape {list(got)}, its base "
+                    f"weight has {list(expected)} (partitioned LoRA factors are not supported yet)"
+                )
+
+
 def local_regions(layout: ModelLayout, ctx: DistContext) -> list[Region]:
     """The regions this process measures: all partitioned ones, and its share of the replicated ones.
 
@@ -228,4 +267,12 @@ def compute_device(regions: list[Region]) -> torch.device:
     return torch.device("cpu")
 
 
-__all__ = ["LoraFactorsRef", "ModelLayout", "Region", "compute_device", "local_regions", "model_layout"]
+__all__ = [
+    "LoraFactorsRef",
+    "ModelLayout",
+    "Region",
+    "check_layout",
+    "compute_device",
+    "local_regions",
+    "model_layout",
+]

@@ -86,6 +86,7 @@ from ram_trl.telemetry.layout import (
     LoraFactorsRef,
     ModelLayout,
     Region,
+    check_layout,
     compute_device,
     local_regions,
     model_layout,
@@ -259,7 +260,7 @@ class TaskVectorTracker:
         else:
             self.source = SnapshotBase({r.name: r.shard for r in layout.regions})
         assert self.source is not None
-        self._check_layout(layout)
+        check_layout(self.source, layout)
         if isinstance(self.source, MappedCheckpointBase):
             self.base_fingerprint = fingerprint_checkpoint(self.source.path)
         else:
@@ -287,33 +288,6 @@ class TaskVectorTracker:
         free, _ = torch.cuda.mem_get_info(device)
         if 2 * resident_bytes(self.source, ranges) <= free:
             self.source = DeviceBase(self.source, ranges, device)
-
-    def _check_layout(self, layout: ModelLayout) -> None:
-        assert self.source is not None
-        available = set(self.source.names())
-        for region in layout.regions:
-            if region.kind == "dense":
-                if region.name not in available:
-                    raise CheckpointError(
-                        f"{self.source.description}: has no tensor {region.name!r} for the trained parameter "
-                        f"{region.shard.name!r} (unsupported model layout, or not this model's base)"
-                    )
-                shape = tuple(self.source.shape(region.name))
-                if shape != tuple(region.shard.shape):
-                    raise CheckpointError(
-                        f"{self.source.description}: tensor {region.name!r} has shape {list(shape)}, the trained "
-                        f"parameter {region.shard.name!r} has {list(region.shard.shape)}"
-                    )
-            if region.kind == "lora":
-                assert region.lora is not None
-                expected = tuple(region.shard.shape)
-                rows, cols = region.lora.b.shape[0], region.lora.a.shape[1]
-                got = (rows, cols) if region.lora.layout == "linear" else (cols, rows)
-                if got != expected:
-                    raise ConfigError(
-                        f"LoRA layer {region.lora.module!r}: factors give a delta of shape {list(got)}, its base "
-                        f"weight has {list(expected)} (partitioned LoRA factors are not supported yet)"
-                    )
 
     def _load_priors(self, layout: ModelLayout) -> PriorMasks:
         stages = read_prior_stages(self.prior_paths)

@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from ram_trl.distributed import DistContext
-from ram_trl.errors import ConfigError
-from ram_trl.telemetry.layout import LoraFactorsRef, Region, compute_device, local_regions, model_layout
+from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.telemetry import ModelBase
+from ram_trl.telemetry.layout import (
+    LoraFactorsRef,
+    Region,
+    check_layout,
+    compute_device,
+    local_regions,
+    model_layout,
+)
 from ram_trl.telemetry.shards import LocalShard
 from tests.telemetry.helpers import SHAPES, peft_model, tiny_model
 
@@ -86,3 +94,30 @@ def test_the_chunks_compute_where_a_region_lives():
     assert compute_device([_region("a", False), _region("b", False)]) == torch.device("cpu")
     assert compute_device([]) == torch.device("cpu")
     assert compute_device([_region("a", False), _region("b", False, "meta")]) == torch.device("meta")
+
+
+def test_the_layout_is_checked_against_the_base():
+    base = ModelBase.from_model(tiny_model(), "reference model")
+    check_layout(base, model_layout(tiny_model()))
+    model = tiny_model()
+    model.extra = torch.nn.Linear(2, 2, bias=False)
+    with pytest.raises(
+        CheckpointError, match=r"^reference model: has no tensor 'extra.weight' for the trained"
+    ):
+        check_layout(base, model_layout(model))
+    model = tiny_model()
+    model.lm_head = torch.nn.Linear(2, 4, bias=False)
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'lm_head.weight' has shape \[3, 2\], the trained .* \[4, 2\]"
+    ):
+        check_layout(base, model_layout(model))
+    layout = model_layout(peft_model())
+    check_layout(layout.frozen_base, layout)
+    lora = next(r for r in layout.regions if r.kind == "lora")
+    assert lora.lora is not None
+    wrong = LoraFactorsRef(lora.lora.module, lora.lora.a, torch.zeros(3, 1), 1.0, "linear")  # a (3, 2) delta
+    layout.regions = [Region(lora.name, lora.shard, "lora", wrong)]
+    with pytest.raises(
+        ConfigError, match=r"factors give a delta of shape \[3, 2\], its base weight has \[2, 2\]"
+    ):
+        check_layout(layout.frozen_base, layout)
