@@ -174,7 +174,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
             Take them from a systematic sample of about this many elements when the model has more (``None``:
             every element; see :class:`~ram_trl.telemetry.TaskVectorTracker`).
         threads (`int`, *optional*):
-            Worker threads of a measurement (default: one per torch intra-op thread; see
+            Worker threads of a measurement (default: one per core of this process; see
             :class:`~ram_trl.telemetry.TaskVectorTracker`).
         save_agent (`bool`, *optional*, defaults to `True`):
             Save the agent in ``save_dtype`` to the output directory at train end.

@@ -28,8 +28,9 @@ class ThreadPlan:
     Args:
         cores: The cores the plan is for.
         compute: Workers of a merge's compute pool (:func:`compute_pool`).
-        readers: Threads reading input tensors ahead of the compute.
-        telemetry: Workers of a telemetry measurement beside CPU training (the training keeps the rest).
+        readers: Threads reading input tensors ahead of the compute (:func:`ram_trl.streaming.iter_chunks`).
+        telemetry: Workers of a telemetry measurement on the CPU (the training step waits for the measurement, so
+            it has the step's cores).
     """
 
     cores: int
@@ -50,13 +51,45 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+#: Environment variables in which launchers (torchrun and accelerate: ``LOCAL_WORLD_SIZE``; the DeepSpeed launcher:
+#: ``LOCAL_SIZE``) tell each process how many processes of the job share its node.
+LOCAL_PROCESSES_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")
+
+
+def _positive_env(name: str) -> int | None:
+    """A positive integer environment variable, ``None`` when unset or not a positive integer."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def process_cores() -> int:
+    """The cores this process's thread plan may use: :func:`available_cores`, shared with the other processes of a
+    launched job on the same node (``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``), and no more than ``OMP_NUM_THREADS``
+    when that is set (the per-process budget a user, a launcher such as torchrun, or a recipe's ``torch_threads``
+    gives).
+
+    Returns:
+        At least 1.
+    """
+    cores = available_cores()
+    local = next((n for n in map(_positive_env, LOCAL_PROCESSES_VARIABLES) if n is not None), 1)
+    cores = max(1, cores // local)
+    budget = _positive_env("OMP_NUM_THREADS")
+    return cores if budget is None else min(cores, budget)
+
+
 def plan_threads(cores: int | None = None) -> ThreadPlan:
     """The thread plan for ``cores`` cores: the merge computes on every core but the one its readers use (from 4 cores
     on; below that the readers mostly wait on the disk and take no core of their own), reads with one thread per
-    16 cores (at least one), and the telemetry beside CPU training takes a quarter of the cores (at least one).
+    16 cores (at least one), and a telemetry measurement on the CPU uses every core (the training step it runs in
+    waits for it).
+
+    The plan decides how many threads run, never what they compute: the merge's blocks and the telemetry's chunks are
+    the same for every plan, and their results are combined in a fixed order, so outputs and metrics do not depend
+    on it.
 
     Args:
-        cores: The cores (default: :func:`available_cores`).
+        cores: The cores (default: :func:`process_cores`).
 
     Returns:
         The plan.
@@ -64,12 +97,12 @@ def plan_threads(cores: int | None = None) -> ThreadPlan:
     Raises:
         ValueError: for fewer than one core.
     """
-    cores = available_cores() if cores is None else cores
+    cores = process_cores() if cores is None else cores
     if cores < 1:
         raise ValueError(f"cores={cores}: plan for at least one core")
     readers = max(1, cores // 16)
     compute = cores if cores < 4 else cores - readers
-    return ThreadPlan(cores, compute, readers, max(1, cores // 4))
+    return ThreadPlan(cores, compute, readers, cores)
 
 
 def _single_threaded_worker() -> None:
@@ -90,14 +123,13 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
 
     Args:
         device: Where the blocks compute.
-        workers: Threads of the pool; by default as many as torch would use for one operation
-            (``torch.get_num_threads()``).
+        workers: Threads of the pool (default: the compute workers of :func:`plan_threads` for this process).
 
     Returns:
         The pool, or ``None`` (run blocks in order on the calling thread) on an accelerator or with one worker.
     """
     previous = torch.get_num_threads()
-    workers = previous if workers is None else workers
+    workers = plan_threads().compute if workers is None else workers
     if device.type != "cpu" or workers <= 1:
         yield None
         return

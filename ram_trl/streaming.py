@@ -8,6 +8,7 @@ vectors, refusing NaN/Inf inputs with an error that names the checkpoint and ten
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -154,8 +155,9 @@ def iter_chunks(
     counter: ReadCounter | None = None,
     read_ahead_depth: int = 1,
     fishers: list[Checkpoint] | None = None,
+    readers: int = 1,
 ) -> Iterator[RawChunk]:
-    """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on a background thread.
+    """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on background threads.
 
     Args:
         base: The base checkpoint.
@@ -166,8 +168,11 @@ def iter_chunks(
         counter: Accumulates the bytes read.
         read_ahead_depth: Chunks read ahead (0: synchronous).
         fishers: Each agent's Fisher file, read in the same row ranges as its weights (floating tensors, base rows).
+        readers: Threads reading chunks at once (:attr:`ram_trl.parallel.ThreadPlan.readers`); the chunks and their
+            order are the same for any number.
     """
     counter = counter if counter is not None else ReadCounter()
+    counted = threading.Lock()  # several readers add to the counter
 
     def read(ref: tuple[TensorTask, int, int]) -> RawChunk:
         task, start, stop = ref
@@ -179,7 +184,7 @@ def iter_chunks(
                 values, lora = read_agent_rows(agent, task, t, reader, start, stop)
                 raws.append(values)
                 loras.append(lora)
-        counter.bytes += sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
+        read_bytes = sum(r.numel() * r.element_size() for r in [raw_base, *raws] if r is not None)
         fisher_values = None
         if fishers is not None and task.floating and start < task.base_rows:
             rows_shape = (len(fishers), (stop - start) * task.row_numel)
@@ -187,11 +192,13 @@ def iter_chunks(
             for t, fisher in enumerate(fishers):
                 rows = read_fisher_rows(fisher, task.name, reader, start, stop)
                 if rows is not None:
-                    counter.bytes += rows.numel() * rows.element_size()
+                    read_bytes += rows.numel() * rows.element_size()
                 fill_fisher(fisher_values[t], rows, fisher, task.name, start)
+        with counted:
+            counter.bytes += read_bytes
         return RawChunk(task, start, stop, raw_base, raws, loras, fisher_values)
 
-    return read_ahead(chunk_refs(tasks, floating_only), read, read_ahead_depth)
+    return read_ahead(chunk_refs(tasks, floating_only), read, read_ahead_depth, readers)
 
 
 def read_agent_rows(

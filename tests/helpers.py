@@ -179,6 +179,34 @@ def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
     return build_plan(base, agents, **{**plain, **settings})
 
 
+def run_context(
+    ckpts: Checkpoints, method: str = "ram_plus", *, chunk_budget: int | None = None, **config: Any
+) -> Any:
+    """The :class:`~ram_trl.context.RunContext` the engine builds for a single-process CPU merge of ``ckpts`` (no
+    progress bars; set ``run.reader`` to a :class:`~ram_trl.io.safetensors_io.RowReader` before running a pass).
+    ``chunk_budget`` (bytes) cuts the tensors into more chunks; ``config`` goes into :func:`config_for`."""
+    from ram_trl.config import load_config, resolve_config
+    from ram_trl.context import MergeOptions, MergeState, RunContext
+    from ram_trl.distributed import DistContext
+    from ram_trl.engine import prepare, run_copy
+    from ram_trl.statistics import OverlapStatistics
+
+    resolved = run_copy(resolve_config(load_config(config_for(ckpts, method, **config))[0]))
+    options = MergeOptions(progress=False, **({} if chunk_budget is None else {"chunk_budget": chunk_budget}))
+    base, agents, plan = prepare(resolved, ckpts.root / "merged", options)
+    return RunContext(
+        resolved=resolved,
+        options=options,
+        base=base,
+        agents=agents,
+        plan=plan,
+        dist=DistContext.from_env("cpu"),
+        state=MergeState(stats=OverlapStatistics.zeros(len(agents))),
+        device=torch.device("cpu"),
+        tasks=list(plan.tasks),
+    )
+
+
 def with_position_ids(root: Path) -> tuple[Any, list[Any]]:
     """A base and one equal agent holding :func:`base_tensors` plus an integer ``model.position_ids`` (copied to the
     output, never merged), opened."""

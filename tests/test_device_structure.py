@@ -20,7 +20,8 @@ MODULES = sorted(
         *ROOT.glob("statistics/*.py"),
         *ROOT.glob("methods/*.py"),
         *ROOT.glob("preview/*.py"),
-        *(ROOT / name for name in ("passes.py", "engine.py", "range_merge.py", "streaming.py")),
+        *ROOT.glob("passes/*.py"),
+        *(ROOT / name for name in ("engine.py", "range_merge.py", "streaming.py")),
         *(ROOT / name for name in ("lora_svd.py", "lora_export.py", "fisher_estimation.py")),
     ]
 )

@@ -18,7 +18,7 @@ EXEMPT = {
     "(args, state, control, **kwargs)",
     "ram_trl/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/passes.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
+    "ram_trl/passes/tensors.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
     "ram_trl/telemetry/base_weights.py:*Base.read": "implements the protocol BaseSource.read, documented there",
 }
 

@@ -15,6 +15,7 @@ import ram_trl
 import ram_trl.counting
 import ram_trl.engine
 import ram_trl.methods.ties
+import ram_trl.parallel
 import ram_trl.streaming
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
@@ -197,16 +198,16 @@ def test_same_result_for_any_chunk_budget_and_shard_size(rl_checkpoints, tmp_pat
 
 @pytest.fixture
 def tiny_blocks(monkeypatch):
-    """Compute blocks of a few rows on two threads (every chunk splits into many blocks merged in parallel) and TIES
-    cut histograms over many blocks."""
+    """Compute blocks of a few rows on two threads (a thread plan for two cores: every chunk splits into many blocks
+    merged in parallel) and TIES cut histograms over many blocks."""
     monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
     monkeypatch.setattr(ram_trl.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
     monkeypatch.setattr(ram_trl.methods.ties, "HISTOGRAM_BLOCK", 100)
     monkeypatch.setattr(ram_trl.counting, "HISTOGRAM_BLOCK", 100)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ram_trl.parallel, "available_cores", lambda: 2)
+    assert ram_trl.parallel.plan_threads().compute == 2
 
 
 @pytest.mark.parametrize("chunk_budget", [CHUNK_BUDGET, "256MB"])

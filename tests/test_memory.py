@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
+import ram_trl.parallel
 import ram_trl.streaming
 from ram_trl.io.fisher_files import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
@@ -59,7 +60,7 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
             save_file(random_fisher(base_state, seed=i), str(agent / FISHER_FILE))
     # read in this thread so that the dispatch mode (thread-local) sees the reader's buffers too
     monkeypatch.setattr(
-        ram_trl.streaming, "read_ahead", lambda items, read, depth=1: read_ahead(items, read, 0)
+        ram_trl.streaming, "read_ahead", lambda items, read, depth=1, readers=1: read_ahead(items, read, 0)
     )
     config = {
         "merge_method": method,
@@ -68,14 +69,11 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
             {"model": str(a), "parameters": {"density": 0.5} if "dare" in method else {}} for a in agents
         ],
     }
-    # and compute on this thread too (one torch thread: no block pool), for the same reason
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with LargestBuffer() as probe:
-            report = ram_trl.merge(config, tmp_path / "out", chunk_budget=BUDGET, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    # and compute on this thread too (a thread plan for one core: no block pool), for the same reason
+    monkeypatch.setattr(ram_trl.parallel, "available_cores", lambda: 1)
+    assert ram_trl.parallel.plan_threads().compute == 1
+    with LargestBuffer() as probe:
+        report = ram_trl.merge(config, tmp_path / "out", chunk_budget=BUDGET, progress=False)
     # the embedding alone is 512 KB as float32 (1.5 MB of task vectors for 3 agents): far over the budget
     assert report["total_elements"] > 2 * 2048 * 64
     assert 3 * 2048 * 64 * 4 >= 4 * BUDGET  # noqa: SIM300 - the task vectors of one tensor exceed the budget

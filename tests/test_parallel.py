@@ -8,12 +8,14 @@ import time
 import pytest
 import torch
 
+from ram_trl import parallel
 from ram_trl.parallel import (
     available_cores,
     compute_pool,
     imap_blocks,
     map_blocks,
     plan_threads,
+    process_cores,
     submit_blocks,
 )
 
@@ -120,7 +122,7 @@ def test_submit_blocks_raises_the_first_error_in_order():
 
 @pytest.mark.parametrize(
     "cores, compute, readers, telemetry",
-    [(1, 1, 1, 1), (2, 2, 1, 1), (4, 3, 1, 1), (16, 15, 1, 4), (64, 60, 4, 16)],
+    [(1, 1, 1, 1), (2, 2, 1, 2), (4, 3, 1, 4), (16, 15, 1, 16), (64, 60, 4, 64)],
 )
 def test_thread_plan_follows_the_cores(cores, compute, readers, telemetry):
     plan = plan_threads(cores)
@@ -128,7 +130,52 @@ def test_thread_plan_follows_the_cores(cores, compute, readers, telemetry):
     assert plan.compute + (plan.readers if cores >= 4 else 0) == cores  # every core used, none oversubscribed
 
 
-def test_thread_plan_defaults_to_this_machine_and_refuses_zero_cores():
-    assert plan_threads().cores == available_cores() >= 1
+def test_thread_plan_defaults_to_this_process_and_refuses_zero_cores():
+    assert plan_threads().cores == process_cores() >= 1
+    assert process_cores() <= available_cores()
     with pytest.raises(ValueError, match="cores=0"):
         plan_threads(0)
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """Simulate a machine: ``cores(n)`` makes this process see ``n`` cores, with no launcher or OpenMP variables."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+    def simulate(n: int) -> None:
+        monkeypatch.setattr(parallel, "available_cores", lambda: n)
+
+    return simulate
+
+
+def test_process_cores_are_shared_by_a_nodes_processes_and_capped_by_openmp(cores, monkeypatch):
+    cores(16)
+    assert process_cores() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun / accelerate: 4 processes on this node
+    assert process_cores() == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "3")  # the DeepSpeed launcher
+    assert process_cores() == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a per-process budget set by the user or a launcher
+    assert process_cores() == 2
+    monkeypatch.setenv("LOCAL_SIZE", "32")  # more processes than cores: one each
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")  # ignored
+    assert process_cores() == 1
+    assert plan_threads().cores == 1
+
+
+@pytest.mark.parametrize(("simulated", "workers"), [(1, None), (2, 2), (3, 3), (8, 7)])
+def test_the_compute_pool_follows_the_thread_plan(cores, simulated, workers):
+    cores(simulated)
+    before = torch.get_num_threads()
+    with compute_pool(torch.device("cpu")) as pool:
+        assert (
+            (None if pool is None else pool._max_workers)
+            == workers
+            == (plan_threads().compute if workers else None)
+        )
+        if pool is not None:
+            names = set(map_blocks(pool, lambda _: threading.current_thread().name, range(4 * simulated)))
+            assert len(names) <= workers
+    assert torch.get_num_threads() == before  # no global thread state changed by a pool of any size

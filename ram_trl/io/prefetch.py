@@ -17,22 +17,28 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
-def read_ahead(items: Iterable[Item], read: Callable[[Item], Result], depth: int = 1) -> Iterator[Result]:
-    """Yield ``read(item)`` for each item in order, reading up to ``depth`` items ahead in a background thread.
+def read_ahead(
+    items: Iterable[Item], read: Callable[[Item], Result], depth: int = 1, readers: int = 1
+) -> Iterator[Result]:
+    """Yield ``read(item)`` for each item in order, reading up to ``depth`` items ahead in background threads.
 
     Args:
         items: What to read, in order.
-        read: Reads one item; runs in the background thread.
+        read: Reads one item; runs in a background thread (with several readers, on several at once: it must be
+            thread-safe).
         depth: Items read ahead of the one being consumed (0 reads synchronously).
+        readers: Background threads (:attr:`ram_trl.parallel.ThreadPlan.readers`); the items in flight stay
+            ``depth + 1`` whatever their number, so the memory held does not depend on it.
 
     Returns:
-        An iterator of results; an exception raised by ``read`` is raised when its item is reached.
+        An iterator of results, in the order of ``items``; an exception raised by ``read`` is raised when its item is
+        reached.
     """
     if depth <= 0:
         for item in items:
             yield read(item)
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-trl-read") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="ram-trl-read") as pool:
         # in flight: the item being consumed and the ``depth`` read ahead of it
         yield from imap_blocks(pool, read, items, ahead=depth + 1)
 

@@ -7,6 +7,8 @@ FSDP2), so measurements run on each rank's own partition and only counts are all
 - :class:`TaskVectorTracker` (:mod:`ram_trl.telemetry.tracker`): ``setup(model)`` / ``measure(model, step)`` for
   any training loop; :class:`ram_trl.callbacks.TaskVectorSparsityCallback` drives it from a TRL / transformers
   trainer.
+- :mod:`ram_trl.telemetry.layout`: what a model's process measures (regions: dense, LoRA, frozen); and
+  :mod:`ram_trl.telemetry.chunks`: the chunks a measurement counts and the buffers they reuse.
 - :mod:`ram_trl.telemetry.base_weights`: where base weights come from (reference model, memory-mapped checkpoint,
   snapshot) and how parameter names map to checkpoint names.
 - :mod:`ram_trl.telemetry.priors`: the activity masks of agents trained before (prior stages).

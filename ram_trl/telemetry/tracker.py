@@ -11,10 +11,11 @@
         if step % 10 == 0:
             metrics = tracker.measure(policy, step)   # {"task_vector/density": ..., ...}
 
-Every measurement walks the parameters this process holds (:func:`~ram_trl.telemetry.shards.iter_local_shards`) in
-bounded chunks, compares each flat range with the same range of the base, and counts. Counts of partitioned
-parameters are summed over processes (``torch.distributed``), replicated parameters are split between processes
-and summed too; full parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the merge's and
+Every measurement walks the parameters this process holds (:func:`~ram_trl.telemetry.shards.iter_local_shards`, as
+the regions of :func:`~ram_trl.telemetry.layout.model_layout`) in bounded chunks (:mod:`ram_trl.telemetry.chunks`),
+compares each flat range with the same range of the base, and counts. Counts of partitioned parameters are summed
+over processes (``torch.distributed``), replicated parameters are split between processes and summed too; full
+parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the merge's and
 ``ram-trl analyze``'s code); the anatomy buckets are :func:`ram_trl.anatomy.summarize`.
 
 What one measurement reports (names under ``prefix``, default ``task_vector/``):
@@ -48,22 +49,24 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ram_trl import defaults
 from ram_trl.anatomy import summarize
-from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.io.lora import lora_delta_rows
 from ram_trl.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
-from ram_trl.parallel import compute_pool, imap_blocks, single_threaded_call, single_threaded_worker
+from ram_trl.parallel import (
+    compute_pool,
+    imap_blocks,
+    plan_threads,
+    single_threaded_call,
+    single_threaded_worker,
+)
 from ram_trl.statistics import (
     MagnitudeStatistics,
-    MagnitudeWorkspace,
     OverlapStatistics,
     TensorAnalysis,
     magnitude_bin_edges,
@@ -75,12 +78,21 @@ from ram_trl.telemetry.base_weights import (
     MappedCheckpointBase,
     ModelBase,
     SnapshotBase,
-    base_name,
     resident_bytes,
     source_fingerprint,
 )
+from ram_trl.telemetry.chunks import Chunk, ChunkCounts, Workspace, flag_count, lora_chunks, row_numel
+from ram_trl.telemetry.layout import (
+    LoraFactorsRef,
+    ModelLayout,
+    Region,
+    check_layout,
+    compute_device,
+    local_regions,
+    model_layout,
+)
 from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
-from ram_trl.telemetry.shards import LocalShard, iter_local_shards, training_context
+from ram_trl.telemetry.shards import training_context
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
@@ -105,208 +117,6 @@ def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype:
     if key not in SAVE_DTYPES:
         raise ConfigError(f"save_dtype={save_dtype!r}: use one of {', '.join(SAVE_DTYPES)}")
     return SAVE_DTYPES[key]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# What to measure: the model's layout
-
-
-@dataclass(frozen=True)
-class LoraFactorsRef:
-    """A live PEFT LoRA layer's factors for one adapter (the base weight's task vector is ``B @ A * scaling``)."""
-
-    module: str
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float
-    layout: Literal["linear", "transposed"]
-
-    def delta_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first.
-
-        Args:
-            start: First row of the delta.
-            stop: One past its last row.
-            dtype: Round the factors to this dtype before the product (default ``None``: as they are).
-
-        Returns:
-            A new float32 tensor on the CPU (:func:`~ram_trl.io.lora.lora_delta_rows`).
-        """
-        a, b = self.a.detach(), self.b.detach()
-        if dtype is not None:
-            a, b = a.to(dtype), b.to(dtype)
-        if self.layout == "linear":
-            return lora_delta_rows(a.cpu(), b[start:stop].cpu(), self.scaling, self.layout)
-        return lora_delta_rows(a[:, start:stop].cpu(), b.cpu(), self.scaling, self.layout)
-
-
-@dataclass(frozen=True)
-class Region:
-    """One flat range of one base tensor that this process measures.
-
-    Args:
-        name: The base tensor's name.
-        shard: The local values: the trained parameter (``dense``) or the frozen base weight (``lora``, ``frozen``).
-        kind: ``dense``: ``tau = trained - base``; ``lora``: ``tau`` = the LoRA delta; ``frozen``: ``tau = 0``.
-        lora: The factors of a ``lora`` region.
-    """
-
-    name: str
-    shard: LocalShard
-    kind: Literal["dense", "lora", "frozen"]
-    lora: LoraFactorsRef | None = None
-
-
-@dataclass
-class ModelLayout:
-    """The regions of a model and where its base comes from.
-
-    Args:
-        regions: Every floating parameter's local range, as a region.
-        peft: Whether the model is a PEFT LoRA model.
-        frozen_base: For PEFT models, the frozen base weights (the adapter-disabled model).
-    """
-
-    regions: list[Region]
-    peft: bool
-    frozen_base: ModelBase | None = None
-
-
-def _peft_classes() -> tuple[type, type] | None:
-    try:
-        from peft.tuners.lora import LoraLayer
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return None
-    return LoraLayer, BaseTunerLayer
-
-
-def _lora_ref(name: str, module: torch.nn.Module) -> LoraFactorsRef | None:
-    """The factors of a PEFT LoRA layer's active adapter (``None`` when no adapter is active on it).
-
-    Raises:
-        ConfigError: for LoRA variants whose delta is not ``B @ A * scaling`` (DoRA, lora_bias, merged adapters,
-            several active adapters, conv layers).
-    """
-    active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
-    if not active:
-        return None
-    if len(active) > 1:
-        raise ConfigError(
-            f"LoRA layer {name!r}: {len(active)} active adapters {active}; the telemetry measures one adapter"
-        )
-    adapter = active[0]
-    if getattr(module, "merged_adapters", None):
-        raise ConfigError(
-            f"LoRA layer {name!r}: adapters {module.merged_adapters} are merged into the base weight; "
-            "unmerge them (model.unmerge_adapter()) before measuring"
-        )
-    if module.use_dora.get(adapter, False):
-        raise ConfigError(f"LoRA layer {name!r}: DoRA (use_dora) is not supported; its delta is not B @ A")
-    if getattr(module, "lora_bias", {}).get(adapter, False):
-        raise ConfigError(f"LoRA layer {name!r}: lora_bias adapters are not supported")
-    scaling = float(module.scaling[adapter])
-    if adapter in module.lora_embedding_A:
-        return LoraFactorsRef(
-            name, module.lora_embedding_A[adapter], module.lora_embedding_B[adapter], scaling, "transposed"
-        )
-    a, b = module.lora_A[adapter], module.lora_B[adapter]
-    if not isinstance(a, torch.nn.Linear) or not isinstance(b, torch.nn.Linear):
-        raise ConfigError(
-            f"LoRA layer {name!r}: factors of type {type(a).__name__} (conv or other non-linear LoRA layers) "
-            "are not supported"
-        )
-    layout: Literal["linear", "transposed"] = "transposed" if module.fan_in_fan_out else "linear"
-    return LoraFactorsRef(name, a.weight, b.weight, scaling, layout)
-
-
-def model_layout(model: torch.nn.Module) -> ModelLayout:
-    """Describe what to measure in ``model``: one region per locally held floating parameter range.
-
-    A PEFT LoRA model contributes ``lora`` regions (its targets' base weights, with the live factors),
-    ``dense`` regions for ``modules_to_save`` copies (measured against their ``original_module``) and ``frozen``
-    regions for everything else; any other model contributes ``dense`` regions only.
-
-    Raises:
-        ConfigError: for a PEFT method other than LoRA, an unsupported LoRA variant, or trainable parameters of a
-            PEFT model outside its adapters and modules_to_save.
-    """
-    classes = _peft_classes()
-    lora_refs: dict[str, LoraFactorsRef] = {}
-    peft = False
-    if classes is not None:
-        lora_cls, tuner_cls = classes
-        for name, module in model.named_modules():
-            if isinstance(module, tuner_cls):
-                if not isinstance(module, lora_cls):
-                    raise ConfigError(
-                        f"PEFT layer {name!r} is a {type(module).__name__}; the telemetry supports LoRA adapters "
-                        "(for other PEFT methods, merge the adapter and measure the full model)"
-                    )
-                peft = True
-                ref = _lora_ref(name, module)
-                if ref is not None:
-                    lora_refs[base_name(f"{name}.weight")] = ref
-        if not peft and any(".modules_to_save." in n for n, _ in model.named_parameters()):
-            peft = True
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    regions: list[Region] = []
-    base_shards: dict[str, LocalShard] = {}
-    for shard in iter_local_shards(model):
-        if not torch.is_floating_point(shard.values):
-            continue
-        name = base_name(shard.name)
-        components = shard.name.split(".")
-        if not peft:
-            regions.append(Region(name, shard, "dense"))
-            continue
-        if any(c.startswith("lora_") for c in components):
-            continue
-        if "modules_to_save" in components:
-            regions.append(Region(name, shard, "dense"))
-            continue
-        base_shards[name] = shard
-        if "original_module" in components:
-            continue
-        if name in lora_refs:
-            regions.append(Region(name, shard, "lora", lora_refs[name]))
-        elif shard.name in trainable:
-            raise ConfigError(
-                f"PEFT model: parameter {shard.name!r} is trained but is neither a LoRA factor nor in "
-                "modules_to_save; the telemetry cannot measure it without a base (add its module to "
-                "modules_to_save, or freeze it)"
-            )
-        else:
-            regions.append(Region(name, shard, "frozen"))
-    seen: dict[str, str] = {}
-    for region in regions:
-        if region.shard.offset == 0 and region.name in seen:
-            raise ConfigError(
-                f"parameters {seen[region.name]!r} and {region.shard.name!r} both map to the base tensor "
-                f"{region.name!r}; unsupported model layout"
-            )
-        seen[region.name] = region.shard.name
-    frozen = ModelBase(base_shards, "frozen base weights of the PEFT model") if peft else None
-    return ModelLayout(regions, peft, frozen)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Counting
-
-
-def _lora_chunks(region: Region, size: int) -> Iterator[tuple[int, int, int, int]]:
-    """``(start, count, row_start, row_stop)``: pieces of a LoRA region aligned to rows of the delta."""
-    shape = region.shard.shape
-    row = math.prod(shape[1:]) if len(shape) > 1 else 1
-    rows_per = max(1, size // row)
-    first = region.shard.offset
-    last = first + region.shard.numel
-    row_start = first // row
-    while row_start * row < last:
-        row_stop = min(row_start + rows_per, math.ceil(last / row))
-        lo, hi = max(first, row_start * row), min(last, row_stop * row)
-        yield lo - first, hi - lo, row_start, row_stop
-        row_start = row_stop
 
 
 def _single(active: int, numel: int) -> OverlapStatistics:
@@ -343,13 +153,13 @@ class TaskVectorTracker:
             elements in every measurement and in every process layout (single process, DDP, ZeRO, FSDP2); the
             densities always count every element. ``None``: every element.
         chunk_elements: Elements compared at once.
-        threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): one per intra-op
-            thread torch would use (``torch.get_num_threads()`` at measurement time), or none for a model of fewer
-            than ``SMALL_MODEL_ELEMENTS`` local elements; 1 measures on the calling thread. Every worker runs
-            single-threaded torch operations (its own setting; the training threads' settings and the garbage
-            collector are never touched): on a CPU shared with training (and other jobs), torch's multi-threaded
-            operations made the chunked loop 10-20x slower (BENCHMARKS.md). The results do not depend on the number
-            of workers.
+        threads: Worker threads that measure chunks in parallel on the CPU; ``None`` (default): the telemetry
+            workers of :func:`~ram_trl.parallel.plan_threads` (one per core of this process, at measurement time), or
+            none for a model of fewer than ``SMALL_MODEL_ELEMENTS`` local elements; 1 measures on the calling
+            thread. Every worker runs single-threaded torch operations (its own setting; the training threads'
+            settings and the garbage collector are never touched): on a CPU shared with training (and other jobs),
+            torch's multi-threaded operations made the chunked loop 10-20x slower (BENCHMARKS.md). The results do not
+            depend on the number of workers.
 
     Base weights: a PEFT LoRA model needs none (the task vector is its adapters' delta; modules_to_save are compared
     with their original module). Otherwise the reference model, else ``base_model``, else a snapshot of the model's
@@ -410,8 +220,8 @@ class TaskVectorTracker:
         self._ready = False
         self._threshold = float32_threshold(self.eps)
         self._zero_fill = self._threshold >= float(magnitude_bin_edges(1, 1)[0])
-        self._workspaces: list[_Workspace] = []
-        self._spare_workspaces: dict[torch.device, list[_Workspace]] = {}
+        self._workspaces: list[Workspace] = []
+        self._spare_workspaces: dict[torch.device, list[Workspace]] = {}
         self._host_worker: ThreadPoolExecutor | None = (
             None  # the single-threaded host work, started on first use
         )
@@ -450,7 +260,7 @@ class TaskVectorTracker:
         else:
             self.source = SnapshotBase({r.name: r.shard for r in layout.regions})
         assert self.source is not None
-        self._check_layout(layout)
+        check_layout(self.source, layout)
         if isinstance(self.source, MappedCheckpointBase):
             self.base_fingerprint = fingerprint_checkpoint(self.source.path)
         else:
@@ -463,8 +273,8 @@ class TaskVectorTracker:
     def _place_base(self, layout: ModelLayout) -> None:
         """On an accelerator, keep the measured base ranges resident on it (stored dtype) when its free memory
         holds them twice over; else every chunk of base is staged through a pinned host buffer
-        (:meth:`_Workspace.stage`)."""
-        device = _compute_device(layout.regions)
+        (:meth:`~ram_trl.telemetry.chunks.Workspace.stage`)."""
+        device = compute_device(layout.regions)
         if device.type != "cuda" or self.source is None or isinstance(self.source, DeviceBase):
             return
         if isinstance(self.source, ModelBase) and not isinstance(self.source, SnapshotBase):
@@ -478,33 +288,6 @@ class TaskVectorTracker:
         free, _ = torch.cuda.mem_get_info(device)
         if 2 * resident_bytes(self.source, ranges) <= free:
             self.source = DeviceBase(self.source, ranges, device)
-
-    def _check_layout(self, layout: ModelLayout) -> None:
-        assert self.source is not None
-        available = set(self.source.names())
-        for region in layout.regions:
-            if region.kind == "dense":
-                if region.name not in available:
-                    raise CheckpointError(
-                        f"{self.source.description}: has no tensor {region.name!r} for the trained parameter "
-                        f"{region.shard.name!r} (unsupported model layout, or not this model's base)"
-                    )
-                shape = tuple(self.source.shape(region.name))
-                if shape != tuple(region.shard.shape):
-                    raise CheckpointError(
-                        f"{self.source.description}: tensor {region.name!r} has shape {list(shape)}, the trained "
-                        f"parameter {region.shard.name!r} has {list(region.shard.shape)}"
-                    )
-            if region.kind == "lora":
-                assert region.lora is not None
-                expected = tuple(region.shard.shape)
-                rows, cols = region.lora.b.shape[0], region.lora.a.shape[1]
-                got = (rows, cols) if region.lora.layout == "linear" else (cols, rows)
-                if got != expected:
-                    raise ConfigError(
-                        f"LoRA layer {region.lora.module!r}: factors give a delta of shape {list(got)}, its base "
-                        f"weight has {list(expected)} (partitioned LoRA factors are not supported yet)"
-                    )
 
     def _load_priors(self, layout: ModelLayout) -> PriorMasks:
         stages = read_prior_stages(self.prior_paths)
@@ -572,7 +355,7 @@ class TaskVectorTracker:
             self.setup(model)
         # worker threads run single-threaded torch operations (:func:`~ram_trl.parallel.compute_pool`); the calling
         # thread's torch settings and the garbage collector are left alone (a guest in the training process)
-        out = self._measure(model, self.threads or torch.get_num_threads())
+        out = self._measure(model, self.threads or plan_threads().telemetry)
         out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
         self.last = out
         self.last_step = step
@@ -588,7 +371,7 @@ class TaskVectorTracker:
         totals = [[0, 0, 0, 0] for _ in names]  # active, changed, active_saved, numel
         squares = torch.zeros((), dtype=torch.float64)  # host; sum tau**2, added in chunk order
         overlap = OverlapStatistics.zeros(num_priors + 1)
-        regions = _local_regions(layout, ctx)
+        regions = local_regions(layout, ctx)
         for region in regions:
             totals[index[region.name]][3] += region.shard.numel
         starts, stride = self._sample_windows(layout)
@@ -597,7 +380,7 @@ class TaskVectorTracker:
             for region in regions
             for chunk in self._chunks(region, index[region.name], starts[region.name], stride)
         ]
-        device = _compute_device(regions)
+        device = compute_device(regions)
         # small models, unless threads were asked for: the pool's start-up and hand-offs cost more than the counting
         small = self.threads is None and sum(chunk.count for chunk in chunks) < SMALL_MODEL_ELEMENTS
         workers = 1 if small else max(1, min(workers, len(chunks)))
@@ -665,7 +448,7 @@ class TaskVectorTracker:
             return starts, 1
         return starts, max(1, measured // self.magnitude_sample)
 
-    def _chunks(self, region: Region, row: int, tensor_start: int, stride: int) -> Iterator[_Chunk]:
+    def _chunks(self, region: Region, row: int, tensor_start: int, stride: int) -> Iterator[Chunk]:
         """The chunks of a region that have something to count (``row``: its base tensor's index in the counts).
 
         With a sample (``stride > 1``), chunks end at window boundaries, and a chunk is sampled when its window
@@ -680,18 +463,18 @@ class TaskVectorTracker:
             return stride == 1 or (first + start) // size % stride == 0
 
         if region.kind == "lora":
-            for start, count, row_start, row_stop in _lora_chunks(region, size):
-                yield _Chunk(region, row, start, count, (row_start, row_stop), sampled(start))
+            for start, count, row_start, row_stop in lora_chunks(region, size):
+                yield Chunk(region, row, start, count, (row_start, row_stop), sampled(start))
         elif region.kind == "dense" or self.priors is not None:  # frozen: tau = 0, only the overlap to count
             start = 0
             while start < numel:
                 stop = min(numel, start + size if stride == 1 else start + size - (first + start) % size)
-                yield _Chunk(region, row, start, stop - start, sampled=sampled(start))
+                yield Chunk(region, row, start, stop - start, sampled=sampled(start))
                 start = stop
 
-    def _measure_chunk(self, chunk: _Chunk) -> _ChunkCounts:
+    def _measure_chunk(self, chunk: Chunk) -> ChunkCounts:
         """Count one chunk (on any thread: the buffers are a workspace no other thread holds meanwhile)."""
-        part = _ChunkCounts(chunk.row)
+        part = ChunkCounts(chunk.row)
         if chunk.region.kind == "frozen":
             part.overlap = self._chunk_overlap(chunk, torch.zeros(chunk.count))  # host: tau = 0
             return part
@@ -699,7 +482,7 @@ class TaskVectorTracker:
         with torch.no_grad(), self._borrowed_workspace(device) as ws:
             tau, saved = self._delta(chunk, ws)
             count = chunk.count
-            part.changed = _flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
+            part.changed = flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
             flags = None  # the activity flags of tau, when needed
             magnitudes = self.magnitudes and chunk.sampled
             if magnitudes:
@@ -708,13 +491,13 @@ class TaskVectorTracker:
                 flags = torch.gt(
                     torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
                 )
-                part.active = _flag_count(flags)
+                part.active = flag_count(flags)
             saved_flags, part.active_saved = flags, part.active
             if saved is not None:
                 saved_flags = torch.gt(
                     torch.abs(saved, out=saved), self._threshold, out=ws.saved_flags[:count]
                 )
-                part.active_saved = _flag_count(saved_flags)
+                part.active_saved = flag_count(saved_flags)
             if self.priors is not None:
                 assert saved_flags is not None
                 part.overlap = self._chunk_overlap(chunk, saved_flags.cpu())
@@ -723,7 +506,7 @@ class TaskVectorTracker:
             part.square_sum = part.square_sum.cpu()
         return part
 
-    def _chunk_magnitudes(self, tau: torch.Tensor, ws: _Workspace) -> tuple[torch.Tensor, int]:
+    def _chunk_magnitudes(self, tau: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, int]:
         """Add a chunk's active elements to the workspace's ``|tau|`` histogram.
 
         Returns:
@@ -741,7 +524,7 @@ class TaskVectorTracker:
             0, values, workspace=ws.magnitude
         )
 
-    def _chunk_overlap(self, chunk: _Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
+    def _chunk_overlap(self, chunk: Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
         """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""
         assert self.priors is not None
         region = chunk.region
@@ -755,25 +538,25 @@ class TaskVectorTracker:
         worker measured which chunk)."""
         spare = self._spare_workspaces.setdefault(device, [])
         while len(spare) < count:
-            spare.append(_Workspace(self.chunk_elements, self.save_dtype, device))
+            spare.append(Workspace(self.chunk_elements, self.save_dtype, device))
             self._workspaces.append(spare[-1])
 
     @contextmanager
-    def _borrowed_workspace(self, device: torch.device) -> Iterator[_Workspace]:
+    def _borrowed_workspace(self, device: torch.device) -> Iterator[Workspace]:
         """A workspace on ``device`` that no other thread uses until it is returned (created on first need, kept for
         later measurements)."""
         spare = self._spare_workspaces.setdefault(device, [])
         try:
             ws = spare.pop()
         except IndexError:
-            ws = _Workspace(self.chunk_elements, self.save_dtype, device)
+            ws = Workspace(self.chunk_elements, self.save_dtype, device)
             self._workspaces.append(ws)
         try:
             yield ws
         finally:
             spare.append(ws)
 
-    def _delta(self, chunk: _Chunk, ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _delta(self, chunk: Chunk, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(tau, tau_saved)`` of a ``dense`` or ``lora`` chunk, as views into the workspace.
 
         ``tau`` is the float32 task vector, ``tau_saved`` the task vector after rounding both sides (LoRA: both
@@ -784,7 +567,7 @@ class TaskVectorTracker:
         if chunk.region.kind == "lora":
             assert chunk.region.lora is not None and chunk.rows is not None
             lora, (row_start, row_stop) = chunk.region.lora, chunk.rows
-            skip = shard.offset + chunk.start - row_start * _row_numel(shard.shape)
+            skip = shard.offset + chunk.start - row_start * row_numel(shard.shape)
             tau.copy_(lora.delta_rows(row_start, row_stop).reshape(-1)[skip : skip + count])
             if self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT:
                 return tau, None
@@ -870,117 +653,16 @@ class TaskVectorTracker:
         }
 
 
-class _Workspace:
-    """Buffers reused by every chunk a thread measures (no allocation, no page faults in the hot loop)."""
-
-    def __init__(self, numel: int, save_dtype: torch.dtype, device: torch.device) -> None:
-        def f32() -> torch.Tensor:
-            return torch.empty(numel, dtype=torch.float32, device=device)
-
-        self.base, self.tau, self.saved, self.base_saved, self.scratch = f32(), f32(), f32(), f32(), f32()
-        self.flags, self.saved_flags = f32(), f32()
-        self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
-        self.magnitude = MagnitudeWorkspace(numel, device)
-        self.device = device
-        self._staging: dict[torch.dtype, torch.Tensor] = {}
-        #: the ``|tau|`` histogram of the chunks this workspace measured (reset by each measurement)
-        self.histogram = MagnitudeStatistics.zeros(1)
-
-    def stage(self, stored: torch.Tensor) -> torch.Tensor:
-        """Host values bound for this workspace's accelerator, in a pinned host buffer (the copy to the device can
-        then run asynchronously); values already on the workspace's device, or a CPU workspace, as they are.
-
-        Reusing the buffer for the next chunk is safe: every chunk reads its counts back to the host first.
-        """
-        if self.device.type != "cuda" or stored.device.type != "cpu":
-            return stored
-        count = stored.numel()
-        buffer = self._staging.get(stored.dtype)
-        if buffer is None or buffer.numel() < count:
-            buffer = torch.empty(max(count, self.tau.numel()), dtype=stored.dtype, pin_memory=True)  # host
-            self._staging[stored.dtype] = buffer
-        return buffer[:count].copy_(stored)
-
-    @property
-    def nbytes(self) -> int:
-        buffers = (
-            self.base,
-            self.tau,
-            self.saved,
-            self.base_saved,
-            self.scratch,
-            self.flags,
-            self.saved_flags,
-        )
-        staged = sum(t.numel() * t.element_size() for t in self._staging.values())
-        return (
-            sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
-            + self.magnitude.nbytes
-            + staged
-        )
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Elements ``[start, start + count)`` of a region's local range, measured at once.
-
-    Args:
-        region: The region.
-        row: Index of the region's base tensor in the per-tensor counts.
-        start: First element, relative to the region's local range.
-        count: Elements.
-        rows: ``lora`` regions: the rows ``(start, stop)`` of the delta that hold the chunk.
-        sampled: Whether the magnitude statistics include the chunk.
-    """
-
-    region: Region
-    row: int
-    start: int
-    count: int
-    rows: tuple[int, int] | None = None
-    sampled: bool = True
-
-
-@dataclass
-class _ChunkCounts:
-    """What one chunk adds to a measurement (see :meth:`TaskVectorTracker._measure_chunk`)."""
-
-    row: int
-    changed: int = 0
-    active: int = 0
-    active_saved: int = 0
-    square_sum: torch.Tensor | None = None
-    overlap: OverlapStatistics | None = None
-
-
-def _flag_count(flags: torch.Tensor) -> int:
-    """Number of ``1.0`` flags in a float32 tensor of ``0`` / ``1``: its sum, exact below ``2**24`` elements
-    (comparisons that write float32 flags are several times faster than ones that write bools)."""
-    if flags.numel() < 1 << 24:
-        return int(flags.sum())
-    return int(torch.count_nonzero(flags))
-
-
-def _local_regions(layout: ModelLayout, ctx: DistContext) -> list[Region]:
-    """The regions this process measures: all partitioned ones, and its share of the replicated ones."""
-    regions: list[Region] = []
-    replicated = 0
-    for region in layout.regions:
-        if ctx.enabled and not region.shard.partitioned:
-            replicated += 1
-            if (replicated - 1) % ctx.world_size != ctx.rank:
-                continue
-        regions.append(region)
-    return regions
-
-
-def _compute_device(regions: list[Region]) -> torch.device:
-    """Where the chunks compute: an accelerator if any region's values live on one, else the CPU."""
-    for region in regions:
-        if region.shard.values.device.type != "cpu":
-            return region.shard.values.device
-    return torch.device("cpu")
-
-
-def _row_numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "DEFAULT_PREFIX",
+    "MAGNITUDE_SAMPLE_ELEMENTS",
+    "SAVE_DTYPES",
+    "SMALL_MODEL_ELEMENTS",
+    "LoraFactorsRef",
+    "ModelLayout",
+    "Region",
+    "TaskVectorTracker",
+    "model_layout",
+    "resolve_save_dtype",
+]

@@ -36,6 +36,34 @@ def test_read_ahead_reads_at_most_depth_items_ahead(depth):
     assert list(results) == list(range(1, 8))
 
 
+@pytest.mark.parametrize("readers", [1, 3])
+def test_several_readers_read_at_once_in_order_and_hold_no_more_items(readers):
+    """With ``readers`` threads the first items are read concurrently (each of them waits until all are being read),
+    the results still come in order, and no more items are read ahead than with one reader."""
+    depth = 3
+    together = threading.Barrier(readers, timeout=30)  # broken (an error) unless ``readers`` reads overlap
+    lock = threading.Lock()
+    started: list[int] = []
+    threads: set[str] = set()
+
+    def read(i: int) -> int:
+        with lock:
+            started.append(i)
+            threads.add(threading.current_thread().name)
+        if i < readers:
+            together.wait()
+        return i * i
+
+    results = read_ahead(range(12), read, depth=depth, readers=readers)
+    assert next(results) == 0
+    time.sleep(0.05)
+    assert (
+        max(started) <= depth
+    )  # the consumer holds item 0; items 1..depth may have been read, nothing beyond
+    assert [0, *results] == [i * i for i in range(12)]
+    assert len(threads) == readers
+
+
 def test_read_ahead_with_depth_0_reads_on_the_calling_thread():
     threads = []
     list(read_ahead(range(3), lambda i: threads.append(threading.current_thread()), depth=0))

@@ -150,3 +150,14 @@ def random_training(model: nn.Module, case: str) -> nn.Module:
         if case == "subnormal":
             weight[3, 5] = 1e-42  # over a base element of 0
     return model
+
+
+def peft_model(**config) -> nn.Module:
+    """:func:`tiny_model` with a LoRA adapter on ``q_proj`` (rank 1) and ``lm_head`` in modules_to_save; ``config``
+    changes the ``LoraConfig`` (skips the test without peft)."""
+    import pytest
+
+    peft = pytest.importorskip("peft")
+    settings = dict(r=1, lora_alpha=1, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    settings.update(config)
+    return peft.get_peft_model(tiny_model(), peft.LoraConfig(**settings))

@@ -22,7 +22,6 @@ from ram_trl.manifest import fingerprint_checkpoint
 from ram_trl.methods.ram import active_mask
 from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
 from ram_trl.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker
-from ram_trl.telemetry.tracker import model_layout
 from tests.telemetry.helpers import (
     NUMEL,
     SHAPES,
@@ -30,6 +29,7 @@ from tests.telemetry.helpers import (
     L,
     M,
     P,
+    peft_model,
     random_model,
     random_training,
     tiny_model,
@@ -108,6 +108,41 @@ def test_measurement_threads_are_restored(tmp_path):
     tracker = TaskVectorTracker(base_model=write_base(tmp_path / "base"), threads=1)
     assert tracker.measure(train(tiny_model()))[f"{P}active"] == 8
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("simulated", [1, 3, 6])
+def test_default_workers_follow_the_thread_plan_and_change_no_value(tmp_path, monkeypatch, simulated):
+    """With ``threads=None`` a measurement takes the telemetry workers of the thread plan of this process's cores
+    (here simulated), and reports the same values as one worker, leaving torch's thread setting alone."""
+    from ram_trl import parallel
+    from ram_trl.telemetry import tracker as tracker_module
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracker_module, "SMALL_MODEL_ELEMENTS", 0)  # this small model uses the pool too
+    base = random_model()
+    save_file(
+        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
+    )
+    model = random_training(random_model(), "dense")
+    single = TaskVectorTracker(base_model=tmp_path, threads=1, chunk_elements=64).measure(model)
+    monkeypatch.setattr(parallel, "available_cores", lambda: simulated)
+    pools: list[int | None] = []
+
+    def spy(device, workers=None, _pool=tracker_module.compute_pool):
+        pools.append(workers)
+        return _pool(device, workers)
+
+    monkeypatch.setattr(tracker_module, "compute_pool", spy)
+    before = torch.get_num_threads()
+    planned = TaskVectorTracker(base_model=tmp_path, chunk_elements=64).measure(model)
+    assert pools == [parallel.plan_threads().telemetry] == [simulated]
+    assert torch.get_num_threads() == before
+
+    def values(out: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in out.items() if not k.endswith(("_seconds", "_mb"))}
+
+    assert values(planned) == values(single)
 
 
 def reference_counts(
@@ -323,13 +358,6 @@ def test_missing_prior_checkpoint_is_named(tmp_path):
 # PEFT
 
 
-def peft_model(**config):
-    peft = pytest.importorskip("peft")
-    settings = dict(r=1, lora_alpha=1, target_modules=["q_proj"], modules_to_save=["lm_head"])
-    settings.update(config)
-    return peft.get_peft_model(tiny_model(), peft.LoraConfig(**settings))
-
-
 def test_peft_lora_delta_and_modules_to_save(tmp_path):
     model = peft_model()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
@@ -347,19 +375,6 @@ def test_peft_lora_delta_and_modules_to_save(tmp_path):
     assert out[f"{P}module/attn_q/density"] == 2 / 4 and out[f"{P}module/lm_head/density"] == 1 / 6
     # the base fingerprint is the adapter-disabled model's: equal to the base checkpoint's
     assert tracker.base_fingerprint == fingerprint_checkpoint(write_base(tmp_path / "base"))
-
-
-def test_peft_layouts_that_are_refused():
-    with pytest.raises(ConfigError, match="DoRA"):
-        TaskVectorTracker().setup(peft_model(use_dora=True))
-    model = peft_model()
-    model.base_model.model.model.layers[1].mlp.up_proj.weight.requires_grad_(True)
-    with pytest.raises(ConfigError, match=r"up_proj.weight' is trained but is neither a LoRA factor"):
-        TaskVectorTracker().setup(model)
-    peft = pytest.importorskip("peft")
-    ia3 = peft.get_peft_model(tiny_model(), peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
-    with pytest.raises(ConfigError, match="supports LoRA adapters"):
-        TaskVectorTracker().setup(ia3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -396,18 +411,6 @@ def test_unsupported_layouts_are_named(tmp_path):
         del reference.lm_head
         reference.head = nn.Linear(2, 3, bias=False)
         TaskVectorTracker(reference_model=reference).measure(tiny_model())
-
-
-def test_layout_regions_of_a_peft_model():
-    regions = model_layout(peft_model()).regions
-    kinds = {r.name: r.kind for r in regions}
-    assert kinds == {
-        "model.embed_tokens.weight": "frozen",
-        "model.layers.0.self_attn.q_proj.weight": "lora",
-        "model.layers.1.mlp.up_proj.weight": "frozen",
-        "model.norm.weight": "frozen",
-        "lm_head.weight": "dense",
-    }
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ram_trl.distributed import exit_distributed, shutdown_distributed
+from ram_trl.telemetry import layout as layout_module
 from ram_trl.telemetry import tracker as tracker_module
 from ram_trl.telemetry.shards import LocalShard
 from tests.telemetry.helpers import (
@@ -46,7 +47,7 @@ def halves(model: torch.nn.Module):
 def worker(rank: int, root: str, stages: list[str]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=2)
     try:
-        tracker_module.iter_local_shards = halves
+        layout_module.iter_local_shards = halves  # where the layout finds the local shards
         tracker = tracker_module.TaskVectorTracker(base_model=f"{root}/base", prior_stages=stages)
         out = tracker.measure(train(tiny_model()))
         Path(root, f"rank{rank}.json").write_text(json.dumps(out))

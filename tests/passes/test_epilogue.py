@@ -1,5 +1,5 @@
-"""ram_trl/passes.py: the merge pass's per-block helpers on small real tensors (the passes as a whole are checked
-against tests/reference.py in tests/test_engine_reference.py and byte for byte in tests/test_engine_golden.py)."""
+"""ram_trl/passes/epilogue.py: the kernels' epilogue on small real tensors (the passes as a whole are checked against
+tests/reference.py in tests/test_engine_reference.py and byte for byte in tests/test_engine_golden.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ram_trl.errors import NonFiniteError
-from ram_trl.passes import check_finite_output, keep_signed_zeros
+from ram_trl.passes.epilogue import check_finite_output, keep_signed_zeros
 
 
 def _bits(t: torch.Tensor) -> list[int]:
