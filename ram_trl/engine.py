@@ -215,7 +215,7 @@ def prepare(
         fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
         resizable=is_vocabulary_tensor,
         merges_weights=resolved.method.merges_weights,
-        prepare_bytes=resolved.method.prepare_bytes,
+        prepare_bytes=resolved.method.preparation_bytes(len(agents)),
     )
     check_normalized_weights(resolved, plan)
     if fishers is not None:
