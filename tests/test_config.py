@@ -257,6 +257,47 @@ modules:
     assert as_modules.agent_value(b, "density", _layer(0, "self_attn.q_proj")) == 0.6
 
 
+def test_consecutive_slices_take_their_own_settings_as_mergekit(dirs):
+    """Golden values, by hand: each slice's gradient spans its own layers (mergekit's ``t`` restarts at 0 in each
+    slice); the embeddings take the first slice's settings, the final norm and ``lm_head`` the last's, both at
+    ``t = 0``; the source's parameter beats the slice's, which beats the top-level one."""
+    _layered(dirs, layers=5)
+    resolved = _resolve(
+        dirs,
+        """
+merge_method: ties
+base_model: base
+slices:
+  - sources:
+      - {model: base, layer_range: [0, 2]}
+      - {model: a, layer_range: [0, 2], parameters: {weight: [0.2, 0.4]}}
+      - {model: b, layer_range: [0, 2]}
+    parameters: {lambda: 0.5}
+  - sources:
+      - {model: base, layer_range: [2, 5]}
+      - {model: a, layer_range: [2, 5], parameters: {weight: 0.9}}
+      - {model: b, layer_range: [2, 5], parameters: {density: [0.1, 0.3]}}
+    parameters: {weight: 0.7, lambda: [1.0, 2.0]}
+parameters: {density: 0.6}
+""",
+    )
+    a, b = resolved.agents
+    assert [x.name for x in resolved.agents] == ["a", "b"]
+    assert [resolved.agent_value(a, "weight", _layer(i)) for i in range(5)] == [0.2, 0.4, 0.9, 0.9, 0.9]
+    assert [resolved.agent_value(b, "weight", _layer(i)) for i in range(5)] == [1.0, 1.0, 0.7, 0.7, 0.7]
+    assert [resolved.agent_value(b, "density", _layer(i)) for i in range(5)] == pytest.approx(
+        [0.6, 0.6, 0.1, 0.2, 0.3], abs=1e-15
+    )
+    assert [resolved.params_for(_layer(i))["lambda"] for i in range(5)] == [0.5, 0.5, 1.0, 1.5, 2.0]
+    assert resolved.agent_value(a, "weight", "model.embed_tokens.weight") == 0.2
+    assert resolved.params_for("model.embed_tokens.weight")["lambda"] == 0.5
+    for name in ("model.norm.weight", "lm_head.weight"):
+        assert resolved.agent_value(a, "weight", name) == 0.9
+        assert resolved.agent_value(b, "density", name) == pytest.approx(0.1)
+        assert resolved.params_for(name)["lambda"] == 1.0
+    assert any("2 consecutive output slices (layers 0-1, 2-4)" in note for note in resolved.notes)
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -265,8 +306,26 @@ modules:
             "layer_range [0, 2] is not the whole model (4 layers)",
         ),
         (
-            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 4]}]}]",
-            "slices lists 2 output slices",
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [0, 2]}]}]",
+            "slices[1] takes layer_range [0, 2] after layer 2: stacking",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: b, layer_range: [2, 4]}]}]",
+            "slices[1] takes the models ['b'], slices[0] ['a']",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}, {model: b, layer_range: [2, 4]}]}, "
+            "{sources: [{model: a, layer_range: [2, 4]}, {model: b, layer_range: [0, 2]}]}]",
+            "slices[0].sources[1] (b) takes layer_range [2, 4], slices[0].sources[0] [0, 2]",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 3]}]}]",
+            "slices[*].sources[0] (a): layer_range [0, 3] is not the whole model (4 layers)",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 4]}], "
+            "parameters: {normalize: false}}]",
+            "slices[1] and slices[0] give 'normalize' different values",
         ),
         ("modules: {a: {models: [{model: a}]}, b: {models: [{model: b}]}}", "modules lists 2 modules"),
     ],

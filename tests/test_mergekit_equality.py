@@ -632,6 +632,76 @@ def test_lazymergekit_slerp_slices_equal_mergekit(layered, tmp_path):
     assert torch.equal(ours[name.format(4)], other_tensors[name.format(4)])
 
 
+def _consecutive_slices(ckpts: dict[str, Any], cuts: list[int], sources: list[list[dict[str, Any]]]) -> list:
+    """Output slices over the layer ranges between ``cuts``, each taking the base and the agents (each source's
+    parameters from ``sources[slice][agent]``)."""
+    base = str(ckpts["base_dir"])
+    return [
+        {
+            "sources": [{"model": base, "layer_range": [lo, hi]}]
+            + [
+                {"model": str(path), "layer_range": [lo, hi], "parameters": p}
+                for path, p in zip(ckpts["agents"], own, strict=False)
+            ]
+        }
+        for lo, hi, own in zip(cuts[:-1], cuts[1:], sources, strict=True)
+    ]
+
+
+def test_consecutive_slices_with_their_own_gradients_equal_mergekit(layered, tmp_path):
+    """Three slices over the five layers (2 + 1 + 2), each with its own parameters and gradients: mergekit restarts
+    each gradient over its slice's layers and gives the embeddings the first slice's settings, the final norm and
+    ``lm_head`` the last's."""
+    slices = _consecutive_slices(
+        layered,
+        [0, 2, 3, 5],
+        [
+            [{"weight": [0.2, 1.0]}, {"weight": 0.5}],
+            [{"weight": 0.8}, {"weight": [{"filter": "mlp", "value": [0.1, 0.9]}, {"value": 0.3}]}],
+            [{"weight": [1.0, 0.4, 0.6]}, {}],
+        ],
+    )
+    slices[1]["parameters"] = {"lambda": 0.7}
+    slices[2]["parameters"] = {"lambda": [1.2, 0.6], "weight": -0.25}
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(layered["base_dir"]),
+        "slices": slices,
+        "parameters": {"lambda": [0.9, 1.1]},
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
+    # the slices' settings reached their layers: layer 2 alone in its slice (t = 1), lambda 0.7 there
+    whole = _config(layered, "task_arithmetic", [{"weight": 0.8}, {"weight": 0.9}], {"lambda": 0.7})
+    reference = _run_both(whole, tmp_path / "whole")[0]
+    name = "model.layers.2.mlp.up_proj.weight"
+    assert torch.equal(ours[name], reference[name])
+    assert not torch.equal(ours["model.layers.1." + name[15:]], reference["model.layers.1." + name[15:]])
+
+
+def test_consecutive_slerp_slices_equal_mergekit(layered, tmp_path):
+    """The published per-slice slerp form: each slice its own ``t`` gradient per filter."""
+    base, other = str(layered["base_dir"]), str(layered["agents"][0])
+    config = {
+        "slices": [
+            {"sources": [{"model": base, "layer_range": [0, 3]}, {"model": other, "layer_range": [0, 3]}]},
+            {
+                "sources": [{"model": base, "layer_range": [3, 5]}, {"model": other, "layer_range": [3, 5]}],
+                "parameters": {"t": [{"filter": "self_attn", "value": [0.9, 0.2]}, {"value": 0.6}]},
+            },
+        ],
+        "merge_method": "slerp",
+        "base_model": base,
+        "parameters": {"t": [{"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]},
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    _assert_identical(ours, theirs)
+
+
 @pytest.mark.parametrize("method", ["slerp", "model_stock", "ramplus_tl"])
 def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tmp_path):
     """mergekit's own test configs give every model a ``weight`` (0.6, 0.4), whatever the method."""
