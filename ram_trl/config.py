@@ -781,24 +781,73 @@ def _rows(path: Path) -> int | None:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
 
 
-def _union_donor(models: list[Path]) -> Path | None:
-    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: the model whose tokenizer holds exactly
-    the union of every model's used tokens (those with an embedding row), when all models number the tokens alike
-    and the union's ids run from 0 without holes. ``None`` otherwise."""
+def _union_donor(models: list[Path]) -> tuple[Path | None, str]:
+    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: ``(the model whose tokenizer holds
+    exactly the union of every model's used tokens (those with an embedding row), "")`` when all models number the
+    tokens alike and the union's ids run from 0 without holes; otherwise ``(None, why)``, ``why`` naming the first
+    model, token or id that needs re-indexing."""
     union: dict[str, int] = {}
+    holder: dict[str, Path] = {}
     used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []
     for model in models:
         vocab, rows = _vocabulary(model), _rows(model)
         if vocab is None or rows is None:
-            return None
+            missing = "readable tokenizer.json" if vocab is None else "config.json with vocab_size"
+            return None, f"{model} has no {missing}"
         used = {token: i for token, i in vocab.items() if i < rows}
         for token, i in used.items():
             if union.setdefault(token, i) != i:
-                return None
+                return None, (
+                    f"token {token!r} is id {union[token]} in {holder[token]} and id {i} in {model} (the union "
+                    "numbers it once: every other model's rows would move)"
+                )
+            holder.setdefault(token, model)
         used_by.append((model, vocab, used))
-    if len(set(union.values())) != len(union) or set(union.values()) != set(range(len(union))):
-        return None
-    return next((model for model, vocab, used in used_by if vocab == used == union), None)
+    ids = Counter(union.values())
+    shared = next((i for i, n in ids.items() if n > 1), None)
+    if shared is not None:
+        tokens = sorted(t for t, i in union.items() if i == shared)
+        return None, (
+            f"id {shared} is {' and '.join(repr(t) for t in tokens[:2])} in different models (the union appends one "
+            "of them after the others)"
+        )
+    hole = next((i for i in range(len(union)) if i not in ids), None)
+    if hole is not None:
+        return None, f"no model has a token with id {hole} below the union's {len(union)} tokens"
+    donor = next((model for model, vocab, used in used_by if vocab == used == union), None)
+    if donor is None:
+        return None, "no model's tokenizer is exactly the union (each model adds tokens the others lack)"
+    return donor, ""
+
+
+def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: list[Path], where: str) -> None:
+    """mergekit's ``tokenizer.tokens`` rules, accepted where mergekit never applies them: a rule without ``force``
+    for a token that every model (the base included) and the output tokenizer hold with one id, inside every model's
+    embedding rows (mergekit builds a row from a rule only for a token some model lacks, or a forced one)."""
+    vocabularies = {model: (_vocabulary(model), _rows(model)) for model in [tokenizer_source, *models]}
+    for token, rule in rules.items():
+        label = f"{where}: tokenizer.tokens[{token!r}]"
+        if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
+            raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+        if rule.get("force"):
+            raise ConfigError(
+                f"{label}: force replaces the token's row in every model by {rule.get('source')!r}'s before merging; "
+                "building rows from rules is not implemented (drop force to keep each model's own row)"
+            )
+        ids = {}
+        for model, (vocab, rows) in vocabularies.items():
+            i = None if vocab is None else vocab.get(token)
+            if i is None or (rows is not None and i >= rows):
+                raise ConfigError(
+                    f"{label}: {model} has no row for the token, so mergekit would build it from the rule "
+                    f"({rule.get('source')!r}) or add it; building rows from rules is not implemented"
+                )
+            ids[model] = i
+        if len(set(ids.values())) > 1:
+            raise ConfigError(
+                f"{label}: the models number the token differently ({', '.join(f'{m}: {i}' for m, i in ids.items())})"
+                "; re-numbered rows are not implemented"
+            )
 
 
 _REFUSED_METHODS = {
@@ -1256,32 +1305,45 @@ def resolve_config(
         block = config.tokenizer
         if tokenizer_name is not None:
             raise ConfigError(f"{where}: give tokenizer_source or the tokenizer block, not both")
-        if block.tokens or block.pad_to_multiple_of:
+        if block.pad_to_multiple_of:
             raise ConfigError(
-                f"{where}: tokenizer.{'tokens' if block.tokens else 'pad_to_multiple_of'} is not supported: ram_trl "
-                "keeps the base's vocabulary rows (use tokenizer.source: base or a model path alone)"
+                f"{where}: tokenizer.pad_to_multiple_of is not supported: ram_trl keeps the base's vocabulary rows "
+                "(use tokenizer.source: base or a model path alone)"
             )
-        tokenizer_name = block.source
+        # mergekit's tokenizer block defaults to the union; without tokens, ram_trl keeps its earlier default
+        tokenizer_name = block.source or ("union" if block.tokens else None)
     tokenizer_source = base_path
     union = False
     if tokenizer_name == "union":
-        donor = _union_donor([base_path, *(a.path for a in agents)])
-        if donor is None or config.shape_mismatch != "error":
+        donor, why = _union_donor([base_path, *(a.path for a in agents)])
+        if config.shape_mismatch != "error":
+            why = f"shape_mismatch: {config.shape_mismatch} would keep rows the union re-indexes"
+        if donor is None or why:
             raise ConfigError(
                 f"{where}: tokenizer source 'union' is supported only where it re-indexes nothing (every model's "
-                "tokenizer.json numbers the tokens alike and one model's tokenizer holds them all); use base or a "
-                "model path"
+                f"tokenizer.json numbers the tokens alike and one model's tokenizer holds them all), here {why}: "
+                "re-numbered embedding and lm_head rows are not implemented; use base or a model path"
             )
-        if method.prepares_tensors:
+        base_rows = _rows(base_path)
+        added = sorted(
+            (i, t) for t, i in (_vocabulary(donor) or {}).items() if base_rows is None or i >= base_rows
+        )
+        padded = [a.path for a in agents if _rows(a.path) != base_rows]
+        if method.prepares_tensors and (added or padded):
             raise ConfigError(
-                f"{where}: tokenizer source 'union' with {method.name} is not supported: its whole-tensor step "
-                "(angle, cut, cosines or weights) would count the added tokens' rows in mergekit and not in ram_trl"
+                f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union adds rows "
+                f"({', '.join(repr(t) for _, t in added[:3]) or 'padding of ' + str(padded[0])}) that mergekit builds "
+                "before its whole-tensor step (angle, cut, cosines or weights) and ram_trl after it"
             )
         tokenizer_source, union = donor, True
     elif tokenizer_name not in (None, "base"):
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
+    if config.tokenizer is not None and config.tokenizer.tokens:
+        _check_token_rules(
+            config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where
+        )
     shape_mismatch = "merge_common_rows" if union else config.shape_mismatch
     if (
         tokenizer_name is not None

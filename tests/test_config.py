@@ -356,8 +356,16 @@ def test_tokenizer_block_and_sources(dirs):
     )
     assert resolved.tokenizer_source == dirs / "a"
     for extra, needle in [
-        ("tokenizer: {source: base, tokens: {x: {source: a}}}", "tokenizer.tokens is not supported"),
-        ("tokenizer: {source: union}", "'union' is supported only where it re-indexes nothing"),
+        (
+            "tokenizer: {source: base, tokens: {x: {source: a}}}",
+            r"tokenizer.tokens\['x'\]: .*base has no row",
+        ),
+        ("tokenizer: {source: base, tokens: {x: 1}}", r"a rule is \{source: MODEL, force: BOOL\}, got 1"),
+        ("tokenizer: {source: base, pad_to_multiple_of: 8}", "tokenizer.pad_to_multiple_of is not supported"),
+        (
+            "tokenizer: {source: union}",
+            "'union' is supported only where it re-indexes nothing.*has no readable tokenizer.json",
+        ),
         ("tokenizer_source: union", "'union' is supported only where it re-indexes nothing"),
     ]:
         with pytest.raises(ConfigError, match=needle):

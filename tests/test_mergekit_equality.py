@@ -840,6 +840,8 @@ def picollamas(tmp_path_factory) -> dict[str, str]:
         "base": _pico(root / "base", 64, [], 0),
         "padded": _pico(root / "padded", 64, [f"<UNUSED_{i}>" for i in range(4)], 1),
         "chatml": _pico(root / "chatml", 66, ["<|im_start|>", "<|im_end|>"], 2),
+        # the same two chat tokens, numbered the other way round
+        "swapped": _pico(root / "swapped", 66, ["<|im_end|>", "<|im_start|>"], 3),
     }
 
 
@@ -900,6 +902,27 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
 
 
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tokenizer_source": "union", "merge_method": "ties", "parameters": {"density": 0.5}},
+        {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"source": "base"}, "</s>": {}}}},
+    ],
+)
+def test_union_rules_mergekit_never_applies_equal_mergekit(extra, picollamas, tmp_path):
+    """A union that adds no rows (the padded model's tokens have none) with a whole-tensor step (TIES' cut), and
+    token rules for tokens every model holds (mergekit builds no row from them): the same tensors as mergekit."""
+    config = _tokenizer_config(picollamas, ["base", "padded"], **extra, dtype="float32")
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(ours["lm_head.weight"], _load_dir(Path(picollamas["base"]))["lm_head.weight"])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
 @pytest.mark.parametrize(
     ("names", "extra", "needle"),
     [
@@ -907,12 +930,28 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
         (
             ["base", "padded", "chatml"],
             {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
-            "tokenizer.tokens is not supported",
+            "tokenizer.tokens['<|im_start|>']: {base} has no row for the token, so mergekit would build it",
         ),
         (  # test_slerp_union
             ["base", "chatml"],
             {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
-            "tokenizer source 'union' with slerp is not supported",
+            "tokenizer source 'union' with slerp is not supported here: the union adds rows ('<|im_start|>', "
+            "'<|im_end|>') that mergekit builds before its whole-tensor step",
+        ),
+        (
+            ["base", "chatml", "swapped"],
+            {"tokenizer_source": "union"},
+            "token '<|im_end|>' is id 65 in {chatml} and id 64 in {swapped} (the union numbers it once",
+        ),
+        (
+            ["base", "chatml"],
+            {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"source": "base", "force": True}}}},
+            "tokenizer.tokens['_tok_5']: force replaces the token's row in every model by 'base''s",
+        ),
+        (  # mergekit's default source of a tokens block is the union
+            ["base", "chatml"],
+            {"tokenizer": {"tokens": {"<|im_end|>": {"source": "base"}}}},
+            "tokenizer.tokens['<|im_end|>']: {base} has no row for the token",
         ),
     ],
 )
@@ -922,7 +961,7 @@ def test_mergekit_tokenizer_configs_beyond_one_vocabulary_are_refused_in_one_lin
     """A model with more embedding rows than the base, and a union vocabulary: one-line refusals, nothing written."""
     with pytest.raises(ram_trl.RamTrlError) as info:
         ram_trl.merge(_tokenizer_config(picollamas, names, **extra), tmp_path / "out", progress=False)
-    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert needle.format(**picollamas) in str(info.value) and "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
 
 
