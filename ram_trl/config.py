@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ram_trl.anatomy import classify, layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
+from ram_trl.io.vocabulary import UnionRows
 from ram_trl.manifest import check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
@@ -265,6 +266,8 @@ class ResolvedConfig:
             settings, :attr:`params` and each agent's ``parameters``, for every tensor). Tensors before the decoder
             layers (embeddings) take the first slice's settings, those after them (final norm, ``lm_head``) the
             last slice's, as mergekit plans them.
+        union_rows: With ``tokenizer_source: union``, the rows every model gets before the merge where some model
+            lacks a token the union holds (:func:`ram_trl.io.vocabulary.pad_vocabularies`); ``None`` otherwise.
     """
 
     method: MergeMethod
@@ -283,6 +286,7 @@ class ResolvedConfig:
     num_layers: int | None = None
     chat_template: str | None = None
     segments: list[LayerSegment] | None = None
+    union_rows: UnionRows | None = None
 
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
@@ -850,6 +854,22 @@ def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: li
             )
 
 
+def _union_rows(models: list[Path], dtype: str | None) -> UnionRows:
+    """The union's rows (models numbering their tokens alike, :func:`_union_donor`): its size and, for each token
+    some model (the base first) lacks, the models that have it."""
+    used = []
+    for model in models:
+        vocab, rows = _vocabulary(model) or {}, _rows(model)
+        used.append({i for i in vocab.values() if rows is None or i < rows})
+    size = max((max(ids, default=-1) for ids in used), default=-1) + 1
+    holders = {
+        token: tuple(k for k, ids in enumerate(used) if token in ids)
+        for token in range(size)
+        if any(token not in ids for ids in used)
+    }
+    return UnionRows(size, holders, DTYPES[dtype.lower()] if dtype else None)
+
+
 _REFUSED_METHODS = {
     "passthrough": "copies (and stacks) layers of one model without merging; ram_trl merges whole models tensor by "
     "tensor and writes no layer stacks",
@@ -1314,6 +1334,7 @@ def resolve_config(
         tokenizer_name = block.source or ("union" if block.tokens else None)
     tokenizer_source = base_path
     union = False
+    union_rows: UnionRows | None = None
     if tokenizer_name == "union":
         donor, why = _union_donor([base_path, *(a.path for a in agents)])
         if config.shape_mismatch != "error":
@@ -1324,18 +1345,19 @@ def resolve_config(
                 f"tokenizer.json numbers the tokens alike and one model's tokenizer holds them all), here {why}: "
                 "re-numbered embedding and lm_head rows are not implemented; use base or a model path"
             )
-        base_rows = _rows(base_path)
-        added = sorted(
-            (i, t) for t, i in (_vocabulary(donor) or {}).items() if base_rows is None or i >= base_rows
-        )
-        padded = [a.path for a in agents if _rows(a.path) != base_rows]
-        if method.prepares_tensors and (added or padded):
-            raise ConfigError(
-                f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union adds rows "
-                f"({', '.join(repr(t) for _, t in added[:3]) or 'padding of ' + str(padded[0])}) that mergekit builds "
-                "before its whole-tensor step (angle, cut, cosines or weights) and ram_trl after it"
-            )
-        tokenizer_source, union = donor, True
+        union_rows = _union_rows([base_path, *(a.path for a in agents)], config.dtype)
+        shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
+        if union_rows.holders and (method.prepares_tensors or shared):
+            # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
+            # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
+            if method.needs_fisher:
+                raise ConfigError(
+                    f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union builds "
+                    "vocabulary rows that the agents' Fisher files do not have"
+                )
+        else:
+            union_rows = None
+        tokenizer_source, union = donor, union_rows is None
     elif tokenizer_name not in (None, "base"):
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
@@ -1385,4 +1407,5 @@ def resolve_config(
         num_layers=layers,
         chat_template=chat_template,
         segments=segments,
+        union_rows=union_rows,
     )

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ram_trl.config import load_config, resolve_config
 from ram_trl.errors import ConfigError
+from ram_trl.io.vocabulary import UnionRows
 
 
 @pytest.fixture
@@ -462,8 +463,15 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
     with pytest.raises(ConfigError, match="'union' is supported only where it re-indexes nothing"):
         _resolve(dirs, text)
     _tokenizer(dirs / "b", ["x", "y", "z"])
-    with pytest.raises(ConfigError, match="'union' with ties is not supported"):
-        _resolve(dirs, text.replace("task_arithmetic", "ties"))
+    # a whole-tensor step: every model gets the union's rows before the merge (b and the base: a's row 3)
+    resolved = _resolve(dirs, text.replace("task_arithmetic", "ties"))
+    assert resolved.union_rows == UnionRows(4, {3: (1,)}) and resolved.shape_mismatch == "error"
+    # a token two models add: their rows are merged from the holders' mean, whatever the method
+    _tokenizer(dirs / "b", ["x", "y", "z", "<|im_end|>"])
+    (dirs / "b" / "config.json").write_text(json.dumps({"vocab_size": 4}))
+    assert _resolve(dirs, text).union_rows == UnionRows(4, {3: (1, 2)})
+    with pytest.raises(ConfigError, match="'union' with fisher is not supported here"):
+        _resolve(dirs, text.replace("task_arithmetic", "fisher"))
 
 
 def test_empty_parameters_of_a_slice_mean_none(dirs):

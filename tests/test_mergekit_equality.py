@@ -20,6 +20,7 @@ What is asserted:
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from pathlib import Path
@@ -842,6 +843,8 @@ def picollamas(tmp_path_factory) -> dict[str, str]:
         "chatml": _pico(root / "chatml", 66, ["<|im_start|>", "<|im_end|>"], 2),
         # the same two chat tokens, numbered the other way round
         "swapped": _pico(root / "swapped", 66, ["<|im_end|>", "<|im_start|>"], 3),
+        # the same two chat tokens, numbered alike, with rows of its own
+        "chatml2": _pico(root / "chatml2", 66, ["<|im_start|>", "<|im_end|>"], 5),
     }
 
 
@@ -901,6 +904,71 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
             assert torch.equal(ours[name][64:], donor) and torch.equal(theirs[name][64:], donor), name
 
 
+UNION_ROW_CASES = {
+    # test_slerp_union: the added rows enter SLERP's angle (the base gets the chatml model's rows)
+    "slerp, one model adds the rows": (["chatml"], "slerp", [{}], {"t": 0.5}),
+    "task_arithmetic, two models add the rows, unequal weights": (
+        ["chatml", "chatml2"],
+        "task_arithmetic",
+        [{"weight": 0.3}, {"weight": 0.9}],
+        {"lambda": 0.8},
+    ),
+    "ties, two models add the rows, density": (
+        ["chatml", "chatml2"],
+        "ties",
+        [{"weight": 0.3, "density": 0.5}, {"weight": 0.9, "density": 0.7}],
+        {},
+    ),
+    # tensor-local RAM+ counts the rows the two models add (the base's: their mean) like any others
+    "ramplus_tl, two models add the rows": (["chatml", "chatml2"], "ramplus_tl", [{}, {}], {}),
+    "ties, the padded model lacks the rows": (
+        ["padded", "chatml"],
+        "ties",
+        [{"weight": 1.0, "density": 0.5}, {"weight": 0.6, "density": 0.5}],
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNION_ROW_CASES))
+def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_path):
+    """Where the added tokens' rows enter a whole-tensor step, or come from several models, every model gets
+    mergekit's rows for them before the merge (the only holder's row, else the holders' mean): the same tensors,
+    the same vocabulary and ``vocab_size``."""
+    names, method, agent_params, params = UNION_ROW_CASES[case]
+    config = {
+        "merge_method": method,
+        "base_model": picollamas["base"],
+        "models": [
+            {"model": picollamas[n], "parameters": p} for n, p in zip(names, agent_params, strict=True)
+        ],
+        "parameters": params,
+        "tokenizer_source": "union",
+        "dtype": "float32",
+    }
+    theirs_dir, ours_dir = tmp_path / "mergekit", tmp_path / "ram_trl"
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(theirs_dir),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), ours_dir, progress=False)
+    ours, theirs = _load_dir(ours_dir), _load_dir(theirs_dir)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert ours["lm_head.weight"].shape[0] == 66
+    vocabularies = [transformers.AutoTokenizer.from_pretrained(d).get_vocab() for d in (ours_dir, theirs_dir)]
+    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == 66
+    configs = [json.loads((d / "config.json").read_text())["vocab_size"] for d in (ours_dir, theirs_dir)]
+    assert configs == [66, 66]
+    if method == "task_arithmetic":
+        # the rows two models add: not their plain mean (mergekit merges them from it, with the unequal weights)
+        rows = [_load_dir(Path(picollamas[n]))["lm_head.weight"][64:] for n in names]
+        assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
+
+
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
 @pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
 @pytest.mark.parametrize(
@@ -931,12 +999,6 @@ def test_union_rules_mergekit_never_applies_equal_mergekit(extra, picollamas, tm
             ["base", "padded", "chatml"],
             {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
             "tokenizer.tokens['<|im_start|>']: {base} has no row for the token, so mergekit would build it",
-        ),
-        (  # test_slerp_union
-            ["base", "chatml"],
-            {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
-            "tokenizer source 'union' with slerp is not supported here: the union adds rows ('<|im_start|>', "
-            "'<|im_end|>') that mergekit builds before its whole-tensor step",
         ),
         (
             ["base", "chatml", "swapped"],
