@@ -9,6 +9,7 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -854,6 +855,74 @@ def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: li
             )
 
 
+def _token_sources(
+    rules: dict[str, Any],
+    union: UnionRows,
+    donor: Path,
+    models: list[Path],
+    where: str,
+    config_dir: Path | None,
+) -> tuple[dict[int, tuple], frozenset[int]]:
+    """mergekit's ``tokenizer.tokens`` rules over a union: ``(sources, forced)`` of :class:`UnionRows` for the
+    rules mergekit applies (a forced one, or one for a token some model lacks); the others change nothing."""
+    vocab = _vocabulary(donor) or {}
+    sources: dict[int, tuple] = {}
+    forced: set[int] = set()
+    for token, rule in rules.items():
+        label = f"{where}: tokenizer.tokens[{token!r}]"
+        if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
+            raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+        token_id = vocab.get(token)
+        if token_id is None or token_id >= union.rows:
+            raise ConfigError(
+                f"{label}: no model has the token, so mergekit would add it to the tokenizer with a new row; adding "
+                "tokens is not implemented"
+            )
+        if not rule.get("force") and token_id not in union.holders:
+            continue  # every model has it: mergekit keeps each model's own row
+        source = rule.get("source")
+        if isinstance(source, dict) and source.get("kind") == "zero" and set(source) == {"kind"}:
+            sources[token_id] = ("zero",)
+        elif isinstance(source, dict) and source.get("kind") == "model_token":
+            if set(source) - {"kind", "model", "token", "token_id"} or ("token" in source) == (
+                "token_id" in source
+            ):
+                raise ConfigError(
+                    f"{label}: a model_token source takes model and one of token, token_id; got {source}"
+                )
+            position = _model_position(source.get("model"), models, label, config_dir)
+            row = source.get("token_id")
+            if row is None:
+                row = (_vocabulary(models[position]) or {}).get(source["token"])
+            rows = _rows(models[position])
+            if not isinstance(row, int) or row < 0 or (rows is not None and row >= rows):
+                raise ConfigError(f"{label}: {models[position]} has no row for {source}")
+            sources[token_id] = ("model", position, row)
+        elif isinstance(source, str):
+            position = _model_position(source, models, label, config_dir)
+            if token_id in union.holders and position not in union.holders[token_id]:
+                raise ConfigError(f"{label}: its source {source!r} lacks the token")
+            sources[token_id] = ("model", position, token_id)
+        else:
+            raise ConfigError(
+                f"{label}: mergekit builds this token's row from the rule's source, which must be a model of the "
+                f"merge, {{kind: zero}} or {{kind: model_token, model: M, token: T}}; got {source!r}"
+            )
+        if rule.get("force"):
+            forced.add(token_id)
+    return sources, frozenset(forced)
+
+
+def _model_position(reference: Any, models: list[Path], label: str, config_dir: Path | None) -> int:
+    """The position (0: the base, ``t + 1``: agent ``t``) of the model a token rule names."""
+    if isinstance(reference, str):
+        path = _resolve_path(reference, config_dir).resolve()
+        for position, model in enumerate(models):
+            if model.resolve() == path:
+                return position
+    raise ConfigError(f"{label}: the source {reference!r} is not the base or one of the models merged")
+
+
 def _union_rows(models: list[Path], dtype: str | None) -> UnionRows:
     """The union's rows (models numbering their tokens alike, :func:`_union_donor`): its size and, for each token
     some model (the base first) lacks, the models that have it."""
@@ -1345,9 +1414,13 @@ def resolve_config(
                 f"tokenizer.json numbers the tokens alike and one model's tokenizer holds them all), here {why}: "
                 "re-numbered embedding and lm_head rows are not implemented; use base or a model path"
             )
-        union_rows = _union_rows([base_path, *(a.path for a in agents)], config.dtype)
+        models = [base_path, *(a.path for a in agents)]
+        union_rows = _union_rows(models, config.dtype)
+        rules = config.tokenizer.tokens if config.tokenizer is not None and config.tokenizer.tokens else {}
+        sources, forced = _token_sources(rules, union_rows, donor, models, where, config_dir)
+        union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced)
         shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
-        if union_rows.holders and (method.prepares_tensors or shared):
+        if forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
             # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
             # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
             if method.needs_fisher:
@@ -1362,7 +1435,7 @@ def resolve_config(
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
-    if config.tokenizer is not None and config.tokenizer.tokens:
+    if config.tokenizer is not None and config.tokenizer.tokens and tokenizer_name != "union":
         _check_token_rules(
             config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where
         )

@@ -904,6 +904,21 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
             assert torch.equal(ours[name][64:], donor) and torch.equal(theirs[name][64:], donor), name
 
 
+def _token_rules(models: dict[str, str]) -> dict[str, Any]:
+    return {
+        "<|im_start|>": {"source": models["chatml2"]},  # lacking in the base: chatml2's row, not the mean
+        "<|im_end|>": {"source": {"kind": "zero"}},
+        "_tok_7": {"source": models["chatml"], "force": True},  # every model: chatml's row
+        "_tok_9": {
+            "source": {"kind": "model_token", "model": models["base"], "token": "_tok_3"},
+            "force": True,
+        },
+        "_tok_11": {
+            "source": {"kind": "model_token", "model": models["chatml2"], "token_id": 65}
+        },  # no effect
+    }
+
+
 UNION_ROW_CASES = {
     # test_slerp_union: the added rows enter SLERP's angle (the base gets the chatml model's rows)
     "slerp, one model adds the rows": (["chatml"], "slerp", [{}], {"t": 0.5}),
@@ -917,6 +932,12 @@ UNION_ROW_CASES = {
         ["chatml", "chatml2"],
         "ties",
         [{"weight": 0.3, "density": 0.5}, {"weight": 0.9, "density": 0.7}],
+        {},
+    ),
+    "tokens rules: sources, zero, model_token, force": (
+        ["chatml", "chatml2"],
+        "task_arithmetic",
+        [{"weight": 0.3}, {"weight": 0.9}],
         {},
     ),
     # tensor-local RAM+ counts the rows the two models add (the base's: their mean) like any others
@@ -946,6 +967,9 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
         "tokenizer_source": "union",
         "dtype": "float32",
     }
+    if case.startswith("tokens rules"):
+        del config["tokenizer_source"]
+        config["tokenizer"] = {"tokens": _token_rules(picollamas)}
     theirs_dir, ours_dir = tmp_path / "mergekit", tmp_path / "ram_trl"
     run_merge(
         MergeConfiguration.model_validate(copy.deepcopy(config)),
@@ -963,7 +987,11 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
     assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == 66
     configs = [json.loads((d / "config.json").read_text())["vocab_size"] for d in (ours_dir, theirs_dir)]
     assert configs == [66, 66]
-    if method == "task_arithmetic":
+    if case.startswith("tokens rules"):
+        lm_head = {n: _load_dir(Path(picollamas[n]))["lm_head.weight"] for n in ("base", "chatml")}
+        assert torch.equal(ours["lm_head.weight"][7], lm_head["chatml"][7])
+        assert torch.equal(ours["lm_head.weight"][9], lm_head["base"][3])
+    elif method == "task_arithmetic":
         # the rows two models add: not their plain mean (mergekit merges them from it, with the unequal weights)
         rows = [_load_dir(Path(picollamas[n]))["lm_head.weight"][64:] for n in names]
         assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
@@ -998,7 +1026,7 @@ def test_union_rules_mergekit_never_applies_equal_mergekit(extra, picollamas, tm
         (
             ["base", "padded", "chatml"],
             {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
-            "tokenizer.tokens['<|im_start|>']: {base} has no row for the token, so mergekit would build it",
+            "tokenizer.tokens['<|im_start|>']: the source 'base' is not the base or one of the models merged",
         ),
         (
             ["base", "chatml", "swapped"],
@@ -1007,13 +1035,13 @@ def test_union_rules_mergekit_never_applies_equal_mergekit(extra, picollamas, tm
         ),
         (
             ["base", "chatml"],
-            {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"source": "base", "force": True}}}},
-            "tokenizer.tokens['_tok_5']: force replaces the token's row in every model by 'base''s",
+            {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"force": True}}}},
+            "tokenizer.tokens['_tok_5']: mergekit builds this token's row from the rule's source, which must be",
         ),
-        (  # mergekit's default source of a tokens block is the union
+        (
             ["base", "chatml"],
-            {"tokenizer": {"tokens": {"<|im_end|>": {"source": "base"}}}},
-            "tokenizer.tokens['<|im_end|>']: {base} has no row for the token",
+            {"tokenizer": {"source": "union", "tokens": {"<|new|>": {"source": {"kind": "zero"}}}}},
+            "tokenizer.tokens['<|new|>']: no model has the token, so mergekit would add it",
         ),
     ],
 )

@@ -33,11 +33,28 @@ class UnionRows:
         holders: For each token id some model lacks: the models that have it, by position (0: the base, ``t + 1``:
             agent ``t``), in config order.
         load_dtype: The config's ``dtype`` (mergekit computes the default rows in it), ``None`` for the stored one.
+        sources: mergekit's ``tokenizer.tokens`` rules, by token id: ``("zero",)`` or ``("model", position, row)``
+            (that model's stored row), used instead of the default for the models that lack the token.
+        forced: Token ids whose row every model takes from :attr:`sources` (a rule with ``force``).
     """
 
     rows: int
     holders: dict[int, tuple[int, ...]]
     load_dtype: torch.dtype | None = None
+    sources: dict[int, tuple] = field(default_factory=dict)
+    forced: frozenset[int] = frozenset()
+
+    def rebuilt(self, position: int) -> list[int]:
+        """The token ids whose row a model takes from the default or a rule, not from its own rows.
+
+        Args:
+            position (`int`): The model (0: the base, ``t + 1``: agent ``t``).
+
+        Returns:
+            `list[int]`: The ids, ascending.
+        """
+        lacking = {token for token, holders in self.holders.items() if position not in holders}
+        return sorted(lacking | self.forced)
 
 
 @dataclass
@@ -58,12 +75,17 @@ class _DefaultRows:
             return self.cache[key]
 
     def _build(self, name: str, token: int, reader: RowReader) -> torch.Tensor:
-        holders = self.union.holders[token]
         load = self.union.load_dtype or self.dtype[name]
 
-        def own(k: int) -> torch.Tensor:
-            return self.models[k].read_rows(name, reader, token, token + 1)[0].to(load)
+        def own(k: int, row: int = token) -> torch.Tensor:
+            return self.models[k].read_rows(name, reader, row, row + 1)[0].to(load)
 
+        source = self.union.sources.get(token)
+        if source is not None:
+            if source[0] == "zero":
+                return torch.zeros_like(own(0, 0))
+            return own(source[1], source[2]).clone()
+        holders = self.union.holders[token]
         if len(holders) == 1 or 0 in holders:
             # the only model that has it, or the base when it has it (mergekit's default sources)
             return own(0 if 0 in holders else holders[0]).clone()
@@ -130,8 +152,8 @@ class PaddedCheckpoint(Checkpoint):
         have = min(stop, self.inner.tensors[name].shape[0])
         if have > start:
             out[: have - start] = self.inner.read_rows(name, reader, start, have)
-        for token, holders in self.defaults.union.holders.items():
-            if start <= token < stop and self.position not in holders:
+        for token in self.defaults.union.rebuilt(self.position):
+            if start <= token < stop:
                 out[token - start] = self.defaults.row(name, token, reader)
         return out
 
