@@ -1428,6 +1428,11 @@ def resolve_config(
                     f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union builds "
                     "vocabulary rows that the agents' Fisher files do not have"
                 )
+            notes.append(
+                f"tokenizer source 'union' ({union_rows.rows} tokens): the rows of {len(union_rows.holders)} token(s) "
+                f"that some model lacks and of {len(union_rows.forced)} forced token(s) are built in every model "
+                "before the merge, as mergekit builds them"
+            )
         else:
             union_rows = None
         tokenizer_source, union = donor, union_rows is None

@@ -72,3 +72,21 @@ def test_vocabulary_tensors_in_several_dtypes_are_refused(tmp_path):
     a = _model(tmp_path / "a", 2, 0, dtype=torch.bfloat16)
     with pytest.raises(CheckpointError, match="model.embed_tokens.weight.*in every model in one dtype"):
         pad_vocabularies(base, [a], UnionRows(2, {1: (1,)}))
+
+
+def test_token_rules_replace_the_default_and_force_every_model(tmp_path):
+    base = _model(tmp_path / "base", 3, 0)
+    a = _model(tmp_path / "a", 5, 100)
+    b = _model(tmp_path / "b", 5, 200)
+    # token 3: base lacks it, rule: zero; token 4: base lacks it, rule: b's row 1; token 1: forced to a's row 2
+    union = UnionRows(
+        5,
+        {3: (1, 2), 4: (1, 2)},
+        sources={3: ("zero",), 4: ("model", 2, 1), 1: ("model", 1, 2)},
+        forced=frozenset({1}),
+    )
+    assert union.rebuilt(0) == [1, 3, 4] and union.rebuilt(1) == [1]
+    padded = pad_vocabularies(base, [a, b], union)
+    with RowReader() as reader:
+        rows = [m.read_rows("model.embed_tokens.weight", reader)[:, 0].tolist() for m in padded]
+    assert rows == [[0, 102, 2, 0, 201], [100, 102, 102, 103, 104], [200, 102, 202, 203, 204]]
