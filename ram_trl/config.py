@@ -825,6 +825,12 @@ def _union_donor(models: list[Path]) -> tuple[Path | None, str]:
     return donor, ""
 
 
+def _check_rule(rule: Any, label: str) -> None:
+    """One ``tokenizer.tokens`` rule's shape: ``{source: ..., force: BOOL}``."""
+    if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
+        raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+
+
 def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: list[Path], where: str) -> None:
     """mergekit's ``tokenizer.tokens`` rules, accepted where mergekit never applies them: a rule without ``force``
     for a token that every model (the base included) and the output tokenizer hold with one id, inside every model's
@@ -832,12 +838,11 @@ def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: li
     vocabularies = {model: (_vocabulary(model), _rows(model)) for model in [tokenizer_source, *models]}
     for token, rule in rules.items():
         label = f"{where}: tokenizer.tokens[{token!r}]"
-        if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
-            raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+        _check_rule(rule, label)
         if rule.get("force"):
             raise ConfigError(
                 f"{label}: force replaces the token's row in every model by {rule.get('source')!r}'s before merging; "
-                "building rows from rules is not implemented (drop force to keep each model's own row)"
+                "rules that build rows are supported with tokenizer source 'union' only"
             )
         ids = {}
         for model, (vocab, rows) in vocabularies.items():
@@ -845,7 +850,8 @@ def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: li
             if i is None or (rows is not None and i >= rows):
                 raise ConfigError(
                     f"{label}: {model} has no row for the token, so mergekit would build it from the rule "
-                    f"({rule.get('source')!r}) or add it; building rows from rules is not implemented"
+                    f"({rule.get('source')!r}) or add it; rules that build rows are supported with tokenizer source "
+                    "'union' only"
                 )
             ids[model] = i
         if len(set(ids.values())) > 1:
@@ -870,8 +876,7 @@ def _token_sources(
     forced: set[int] = set()
     for token, rule in rules.items():
         label = f"{where}: tokenizer.tokens[{token!r}]"
-        if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
-            raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+        _check_rule(rule, label)
         token_id = vocab.get(token)
         if token_id is None or token_id >= union.rows:
             raise ConfigError(
@@ -1360,7 +1365,7 @@ def resolve_config(
     if ignored:
         message = (
             f"{where}: {method.name} does not use the parameter(s) "
-            + ", ".join(f"{key!r} ({', '.join(places)})" for key, places in ignored.items())
+            + ", ".join(f"{key!r} ({', '.join(dict.fromkeys(places))})" for key, places in ignored.items())
             + f"; ignored, as mergekit does ({method.name} takes "
             + (", ".join(p.name for p in method.parameters) or "no parameter")
             + ")"

@@ -263,9 +263,10 @@ def test_consecutive_slices_take_their_own_settings_as_mergekit(dirs):
     slice); the embeddings take the first slice's settings, the final norm and ``lm_head`` the last's, both at
     ``t = 0``; the source's parameter beats the slice's, which beats the top-level one."""
     _layered(dirs, layers=5)
-    resolved = _resolve(
-        dirs,
-        """
+    with pytest.warns(UserWarning, match="does not use") as caught:
+        resolved = _resolve(
+            dirs,
+            """
 merge_method: ties
 base_model: base
 slices:
@@ -279,9 +280,11 @@ slices:
       - {model: a, layer_range: [2, 5], parameters: {weight: 0.9}}
       - {model: b, layer_range: [2, 5], parameters: {density: [0.1, 0.3]}}
     parameters: {weight: 0.7, lambda: [1.0, 2.0]}
-parameters: {density: 0.6}
+parameters: {density: 0.6, embed_slerp: true}
 """,
-    )
+        )
+    (message,) = [str(w.message) for w in caught if "does not use" in str(w.message)]
+    assert "'embed_slerp' (parameters);" in message  # listed once, though every slice falls through to it
     a, b = resolved.agents
     assert [x.name for x in resolved.agents] == ["a", "b"]
     assert [resolved.agent_value(a, "weight", _layer(i)) for i in range(5)] == [0.2, 0.4, 0.9, 0.9, 0.9]
