@@ -1417,7 +1417,9 @@ def resolve_config(
             raise ConfigError(
                 f"{where}: tokenizer source 'union' is supported only where it re-indexes nothing (every model's "
                 f"tokenizer.json numbers the tokens alike and one model's tokenizer holds them all), here {why}: "
-                "re-numbered embedding and lm_head rows are not implemented; use base or a model path"
+                "re-numbered rows are not implemented (mergekit 0.1.5 numbers the tokens different models add in "
+                "the order of a Python set of the models, which PYTHONHASHSEED changes from run to run); use base or "
+                "a model path"
             )
         models = [base_path, *(a.path for a in agents)]
         union_rows = _union_rows(models, config.dtype)
