@@ -1399,13 +1399,16 @@ def resolve_config(
         block = config.tokenizer
         if tokenizer_name is not None:
             raise ConfigError(f"{where}: give tokenizer_source or the tokenizer block, not both")
-        if block.pad_to_multiple_of:
+        # mergekit's tokenizer block defaults to the union; without tokens or padding, ram_trl keeps its earlier
+        # default
+        tokenizer_name = block.source or ("union" if block.tokens or block.pad_to_multiple_of else None)
+        if block.pad_to_multiple_of is not None and (
+            block.pad_to_multiple_of < 1 or tokenizer_name != "union"
+        ):
             raise ConfigError(
-                f"{where}: tokenizer.pad_to_multiple_of is not supported: ram_trl keeps the base's vocabulary rows "
-                "(use tokenizer.source: base or a model path alone)"
+                f"{where}: tokenizer.pad_to_multiple_of {block.pad_to_multiple_of} is supported with source 'union' "
+                "only, as a positive number of rows"
             )
-        # mergekit's tokenizer block defaults to the union; without tokens, ram_trl keeps its earlier default
-        tokenizer_name = block.source or ("union" if block.tokens else None)
     tokenizer_source = base_path
     union = False
     union_rows: UnionRows | None = None
@@ -1425,9 +1428,12 @@ def resolve_config(
         union_rows = _union_rows(models, config.dtype)
         rules = config.tokenizer.tokens if config.tokenizer is not None and config.tokenizer.tokens else {}
         sources, forced = _token_sources(rules, union_rows, donor, models, where, config_dir)
-        union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced)
+        multiple = config.tokenizer.pad_to_multiple_of if config.tokenizer is not None else None
+        padded = -(-union_rows.rows // multiple) * multiple if multiple else None
+        padded = padded if padded != union_rows.rows else None  # mergekit pads only what is not a multiple
+        union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced, padded_rows=padded)
         shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
-        if forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
+        if padded or forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
             # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
             # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
             if method.needs_fisher:

@@ -503,7 +503,7 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
         config[key] = dtype_name
     vocab = config.get("vocab_size")
     if resolved.union_rows is not None:  # every model's vocabulary rows were built in the union's numbering
-        config["vocab_size"] = resolved.union_rows.rows
+        config["vocab_size"] = resolved.union_rows.total
     for name in plan.resized:
         task = next(t for t in plan.tasks if t.name == name)
         if vocab == task.base_rows:

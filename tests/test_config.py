@@ -365,7 +365,10 @@ def test_tokenizer_block_and_sources(dirs):
             r"tokenizer.tokens\['x'\]: .*base has no row",
         ),
         ("tokenizer: {source: base, tokens: {x: 1}}", r"a rule is \{source: MODEL, force: BOOL\}, got 1"),
-        ("tokenizer: {source: base, pad_to_multiple_of: 8}", "tokenizer.pad_to_multiple_of is not supported"),
+        (
+            "tokenizer: {source: base, pad_to_multiple_of: 8}",
+            "pad_to_multiple_of 8 is supported with source .union. only",
+        ),
         (
             "tokenizer: {source: union}",
             "'union' is supported only where it re-indexes nothing.*has no readable tokenizer.json",

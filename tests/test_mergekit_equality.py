@@ -899,7 +899,9 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
     size = 66 if extra.get("tokenizer_source") == "union" else 64
     assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == size
     assert ours["lm_head.weight"].shape[0] == size
-    if size == 66 and "chatml2" not in names:  # the added tokens' rows are the chatml model's (rounded to bf16)
+    if (
+        size == 66 and "chatml2" not in names
+    ):  # the added tokens' rows are the chatml model's (rounded to bf16)
         chatml = _load_dir(Path(picollamas["chatml"]))
         for name in ("lm_head.weight", "model.embed_tokens.weight"):
             donor = chatml[name][64:].to(torch.bfloat16)
@@ -997,6 +999,33 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
         # the rows two models add: not their plain mean (mergekit merges them from it, with the unequal weights)
         rows = [_load_dir(Path(picollamas[n]))["lm_head.weight"][64:] for n in names]
         assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_union_padded_to_a_multiple_equals_mergekit(method, picollamas, tmp_path):
+    """``tokenizer.pad_to_multiple_of``: the 66-token union padded to 96 rows, each model's padding rows the mean of
+    its union rows (the base's rows for the added tokens: the chatml model's) before the merge."""
+    config = {
+        "merge_method": method,
+        "base_model": picollamas["base"],
+        "models": [
+            {"model": picollamas["chatml"], "parameters": {"weight": 0.7, "density": 0.5}},
+            {"model": picollamas["padded"], "parameters": {"weight": 0.4, "density": 0.5}},
+        ],
+        "tokenizer": {"pad_to_multiple_of": 32},
+        "dtype": "float32",
+    }
+    if method == "task_arithmetic":
+        for entry in config["models"]:
+            del entry["parameters"]["density"]
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert ours["lm_head.weight"].shape[0] == 96
+    assert json.loads((tmp_path / "ram_trl" / "config.json").read_text())["vocab_size"] == 96
+    assert torch.equal(ours["lm_head.weight"][66], ours["lm_head.weight"][95])
 
 
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")

@@ -36,6 +36,8 @@ class UnionRows:
         sources: mergekit's ``tokenizer.tokens`` rules, by token id: ``("zero",)`` or ``("model", position, row)``
             (that model's stored row), used instead of the default for the models that lack the token.
         forced: Token ids whose row every model takes from :attr:`sources` (a rule with ``force``).
+        padded_rows: mergekit's ``tokenizer.pad_to_multiple_of``: the row count after padding (``None``: no
+            padding); each model's padding rows are the mean of its :attr:`rows` rows, in the load dtype.
     """
 
     rows: int
@@ -43,6 +45,12 @@ class UnionRows:
     load_dtype: torch.dtype | None = None
     sources: dict[int, tuple] = field(default_factory=dict)
     forced: frozenset[int] = frozenset()
+    padded_rows: int | None = None
+
+    @property
+    def total(self) -> int:
+        """Every model's vocabulary row count: :attr:`padded_rows`, else :attr:`rows`."""
+        return self.padded_rows or self.rows
 
     def rebuilt(self, position: int) -> list[int]:
         """The token ids whose row a model takes from the default or a rule, not from its own rows.
@@ -65,7 +73,18 @@ class _DefaultRows:
     models: list[Checkpoint]
     dtype: dict[str, torch.dtype]
     cache: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    padding: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def padding_row(self, name: str, model: PaddedCheckpoint, reader: RowReader) -> torch.Tensor:
+        """A model's padding row: the mean of its union rows (the whole tensor is built once for it)."""
+        key = (name, model.position)
+        with self.lock:
+            if key not in self.padding:
+                load = self.union.load_dtype or self.dtype[name]
+                rows = model.read_rows(name, reader, 0, self.union.rows).to(load)
+                self.padding[key] = torch.mean(rows, dim=0)
+            return self.padding[key]
 
     def row(self, name: str, token: int, reader: RowReader) -> torch.Tensor:
         key = (name, token)
@@ -146,9 +165,17 @@ class PaddedCheckpoint(Checkpoint):
         if name not in self.defaults.dtype:
             return self.inner.read_rows(name, reader, start, stop)
         start = 0 if start is None else start
-        stop = self.defaults.union.rows if stop is None else stop
+        stop = self.defaults.union.total if stop is None else stop
         meta = self.tensors[name]
         out = torch.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype)
+        if stop > self.defaults.union.rows:
+            out[max(start, self.defaults.union.rows) - start :] = self.defaults.padding_row(
+                name, self, reader
+            )
+            stop_own = max(start, self.defaults.union.rows)
+            if stop_own > start:
+                out[: stop_own - start] = self.read_rows(name, reader, start, stop_own)
+            return out
         have = min(stop, self.inner.tensors[name].shape[0])
         if have > start:
             out[: have - start] = self.inner.read_rows(name, reader, start, have)
@@ -194,7 +221,7 @@ def pad_vocabularies(base: Checkpoint, agents: list[Checkpoint], union: UnionRow
     for position, model in enumerate(models):
         tensors = dict(model.tensors)
         for name, dtype in dtypes.items():
-            shape = (union.rows, *model.tensors[name].shape[1:])
+            shape = (union.total, *model.tensors[name].shape[1:])
             load = union.load_dtype or dtype
             tensors[name] = TensorMeta(name, torch.promote_types(dtype, load), shape)
         wrapped.append(

@@ -90,3 +90,16 @@ def test_token_rules_replace_the_default_and_force_every_model(tmp_path):
     with RowReader() as reader:
         rows = [m.read_rows("model.embed_tokens.weight", reader)[:, 0].tolist() for m in padded]
     assert rows == [[0, 102, 2, 0, 201], [100, 102, 102, 103, 104], [200, 102, 202, 203, 204]]
+
+
+def test_padding_rows_are_the_mean_of_each_models_union_rows(tmp_path):
+    base = _model(tmp_path / "base", 2, 0)
+    a = _model(tmp_path / "a", 3, 10)
+    padded = pad_vocabularies(base, [a], UnionRows(3, {2: (1,)}, padded_rows=5))
+    with RowReader() as reader:
+        rows = [m.read_rows("model.embed_tokens.weight", reader)[:, 0].tolist() for m in padded]
+        # base: 0, 1 and a's 12, padded with their mean; a: 10, 11, 12 and their mean
+        third = torch.tensor(13 / 3).item()  # float32
+        assert rows == [[0, 1, 12, third, third], [10, 11, 12, 11, 11]]
+        assert padded[0].read_rows("model.embed_tokens.weight", reader, 1, 4)[:, 0].tolist() == [1, 12, third]
+    assert padded[1].tensors["model.embed_tokens.weight"].shape == (5, HIDDEN)
