@@ -928,14 +928,24 @@ def _model_position(reference: Any, models: list[Path], label: str, config_dir: 
     raise ConfigError(f"{label}: the source {reference!r} is not the base or one of the models merged")
 
 
-def _union_rows(models: list[Path], dtype: str | None) -> UnionRows:
-    """The union's rows (models numbering their tokens alike, :func:`_union_donor`): its size and, for each token
-    some model (the base first) lacks, the models that have it."""
+def _padded_rows(config: MergeConfig, rows: int) -> int | None:
+    """The row count mergekit's ``tokenizer.pad_to_multiple_of`` pads ``rows`` to (``None``: no padding)."""
+    multiple = config.tokenizer.pad_to_multiple_of if config.tokenizer is not None else None
+    if not multiple or rows % multiple == 0:
+        return None  # mergekit pads only a count that is not a multiple
+    return -(-rows // multiple) * multiple
+
+
+def _union_rows(models: list[Path], dtype: str | None, size: int | None = None) -> UnionRows:
+    """The union's rows (models numbering their tokens alike, :func:`_union_donor`): its size (the highest used id
+    plus one, unless ``size`` gives it) and, for each token some model (the base first) lacks, the models that have
+    it."""
     used = []
     for model in models:
         vocab, rows = _vocabulary(model) or {}, _rows(model)
         used.append({i for i in vocab.values() if rows is None or i < rows})
-    size = max((max(ids, default=-1) for ids in used), default=-1) + 1
+    if size is None:
+        size = max((max(ids, default=-1) for ids in used), default=-1) + 1
     holders = {
         token: tuple(k for k, ids in enumerate(used) if token in ids)
         for token in range(size)
@@ -1403,11 +1413,11 @@ def resolve_config(
         # default
         tokenizer_name = block.source or ("union" if block.tokens or block.pad_to_multiple_of else None)
         if block.pad_to_multiple_of is not None and (
-            block.pad_to_multiple_of < 1 or tokenizer_name != "union"
+            block.pad_to_multiple_of < 1 or tokenizer_name not in ("union", "base")
         ):
             raise ConfigError(
                 f"{where}: tokenizer.pad_to_multiple_of {block.pad_to_multiple_of} is supported with source 'union' "
-                "only, as a positive number of rows"
+                "or 'base' only, as a positive number of rows"
             )
     tokenizer_source = base_path
     union = False
@@ -1428,9 +1438,7 @@ def resolve_config(
         union_rows = _union_rows(models, config.dtype)
         rules = config.tokenizer.tokens if config.tokenizer is not None and config.tokenizer.tokens else {}
         sources, forced = _token_sources(rules, union_rows, donor, models, where, config_dir)
-        multiple = config.tokenizer.pad_to_multiple_of if config.tokenizer is not None else None
-        padded = -(-union_rows.rows // multiple) * multiple if multiple else None
-        padded = padded if padded != union_rows.rows else None  # mergekit pads only what is not a multiple
+        padded = _padded_rows(config, union_rows.rows)
         union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced, padded_rows=padded)
         shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
         if padded or forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
@@ -1457,8 +1465,23 @@ def resolve_config(
         _check_token_rules(
             config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where
         )
+    if tokenizer_name == "base" and config.tokenizer is not None and config.tokenizer.pad_to_multiple_of:
+        models = [base_path, *(a.path for a in agents)]
+        if not _shares_numbering(base_path, models):
+            raise ConfigError(
+                f"{where}: tokenizer.pad_to_multiple_of with source 'base' needs every model's tokenizer.json to "
+                "number the base's tokens as the base does; re-numbered rows are not implemented"
+            )
+        size = max((_vocabulary(base_path) or {}).values()) + 1
+        padded = _padded_rows(config, size)
+        if padded is not None:
+            union_rows = _union_rows(models, config.dtype, size)
+            union_rows = dataclasses.replace(union_rows, padded_rows=padded)
+            notes.append(f"tokenizer padded to {padded} rows as mergekit pads them (each model's mean row)")
     shape_mismatch = "merge_common_rows" if union else config.shape_mismatch
-    if (
+    if union_rows is not None:
+        shape_mismatch = "error"  # every model's vocabulary rows are built to one count
+    elif (
         tokenizer_name is not None
         and shape_mismatch == "error"
         and _shares_numbering(tokenizer_source, [base_path, *(a.path for a in agents)])

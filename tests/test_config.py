@@ -367,7 +367,11 @@ def test_tokenizer_block_and_sources(dirs):
         ("tokenizer: {source: base, tokens: {x: 1}}", r"a rule is \{source: MODEL, force: BOOL\}, got 1"),
         (
             "tokenizer: {source: base, pad_to_multiple_of: 8}",
-            "pad_to_multiple_of 8 is supported with source .union. only",
+            "pad_to_multiple_of with source .base. needs every model",
+        ),
+        (
+            "tokenizer: {source: a, pad_to_multiple_of: 8}",
+            "pad_to_multiple_of 8 is supported with source .union. or .base. only",
         ),
         (
             "tokenizer: {source: union}",

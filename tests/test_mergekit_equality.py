@@ -1001,20 +1001,25 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
         assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
-def test_union_padded_to_a_multiple_equals_mergekit(method, picollamas, tmp_path):
-    """``tokenizer.pad_to_multiple_of``: the 66-token union padded to 96 rows, each model's padding rows the mean of
-    its union rows (the base's rows for the added tokens: the chatml model's) before the merge."""
+@pytest.mark.parametrize(("method", "source"), [("task_arithmetic", None), ("ties", None), ("ties", "base")])
+def test_union_padded_to_a_multiple_equals_mergekit(method, source, picollamas, tmp_path):
+    """``tokenizer.pad_to_multiple_of``: the 66-token union (or the base's 64 tokens, the chatml model's two added
+    rows left out) padded to 96 rows, each model's padding rows the mean of its vocabulary rows (the base's rows for
+    the added tokens: the chatml model's) before the merge."""
     config = {
         "merge_method": method,
         "base_model": picollamas["base"],
         "models": [
-            {"model": picollamas["chatml"], "parameters": {"weight": 0.7, "density": 0.5}},
-            {"model": picollamas["padded"], "parameters": {"weight": 0.4, "density": 0.5}},
+            # density 1: the padding rows repeat one value per model, so TIES' cut would fall among equal
+            # magnitudes there, where the tools' documented tie rules differ
+            {"model": picollamas["chatml"], "parameters": {"weight": 0.7, "density": 1.0}},
+            {"model": picollamas["padded"], "parameters": {"weight": 0.4, "density": 1.0}},
         ],
-        "tokenizer": {"pad_to_multiple_of": 32},
+        "tokenizer": {"pad_to_multiple_of": 32 if source is None else 48},
         "dtype": "float32",
     }
+    if source is not None:
+        config["tokenizer"]["source"] = source
     if method == "task_arithmetic":
         for entry in config["models"]:
             del entry["parameters"]["density"]
@@ -1026,6 +1031,8 @@ def test_union_padded_to_a_multiple_equals_mergekit(method, picollamas, tmp_path
     assert ours["lm_head.weight"].shape[0] == 96
     assert json.loads((tmp_path / "ram_trl" / "config.json").read_text())["vocab_size"] == 96
     assert torch.equal(ours["lm_head.weight"][66], ours["lm_head.weight"][95])
+    if source == "base":  # row 64 is padding (the chatml model's token is not in the base's tokenizer)
+        assert torch.equal(ours["lm_head.weight"][64], ours["lm_head.weight"][95])
 
 
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
