@@ -9,6 +9,7 @@ accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are li
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -22,9 +23,10 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ram_trl.anatomy import layer_index
+from ram_trl.anatomy import classify, layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
+from ram_trl.io.vocabulary import UnionRows
 from ram_trl.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
@@ -227,6 +229,23 @@ class AgentSpec:
     stage: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class LayerSegment:
+    """One of several consecutive mergekit output slices: the decoder layers it covers and its settings.
+
+    Args:
+        start: Its first decoder layer.
+        stop: One past its last decoder layer.
+        params: Its global parameter values (the slice's parameters over the module's and the top-level ones).
+        agent_parameters: Each agent's parameter values in this slice, by agent index.
+    """
+
+    start: int
+    stop: int
+    params: dict[str, Any]
+    agent_parameters: list[dict[str, Any]]
+
+
 @dataclass
 class ResolvedConfig:
     """A validated merge config, ready to plan.
@@ -244,6 +263,12 @@ class ResolvedConfig:
         num_layers: The base's decoder layer count, the span of mergekit gradients (``None`` when no parameter
             is a gradient).
         chat_template: The chat template written into the output tokenizer (``None``: the source's own).
+        segments: With several consecutive output slices, each slice's layers and settings (``None``: one set of
+            settings, :attr:`params` and each agent's ``parameters``, for every tensor). Tensors before the decoder
+            layers (embeddings) take the first slice's settings, those after them (final norm, ``lm_head``) the
+            last slice's, as mergekit plans them.
+        union_rows: With ``tokenizer_source: union``, the rows every model gets before the merge where some model
+            lacks a token the union holds (:func:`ram_trl.io.vocabulary.pad_vocabularies`); ``None`` otherwise.
     """
 
     method: MergeMethod
@@ -261,6 +286,8 @@ class ResolvedConfig:
     source: Path | None = None
     num_layers: int | None = None
     chat_template: str | None = None
+    segments: list[LayerSegment] | None = None
+    union_rows: UnionRows | None = None
 
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
@@ -302,9 +329,30 @@ class ResolvedConfig:
             `float`: ``t`` in ``[0, 1]``.
         """
         index = layer_index(tensor_name)
+        segment = self.segment(tensor_name)
+        if index is not None and segment is not None:
+            # mergekit: the position within the tensor's own output slice
+            span = segment.stop - segment.start
+            return (index - segment.start) / (span - 1) if span > 1 else 1.0
         if index is None or self.num_layers is None:
             return 0.0
         return index / (self.num_layers - 1) if self.num_layers > 1 else 1.0
+
+    def segment(self, tensor_name: str) -> LayerSegment | None:
+        """The output slice whose settings a tensor takes (:attr:`segments`).
+
+        Args:
+            tensor_name (`str`): The tensor's name.
+
+        Returns:
+            `LayerSegment | None`: The slice, ``None`` without :attr:`segments`.
+        """
+        if not self.segments:
+            return None
+        index = layer_index(tensor_name)
+        if index is None:
+            return self.segments[0] if classify(tensor_name).module == "embedding" else self.segments[-1]
+        return next((s for s in self.segments if s.start <= index < s.stop), self.segments[-1])
 
     def params_for(self, tensor_name: str) -> dict[str, Any]:
         """The global parameters for one tensor: mergekit filter rules and gradients (``per_tensor`` parameters)
@@ -316,14 +364,16 @@ class ResolvedConfig:
         Returns:
             `dict[str, Any]`: Parameter name to value; :attr:`params` itself when no parameter is a list.
         """
-        if not any(isinstance(value, list) for value in self.params.values()):
-            return self.params
+        segment = self.segment(tensor_name)
+        params = self.params if segment is None else segment.params
+        if not any(isinstance(value, list) for value in params.values()):
+            return params
         t = self.layer_position(tensor_name)
         return {
             name: evaluate_setting(value, tensor_name, t, f"parameter {name!r}")
             if isinstance(value, list)
             else value
-            for name, value in self.params.items()
+            for name, value in params.items()
         }
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
@@ -345,7 +395,8 @@ class ResolvedConfig:
         Raises:
             ConfigError: No rule of a filter list matches the tensor.
         """
-        value = agent.parameters[name]
+        segment = self.segment(tensor_name)
+        value = (agent.parameters if segment is None else segment.agent_parameters[agent.index])[name]
         if isinstance(value, list):
             return evaluate_setting(
                 value,
@@ -735,24 +786,172 @@ def _rows(path: Path) -> int | None:
     return rows if isinstance(rows, int) and not isinstance(rows, bool) else None
 
 
-def _union_donor(models: list[Path]) -> Path | None:
-    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: the model whose tokenizer holds exactly
-    the union of every model's used tokens (those with an embedding row), when all models number the tokens alike
-    and the union's ids run from 0 without holes. ``None`` otherwise."""
+def _union_donor(models: list[Path]) -> tuple[Path | None, str]:
+    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: ``(the model whose tokenizer holds
+    exactly the union of every model's used tokens (those with an embedding row), "")`` when all models number the
+    tokens alike and the union's ids run from 0 without holes; otherwise ``(None, why)``, ``why`` naming the first
+    model, token or id that needs re-indexing."""
     union: dict[str, int] = {}
+    holder: dict[str, Path] = {}
     used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []
     for model in models:
         vocab, rows = _vocabulary(model), _rows(model)
         if vocab is None or rows is None:
-            return None
+            missing = "readable tokenizer.json" if vocab is None else "config.json with vocab_size"
+            return None, f"{model} has no {missing}"
         used = {token: i for token, i in vocab.items() if i < rows}
         for token, i in used.items():
             if union.setdefault(token, i) != i:
-                return None
+                return None, (
+                    f"token {token!r} is id {union[token]} in {holder[token]} and id {i} in {model} (the union "
+                    "numbers it once: every other model's rows would move)"
+                )
+            holder.setdefault(token, model)
         used_by.append((model, vocab, used))
-    if len(set(union.values())) != len(union) or set(union.values()) != set(range(len(union))):
-        return None
-    return next((model for model, vocab, used in used_by if vocab == used == union), None)
+    ids = Counter(union.values())
+    shared = next((i for i, n in ids.items() if n > 1), None)
+    if shared is not None:
+        tokens = sorted(t for t, i in union.items() if i == shared)
+        return None, (
+            f"id {shared} is {' and '.join(repr(t) for t in tokens[:2])} in different models (the union appends one "
+            "of them after the others)"
+        )
+    hole = next((i for i in range(len(union)) if i not in ids), None)
+    if hole is not None:
+        return None, f"no model has a token with id {hole} below the union's {len(union)} tokens"
+    donor = next((model for model, vocab, used in used_by if vocab == used == union), None)
+    if donor is None:
+        return None, "no model's tokenizer is exactly the union (each model adds tokens the others lack)"
+    return donor, ""
+
+
+def _check_rule(rule: Any, label: str) -> None:
+    """One ``tokenizer.tokens`` rule's shape: ``{source: ..., force: BOOL}``."""
+    if not isinstance(rule, dict) or set(rule) - {"source", "force"}:
+        raise ConfigError(f"{label}: a rule is {{source: MODEL, force: BOOL}}, got {rule!r}")
+
+
+def _check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: list[Path], where: str) -> None:
+    """mergekit's ``tokenizer.tokens`` rules, accepted where mergekit never applies them: a rule without ``force``
+    for a token that every model (the base included) and the output tokenizer hold with one id, inside every model's
+    embedding rows (mergekit builds a row from a rule only for a token some model lacks, or a forced one)."""
+    vocabularies = {model: (_vocabulary(model), _rows(model)) for model in [tokenizer_source, *models]}
+    for token, rule in rules.items():
+        label = f"{where}: tokenizer.tokens[{token!r}]"
+        _check_rule(rule, label)
+        if rule.get("force"):
+            raise ConfigError(
+                f"{label}: force replaces the token's row in every model by {rule.get('source')!r}'s before merging; "
+                "rules that build rows are supported with tokenizer source 'union' only"
+            )
+        ids = {}
+        for model, (vocab, rows) in vocabularies.items():
+            i = None if vocab is None else vocab.get(token)
+            if i is None or (rows is not None and i >= rows):
+                raise ConfigError(
+                    f"{label}: {model} has no row for the token, so mergekit would build it from the rule "
+                    f"({rule.get('source')!r}) or add it; rules that build rows are supported with tokenizer source "
+                    "'union' only"
+                )
+            ids[model] = i
+        if len(set(ids.values())) > 1:
+            raise ConfigError(
+                f"{label}: the models number the token differently ({', '.join(f'{m}: {i}' for m, i in ids.items())})"
+                "; re-numbered rows are not implemented"
+            )
+
+
+def _token_sources(
+    rules: dict[str, Any],
+    union: UnionRows,
+    donor: Path,
+    models: list[Path],
+    where: str,
+    config_dir: Path | None,
+) -> tuple[dict[int, tuple], frozenset[int]]:
+    """mergekit's ``tokenizer.tokens`` rules over a union: ``(sources, forced)`` of :class:`UnionRows` for the
+    rules mergekit applies (a forced one, or one for a token some model lacks); the others change nothing."""
+    vocab = _vocabulary(donor) or {}
+    sources: dict[int, tuple] = {}
+    forced: set[int] = set()
+    for token, rule in rules.items():
+        label = f"{where}: tokenizer.tokens[{token!r}]"
+        _check_rule(rule, label)
+        token_id = vocab.get(token)
+        if token_id is None or token_id >= union.rows:
+            raise ConfigError(
+                f"{label}: no model has the token, so mergekit would add it to the tokenizer with a new row; adding "
+                "tokens is not implemented"
+            )
+        if not rule.get("force") and token_id not in union.holders:
+            continue  # every model has it: mergekit keeps each model's own row
+        source = rule.get("source")
+        if isinstance(source, dict) and source.get("kind") == "zero" and set(source) == {"kind"}:
+            sources[token_id] = ("zero",)
+        elif isinstance(source, dict) and source.get("kind") == "model_token":
+            if set(source) - {"kind", "model", "token", "token_id"} or ("token" in source) == (
+                "token_id" in source
+            ):
+                raise ConfigError(
+                    f"{label}: a model_token source takes model and one of token, token_id; got {source}"
+                )
+            position = _model_position(source.get("model"), models, label, config_dir)
+            row = source.get("token_id")
+            if row is None:
+                row = (_vocabulary(models[position]) or {}).get(source["token"])
+            rows = _rows(models[position])
+            if not isinstance(row, int) or row < 0 or (rows is not None and row >= rows):
+                raise ConfigError(f"{label}: {models[position]} has no row for {source}")
+            sources[token_id] = ("model", position, row)
+        elif isinstance(source, str):
+            position = _model_position(source, models, label, config_dir)
+            if token_id in union.holders and position not in union.holders[token_id]:
+                raise ConfigError(f"{label}: its source {source!r} lacks the token")
+            sources[token_id] = ("model", position, token_id)
+        else:
+            raise ConfigError(
+                f"{label}: mergekit builds this token's row from the rule's source, which must be a model of the "
+                f"merge, {{kind: zero}} or {{kind: model_token, model: M, token: T}}; got {source!r}"
+            )
+        if rule.get("force"):
+            forced.add(token_id)
+    return sources, frozenset(forced)
+
+
+def _model_position(reference: Any, models: list[Path], label: str, config_dir: Path | None) -> int:
+    """The position (0: the base, ``t + 1``: agent ``t``) of the model a token rule names."""
+    if isinstance(reference, str):
+        path = _resolve_path(reference, config_dir).resolve()
+        for position, model in enumerate(models):
+            if model.resolve() == path:
+                return position
+    raise ConfigError(f"{label}: the source {reference!r} is not the base or one of the models merged")
+
+
+def _padded_rows(config: MergeConfig, rows: int) -> int | None:
+    """The row count mergekit's ``tokenizer.pad_to_multiple_of`` pads ``rows`` to (``None``: no padding)."""
+    multiple = config.tokenizer.pad_to_multiple_of if config.tokenizer is not None else None
+    if not multiple or rows % multiple == 0:
+        return None  # mergekit pads only a count that is not a multiple
+    return -(-rows // multiple) * multiple
+
+
+def _union_rows(models: list[Path], dtype: str | None, size: int | None = None) -> UnionRows:
+    """The union's rows (models numbering their tokens alike, :func:`_union_donor`): its size (the highest used id
+    plus one, unless ``size`` gives it) and, for each token some model (the base first) lacks, the models that have
+    it."""
+    used = []
+    for model in models:
+        vocab, rows = _vocabulary(model) or {}, _rows(model)
+        used.append({i for i in vocab.values() if rows is None or i < rows})
+    if size is None:
+        size = max((max(ids, default=-1) for ids in used), default=-1) + 1
+    holders = {
+        token: tuple(k for k, ids in enumerate(used) if token in ids)
+        for token in range(size)
+        if any(token not in ids for ids in used)
+    }
+    return UnionRows(size, holders, DTYPES[dtype.lower()] if dtype else None)
 
 
 _REFUSED_METHODS = {
@@ -775,39 +974,89 @@ def _split_lora(value: str, config_dir: Path | None) -> tuple[str, str | None]:
     return model, adapter
 
 
+#: Several consecutive output slices: per slice, ``(layer range, the slice's parameters, each source's parameters)``.
+_SliceSettings = list[tuple[tuple[int, int], dict[str, Any], list[dict[str, Any]]]]
+
+
 def _slice_entries(
     slices: list[SliceEntry], where: str, label: str
-) -> tuple[list[ModelEntry], dict[str, Any], str | None, list[tuple[str, str, tuple[int, int]]]]:
-    """One output slice as ``models`` entries: ``(entries, slice parameters, slice base_model, layer ranges to
-    check)``; anything but one slice of whole models is refused."""
-    if len(slices) != 1:
-        raise ConfigError(
-            f"{where}: {label} lists {len(slices)} output slices: stacking or mixing layer ranges (a frankenmerge) "
-            "is not supported; ram_trl merges whole models: give one slice whose sources cover every layer, or "
-            "'models:'"
+) -> tuple[
+    list[ModelEntry],
+    dict[str, Any],
+    str | None,
+    list[tuple[str, str, tuple[int, int]]],
+    _SliceSettings | None,
+]:
+    """Output slices as ``models`` entries: ``(entries, the first slice's parameters, the slice base_model, layer
+    ranges that must each cover a whole model, the settings of each slice when there are several)``. Several slices
+    must take the same models in the same order, each source of a slice the same layers, the slices following each
+    other from layer 0 (mergekit's plan of consecutive slices, each with its own parameters); anything else
+    (stacking, mixing or skipping layers) is refused."""
+    for k, out_slice in enumerate(slices):
+        if out_slice.residual_weight is not None:
+            raise ConfigError(f"{where}: {label}[{k}].residual_weight is not supported")
+    first = slices[0]
+    entries = [ModelEntry(model=source.model, parameters=source.parameters) for source in first.sources]
+    if len(slices) == 1:
+        ranges = [
+            (f"{label}[0].sources[{i}]", source.model, source.layer_range)
+            for i, source in enumerate(first.sources)
+        ]
+        return entries, first.parameters, first.base_model, ranges, None
+    frankenmerge = (
+        "stacking, mixing or skipping layer ranges (a frankenmerge) is not supported; ram_trl merges whole "
+        "models: consecutive slices must take the same models, in the same order, over consecutive layer ranges"
+    )
+    models = [source.model for source in first.sources]
+    settings: _SliceSettings = []
+    stop = 0
+    for k, out_slice in enumerate(slices):
+        theirs = [source.model for source in out_slice.sources]
+        if theirs != models:
+            raise ConfigError(
+                f"{where}: {label}[{k}] takes the models {theirs}, {label}[0] {models}: {frankenmerge}"
+            )
+        if out_slice.base_model != first.base_model:
+            raise ConfigError(
+                f"{where}: {label}[{k}].base_model {out_slice.base_model!r} differs from {label}[0]'s "
+                f"{first.base_model!r}: {frankenmerge}"
+            )
+        layer_range = out_slice.sources[0].layer_range
+        for i, source in enumerate(out_slice.sources):
+            if source.layer_range != layer_range:
+                raise ConfigError(
+                    f"{where}: {label}[{k}].sources[{i}] ({source.model}) takes layer_range "
+                    f"{list(source.layer_range)}, {label}[{k}].sources[0] {list(layer_range)}: {frankenmerge}"
+                )
+        if layer_range[0] != stop or layer_range[1] <= layer_range[0]:
+            raise ConfigError(
+                f"{where}: {label}[{k}] takes layer_range {list(layer_range)} after layer {stop}: {frankenmerge}"
+            )
+        stop = layer_range[1]
+        settings.append(
+            (layer_range, out_slice.parameters, [source.parameters for source in out_slice.sources])
         )
-    (out_slice,) = slices
-    if out_slice.residual_weight is not None:
-        raise ConfigError(f"{where}: {label}[0].residual_weight is not supported")
-    entries = [ModelEntry(model=source.model, parameters=source.parameters) for source in out_slice.sources]
-    ranges = [
-        (f"{label}[0].sources[{i}]", source.model, source.layer_range)
-        for i, source in enumerate(out_slice.sources)
-    ]
-    return entries, out_slice.parameters, out_slice.base_model, ranges
+    ranges = [(f"{label}[*].sources[{i}]", model, (0, stop)) for i, model in enumerate(models)]
+    return entries, first.parameters, first.base_model, ranges, settings
 
 
 def _entries(
     config: MergeConfig, where: str
-) -> tuple[list[ModelEntry], list[dict[str, Any]], str | None, list[tuple[str, str, tuple[int, int]]]]:
+) -> tuple[
+    list[ModelEntry],
+    list[dict[str, Any]],
+    str | None,
+    list[tuple[str, str, tuple[int, int]]],
+    _SliceSettings | None,
+]:
     """The config's models as ``models`` entries, whichever of ``models``, ``slices`` and ``modules`` gives them:
     ``(entries, parameter scopes above the global one (highest first), a slice's base_model, layer ranges that
-    must each cover a whole model)``."""
+    must each cover a whole model, the settings of each of several slices)``."""
     if config.models is not None:
-        return config.models, [], None, []
+        return config.models, [], None, [], None
     if config.slices is not None:
-        entries, params, base, ranges = _slice_entries(config.slices, where, "slices")
-        return entries, [params], base, ranges
+        entries, params, base, ranges, settings = _slice_entries(config.slices, where, "slices")
+        return entries, [params], base, ranges, settings
     assert config.modules is not None
     if len(config.modules) != 1:
         raise ConfigError(
@@ -816,10 +1065,10 @@ def _entries(
         )
     ((name, module),) = config.modules.items()
     if module.models is not None:
-        return module.models, [module.parameters], None, []
+        return module.models, [module.parameters], None, [], None
     assert module.slices is not None
-    entries, params, base, ranges = _slice_entries(module.slices, where, f"modules.{name}.slices")
-    return entries, [params, module.parameters], base, ranges
+    entries, params, base, ranges, settings = _slice_entries(module.slices, where, f"modules.{name}.slices")
+    return entries, [params, module.parameters], base, ranges, settings
 
 
 def _check_layer_ranges(
@@ -870,6 +1119,136 @@ def _chain(settings: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _shared_settings(
+    method: MergeMethod,
+    alias_defaults: dict[str, Any],
+    scopes: list[dict[str, Any]],
+    names: list[str],
+    where: str,
+    ignored: dict[str, list[str]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scopes of shared parameters (highest precedence first, the top-level ``parameters`` last), checked and
+    chained: ``(global parameters with defaults filled in, defaults of per-agent parameters)``."""
+    checked = [
+        _check_scope(method, scope, f"{where}: {name}", name, ignored)
+        for scope, name in zip(scopes, names, strict=True)
+    ]
+    params = _chain([c[0] for c in checked])
+    agent_defaults = _chain([c[1] for c in checked])
+    for parameter in method.parameters:
+        default = alias_defaults.get(parameter.name, parameter.default)
+        if parameter.scope == "global":
+            params[parameter.name] = (
+                _fall_through(params[parameter.name], default) if parameter.name in params else default
+            )
+    return params, agent_defaults
+
+
+def _agent_settings(
+    method: MergeMethod,
+    alias_defaults: dict[str, Any],
+    own_settings: dict[str, Any],
+    agent_defaults: dict[str, Any],
+    label: str,
+    place: str,
+    ignored: dict[str, list[str]],
+    config_dir: Path | None,
+) -> tuple[dict[str, Any], bool]:
+    """One model's parameters, checked and chained over the shared defaults: ``(values, whether one is a
+    gradient)``; names the method does not use are added to ``ignored`` under ``place``."""
+    own: dict[str, Any] = {}
+    gradient = False
+    for key, value in own_settings.items():
+        parameter = method.parameter(key)
+        if parameter is None:
+            ignored.setdefault(key, []).append(place)
+            continue
+        if parameter.scope == "global":
+            raise ConfigError(
+                f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'"
+            )
+        own[parameter.name] = _check_agent_value(parameter, value, label)
+        gradient = gradient or _has_gradient(own[parameter.name])
+    values = _chain([own, agent_defaults])
+    for parameter in method.parameters:
+        if parameter.scope != "agent":
+            continue
+        default = alias_defaults.get(parameter.name, parameter.default)
+        values[parameter.name] = (
+            _fall_through(values[parameter.name], default) if parameter.name in values else default
+        )
+        if parameter.kind is Path and values[parameter.name]:
+            values[parameter.name] = str(_resolve_path(values[parameter.name], config_dir))
+    return values, gradient
+
+
+def _segments(
+    method: MergeMethod,
+    alias_defaults: dict[str, Any],
+    slice_settings: _SliceSettings,
+    module_scopes: list[dict[str, Any]],
+    config: MergeConfig,
+    positions: list[int],
+    label: str,
+    where: str,
+    ignored: dict[str, list[str]],
+    config_dir: Path | None,
+) -> tuple[list[LayerSegment], bool]:
+    """Each of several consecutive slices' settings (mergekit's precedence: the source's, the slice's, the
+    module's, the top-level parameters), with a check that what applies to the whole merge at once (a global
+    parameter that is not per tensor, a per-agent switch or path) is the same in every slice: ``(segments,
+    whether a setting is a gradient)``."""
+    segments: list[LayerSegment] = []
+    gradient = False
+    resolved_first = ignored
+    for k, ((start, stop), slice_params, source_params) in enumerate(slice_settings):
+        # the first slice's unused names are already listed (as the models' and the slice's)
+        ignored = {} if k == 0 else resolved_first
+        params, agent_defaults = _shared_settings(
+            method,
+            alias_defaults,
+            [slice_params, *module_scopes, config.parameters],
+            [f"{label}[{k}].parameters", *(["module parameters"][: len(module_scopes)]), "parameters"],
+            where,
+            ignored,
+        )
+        gradient = gradient or any(_has_gradient(v) for v in [*params.values(), *agent_defaults.values()])
+        per_agent = []
+        for position in positions:
+            place = f"{label}[{k}].sources[{position}]"
+            values, own_gradient = _agent_settings(
+                method,
+                alias_defaults,
+                source_params[position],
+                agent_defaults,
+                f"{where}: {place}",
+                place,
+                ignored,
+                config_dir,
+            )
+            gradient = gradient or own_gradient
+            per_agent.append(values)
+        segments.append(LayerSegment(start, stop, params, per_agent))
+    first = segments[0]
+    for parameter in method.parameters:
+        if _per_tensor(parameter):
+            continue
+        for k, segment in enumerate(segments[1:], start=1):
+            if parameter.scope == "global":
+                differs = segment.params[parameter.name] != first.params[parameter.name]
+            else:
+                differs = any(
+                    mine[parameter.name] != theirs[parameter.name]
+                    for mine, theirs in zip(segment.agent_parameters, first.agent_parameters, strict=True)
+                )
+            if differs:
+                raise ConfigError(
+                    f"{where}: {label}[{k}] and {label}[0] give {parameter.name!r} different values; {method.name} "
+                    f"applies {parameter.name!r} to the whole merge at once, not per layer range"
+                )
+    return segments, gradient
+
+
 def resolve_config(
     config: MergeConfig, config_path: Path | None = None, *, allow_external_shards: bool = False
 ) -> ResolvedConfig:
@@ -901,7 +1280,7 @@ def resolve_config(
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
-    entries, scopes, slice_base, ranges = _entries(config, where)
+    entries, scopes, slice_base, ranges, slice_settings = _entries(config, where)
     base_model = config.base_model
     if slice_base is not None and base_model is not None and slice_base != base_model:
         raise ConfigError(
@@ -927,25 +1306,14 @@ def resolve_config(
     _check_layer_ranges(ranges, config_dir, where)
 
     ignored: dict[str, list[str]] = {}
-    checked = [
-        _check_scope(method, scope, f"{where}: {name}", name, ignored)
-        for scope, name in zip(
-            [*scopes, config.parameters],
-            [*(["slice parameters", "module parameters"][: len(scopes)]), "parameters"],
-            strict=True,
-        )
-    ]
-    params = _chain([c[0] for c in checked])
-    agent_defaults = _chain([c[1] for c in checked])
-    for parameter in method.parameters:
-        default = alias_defaults.get(parameter.name, parameter.default)
-        if parameter.scope == "global":
-            params[parameter.name] = (
-                _fall_through(params[parameter.name], default) if parameter.name in params else default
-            )
+    scope_names = [*(["slice parameters", "module parameters"][: len(scopes)]), "parameters"]
+    params, agent_defaults = _shared_settings(
+        method, alias_defaults, [*scopes, config.parameters], scope_names, where, ignored
+    )
     gradient = any(_has_gradient(v) for v in [*params.values(), *agent_defaults.values()])
 
     agents: list[AgentSpec] = []
+    positions: list[int] = []
     notes: list[str] = []
     for position, entry in enumerate(entries):
         stage_info: dict[str, Any] | None = None
@@ -970,34 +1338,44 @@ def resolve_config(
         if not method.keeps_base_entries and path.resolve() == base_path.resolve():
             notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
             continue
-        own: dict[str, Any] = {}
-        for key, value in entry.parameters.items():
-            parameter = method.parameter(key)
-            if parameter is None:
-                ignored.setdefault(key, []).append(f"models[{position}]")
-                continue
-            if parameter.scope == "global":
-                raise ConfigError(
-                    f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'"
-                )
-            own[parameter.name] = _check_agent_value(parameter, value, label)
-            gradient = gradient or _has_gradient(own[parameter.name])
-        values = _chain([own, agent_defaults])
-        for parameter in method.parameters:
-            if parameter.scope != "agent":
-                continue
-            default = alias_defaults.get(parameter.name, parameter.default)
-            values[parameter.name] = (
-                _fall_through(values[parameter.name], default) if parameter.name in values else default
-            )
-            if parameter.kind is Path and values[parameter.name]:
-                values[parameter.name] = str(_resolve_path(values[parameter.name], config_dir))
+        values, own_gradient = _agent_settings(
+            method,
+            alias_defaults,
+            entry.parameters,
+            agent_defaults,
+            label,
+            f"models[{position}]",
+            ignored,
+            config_dir,
+        )
+        gradient = gradient or own_gradient
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
         agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
+        positions.append(position)
+    segments = None
+    if slice_settings is not None:
+        segments, slice_gradient = _segments(
+            method,
+            alias_defaults,
+            slice_settings,
+            scopes[1:],
+            config,
+            positions,
+            "slices" if config.slices is not None else f"modules.{next(iter(config.modules or {}))}.slices",
+            where,
+            ignored,
+            config_dir,
+        )
+        gradient = gradient or slice_gradient
+        notes.append(
+            f"{len(segments)} consecutive output slices (layers "
+            + ", ".join(f"{s.start}-{s.stop - 1}" for s in segments)
+            + "), each with its own parameters; the report lists the first slice's"
+        )
     if ignored:
         message = (
             f"{where}: {method.name} does not use the parameter(s) "
-            + ", ".join(f"{key!r} ({', '.join(places)})" for key, places in ignored.items())
+            + ", ".join(f"{key!r} ({', '.join(dict.fromkeys(places))})" for key, places in ignored.items())
             + f"; ignored, as mergekit does ({method.name} takes "
             + (", ".join(p.name for p in method.parameters) or "no parameter")
             + ")"
@@ -1031,34 +1409,79 @@ def resolve_config(
         block = config.tokenizer
         if tokenizer_name is not None:
             raise ConfigError(f"{where}: give tokenizer_source or the tokenizer block, not both")
-        if block.tokens or block.pad_to_multiple_of:
+        # mergekit's tokenizer block defaults to the union; without tokens or padding, ram_trl keeps its earlier
+        # default
+        tokenizer_name = block.source or ("union" if block.tokens or block.pad_to_multiple_of else None)
+        if block.pad_to_multiple_of is not None and (
+            block.pad_to_multiple_of < 1 or tokenizer_name not in ("union", "base")
+        ):
             raise ConfigError(
-                f"{where}: tokenizer.{'tokens' if block.tokens else 'pad_to_multiple_of'} is not supported: ram_trl "
-                "keeps the base's vocabulary rows (use tokenizer.source: base or a model path alone)"
+                f"{where}: tokenizer.pad_to_multiple_of {block.pad_to_multiple_of} is supported with source 'union' "
+                "or 'base' only, as a positive number of rows"
             )
-        tokenizer_name = block.source
     tokenizer_source = base_path
     union = False
+    union_rows: UnionRows | None = None
     if tokenizer_name == "union":
-        donor = _union_donor([base_path, *(a.path for a in agents)])
-        if donor is None or config.shape_mismatch != "error":
+        donor, why = _union_donor([base_path, *(a.path for a in agents)])
+        if config.shape_mismatch != "error":
+            why = f"shape_mismatch: {config.shape_mismatch} would keep rows the union re-indexes"
+        if donor is None or why:
             raise ConfigError(
                 f"{where}: tokenizer source 'union' is supported only where it re-indexes nothing (every model's "
-                "tokenizer.json numbers the tokens alike and one model's tokenizer holds them all); use base or a "
-                "model path"
+                f"tokenizer.json numbers the tokens alike and one model's tokenizer holds them all), here {why}: "
+                "re-numbered rows are not implemented (mergekit 0.1.5 numbers the tokens different models add in "
+                "the order of a Python set of the models, which PYTHONHASHSEED changes from run to run); use base or "
+                "a model path"
             )
-        if method.prepares_tensors:
-            raise ConfigError(
-                f"{where}: tokenizer source 'union' with {method.name} is not supported: its whole-tensor step "
-                "(angle, cut, cosines or weights) would count the added tokens' rows in mergekit and not in ram_trl"
+        models = [base_path, *(a.path for a in agents)]
+        union_rows = _union_rows(models, config.dtype)
+        rules = config.tokenizer.tokens if config.tokenizer is not None and config.tokenizer.tokens else {}
+        sources, forced = _token_sources(rules, union_rows, donor, models, where, config_dir)
+        padded = _padded_rows(config, union_rows.rows)
+        union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced, padded_rows=padded)
+        shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
+        if padded or forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
+            # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
+            # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
+            if method.needs_fisher:
+                raise ConfigError(
+                    f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union builds "
+                    "vocabulary rows that the agents' Fisher files do not have"
+                )
+            notes.append(
+                f"tokenizer source 'union' ({union_rows.rows} tokens): the rows of {len(union_rows.holders)} token(s) "
+                f"that some model lacks and of {len(union_rows.forced)} forced token(s) are built in every model "
+                "before the merge, as mergekit builds them"
             )
-        tokenizer_source, union = donor, True
+        else:
+            union_rows = None
+        tokenizer_source, union = donor, union_rows is None
     elif tokenizer_name not in (None, "base"):
         tokenizer_source = _resolve_path(tokenizer_name, config_dir)
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
+    if config.tokenizer is not None and config.tokenizer.tokens and tokenizer_name != "union":
+        _check_token_rules(
+            config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where
+        )
+    if tokenizer_name == "base" and config.tokenizer is not None and config.tokenizer.pad_to_multiple_of:
+        models = [base_path, *(a.path for a in agents)]
+        if not _shares_numbering(base_path, models):
+            raise ConfigError(
+                f"{where}: tokenizer.pad_to_multiple_of with source 'base' needs every model's tokenizer.json to "
+                "number the base's tokens as the base does; re-numbered rows are not implemented"
+            )
+        size = max((_vocabulary(base_path) or {}).values()) + 1
+        padded = _padded_rows(config, size)
+        if padded is not None:
+            union_rows = _union_rows(models, config.dtype, size)
+            union_rows = dataclasses.replace(union_rows, padded_rows=padded)
+            notes.append(f"tokenizer padded to {padded} rows as mergekit pads them (each model's mean row)")
     shape_mismatch = "merge_common_rows" if union else config.shape_mismatch
-    if (
+    if union_rows is not None:
+        shape_mismatch = "error"  # every model's vocabulary rows are built to one count
+    elif (
         tokenizer_name is not None
         and shape_mismatch == "error"
         and _shares_numbering(tokenizer_source, [base_path, *(a.path for a in agents)])
@@ -1097,4 +1520,6 @@ def resolve_config(
         source=config_path,
         num_layers=layers,
         chat_template=chat_template,
+        segments=segments,
+        union_rows=union_rows,
     )

@@ -20,6 +20,7 @@ from ram_trl.counting import DEFAULT_EPS
 from ram_trl.distributed import DistContext
 from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.io.vocabulary import pad_vocabularies
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.streaming import ReadCounter
@@ -159,6 +160,8 @@ def open_inputs(
         )
         for agent in resolved.agents
     ]
+    if resolved.union_rows is not None:
+        base, *agents = pad_vocabularies(base, agents, resolved.union_rows)
     return base, agents
 
 

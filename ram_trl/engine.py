@@ -215,7 +215,7 @@ def prepare(
         fisher_itemsize=max((fisher_itemsize(f) for f in fishers), default=0) if fishers else 0,
         resizable=is_vocabulary_tensor,
         merges_weights=resolved.method.merges_weights,
-        prepare_bytes=resolved.method.prepare_bytes,
+        prepare_bytes=resolved.method.preparation_bytes(len(agents)),
     )
     check_normalized_weights(resolved, plan)
     if fishers is not None:
@@ -502,6 +502,8 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
         key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
         config[key] = dtype_name
     vocab = config.get("vocab_size")
+    if resolved.union_rows is not None:  # every model's vocabulary rows were built in the union's numbering
+        config["vocab_size"] = resolved.union_rows.total
     for name in plan.resized:
         task = next(t for t in plan.tasks if t.name == name)
         if vocab == task.base_rows:

@@ -11,7 +11,8 @@ of a merge is about::
 
     interpreter and libraries (~0.3-0.5 GB)
     + chunk_budget
-    + (TIES only) 12 bytes * largest tensor's element count
+    + (methods with a per-tensor preparation) prepare_bytes * largest tensor's element count
+      (TIES: 12; SCE: grows with the agents, see ``MergeMethod.preparation_bytes``)
 
 Fisher merging streams each agent's diagonal Fisher in the same chunks; :func:`bytes_per_element` counts its
 buffers, so the same budget holds.

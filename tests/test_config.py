@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ram_trl.config import load_config, resolve_config
 from ram_trl.errors import ConfigError
+from ram_trl.io.vocabulary import UnionRows
 
 
 @pytest.fixture
@@ -257,6 +258,50 @@ modules:
     assert as_modules.agent_value(b, "density", _layer(0, "self_attn.q_proj")) == 0.6
 
 
+def test_consecutive_slices_take_their_own_settings_as_mergekit(dirs):
+    """Golden values, by hand: each slice's gradient spans its own layers (mergekit's ``t`` restarts at 0 in each
+    slice); the embeddings take the first slice's settings, the final norm and ``lm_head`` the last's, both at
+    ``t = 0``; the source's parameter beats the slice's, which beats the top-level one."""
+    _layered(dirs, layers=5)
+    with pytest.warns(UserWarning, match="does not use") as caught:
+        resolved = _resolve(
+            dirs,
+            """
+merge_method: ties
+base_model: base
+slices:
+  - sources:
+      - {model: base, layer_range: [0, 2]}
+      - {model: a, layer_range: [0, 2], parameters: {weight: [0.2, 0.4]}}
+      - {model: b, layer_range: [0, 2]}
+    parameters: {lambda: 0.5}
+  - sources:
+      - {model: base, layer_range: [2, 5]}
+      - {model: a, layer_range: [2, 5], parameters: {weight: 0.9}}
+      - {model: b, layer_range: [2, 5], parameters: {density: [0.1, 0.3]}}
+    parameters: {weight: 0.7, lambda: [1.0, 2.0]}
+parameters: {density: 0.6, embed_slerp: true}
+""",
+        )
+    (message,) = [str(w.message) for w in caught if "does not use" in str(w.message)]
+    assert "'embed_slerp' (parameters);" in message  # listed once, though every slice falls through to it
+    a, b = resolved.agents
+    assert [x.name for x in resolved.agents] == ["a", "b"]
+    assert [resolved.agent_value(a, "weight", _layer(i)) for i in range(5)] == [0.2, 0.4, 0.9, 0.9, 0.9]
+    assert [resolved.agent_value(b, "weight", _layer(i)) for i in range(5)] == [1.0, 1.0, 0.7, 0.7, 0.7]
+    assert [resolved.agent_value(b, "density", _layer(i)) for i in range(5)] == pytest.approx(
+        [0.6, 0.6, 0.1, 0.2, 0.3], abs=1e-15
+    )
+    assert [resolved.params_for(_layer(i))["lambda"] for i in range(5)] == [0.5, 0.5, 1.0, 1.5, 2.0]
+    assert resolved.agent_value(a, "weight", "model.embed_tokens.weight") == 0.2
+    assert resolved.params_for("model.embed_tokens.weight")["lambda"] == 0.5
+    for name in ("model.norm.weight", "lm_head.weight"):
+        assert resolved.agent_value(a, "weight", name) == 0.9
+        assert resolved.agent_value(b, "density", name) == pytest.approx(0.1)
+        assert resolved.params_for(name)["lambda"] == 1.0
+    assert any("2 consecutive output slices (layers 0-1, 2-4)" in note for note in resolved.notes)
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -265,8 +310,26 @@ modules:
             "layer_range [0, 2] is not the whole model (4 layers)",
         ),
         (
-            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 4]}]}]",
-            "slices lists 2 output slices",
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [0, 2]}]}]",
+            "slices[1] takes layer_range [0, 2] after layer 2: stacking",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: b, layer_range: [2, 4]}]}]",
+            "slices[1] takes the models ['b'], slices[0] ['a']",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}, {model: b, layer_range: [2, 4]}]}, "
+            "{sources: [{model: a, layer_range: [2, 4]}, {model: b, layer_range: [0, 2]}]}]",
+            "slices[0].sources[1] (b) takes layer_range [2, 4], slices[0].sources[0] [0, 2]",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 3]}]}]",
+            "slices[*].sources[0] (a): layer_range [0, 3] is not the whole model (4 layers)",
+        ),
+        (
+            "slices: [{sources: [{model: a, layer_range: [0, 2]}]}, {sources: [{model: a, layer_range: [2, 4]}], "
+            "parameters: {normalize: false}}]",
+            "slices[1] and slices[0] give 'normalize' different values",
         ),
         ("modules: {a: {models: [{model: a}]}, b: {models: [{model: b}]}}", "modules lists 2 modules"),
     ],
@@ -297,8 +360,23 @@ def test_tokenizer_block_and_sources(dirs):
     )
     assert resolved.tokenizer_source == dirs / "a"
     for extra, needle in [
-        ("tokenizer: {source: base, tokens: {x: {source: a}}}", "tokenizer.tokens is not supported"),
-        ("tokenizer: {source: union}", "'union' is supported only where it re-indexes nothing"),
+        (
+            "tokenizer: {source: base, tokens: {x: {source: a}}}",
+            r"tokenizer.tokens\['x'\]: .*base has no row",
+        ),
+        ("tokenizer: {source: base, tokens: {x: 1}}", r"a rule is \{source: MODEL, force: BOOL\}, got 1"),
+        (
+            "tokenizer: {source: base, pad_to_multiple_of: 8}",
+            "pad_to_multiple_of with source .base. needs every model",
+        ),
+        (
+            "tokenizer: {source: a, pad_to_multiple_of: 8}",
+            "pad_to_multiple_of 8 is supported with source .union. or .base. only",
+        ),
+        (
+            "tokenizer: {source: union}",
+            "'union' is supported only where it re-indexes nothing.*has no readable tokenizer.json",
+        ),
         ("tokenizer_source: union", "'union' is supported only where it re-indexes nothing"),
     ]:
         with pytest.raises(ConfigError, match=needle):
@@ -395,8 +473,15 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
     with pytest.raises(ConfigError, match="'union' is supported only where it re-indexes nothing"):
         _resolve(dirs, text)
     _tokenizer(dirs / "b", ["x", "y", "z"])
-    with pytest.raises(ConfigError, match="'union' with ties is not supported"):
-        _resolve(dirs, text.replace("task_arithmetic", "ties"))
+    # a whole-tensor step: every model gets the union's rows before the merge (b and the base: a's row 3)
+    resolved = _resolve(dirs, text.replace("task_arithmetic", "ties"))
+    assert resolved.union_rows == UnionRows(4, {3: (1,)}) and resolved.shape_mismatch == "error"
+    # a token two models add: their rows are merged from the holders' mean, whatever the method
+    _tokenizer(dirs / "b", ["x", "y", "z", "<|im_end|>"])
+    (dirs / "b" / "config.json").write_text(json.dumps({"vocab_size": 4}))
+    assert _resolve(dirs, text).union_rows == UnionRows(4, {3: (1, 2)})
+    with pytest.raises(ConfigError, match="'union' with fisher is not supported here"):
+        _resolve(dirs, text.replace("task_arithmetic", "fisher"))
 
 
 def test_empty_parameters_of_a_slice_mean_none(dirs):

@@ -20,6 +20,7 @@ What is asserted:
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from pathlib import Path
@@ -632,6 +633,76 @@ def test_lazymergekit_slerp_slices_equal_mergekit(layered, tmp_path):
     assert torch.equal(ours[name.format(4)], other_tensors[name.format(4)])
 
 
+def _consecutive_slices(ckpts: dict[str, Any], cuts: list[int], sources: list[list[dict[str, Any]]]) -> list:
+    """Output slices over the layer ranges between ``cuts``, each taking the base and the agents (each source's
+    parameters from ``sources[slice][agent]``)."""
+    base = str(ckpts["base_dir"])
+    return [
+        {
+            "sources": [{"model": base, "layer_range": [lo, hi]}]
+            + [
+                {"model": str(path), "layer_range": [lo, hi], "parameters": p}
+                for path, p in zip(ckpts["agents"], own, strict=False)
+            ]
+        }
+        for lo, hi, own in zip(cuts[:-1], cuts[1:], sources, strict=True)
+    ]
+
+
+def test_consecutive_slices_with_their_own_gradients_equal_mergekit(layered, tmp_path):
+    """Three slices over the five layers (2 + 1 + 2), each with its own parameters and gradients: mergekit restarts
+    each gradient over its slice's layers and gives the embeddings the first slice's settings, the final norm and
+    ``lm_head`` the last's."""
+    slices = _consecutive_slices(
+        layered,
+        [0, 2, 3, 5],
+        [
+            [{"weight": [0.2, 1.0]}, {"weight": 0.5}],
+            [{"weight": 0.8}, {"weight": [{"filter": "mlp", "value": [0.1, 0.9]}, {"value": 0.3}]}],
+            [{"weight": [1.0, 0.4, 0.6]}, {}],
+        ],
+    )
+    slices[1]["parameters"] = {"lambda": 0.7}
+    slices[2]["parameters"] = {"lambda": [1.2, 0.6], "weight": -0.25}
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(layered["base_dir"]),
+        "slices": slices,
+        "parameters": {"lambda": [0.9, 1.1]},
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    _check_common(ours, theirs, layered["base"])
+    _assert_identical(ours, theirs)
+    # the slices' settings reached their layers: layer 2 alone in its slice (t = 1), lambda 0.7 there
+    whole = _config(layered, "task_arithmetic", [{"weight": 0.8}, {"weight": 0.9}], {"lambda": 0.7})
+    reference = _run_both(whole, tmp_path / "whole")[0]
+    name = "model.layers.2.mlp.up_proj.weight"
+    assert torch.equal(ours[name], reference[name])
+    assert not torch.equal(ours["model.layers.1." + name[15:]], reference["model.layers.1." + name[15:]])
+
+
+def test_consecutive_slerp_slices_equal_mergekit(layered, tmp_path):
+    """The published per-slice slerp form: each slice its own ``t`` gradient per filter."""
+    base, other = str(layered["base_dir"]), str(layered["agents"][0])
+    config = {
+        "slices": [
+            {"sources": [{"model": base, "layer_range": [0, 3]}, {"model": other, "layer_range": [0, 3]}]},
+            {
+                "sources": [{"model": base, "layer_range": [3, 5]}, {"model": other, "layer_range": [3, 5]}],
+                "parameters": {"t": [{"filter": "self_attn", "value": [0.9, 0.2]}, {"value": 0.6}]},
+            },
+        ],
+        "merge_method": "slerp",
+        "base_model": base,
+        "parameters": {"t": [{"filter": "mlp", "value": [1, 0.5, 0]}, {"value": 0.3}]},
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs) == set(layered["base"])
+    _assert_identical(ours, theirs)
+
+
 @pytest.mark.parametrize("method", ["slerp", "model_stock", "ramplus_tl"])
 def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tmp_path):
     """mergekit's own test configs give every model a ``weight`` (0.6, 0.4), whatever the method."""
@@ -770,6 +841,10 @@ def picollamas(tmp_path_factory) -> dict[str, str]:
         "base": _pico(root / "base", 64, [], 0),
         "padded": _pico(root / "padded", 64, [f"<UNUSED_{i}>" for i in range(4)], 1),
         "chatml": _pico(root / "chatml", 66, ["<|im_start|>", "<|im_end|>"], 2),
+        # the same two chat tokens, numbered the other way round
+        "swapped": _pico(root / "swapped", 66, ["<|im_end|>", "<|im_start|>"], 3),
+        # the same two chat tokens, numbered alike, with rows of its own
+        "chatml2": _pico(root / "chatml2", 66, ["<|im_start|>", "<|im_end|>"], 5),
     }
 
 
@@ -794,6 +869,8 @@ def _tokenizer_config(models: dict[str, str], names: list[str], **extra: Any) ->
         (["base", "padded"], {"tokenizer_source": "base"}),
         (["base", "padded", "chatml"], {"tokenizer_source": "base"}),
         (["base", "padded", "chatml"], {"tokenizer_source": "union"}),
+        # two models add the rows: built in every model before the merge, their mean summed in bf16 as mergekit
+        (["base", "chatml", "chatml2"], {"tokenizer_source": "union"}),
     ],
 )
 def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp_path):
@@ -822,11 +899,161 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
     size = 66 if extra.get("tokenizer_source") == "union" else 64
     assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == size
     assert ours["lm_head.weight"].shape[0] == size
-    if size == 66:  # the added tokens' rows are the chatml model's (rounded to bf16), in both tools
+    if (
+        size == 66 and "chatml2" not in names
+    ):  # the added tokens' rows are the chatml model's (rounded to bf16)
         chatml = _load_dir(Path(picollamas["chatml"]))
         for name in ("lm_head.weight", "model.embed_tokens.weight"):
             donor = chatml[name][64:].to(torch.bfloat16)
             assert torch.equal(ours[name][64:], donor) and torch.equal(theirs[name][64:], donor), name
+
+
+def _token_rules(models: dict[str, str]) -> dict[str, Any]:
+    return {
+        "<|im_start|>": {"source": models["chatml2"]},  # lacking in the base: chatml2's row, not the mean
+        "<|im_end|>": {"source": {"kind": "zero"}},
+        "_tok_7": {"source": models["chatml"], "force": True},  # every model: chatml's row
+        "_tok_9": {
+            "source": {"kind": "model_token", "model": models["base"], "token": "_tok_3"},
+            "force": True,
+        },
+        "_tok_11": {
+            "source": {"kind": "model_token", "model": models["chatml2"], "token_id": 65}
+        },  # no effect
+    }
+
+
+UNION_ROW_CASES = {
+    # test_slerp_union: the added rows enter SLERP's angle (the base gets the chatml model's rows)
+    "slerp, one model adds the rows": (["chatml"], "slerp", [{}], {"t": 0.5}),
+    "task_arithmetic, two models add the rows, unequal weights": (
+        ["chatml", "chatml2"],
+        "task_arithmetic",
+        [{"weight": 0.3}, {"weight": 0.9}],
+        {"lambda": 0.8},
+    ),
+    "ties, two models add the rows, density": (
+        ["chatml", "chatml2"],
+        "ties",
+        [{"weight": 0.3, "density": 0.5}, {"weight": 0.9, "density": 0.7}],
+        {},
+    ),
+    "tokens rules: sources, zero, model_token, force": (
+        ["chatml", "chatml2"],
+        "task_arithmetic",
+        [{"weight": 0.3}, {"weight": 0.9}],
+        {},
+    ),
+    # tensor-local RAM+ counts the rows the two models add (the base's: their mean) like any others
+    "ramplus_tl, two models add the rows": (["chatml", "chatml2"], "ramplus_tl", [{}, {}], {}),
+    "ties, the padded model lacks the rows": (
+        ["padded", "chatml"],
+        "ties",
+        [{"weight": 1.0, "density": 0.5}, {"weight": 0.6, "density": 0.5}],
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNION_ROW_CASES))
+def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_path):
+    """Where the added tokens' rows enter a whole-tensor step, or come from several models, every model gets
+    mergekit's rows for them before the merge (the only holder's row, else the holders' mean): the same tensors,
+    the same vocabulary and ``vocab_size``."""
+    names, method, agent_params, params = UNION_ROW_CASES[case]
+    config = {
+        "merge_method": method,
+        "base_model": picollamas["base"],
+        "models": [
+            {"model": picollamas[n], "parameters": p} for n, p in zip(names, agent_params, strict=True)
+        ],
+        "parameters": params,
+        "tokenizer_source": "union",
+        "dtype": "float32",
+    }
+    if case.startswith("tokens rules"):
+        del config["tokenizer_source"]
+        config["tokenizer"] = {"tokens": _token_rules(picollamas)}
+    theirs_dir, ours_dir = tmp_path / "mergekit", tmp_path / "ram_trl"
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(theirs_dir),
+        options=MergeOptions(device="cpu", quiet=True, write_model_card=False),
+    )
+    ram_trl.merge(copy.deepcopy(config), ours_dir, progress=False)
+    ours, theirs = _load_dir(ours_dir), _load_dir(theirs_dir)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert ours["lm_head.weight"].shape[0] == 66
+    vocabularies = [transformers.AutoTokenizer.from_pretrained(d).get_vocab() for d in (ours_dir, theirs_dir)]
+    assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == 66
+    configs = [json.loads((d / "config.json").read_text())["vocab_size"] for d in (ours_dir, theirs_dir)]
+    assert configs == [66, 66]
+    if case.startswith("tokens rules"):
+        lm_head = {n: _load_dir(Path(picollamas[n]))["lm_head.weight"] for n in ("base", "chatml")}
+        assert torch.equal(ours["lm_head.weight"][7], lm_head["chatml"][7])
+        assert torch.equal(ours["lm_head.weight"][9], lm_head["base"][3])
+    elif method == "task_arithmetic":
+        # the rows two models add: not their plain mean (mergekit merges them from it, with the unequal weights)
+        rows = [_load_dir(Path(picollamas[n]))["lm_head.weight"][64:] for n in names]
+        assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
+
+
+@pytest.mark.parametrize(("method", "source"), [("task_arithmetic", None), ("ties", None), ("ties", "base")])
+def test_union_padded_to_a_multiple_equals_mergekit(method, source, picollamas, tmp_path):
+    """``tokenizer.pad_to_multiple_of``: the 66-token union (or the base's 64 tokens, the chatml model's two added
+    rows left out) padded to 96 rows, each model's padding rows the mean of its vocabulary rows (the base's rows for
+    the added tokens: the chatml model's) before the merge."""
+    config = {
+        "merge_method": method,
+        "base_model": picollamas["base"],
+        "models": [
+            # density 1: the padding rows repeat one value per model, so TIES' cut would fall among equal
+            # magnitudes there, where the tools' documented tie rules differ
+            {"model": picollamas["chatml"], "parameters": {"weight": 0.7, "density": 1.0}},
+            {"model": picollamas["padded"], "parameters": {"weight": 0.4, "density": 1.0}},
+        ],
+        "tokenizer": {"pad_to_multiple_of": 32 if source is None else 48},
+        "dtype": "float32",
+    }
+    if source is not None:
+        config["tokenizer"]["source"] = source
+    if method == "task_arithmetic":
+        for entry in config["models"]:
+            del entry["parameters"]["density"]
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert ours["lm_head.weight"].shape[0] == 96
+    assert json.loads((tmp_path / "ram_trl" / "config.json").read_text())["vocab_size"] == 96
+    assert torch.equal(ours["lm_head.weight"][66], ours["lm_head.weight"][95])
+    if source == "base":  # row 64 is padding (the chatml model's token is not in the base's tokenizer)
+        assert torch.equal(ours["lm_head.weight"][64], ours["lm_head.weight"][95])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*task vector is zero:UserWarning")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tokenizer_source": "union", "merge_method": "ties", "parameters": {"density": 0.5}},
+        {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"source": "base"}, "</s>": {}}}},
+    ],
+)
+def test_union_rules_mergekit_never_applies_equal_mergekit(extra, picollamas, tmp_path):
+    """A union that adds no rows (the padded model's tokens have none) with a whole-tensor step (TIES' cut), and
+    token rules for tokens every model holds (mergekit builds no row from them): the same tensors as mergekit."""
+    config = _tokenizer_config(picollamas, ["base", "padded"], **extra, dtype="float32")
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert not torch.equal(ours["lm_head.weight"], _load_dir(Path(picollamas["base"]))["lm_head.weight"])
 
 
 @pytest.mark.filterwarnings("ignore:.*does not use the parameter:UserWarning")
@@ -837,12 +1064,22 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
         (
             ["base", "padded", "chatml"],
             {"tokenizer": {"source": "union", "tokens": {"<|im_start|>": {"source": "base"}}}},
-            "tokenizer.tokens is not supported",
+            "tokenizer.tokens['<|im_start|>']: the source 'base' is not the base or one of the models merged",
         ),
-        (  # test_slerp_union
+        (
+            ["base", "chatml", "swapped"],
+            {"tokenizer_source": "union"},
+            "token '<|im_end|>' is id 65 in {chatml} and id 64 in {swapped} (the union numbers it once",
+        ),
+        (
             ["base", "chatml"],
-            {"tokenizer_source": "union", "merge_method": "slerp", "parameters": {"t": "0.5"}},
-            "tokenizer source 'union' with slerp is not supported",
+            {"tokenizer": {"source": "union", "tokens": {"_tok_5": {"force": True}}}},
+            "tokenizer.tokens['_tok_5']: mergekit builds this token's row from the rule's source, which must be",
+        ),
+        (
+            ["base", "chatml"],
+            {"tokenizer": {"source": "union", "tokens": {"<|new|>": {"source": {"kind": "zero"}}}}},
+            "tokenizer.tokens['<|new|>']: no model has the token, so mergekit would add it",
         ),
     ],
 )
@@ -852,7 +1089,7 @@ def test_mergekit_tokenizer_configs_beyond_one_vocabulary_are_refused_in_one_lin
     """A model with more embedding rows than the base, and a union vocabulary: one-line refusals, nothing written."""
     with pytest.raises(ram_trl.RamTrlError) as info:
         ram_trl.merge(_tokenizer_config(picollamas, names, **extra), tmp_path / "out", progress=False)
-    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert needle.format(**picollamas) in str(info.value) and "\n" not in str(info.value)
     assert not (tmp_path / "out").exists()
 
 

@@ -189,6 +189,8 @@ class MergeMethod:
             :attr:`ChunkInputs.prepared` for every chunk of the tensor.
         prepare_bytes: Bytes per element of the largest tensor that ``prepare_tensor`` holds at once (the base's
             float32 copy, its own buffers and one agent's stored values being read); the planner's memory estimate.
+            A function of the number of agents for a hook that holds every agent's task vector at once (SCE);
+            read it through :meth:`preparation_bytes`.
         scan: ``(deltas of a block, prepared) -> counts`` (``scan_width`` per agent, agent after agent) that the
             kernel of every later block of the tensor needs summed (:attr:`ChunkInputs.seen`); lets the engine merge
             a tensor's blocks in parallel.
@@ -214,7 +216,7 @@ class MergeMethod:
     prepare_tensor: Callable[[TensorView], Any] | None = None
     scan: Callable[[torch.Tensor, Any], list[int]] | None = None
     scan_width: int = 1
-    prepare_bytes: int = 12
+    prepare_bytes: int | Callable[[int], int] = 12
     needs_fisher: bool = False
     merges_weights: bool = False
     keeps_base_entries: bool = False
@@ -231,6 +233,18 @@ class MergeMethod:
     def prepares_tensors(self) -> bool:
         """Whether each tensor is prepared whole before its chunks are merged (one more read of each agent)."""
         return self.prepare_tensor is not None
+
+    def preparation_bytes(self, num_agents: int) -> int:
+        """Bytes per element of the largest tensor that the per-tensor preparation holds at once, for
+        ``num_agents`` agents (the planner's memory estimate).
+
+        Args:
+            num_agents (`int`): Agents merged.
+
+        Returns:
+            `int`: :attr:`prepare_bytes`, evaluated at ``num_agents`` when it is a function.
+        """
+        return self.prepare_bytes(num_agents) if callable(self.prepare_bytes) else self.prepare_bytes
 
     def tensor_local_statistics(self, params: dict[str, Any]) -> bool:
         """Whether the factors come from each tensor's own statistics (``rho_scope: tensor``) or the model's.

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
 from ram_trl.methods.base import ChunkInputs
-from ram_trl.methods.sce import SceTensor, merge, sce_weights, select_mask
+from ram_trl.methods.sce import SCE, SceTensor, merge, prepare, sce_weights, select_mask
+from ram_trl.planner import PROCESS_BASELINE_BYTES, bytes_per_element
 from tests.helpers import config_for, load_checkpoint, make_checkpoints
 
 
@@ -48,3 +52,73 @@ def test_engine_streams_sce_in_row_chunks(tmp_path, select_topk):
         assert torch.equal(whole[name], chunked[name]), name
         moved += int((whole[name] != base).sum())
     assert moved > 0
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by live tensors that torch operations create (storages counted once, released
+    when their last tensor dies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.held: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.held.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self.held:
+                    self.held.add(key)
+                    self.live += nbytes
+                    weakref.finalize(storage, self._release, key, nbytes)
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+class StoredView:
+    """A :class:`~ram_trl.methods.base.TensorView` over stored bf16 tensors (base first): float32 copies on
+    request, as the engine's view returns them."""
+
+    def __init__(self, stored: list[torch.Tensor], params: dict) -> None:
+        self.stored, self.params, self.num_agents = stored, params, len(stored) - 1
+
+    def base(self) -> torch.Tensor:
+        return self.stored[0].float()
+
+    def model(self, t: int) -> torch.Tensor:
+        return self.stored[t + 1].float()
+
+
+@pytest.mark.parametrize("select_topk", [1.0, 0.999, 0.5])
+def test_preparation_memory_grows_with_the_agents_and_stays_under_the_planner_estimate(select_topk):
+    n = 1 << 18
+    generator = torch.Generator().manual_seed(0)
+    measured = {}
+    for k in (1, 2, 5, 8):
+        stored = [torch.randn(n, generator=generator).to(torch.bfloat16) for _ in range(k + 1)]
+        with LiveBytes() as probe:
+            prepare(StoredView(stored, {"select_topk": select_topk}))
+        measured[k] = probe.peak / n
+        assert measured[k] <= SCE.preparation_bytes(k), (k, measured[k])
+    # the stacked task vectors and their squares: 8 bytes per element for each agent (a fixed figure cannot hold)
+    assert measured[8] - measured[5] >= 3 * 8
+    assert SCE.preparation_bytes(8) - SCE.preparation_bytes(5) == 3 * 8
+
+
+def test_dry_run_estimate_counts_every_agents_task_vector(tmp_path):
+    peaks = {}
+    for k in (2, 6):
+        ckpts = make_checkpoints(tmp_path / str(k), num_agents=k)
+        plan = ram_trl.merge(config_for(ckpts, "sce"), tmp_path / "out", dry_run=True, progress=False)
+        largest = max(ckpts.base_tensors.values(), key=torch.Tensor.numel)
+        itemsize = largest.element_size()  # every tensor fits one chunk: the largest holds the most buffers
+        chunk = largest.numel() * bytes_per_element(k, itemsize, itemsize)
+        peaks[k] = plan["peak_memory_estimate"]
+        assert peaks[k] == PROCESS_BASELINE_BYTES + chunk + (max(8 * k + 5, 4 * k + 25) + 4) * largest.numel()
+    assert peaks[6] > peaks[2]
