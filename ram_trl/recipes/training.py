@@ -40,17 +40,20 @@ def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector
 
     Returns:
         `list[dict[str, Any]]`: One ``{"step", "reward", <TRAINING_KEYS short names>}`` per log entry that carries
-        ``PREFIX + "density"`` (values that are missing or not finite are ``None``; ``reward`` is the entry's
-        ``reward`` when the trainer logged one there).
+        ``PREFIX + "density"`` (values that are missing or not finite are ``None``). ``reward`` is the batch reward
+        the trainer logged last at or before the measurement's step (the callback logs its own entries, so the
+        reward usually sits in the trainer's entry of the same step).
     """
+    rewards = sorted(
+        (int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e
+    )
     points = []
     for entry in log_history:
         if prefix + "density" not in entry:
             continue
-        point: dict[str, Any] = {
-            "step": int(entry.get("step", len(points))),
-            "reward": _finite(entry.get("reward")),
-        }
+        step = int(entry.get("step", len(points)))
+        earlier = [value for at, value in rewards if at <= step]
+        point: dict[str, Any] = {"step": step, "reward": earlier[-1] if earlier else None}
         for key, short in TRAINING_KEYS.items():
             point[short] = _finite(entry.get(prefix + key))
         points.append(point)
