@@ -78,7 +78,8 @@ def test_quick_demo_rows_and_files(quick_demo):
             e["step"] for e in history if "task_vector/density" in e
         ]
         assert all(0.0 <= p["density"] <= 1.0 for p in results["training"][stage])
-        assert all(p["reward"] is not None for p in results["training"][stage])  # the trainer's entry of the step
+        # each measurement has the reward of the trainer's entry of its step
+        assert all(p["reward"] is not None for p in results["training"][stage])
     assert "## During training" in markdown
     for stage in STAGES:  # train, test and validation prompts are disjoint
         prompts = [
