@@ -76,7 +76,11 @@ def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):
         def flush(self):
             pass
 
+    def no_redirect(*args, **kwargs):
+        raise AssertionError("run_program redirected the process's stdout")
+
     monkeypatch.setattr("sys.stdout", Refuses())
+    monkeypatch.setattr("contextlib.redirect_stdout", no_redirect)
     assert run_program("nums = [3, 9, 4]\nprint(max(nums))\nprint(len(nums), end='!')") == "9\n3!"
 
 
