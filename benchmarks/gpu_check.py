@@ -424,15 +424,28 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
     rows = []
     for method, (ours, theirs) in _configs(base, agents).items():
         seconds: dict[str, float] = {}
-        for where in dict.fromkeys(("cpu", device.type)):
-            out = root / f"{method}_{where}"
+        reports: dict[str, dict[str, Any]] = {}
+        runs = {"cpu": "cpu", device.type: device.type}
+        if device.type != "cpu" and method == "ram_plus":
+            runs["no cache"] = device.type  # the same merge reading its inputs twice (--input-cache off)
+        for key, where in runs.items():
+            out = root / f"{method}_{key.replace(' ', '_')}"
 
-            def run(where: str = where, out: Path = out, config: dict = ours) -> None:
+            def run(
+                key: str = key,
+                where: str = where,
+                out: Path = out,
+                config: dict = ours,
+                reports: dict = reports,
+            ) -> None:
+                cache = "off" if key == "no cache" else "auto"
                 with contextlib.redirect_stdout(io.StringIO()):  # the merge's own report table
-                    ram_trl.merge(config, out, overwrite=True, device=where, progress=False)
+                    reports[key] = ram_trl.merge(
+                        config, out, overwrite=True, device=where, progress=False, input_cache=cache
+                    )
                 _sync(torch.device(where))
 
-            seconds[where] = _median_seconds(run, repeats, clear=out)
+            seconds[key] = _median_seconds(run, repeats, clear=out)
         device_files = sorted((root / f"{method}_{device.type}").glob("*.safetensors"))
         identical = bool(device_files) and all(
             (root / f"{method}_cpu" / f.name).read_bytes() == f.read_bytes() for f in device_files
@@ -450,6 +463,12 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
         if theirs_s is not None:
             versus += f", mergekit {name} {theirs_s:.2f} s"
             ratio += f", {theirs_s / ours_s:.2f}x faster"
+        kept = reports[device.type].get("input_cache")
+        cache_note = ""
+        if kept is not None:
+            cache_note = f"; input cache kept {kept['kept_bytes'] / 1e9:.2f} GB"
+            if "no cache" in seconds:
+                cache_note += f" (without it: {seconds['no cache']:.2f} s)"
         rows.append(
             {
                 "row": f"merge {method} --device {device.type}",
@@ -460,6 +479,10 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
                 f"mergekit_{name}_s": None if theirs_s is None else round(theirs_s, 3),
                 "x_faster_than_mergekit": None if theirs_s is None else round(theirs_s / ours_s, 2),
                 "byte_identical_to_cpu": identical,
+                "input_cache": kept,
+                "seconds_without_input_cache": None
+                if "no cache" not in seconds
+                else round(seconds["no cache"], 3),
                 "against": versus,
                 "ratio": ratio,
                 "target": "<= 1.5x floor, >= 2x faster",
@@ -467,6 +490,7 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
                 "note": (
                     "byte-identical to the CPU merge" if identical else "NOT byte-identical to the CPU merge"
                 )
+                + cache_note
                 + (f"; {missing}" if missing else ""),
             }
         )

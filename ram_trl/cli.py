@@ -74,6 +74,13 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
         help=f"memory for one chunk's buffers; bounds peak memory (default: {defaults.CHUNK_BUDGET})",
     )
     parser.add_argument(
+        "--input-cache",
+        default="auto",
+        help="RAM+/RAM+s: memory that keeps the inputs the statistics pass read, on the compute device, for the "
+        "merge pass (no second read or copy): auto (half the GPU's free memory; none on the CPU), off, or a size "
+        "such as 8GB (default: auto)",
+    )
+    parser.add_argument(
         "--allow-external-shards",
         action="store_true",
         help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
@@ -366,6 +373,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         lora_energy=args.energy,
         allow_external_shards=args.allow_external_shards,
         print_summary=True,
+        input_cache=args.input_cache,
     )
     return 0
 

@@ -23,7 +23,7 @@ from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 from ram_trl.io.vocabulary import pad_vocabularies
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.streaming import ReadCounter
+from ram_trl.streaming import InputCache, ReadCounter
 from ram_trl.validation import check_model_config
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ class MergeOptions:
         allow_external_shards: Accept checkpoint index files naming shards outside their directory.
         print_summary: Print the plan (dry run) or the summary tables in the terminal (the command line does;
             a library call logs one line through ``logging`` instead).
+        input_cache: Memory that may keep the inputs the statistics pass (RAM+, RAM+s) read, on the compute device,
+            for the merge pass, which then neither reads nor copies them again: ``"auto"`` (half the accelerator's
+            free memory; none on the CPU), ``"off"`` or a size such as ``"8GB"``.
     """
 
     overwrite: bool = False
@@ -58,11 +61,13 @@ class MergeOptions:
     progress: bool = True
     allow_external_shards: bool = False
     print_summary: bool = False
+    input_cache: str | int = "auto"
 
 
 @dataclass
 class MergeState:
-    """What the passes accumulate: global and per-tensor overlap statistics, cuts, warnings."""
+    """What the passes accumulate: global and per-tensor overlap statistics, cuts, warnings, bytes read and the
+    inputs the statistics pass keeps for the merge pass (``cache``)."""
 
     stats: OverlapStatistics
     tensor_stats: dict[str, OverlapStatistics] = field(default_factory=dict)
@@ -70,6 +75,7 @@ class MergeState:
     warnings: list[str] = field(default_factory=list)
     read: ReadCounter = field(default_factory=ReadCounter)
     bytes_written: int = 0
+    cache: InputCache | None = None
 
 
 @dataclass

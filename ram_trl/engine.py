@@ -59,7 +59,8 @@ from ram_trl.planner import (
     parse_size,
 )
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.validation import check_device, check_weight_sums, is_vocabulary_tensor
+from ram_trl.streaming import InputCache, input_cache_budget
+from ram_trl.validation import check_device, check_input_cache, check_weight_sums, is_vocabulary_tensor
 
 REPORT_FILE = reporting.REPORT_FILE
 
@@ -83,6 +84,7 @@ def merge(
     lora_energy: float | None = None,
     allow_external_shards: bool = False,
     print_summary: bool = False,
+    input_cache: str | int = "auto",
 ) -> dict[str, Any]:
     """Merge a base model and N agents into one model directory.
 
@@ -111,6 +113,10 @@ def merge(
             their checkpoint directory (refused by default).
         print_summary: Print the plan (dry run) or the per-agent summary table (and, with ``"lora"``, the export's)
             in the terminal, on the main process, as the command line does.
+        input_cache: For methods with a statistics pass (RAM+, RAM+s): memory that may keep the inputs that pass
+            read, on the compute device, so that the merge pass neither reads nor copies them again. ``"auto"``
+            (default): half the free memory of an accelerator, none on the CPU; ``"off"``; or a size (``"8GB"``).
+            The output is the same bytes either way.
 
     Returns:
         The merge report (also written to ``output_dir/ram_merge_report.json``): method, parameters, per-agent
@@ -133,6 +139,7 @@ def merge(
         progress=progress,
         allow_external_shards=allow_external_shards,
         print_summary=print_summary,
+        input_cache=input_cache,
     )
     parsed, config_path = load_config(config)
     resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
@@ -195,6 +202,7 @@ def prepare(
         OutputError: for an output directory the merge may not write.
     """
     check_device(options.device)
+    check_input_cache(options.input_cache)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
     base, agents = open_inputs(resolved, options.allow_pickle, options.allow_external_shards)
@@ -319,6 +327,9 @@ def _run_merge(
     timings: dict[str, float] = {}
     with RowReader() as run.reader:
         if resolved.method.needs_statistics:
+            budget = input_cache_budget(check_input_cache(options.input_cache), run.device)
+            if budget > 0 and plan.fishers is None:
+                state.cache = InputCache(budget)
             tick = time.perf_counter()
             ctx.guarded(lambda: statistics_pass(run))
             _reduce_statistics(ctx, state)
@@ -331,6 +342,8 @@ def _run_merge(
             ctx.guarded(lambda: _create_shards(plan, temp_dir) if ctx.is_main else None)
             tick = time.perf_counter()
             ctx.guarded(lambda: write_tensors(run, temp_dir))
+            if state.cache is not None:
+                state.cache.clear()
             written = ctx.all_reduce_int(state.bytes_written)
             if written != plan.output_bytes:
                 raise RuntimeError(f"{temp_dir}: {written} of {plan.output_bytes} tensor bytes were written")

@@ -136,6 +136,7 @@ def build_report(
         "seed": resolved.seed,
         "timings": timings,
         "bytes_read": state.read.bytes,
+        "input_cache": None if state.cache is None else state.cache.summary(),
         "warnings": list(state.warnings) + list(resolved.notes),
         "config": resolved.raw,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},

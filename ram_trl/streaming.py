@@ -119,6 +119,143 @@ def _row_slice(rows: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | No
     return rows[lo:hi]
 
 
+def chunk_nbytes(chunk: RawChunk) -> int:
+    """Bytes held by a chunk's tensors (stored values, LoRA deltas, Fishers).
+
+    Args:
+        chunk: The chunk.
+
+    Returns:
+        The bytes.
+    """
+    tensors = [chunk.base, *chunk.agents, *chunk.lora, chunk.fishers]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def to_device(chunk: RawChunk, device: torch.device) -> RawChunk:
+    """The chunk with every tensor on ``device``, in its stored dtype (the chunk itself on the CPU).
+
+    Args:
+        chunk: A chunk as read (host tensors).
+        device: Where the arithmetic runs.
+
+    Returns:
+        The chunk on ``device``.
+    """
+    if device.type == "cpu":
+        return chunk
+
+    def move(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.to(device)
+
+    return RawChunk(
+        chunk.task,
+        chunk.start,
+        chunk.stop,
+        move(chunk.base),
+        [move(v) for v in chunk.agents],
+        [move(v) for v in chunk.lora],
+        move(chunk.fishers),
+    )
+
+
+class InputCache:
+    """The chunks the merge's statistics pass has read, kept (on the compute device) for the merge pass, up to a
+    budget of bytes: the merge pass takes each kept chunk instead of reading it again, so a method with a statistics
+    pass (RAM+, RAM+s) reads and copies to the device the kept part of its inputs once instead of twice.
+
+    Chunks are kept in reading order until the next one would exceed the budget; the rest are read again as without
+    a cache. Thread-safe: the merge pass takes chunks on its reader threads.
+
+    Args:
+        budget: Bytes of chunks that may be kept.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.kept_bytes = 0
+        self.kept_chunks = 0
+        self.taken_chunks = 0
+        self._full = False
+        self._chunks: dict[tuple[str, int, int], RawChunk] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, chunk: RawChunk) -> bool:
+        """Keep a chunk for the merge pass if it fits the budget (and every chunk before it did).
+
+        Args:
+            chunk: A chunk the statistics pass read (its tensors must not be modified afterwards).
+
+        Returns:
+            Whether it was kept.
+        """
+        size = chunk_nbytes(chunk)
+        with self._lock:
+            if self._full or self.kept_bytes + size > self.budget:
+                self._full = True  # keep a prefix: the merge pass then finds the kept chunks first
+                return False
+            self._chunks[(chunk.task.name, chunk.start, chunk.stop)] = chunk
+            self.kept_bytes += size
+            self.kept_chunks += 1
+            return True
+
+    def take(self, task: TensorTask, start: int, stop: int) -> RawChunk | None:
+        """Remove and return the kept chunk of these rows, or ``None`` if none was kept.
+
+        Args:
+            task: The tensor.
+            start: First row.
+            stop: One past the last row.
+
+        Returns:
+            The chunk, or ``None``.
+        """
+        with self._lock:
+            chunk = self._chunks.pop((task.name, start, stop), None)
+            if chunk is not None:
+                self.taken_chunks += 1
+            return chunk
+
+    def clear(self) -> None:
+        """Drop every kept chunk (their device memory is freed with the last reference)."""
+        with self._lock:
+            self._chunks.clear()
+
+    def summary(self) -> dict[str, int]:
+        """The cache's figures for the merge report.
+
+        Returns:
+            ``budget``, ``kept_bytes``, ``kept_chunks`` and ``taken_chunks``.
+        """
+        return {
+            "budget": self.budget,
+            "kept_bytes": self.kept_bytes,
+            "kept_chunks": self.kept_chunks,
+            "taken_chunks": self.taken_chunks,
+        }
+
+
+def input_cache_budget(setting: int | None, device: torch.device) -> int:
+    """Bytes the :class:`InputCache` of a merge may keep.
+
+    Args:
+        setting: The checked ``input_cache`` option (:func:`~ram_trl.validation.check_input_cache`): bytes, or
+            ``None`` for ``auto``.
+        device: Where the arithmetic runs.
+
+    Returns:
+        The setting's bytes; for ``auto``, half the free memory of an accelerator (the merge's own buffers need
+        little: one chunk in flight), 0 on the CPU (its second read comes from the page cache, and keeping the
+        inputs would make the merge's memory grow with the model).
+    """
+    if setting is not None:
+        return setting
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    return 0
+
+
 @dataclass
 class ReadCounter:
     """Bytes read so far."""
@@ -156,6 +293,7 @@ def iter_chunks(
     read_ahead_depth: int = 1,
     fishers: list[Checkpoint] | None = None,
     readers: int = 1,
+    cache: InputCache | None = None,
 ) -> Iterator[RawChunk]:
     """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on background threads.
 
@@ -170,12 +308,15 @@ def iter_chunks(
         fishers: Each agent's Fisher file, read in the same row ranges as its weights (floating tensors, base rows).
         readers: Threads reading chunks at once (:attr:`ram_trl.parallel.ThreadPlan.readers`); the chunks and their
             order are the same for any number.
+        cache: Chunks kept by an earlier pass: each is taken from it instead of being read (not counted as read).
     """
     counter = counter if counter is not None else ReadCounter()
     counted = threading.Lock()  # several readers add to the counter
 
     def read(ref: tuple[TensorTask, int, int]) -> RawChunk:
         task, start, stop = ref
+        if cache is not None and (kept := cache.take(task, start, stop)) is not None:
+            return kept
         raw_base = None if start >= task.base_rows else base.read_rows(task.name, reader, start, stop)
         raws: list[torch.Tensor | None] = []
         loras: list[torch.Tensor | None] = []

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import CheckpointError, ConfigError, RamTrlError
+from ram_trl.sizes import parse_size
 
 #: Tensor names of vocabulary-sized tensors (rows = tokens): the only tensors ``merge_common_rows`` may resize.
 VOCABULARY_PATTERN = re.compile(r"^(?!.*pos)(.*\.)?([^.]*embed[^.]*|wte|lm_head)(\.|$)|^(output|shared)\.")
@@ -232,6 +233,34 @@ def check_device(device: Any) -> torch.device:
                 f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0.."
             )
     return parsed
+
+
+def check_input_cache(setting: Any) -> int | None:
+    """An ``input_cache`` setting: ``"auto"``, ``"off"`` or a size.
+
+    Args:
+        setting: The value given (``--input-cache``).
+
+    Returns:
+        ``None`` for ``"auto"``, the bytes of a size (0 for ``"off"``).
+
+    Raises:
+        ConfigError: for anything else, naming the value and the choices.
+    """
+    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+        return None if setting.strip().lower() == "auto" else 0
+    size = None
+    if not isinstance(setting, bool):
+        try:
+            size = parse_size(setting)
+        except (ConfigError, TypeError, AttributeError):
+            size = None
+    if size is None or size < 0:
+        raise ConfigError(
+            f"--input-cache {setting!r}: use auto, off or a size such as 8GB (memory that may keep the inputs "
+            "the statistics pass read for the merge pass)"
+        )
+    return size
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -69,5 +69,6 @@ def test_gpu_check_on_cuda(tmp_path):
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["GRPO + telemetry callback"]["device"] == "cuda:0"
     assert rows["merge ram_plus --device cuda"]["byte_identical_to_cpu"] is True
+    assert rows["merge ram_plus --device cuda"]["input_cache"]["taken_chunks"] > 0  # one read of the inputs
     assert rows["merge ties --device cuda"]["byte_identical_to_cpu"] is True
     assert rows["ram-trl run (one stage)"]["check"] is True

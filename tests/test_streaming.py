@@ -1,4 +1,5 @@
-"""ram_trl.streaming: chunk order and contents, task vectors per chunk, compute blocks, non-finite inputs."""
+"""ram_trl.streaming: chunk order and contents, task vectors per chunk, compute blocks, non-finite inputs, the input
+cache."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from ram_trl.planner import bytes_per_element
 from ram_trl.streaming import (
     COMPUTE_BLOCK_ELEMENTS,
     STATISTICS_BLOCK_ELEMENTS,
+    InputCache,
     ReadCounter,
+    chunk_nbytes,
     chunk_refs,
     compute_blocks,
     fill_delta,
+    input_cache_budget,
     iter_chunks,
     statistics_blocks,
     to_deltas,
@@ -177,3 +181,53 @@ def test_nonfinite_inputs_name_the_checkpoint_and_tensor(tmp_path, where):
             to_deltas(chunk, CPU, base, agents, reader)
         deltas, _ = to_deltas(chunk, CPU, base, agents, reader, allow_nonfinite=True)
     assert int(torch.isnan(deltas).sum()) == 1
+
+
+def test_input_cache_keeps_a_prefix_within_its_budget(tmp_path):
+    """Chunks are kept in order until one does not fit; after that none is (a smaller later one neither), each kept
+    chunk is taken once, and the figures count what happened."""
+    _, base, agents, plan = _setup(tmp_path)
+    with RowReader() as reader:
+        chunks = list(iter_chunks(base, agents, plan.tasks, reader))
+    sizes = [chunk_nbytes(c) for c in chunks]
+    assert sizes[0] == 3 * 3 * 8 * 4  # embedding rows 0:3 (8 float32 per row) of the base and two agents
+    cache = InputCache(budget=sizes[0] + sizes[1] + sizes[2] - 1)
+    assert [cache.keep(c) for c in chunks[:4]] == [True, True, False, False]
+    assert cache.kept_bytes == sizes[0] + sizes[1] and cache.kept_chunks == 2
+    first = chunks[0]
+    assert cache.take(first.task, first.start, first.stop) is first
+    assert cache.take(first.task, first.start, first.stop) is None
+    assert cache.take(chunks[2].task, chunks[2].start, chunks[2].stop) is None
+    cache.clear()
+    assert cache.take(chunks[1].task, chunks[1].start, chunks[1].stop) is None
+    assert cache.summary() == {
+        "budget": sizes[0] + sizes[1] + sizes[2] - 1,
+        "kept_bytes": sizes[0] + sizes[1],
+        "kept_chunks": 2,
+        "taken_chunks": 1,
+    }
+
+
+def test_iter_chunks_takes_kept_chunks_instead_of_reading_them(tmp_path):
+    _, base, agents, plan = _setup(tmp_path)
+    with RowReader() as reader:
+        first = list(iter_chunks(base, agents, plan.tasks, reader))
+        cache = InputCache(budget=10**9)
+        for chunk in first[:5]:
+            cache.keep(chunk)
+        counter = ReadCounter()
+        again = list(iter_chunks(base, agents, plan.tasks, reader, counter=counter, cache=cache, readers=2))
+    assert [a is b for a, b in zip(first, again, strict=True)] == [True] * 5 + [False] * (len(first) - 5)
+    assert counter.bytes == 3 * 2144 - sum(chunk_nbytes(c) for c in first[:5])
+    assert cache.taken_chunks == 5
+
+
+def test_input_cache_budget():
+    assert input_cache_budget(123, CPU) == 123
+    assert input_cache_budget(0, torch.device("cuda")) == 0
+    assert input_cache_budget(None, CPU) == 0  # auto: none on the CPU
+
+
+def test_input_cache_budget_on_an_accelerator_is_half_its_free_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10_000, 80_000))
+    assert input_cache_budget(None, torch.device("cuda", 0)) == 5_000

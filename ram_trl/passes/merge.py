@@ -79,6 +79,7 @@ def write_tensors(run: RunContext, out_dir: Path) -> None:
                 counter=state.read,
                 fishers=plan.fishers,
                 readers=threads.readers,
+                cache=state.cache,
             )
             for chunk in chunks:
                 task = chunk.task

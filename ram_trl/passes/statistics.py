@@ -2,7 +2,9 @@
 
 RAM+ and RAM+s need the statistics of the whole model before the first merged tensor is written: :func:`statistics_pass`
 counts them chunk by chunk (one chunk in flight ahead on the compute pool) into ``run.state``, and
-:func:`method_factors` turns counts into the method's per-agent factors (its ``factors`` hook).
+:func:`method_factors` turns counts into the method's per-agent factors (its ``factors`` hook). With an input cache
+(``run.state.cache``) the pass moves each chunk to the compute device and keeps it, within the cache's budget, for the
+merge pass.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ram_trl.context import RunContext
 from ram_trl.parallel import compute_pool, plan_threads, submit_blocks
 from ram_trl.planner import TensorTask
 from ram_trl.statistics import MAX_SUBSET_AGENTS, OverlapStatistics, subset_counts
-from ram_trl.streaming import RawChunk, iter_chunks, statistics_blocks, to_deltas
+from ram_trl.streaming import RawChunk, iter_chunks, statistics_blocks, to_deltas, to_device
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -109,6 +111,9 @@ def statistics_pass(run: RunContext) -> None:
         pending: tuple[RawChunk, Callable[[], list[torch.Tensor | OverlapStatistics]]] | None = None
         chunks = iter_chunks(base, agents, floating, reader, counter=state.read, readers=threads.readers)
         for chunk in chunks:
+            if state.cache is not None:  # staged on the device once, kept (within budget) for the merge pass
+                chunk = to_device(chunk, device)
+                state.cache.keep(chunk)
             started = (
                 chunk,
                 submit_blocks(pool, count, statistics_blocks(chunk, device)),
