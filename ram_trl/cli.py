@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import importlib.util
@@ -27,6 +28,9 @@ _COMMAND_MODULES = {
     "fisher": "ram_trl.fisher_estimation",
     "convert-gguf": "ram_trl.io.gguf",
 }
+
+#: Commands that load or save models with transformers (its progress bars are turned off when stderr is a log file).
+_MODEL_COMMANDS = frozenset({"run", "eval", "demo", "fisher", "convert-gguf"})
 
 #: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
 EXAMPLE_MARKER = ".ram-trl-example"
@@ -665,8 +669,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with gc_paused():
         importlib.import_module(_COMMAND_MODULES[args.command])
+    quiet = contextlib.nullcontext()
+    if not sys.stderr.isatty() and hasattr(args, "no_progress"):
+        # a log file, not a terminal: no bars redrawn with carriage returns (ours, nor transformers' while the
+        # command loads and saves models; stage processes are kept quiet by their launcher)
+        args.no_progress = True
+        if args.command in _MODEL_COMMANDS:
+            from ram_trl.io.quiet import progress_bars_off
+
+            quiet = progress_bars_off()
     try:
-        return handlers[args.command](args)
+        with quiet:
+            return handlers[args.command](args)
     except RamTrlError as exc:
         print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -261,3 +261,26 @@ def test_subprocess_merge(ckpts, config_path, tmp_path):
     assert {p.name for p in out.iterdir()} >= OUTPUT_FILES
     assert leftovers(out) == []
     assert set(load_checkpoint(out)) == set(ckpts.base_tensors)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_log_file_gets_no_progress_bars(monkeypatch, terminal):
+    """With stderr a log file, a command runs as with --no-progress and with transformers' bars off (put back
+    after); in a terminal both stay on."""
+    from transformers.utils import logging as hf_logging
+
+    import ram_trl.cli as cli
+
+    seen = {}
+
+    def fake_fisher(args):
+        seen["no_progress"] = args.no_progress
+        seen["bars"] = hf_logging.is_progress_bar_enabled()
+        return 0
+
+    monkeypatch.setattr(cli, "_run_fisher", fake_fisher)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal, raising=False)
+    hf_logging.enable_progress_bar()
+    assert main(["fisher", "agent", "--prompts", "prompts.txt"]) == 0
+    assert seen == {"no_progress": not terminal, "bars": terminal}
+    assert hf_logging.is_progress_bar_enabled()

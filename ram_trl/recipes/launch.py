@@ -232,6 +232,8 @@ class StageLauncher(RunLayout):
         log.parent.mkdir(parents=True, exist_ok=True)
         command = self.stage_command(stage, work)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # its output goes to a log file: no progress bars (each redraw would be a line of the log)
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         if self.recipe.torch_threads is not None:
             env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
         if not _has_cuda():

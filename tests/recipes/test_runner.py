@@ -70,6 +70,9 @@ def test_quick_demo_rows_and_files(quick_demo):
     assert markdown.rstrip().endswith(results["verdict"])
     for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG"
+    for log in (out / "logs").glob("*.log"):  # a log file gets no progress bars (one line per redraw)
+        text = log.read_text()
+        assert "Loading weights" not in text and "Writing model shards" not in text, log.name
     # each stage's log history (the telemetry during training) is saved beside its agent and summarized
     assert sorted(results["training"]) == sorted(STAGES)
     for stage in STAGES:
