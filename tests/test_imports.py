@@ -49,7 +49,11 @@ def test_telemetry_does_not_load_the_merge_stack(statement):
 def test_importing_the_package_loads_neither_torch_nor_the_merger():
     loaded = _loaded_after("import ram_trl")
     assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
-    assert sorted(m for m in loaded if m.startswith("ram_trl")) == ["ram_trl", "ram_trl.errors"]
+    assert sorted(m for m in loaded if m.startswith("ram_trl")) == [
+        "ram_trl",
+        "ram_trl.errors",
+        "ram_trl.lazy",
+    ]
 
 
 def test_public_names_load_on_first_use():

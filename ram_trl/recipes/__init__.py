@@ -19,9 +19,10 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ram_trl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ram_trl.evaluation.scoring import EvalTask, evaluate_model
@@ -37,17 +38,7 @@ _LAZY = {
 __all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "EvalTask", "EvaluationSpec", "evaluate_model", "seed_overrides"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ram_trl.recipes' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 #: The embedded CPU demo recipe (package data; ``recipes/demo-cpu.yaml`` in the repository links to it).
