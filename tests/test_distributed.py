@@ -73,6 +73,19 @@ def test_bit_identical_for_one_two_and_three_processes(inputs, tmp_path, method,
                 assert ours[key] == theirs[key], key
 
 
+def test_two_processes_with_an_input_cache(inputs, tmp_path):
+    """Each process keeps the chunks of its own share of the tensors for its merge pass: the same bytes."""
+    root, base, agents = inputs
+    config = _write_config(tmp_path, base, agents, "ram_plus", "cfg")
+    ram_trl.merge(config, tmp_path / "p1", progress=False, input_cache="off")
+    result = launch_merge(2, config, tmp_path / "p2", "--input-cache", "1GB")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _files(tmp_path / "p2") == _files(tmp_path / "p1")
+    report = json.loads((tmp_path / "p2" / "ram_merge_report.json").read_text())
+    assert report["input_cache"]["kept_chunks"] > 0  # the main process's share
+    assert report["input_cache"]["taken_chunks"] == report["input_cache"]["kept_chunks"]
+
+
 def test_accelerate_launch_two_processes(inputs, tmp_path):
     root, base, agents = inputs
     config = _write_config(tmp_path, base, agents, "ram_plus", "cfg")
