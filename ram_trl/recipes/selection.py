@@ -375,6 +375,13 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
     return text + ": the difference is not resolved at this number of prompts."
 
 
+#: Every agent's unique share at least this: the sparse, heterogeneous regime RAM targets.
+REGIME_UNIQUE = 0.2
+
+#: Every agent's unique share below this: RAM averages nearly every changed element (task arithmetic at 1/N).
+AVERAGING_UNIQUE = 0.05
+
+
 def verdict(results: dict[str, Any]) -> str:
     """One plain paragraph: the merge to ship (chosen on validation), its test average with its interval, its
     retention, how it compares with the runner-up and the base on test, and the agents' regime.
@@ -393,18 +400,27 @@ def verdict(results: dict[str, Any]) -> str:
         agents = list(regime.values())
         unique = [a.get("unique_share") for a in agents]
         defined = [u for u in unique if u is not None]
-        sparse = bool(defined) and all(u >= 0.2 for u in defined)
-        regime_text = (
-            f"The agents' task vectors have density {value_range([a.get('density') for a in agents], 100, '.0f', '%')}, "
-            f"unique share {value_range(unique, 100, '.0f', '%') or 'undefined (no active elements)'} and rho "
-            f"{value_range([a.get('rho') for a in agents], 1, '.3g') or 'inf'}: "
-            + (
+        unique_range = value_range(unique, 100, ".0f", "%")
+        if defined and all(u >= REGIME_UNIQUE for u in defined):
+            judged = (
                 "the sparse, heterogeneous regime RAM targets (every unique share at least 20%), where its "
                 "rescaling has unique elements to act on."
-                if sparse
-                else "not the regime RAM targets (unique shares of at least 20%; the paper's 7B agents: 6-48%), "
+            )
+        elif not defined or max(defined) < AVERAGING_UNIQUE:
+            judged = (
+                "not the regime RAM targets (unique shares of at least 20%; the paper's 7B agents: 6-48%), "
                 "so RAM averages nearly everywhere and behaves like task arithmetic at 1/N."
             )
+        else:
+            judged = (
+                "not the regime RAM targets (unique shares of at least 20%; the paper's 7B agents: 6-48%), but not "
+                f"dense either: RAM keeps each agent's unique elements ({unique_range} of its changes) at full "
+                "strength and averages the shared rest, between task arithmetic at 1/N and at 1."
+            )
+        regime_text = (
+            f"The agents' task vectors have density {value_range([a.get('density') for a in agents], 100, '.0f', '%')}, "
+            f"unique share {unique_range or 'undefined (no active elements)'} and rho "
+            f"{value_range([a.get('rho') for a in agents], 1, '.3g') or 'inf'}: " + judged
         )
     else:
         regime_text = "No sparsity analysis was run, so the agents' regime is not known."

@@ -135,6 +135,31 @@ def test_verdict_key_facts():
     assert "\n" not in text
 
 
+@pytest.mark.parametrize(
+    ("shares", "expected"),
+    [
+        ((0.25, 0.48), "the sparse, heterogeneous regime RAM targets (every unique share at least 20%)"),
+        ((0.02, 0.03), "so RAM averages nearly everywhere and behaves like task arithmetic at 1/N."),
+        (
+            (0.17, 0.34),
+            "but not dense either: RAM keeps each agent's unique elements (17-34% of its changes) at full strength "
+            "and averages the shared rest, between task arithmetic at 1/N and at 1.",
+        ),
+        ((None, None), "unique share undefined (no active elements)"),
+    ],
+)
+def test_the_verdict_reads_the_regime_from_the_unique_shares(shares, expected):
+    """At least 20% for every agent: RAM's regime; below 5% for every agent: averaging; in between it says what RAM
+    keeps and what it averages (a 17%-share agent is not averaged "nearly everywhere")."""
+    results = hand_made()
+    for agent, share in zip(results["regime"].values(), shares, strict=True):
+        agent["unique_share"] = share
+    text = add_statistics(results)["verdict"]
+    assert expected in text
+    averaging = shares[0] is None or max(shares) < 0.05
+    assert ("nearly everywhere" in text) == averaging
+
+
 def test_regime_from_analysis():
     analysis = {
         "agents": [
