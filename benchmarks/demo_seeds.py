@@ -115,15 +115,15 @@ def summarize(name: str, out: Path) -> dict[str, Any] | None:
         Per vertical base / specialist / gain with intervals, density and unique share; the merge shipped and its
         retention; the warm start's steps and acceptance.
     """
-    from ram_trl.recipes import results as results_module
     from ram_trl.recipes import stats
+    from ram_trl.recipes.selection import score_samples
 
     path = out / "results.json"
     if not path.is_file():
         return None
     results = json.loads(path.read_text(encoding="utf-8"))
     kind = results["statistics"].get("intervals", "bootstrap")
-    samples = results_module._samples(results, "test", kind)
+    samples = score_samples(results, "test", kind)
     by_name = {row["name"]: row for row in results["rows"]}
     base = by_name["base"]
     verticals = {}

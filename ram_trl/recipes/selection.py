@@ -21,6 +21,7 @@ __all__ = [
     "best_merged",
     "regime_from_analysis",
     "row_average",
+    "score_samples",
     "select_merges",
     "split_block",
     "val_block",
@@ -148,8 +149,18 @@ def split_block(row: dict[str, Any], split: str) -> dict[str, Any]:
     return row if split == "test" else row.setdefault("val", {"scores": {}})
 
 
-def _samples(results: dict[str, Any], split: str, kind: str) -> dict[str, dict[str, np.ndarray]]:
-    """Per row name, per stage and ``"average"``: the bootstrap means (paired over rows) or the per-seed values."""
+def score_samples(results: dict[str, Any], split: str, kind: str) -> dict[str, dict[str, np.ndarray]]:
+    """Per row name, per stage and ``"average"``: the bootstrap means (paired over rows: the same resamples of the
+    prompts for every model) or the per-seed values; differences of two rows' samples give paired intervals.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``results.json``).
+        split (`str`): ``"test"`` or ``"val"``.
+        kind (`str`): ``"bootstrap"`` (one run) or ``"seeds"`` (runs over seeds).
+
+    Returns:
+        `dict[str, dict[str, np.ndarray]]`: The samples.
+    """
     stages = results["stages"]
     config = results.get("statistics") or {}
     rows = results["rows"]
@@ -196,7 +207,7 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
     specialists = results.get("specialists") or {s: s for s in stages}
     base = next((row for row in rows if row["kind"] == "base"), None)
     for split in ("test", "val"):
-        samples = _samples(results, split, kind)
+        samples = score_samples(results, split, kind)
         results.setdefault("_samples", {})[split] = samples
         for row in rows:
             block = split_block(row, split)

@@ -47,6 +47,25 @@ def quick_demo(tmp_path_factory):
     return out
 
 
+def test_demo_seeds_summarizes_a_finished_run(quick_demo):
+    """benchmarks/demo_seeds.py's table reads a finished demo (its paired gain intervals come from the same
+    bootstrap samples as results.md's)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "demo_seeds.py"
+    spec = importlib.util.spec_from_file_location("demo_seeds", path)
+    demo_seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo_seeds)
+    summary = demo_seeds.summarize("seed0", quick_demo)
+    results = json.loads((quick_demo / "results.json").read_text())
+    assert sorted(summary["verticals"]) == sorted(STAGES) and summary["ship"] == results["selection"]["ship"]
+    for stage, vertical in summary["verticals"].items():
+        low, high = vertical["gain_interval"]
+        assert low <= vertical["gain"] <= high, stage
+    text = demo_seeds.table({"seed0": summary, "seed1": None}, {})
+    assert "| seed0 | coding |" in text and "Runs missing (not finished): seed1." in text
+
+
 def test_quick_demo_rows_and_files(quick_demo):
     out = quick_demo
     results = json.loads((out / "results.json").read_text())
