@@ -197,7 +197,11 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("recipe", help="recipe (YAML)")
     parser.add_argument("--out", help="run directory (default: the recipe's output_dir, else runs/NAME)")
     parser.add_argument("--only", metavar="STAGE", help="train only this stage (no merges, no evaluation)")
-    parser.add_argument("--resume", action="store_true", help="skip stages whose ram_stage.json is complete")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip complete stages and reuse the evaluation of unchanged models",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -275,7 +279,11 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
             "trainers, the merges' draws and the evaluation (default: the recipe's, 0)"
         ),
     )
-    parser.add_argument("--resume", action="store_true", help="skip stages already complete in --out")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip stages already complete in --out, reuse unchanged evaluations",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

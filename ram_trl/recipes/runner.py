@@ -6,7 +6,8 @@ its layout and checks), :mod:`ram_trl.recipes.prepare` (prompt files, base, warm
 merges, the evaluation and the results. The run directory's layout: :mod:`ram_trl.recipes.layout`.
 
 A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint; ``--resume`` skips
-complete stages (the base, warm start and prompt files are reused whenever complete). A failed stage stops the
+complete stages (the base, warm start and prompt files are reused whenever complete) and reuses each model's
+evaluation when its inputs are unchanged (:mod:`ram_trl.recipes.reuse`). A failed stage stops the
 run with a :class:`StageError` naming the stage and its log; finished stages are kept.
 """
 
@@ -47,7 +48,8 @@ class RunOptions:
     Args:
         out (`Path`, *optional*): The run directory (default: the recipe's ``output_dir``, else ``runs/NAME``).
         only (`str`, *optional*): Train only this stage (no merges, no evaluation).
-        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete.
+        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete, and
+            reuse the evaluation of every model whose inputs are unchanged.
         dry_run (`bool`, *optional*, defaults to `False`): Validate the recipe and print the plan; run nothing.
         check_paths (`bool`, *optional*, defaults to `True`): With ``dry_run``, check that model checkpoints and
             prompt files exist.
@@ -222,12 +224,24 @@ class Run(RunPreparation, StageLauncher):
         (self.dir / "eval").mkdir(exist_ok=True)
         from tqdm.auto import tqdm
 
+        from ram_trl.recipes.reuse import EVALUATION_KEY, evaluation_key, model_digest, reusable_evaluation
+
+        base_digest = model_digest(self.base)
+        settings = self.recipe.evaluation.model_dump(mode="json")
+        reused = 0
         for name, kind, path, method, parameters in tqdm(
             models, desc="evaluation", disable=not self.options.progress
         ):
-            scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
-            with atomic_file(self.dir / "eval" / f"{safe_name(name)}.json", "evaluation file") as tmp:
-                tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
+            file = self.dir / "eval" / f"{safe_name(name)}.json"
+            key = evaluation_key(model_digest(path), base_digest, tasks, settings)
+            scored = reusable_evaluation(file, key) if self.options.resume else None
+            if scored is not None:
+                reused += 1
+            else:
+                scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
+                scored[EVALUATION_KEY] = key
+                with atomic_file(file, "evaluation file") as tmp:
+                    tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
             val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})
             results.append(
                 {
@@ -243,6 +257,11 @@ class Run(RunPreparation, StageLauncher):
                 }
             )
         self._timed("evaluation", start)
+        if reused:
+            self.console.print(
+                f"evaluation: reused {reused} of {len(models)} earlier scores (same weights, prompts, rewards and "
+                "settings; delete RUN/eval to score again)"
+            )
         return results
 
     def results(self, rows: list[dict[str, Any]], analysis: dict[str, Any] | None) -> dict[str, Any]:

@@ -66,6 +66,38 @@ def test_demo_seeds_summarizes_a_finished_run(quick_demo):
     assert "| seed0 | coding |" in text and "Runs missing (not finished): seed1." in text
 
 
+def test_resume_reuses_the_evaluation_of_unchanged_models(quick_demo, tmp_path):
+    """--resume keeps each model's scores when its weights, the prompts, the rewards and the settings are the same
+    (the merges are written again, byte-identical); a file computed for other inputs is scored again, and a run
+    without --resume scores everything."""
+    import shutil
+
+    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
+    from ram_trl.recipes.reuse import EVALUATION_KEY
+
+    out = tmp_path / "run"
+    shutil.copytree(quick_demo, out)
+    before = json.loads((quick_demo / "results.json").read_text())
+    files = sorted((out / "eval").glob("*.json"))
+    assert len(files) == len(before["rows"]) and all(
+        EVALUATION_KEY in json.loads(f.read_text()) for f in files
+    )
+    stale = out / "eval" / "ties.json"
+    tampered = json.loads(stale.read_text())
+    tampered[EVALUATION_KEY] = "0" * 64
+    stale.write_text(json.dumps(tampered))
+    times = {f.name: f.stat().st_mtime_ns for f in files}
+    again = run_recipe(
+        DEMO_RECIPE, RunOptions(out=out, resume=True, progress=False, overrides=QUICK_OVERRIDES)
+    )
+    changed = sorted(f.name for f in files if f.stat().st_mtime_ns != times[f.name])
+    assert changed == ["ties.json"]
+    assert json.loads(stale.read_text())[EVALUATION_KEY] != "0" * 64
+    assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in before["rows"]]
+    run_recipe(DEMO_RECIPE, RunOptions(out=out, progress=False, overrides=QUICK_OVERRIDES))
+    assert all(f.stat().st_mtime_ns != times[f.name] for f in files)
+
+
 def test_quick_demo_rows_and_files(quick_demo):
     out = quick_demo
     results = json.loads((out / "results.json").read_text())
