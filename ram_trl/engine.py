@@ -328,7 +328,7 @@ def _run_merge(
     with RowReader() as run.reader:
         if resolved.method.needs_statistics:
             budget = input_cache_budget(check_input_cache(options.input_cache), run.device)
-            if budget > 0 and plan.fishers is None:
+            if budget > 0 and plan.fishers is None:  # the statistics pass reads no Fisher rows to keep
                 state.cache = InputCache(budget)
             tick = time.perf_counter()
             ctx.guarded(lambda: statistics_pass(run))

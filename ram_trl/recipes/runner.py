@@ -233,7 +233,8 @@ class Run(RunPreparation, StageLauncher):
             models, desc="evaluation", disable=not self.options.progress
         ):
             file = self.dir / "eval" / f"{safe_name(name)}.json"
-            key = evaluation_key(model_digest(path), base_digest, tasks, settings)
+            digest = base_digest if Path(path) == Path(self.base) else model_digest(path)
+            key = evaluation_key(digest, base_digest, tasks, settings)
             scored = reusable_evaluation(file, key) if self.options.resume else None
             if scored is not None:
                 reused += 1
