@@ -33,7 +33,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 import warnings
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ram_trl.errors import OutputError
+from ram_trl.signals import raising_signals
 
 logger = logging.getLogger(__name__)
 
@@ -129,31 +129,10 @@ def _rename_reserved(source: Path, target: Path) -> None:
 # Signals
 
 
-@contextlib.contextmanager
-def catch_signals() -> Iterator[None]:
+def catch_signals() -> contextlib.AbstractContextManager[None]:
     """Turn SIGTERM and SIGHUP into :class:`Interrupted` (SIGINT already raises ``KeyboardInterrupt``), so that
-    ``finally`` blocks and ``except BaseException`` cleanups run. A handler installed before (e.g. by the
-    distributed launcher support) is called instead when it is a Python function. No-op outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Any] = {}
-
-    def handler(signum: int, frame: Any) -> None:
-        before = previous.get(signum)
-        if callable(before):
-            before(signum, frame)
-        raise Interrupted(signum)
-
-    for signum in _CAUGHT_SIGNALS:
-        with contextlib.suppress(ValueError, OSError):
-            previous[signum] = signal.signal(signum, handler)
-    try:
-        yield
-    finally:
-        for signum, before in previous.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(signum, before if before is not None else signal.SIG_DFL)
+    ``finally`` blocks and ``except BaseException`` cleanups run; see :func:`~ram_trl.signals.raising_signals`."""
+    return raising_signals(_CAUGHT_SIGNALS, Interrupted)
 
 
 # ---------------------------------------------------------------------------------------------------------------
