@@ -21,6 +21,7 @@ import torch
 
 from ram_trl.errors import ConfigError
 from ram_trl.evaluation.rewards import StageFailure, wrap_reward
+from ram_trl.parallel import owned_process
 from ram_trl.recipes.environment import import_object, trainer_settings
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 
@@ -257,7 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--val {item!r}: write STAGE=FILE")
         val_files[name] = Path(file)
     try:
-        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)
+        with owned_process():  # the stage process is the library's: its compute pools may set thread counts
+            run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)
     except Exception as exc:  # noqa: BLE001 - the runner reports it with the stage's log
         traceback.print_exc()
         cause = exc

@@ -9,6 +9,7 @@ import torch
 
 from ram_trl.errors import NonFiniteError
 from ram_trl.io.safetensors_io import RowReader
+from ram_trl.parallel import owned_process
 from ram_trl.passes.merge import extra_rows, planned_tensors, start_chunk
 from ram_trl.passes.tensors import tensor_context
 from ram_trl.streaming import iter_chunks
@@ -97,7 +98,8 @@ def test_the_thread_plan_changes_no_output_byte(tmp_path, monkeypatch, method):
         plan = parallel.plan_threads()
         used.clear()
         out = tmp_path / f"out{simulated}"
-        report = ram_trl.merge(config, out, chunk_budget=4096, progress=False)
+        with owned_process():  # the command line's pools (a guest's merge runs on the calling thread)
+            report = ram_trl.merge(config, out, chunk_budget=4096, progress=False)
         assert torch.get_num_threads() == before
         passes = ["ram_trl.passes.merge"] + (["ram_trl.passes.statistics"] if method == "ram_plus" else [])
         assert sorted(u for u in used if u[2] == -1) == sorted((p, plan.compute, -1) for p in passes)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ram_trl.io.safetensors_io import RowReader
-from ram_trl.parallel import compute_pool
+from ram_trl.parallel import compute_pool, owned_process
 from ram_trl.passes.statistics import method_factors, statistics_pass
 from ram_trl.passes.tensors import agent_parameter_values, fill_magnitudes, tensor_context, tensor_factors
 from tests.helpers import DOWN, UP, make_checkpoints, run_context
@@ -59,7 +59,7 @@ def test_fill_magnitudes_is_the_absolute_task_vector_in_any_pool(tmp_path, monke
     ckpts = make_checkpoints(tmp_path, num_agents=1, fraction=0.5)
     base, agent = ckpts.base_tensors[UP], ckpts.agent_tensors[0][UP]
     out = torch.empty(base.numel())
-    with compute_pool(torch.device("cpu"), workers) as pool:
+    with owned_process(), compute_pool(torch.device("cpu"), workers) as pool:
         nonzero = fill_magnitudes(out, agent, None, base.reshape(-1), pool)
     expected = (agent - base).abs().reshape(-1)
     assert torch.equal(out, expected)
