@@ -41,8 +41,8 @@ def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector
     Returns:
         `list[dict[str, Any]]`: One ``{"step", "reward", <TRAINING_KEYS short names>}`` per log entry that carries
         ``PREFIX + "density"`` (values that are missing or not finite are ``None``). ``reward`` is the batch reward
-        the trainer logged last at or before the measurement's step (the callback logs its own entries, so the
-        reward usually sits in the trainer's entry of the same step).
+        the trainer logged last at or before the measurement's step (GRPO's and RLOO's ``log`` add the rewards
+        of the window to the telemetry's own entry when it is logged first; see docs/telemetry.md).
     """
     rewards = sorted(
         (int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e
