@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ram_trl.digest import text_digest
 from ram_trl.errors import OutputError
 from ram_trl.signals import raising_signals
 
@@ -260,7 +260,7 @@ def _temp_stem(name: str) -> str:
     so that an output name of up to 255 bytes still has a temporary sibling."""
     if len(name.encode()) <= _STEM_BYTES:
         return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    digest = text_digest(name)[:12]
     return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 

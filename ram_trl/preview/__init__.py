@@ -42,13 +42,14 @@ callback is built, so ``import ram_trl.callbacks`` stays light.
 
 from __future__ import annotations
 
+from ram_trl.digest import weights_digest
 from ram_trl.preview.callback import (
     PREVIEW_PREFIX,
     MergePreviewCallback,
     default_preview_every,
     preview_merge_config,
 )
-from ram_trl.preview.scores import preview_prompt_indices, weights_digest
+from ram_trl.preview.scores import preview_prompt_indices
 from ram_trl.preview.state import CHECKPOINT_DIR, LAST_DIR, STATE_FILE, WORK_DIR, check_last_dir
 
 __all__ = [

@@ -131,7 +131,7 @@ class RunPreparation(RunLayout):
                 done = None
             if (
                 isinstance(done, dict)
-                and done.get("sha256") == source.sha256()
+                and done.get("sha256") == source.digest()
                 and done.get("dtype") == spec.gguf_dtype
             ):
                 return
@@ -268,9 +268,9 @@ class RunPreparation(RunLayout):
         return [self.dir / "data" / s.name / "train.jsonl" for s in self.recipe.stages if s.trained]
 
     def _rows_digest(self) -> str:
-        import hashlib
+        from ram_trl.digest import hasher
 
-        digest = hashlib.sha256()
+        digest = hasher()
         for file in self._warm_files():
             digest.update(file.read_bytes())
         for stage in self.recipe.stages:

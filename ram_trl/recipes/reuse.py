@@ -6,11 +6,12 @@ never by file times (the merges are written again on every resume, byte-identica
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 from pathlib import Path
 from typing import Any
+
+from ram_trl.digest import hasher, text_digest, weights_digest
 
 __all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation"]
 
@@ -38,10 +39,9 @@ def model_digest(path: str | Path) -> str:
     Returns:
         `str`: The hex digest.
     """
-    from ram_trl.preview.scores import weights_digest
-
     directory = Path(path)
-    digest = hashlib.sha256(weights_digest(directory).encode())
+    digest = hasher()
+    digest.update(weights_digest(directory).encode())
     for name in _MODEL_FILES:
         file = directory / name
         if file.is_file():
@@ -81,13 +81,13 @@ def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, 
                 "stage": task.stage,
                 "split": task.split,
                 "rows": task.rows,
-                "rewards": {p: hashlib.sha256(_reward_source(p).encode()).hexdigest() for p in task.paths},
+                "rewards": {p: text_digest(_reward_source(p)) for p in task.paths},
             }
             for task in tasks
         ],
     }
     text = json.dumps(described, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return text_digest(text)
 
 
 def reusable_evaluation(file: Path, key: str) -> dict[str, Any] | None:

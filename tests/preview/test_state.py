@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 
+from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 from ram_trl.evaluation.spec import EvaluationSpec
 from ram_trl.manifest import StageManifest, read_manifest, write_manifest
 from ram_trl.preview import MergePreviewCallback
-from ram_trl.preview.scores import weights_digest
 from ram_trl.preview.state import (
     CHECKPOINT_DIR,
     STATE_FILE,
