@@ -14,12 +14,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ram_trl"
 
 #: Functions whose parameters are documented elsewhere, as ``module path:qualified name`` patterns, with the reason.
 EXEMPT = {
-    "ram_trl/callbacks.py:TaskVectorSparsityCallback.on_*": "TrainerCallback events: transformers documents "
+    "ram_trl/callbacks/sparsity.py:TaskVectorSparsityCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
+    "ram_trl/callbacks/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/passes/tensors.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
-    "ram_trl/telemetry/base_weights.py:*Base.read": "implements the protocol BaseSource.read, documented there",
+    "ram_trl/merging/passes/tensors.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
+    "ram_trl/callbacks/telemetry/base_weights.py:*Base.read": "implements the protocol BaseSource.read, documented there",
 }
 
 #: An entry of an ``Args:`` section: ``name:``, ``name (`type`, *optional*):``, ``*args:``, ``**kwargs:``.

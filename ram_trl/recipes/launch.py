@@ -63,7 +63,7 @@ class StageLauncher(RunLayout):
             self.train_stage(stage)
 
     def _prior(self, stage: StageSpec) -> list[Path]:
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
         prior = []
         for other in self.recipe.stages:
@@ -127,7 +127,7 @@ class StageLauncher(RunLayout):
         Returns:
             `OutputDir`: The stage directory's output protocol.
         """
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
         reads = [("base model", self.base)] + [
             (f"stage {other.name!r} agent", self.agent_path(other))

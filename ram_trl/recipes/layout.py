@@ -70,7 +70,7 @@ def stage_complete(stage_dir: Path) -> bool:
     Returns:
         `bool`: ``True`` for a finished stage (the runner skips it).
     """
-    from ram_trl.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
+    from ram_trl.stage.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
 
     try:
         manifest = read_manifest(stage_dir / MANIFEST_NAME)

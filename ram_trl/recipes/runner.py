@@ -111,7 +111,7 @@ class Run(RunPreparation, StageLauncher):
         return result
 
     def _model_entry(self, stage: StageSpec) -> dict[str, Any]:
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
         if stage.trained:
             return {"stage": str(self.stage_dir(stage) / MANIFEST_NAME), "name": stage.name}
@@ -134,7 +134,7 @@ class Run(RunPreparation, StageLauncher):
             return
         import torch
 
-        from ram_trl.fisher_estimation import estimate_fisher, load_agent, save_fisher
+        from ram_trl.evaluation.fisher import estimate_fisher, load_agent, save_fisher
 
         settings = dict(fisher_rows[0].fisher)
         start = time.perf_counter()
@@ -165,8 +165,8 @@ class Run(RunPreparation, StageLauncher):
         """
         from tqdm.auto import tqdm
 
-        from ram_trl.engine import merge
-        from ram_trl.report import print_summary
+        from ram_trl.merging.engine import merge
+        from ram_trl.merging.report import print_summary
 
         rows = expand_merges(self.recipe)
         self.fisher(rows)
@@ -325,7 +325,7 @@ class Run(RunPreparation, StageLauncher):
     def previews(self) -> dict[str, dict[str, Any]]:
         """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and
         every preview's merged validation scores), for results.md."""
-        from ram_trl.manifest import read_manifest
+        from ram_trl.stage.manifest import read_manifest
 
         out = {}
         for stage in self.recipe.stages:

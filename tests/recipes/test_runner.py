@@ -17,9 +17,9 @@ from safetensors import safe_open
 
 from ram_trl.cli import main
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import fingerprint_checkpoint, read_manifest
 from ram_trl.output import LOCK_FILE
 from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
+from ram_trl.stage.manifest import fingerprint_checkpoint, read_manifest
 from tests.helpers import dead_pid, leftovers
 
 REPO = Path(__file__).resolve().parents[2]
