@@ -177,13 +177,16 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(name: str, path: Path, modules: set[str]) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of a module, at any depth (functions included), except under ``TYPE_CHECKING``."""
+def _imports(
+    name: str, path: Path, modules: set[str], type_only: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, at any depth (functions included); those under ``TYPE_CHECKING`` only
+    with ``type_only``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
+            if isinstance(child, ast.If) and _type_checking(child) and not type_only:
                 for other in child.orelse:
                     visit_statement(other)
                 continue
@@ -214,14 +217,15 @@ def _owner(target: str, modules: set[str]) -> str | None:
     return target or None
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (``from pkg import submodule`` counts as the submodule)."""
+def _import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from pkg import submodule`` counts as the submodule); imports
+    under ``TYPE_CHECKING`` count with ``type_only``."""
     files = _module_files()
     modules = set(files)
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         edges: set[str] = set()
-        for node in _imports(name, path, modules):
+        for node in _imports(name, path, modules, type_only):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -279,14 +283,19 @@ def test_the_import_graph_finds_known_edges():
     assert "ram_trl.merging.passes" in graph["ram_trl.merging.engine"]
     assert "ram_trl.merging.context" in graph["ram_trl.merging.passes.statistics"]
     assert "ram_trl.merging.engine" in graph["ram_trl.cli"]  # an import inside a function counts
-    assert "ram_trl.merging.engine" not in graph["ram_trl.merging.report"]  # one under TYPE_CHECKING does not
+    assert (
+        "ram_trl.merging.context" not in graph["ram_trl.merging.report"]
+    )  # one under TYPE_CHECKING does not
+    assert (
+        "ram_trl.merging.context" in _import_graph(type_only=True)["ram_trl.merging.report"]
+    )  # unless asked
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_package_has_no_import_cycles():
-    """No module imports (directly or through others) one that imports it back, not even from inside a function:
-    a cycle kept alive by a deferred import is still a cycle."""
-    cycles = _cycles(_import_graph())
+    """No module imports (directly or through others) one that imports it back, not even from inside a function or
+    for type hints only: a cycle kept alive by a deferred or a ``TYPE_CHECKING`` import is still a cycle."""
+    cycles = _cycles(_import_graph(type_only=True))
     assert cycles == [], cycles
 
 

@@ -437,4 +437,3 @@ def test_the_split_modules_names_still_import_from_the_runner():
     assert runner.StageError is launch.StageError and runner.die_with_parent is launch.die_with_parent
     assert runner.stage_complete is layout.stage_complete and runner.safe_name is layout.safe_name
     assert {"RunOptions", "run_recipe", "run_seeds", "StageError", "stage_complete"} <= set(runner.__all__)
-    assert issubclass(runner.Run, layout.RunLayout)

@@ -16,7 +16,12 @@ from typing import Any, Literal
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from ram_trl import defaults
-from ram_trl.callbacks.preview.partitions import check_partitioned, preview_partitions, without_zero3_init
+from ram_trl.callbacks.preview.partitions import (
+    PartitionPreview,
+    check_partitioned,
+    preview_partitions,
+    without_zero3_init,
+)
 from ram_trl.callbacks.preview.scores import (
     record_retention,
     reference_scores,
@@ -417,7 +422,19 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         save_agent(self.trainer, checkpoint, self.save_dtype)  # every rank: a sharded model is gathered
         accelerator.wait_for_everyone()
         if self.partitioned:
-            record = preview_partitions(self, checkpoint, step)  # every rank: its own partitions
+            preview = PartitionPreview(
+                self.trainer,
+                self.save_dtype,
+                self.merge_config(checkpoint),
+                self.history,
+                self.tasks,
+                self.stage_name,
+                self.merged_stages,
+                self.generation_tokenizer,
+                self.evaluation,
+                self.share,
+            )
+            record = preview_partitions(preview, checkpoint, step)  # every rank: its own partitions
         else:
             merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a share each under DDP
             if accelerator.is_main_process:

@@ -13,9 +13,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,18 +24,45 @@ from ram_trl.callbacks.preview.scores import training_rng_kept, weights_digest
 from ram_trl.callbacks.sparsity import library_versions, policy_of
 from ram_trl.errors import ConfigError
 
-if TYPE_CHECKING:
-    from ram_trl.callbacks.preview.callback import MergePreviewCallback
-
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "PartitionPreview",
     "check_partitioned",
     "preview_partitions",
     "score_gathered",
     "swapped_partitions",
     "without_zero3_init",
 ]
+
+
+@dataclass
+class PartitionPreview:
+    """What one partition-local preview takes from its callback (so this module never holds the callback).
+
+    Args:
+        trainer (`Trainer`): The trainer (its model, the DeepSpeed engine, the accelerator).
+        save_dtype (`torch.dtype`): The dtype the policy is saved in.
+        merge_config (`dict[str, Any]`): The preview's merge config, naming the saved policy as the last agent.
+        history (`list[dict[str, Any]]`): The previews so far (scores of unchanged weights are reused).
+        tasks (`dict[str, EvalTask]`): Every stage's validation task, by stage name.
+        stage_name (`str`): This stage.
+        merged_stages (`list[str]`): The stages in the merge, in merge order.
+        tokenizer (`Callable[[], Any]`): The base's tokenizer set up for generation (loaded on first call).
+        evaluation (`EvaluationSpec`): How the stages are scored.
+        share (`Callable[[Any], Any]`): The main rank's value, on every rank.
+    """
+
+    trainer: Any
+    save_dtype: torch.dtype
+    merge_config: dict[str, Any]
+    history: list[dict[str, Any]]
+    tasks: dict[str, Any]
+    stage_name: str
+    merged_stages: list[str]
+    tokenizer: Callable[[], Any]
+    evaluation: Any
+    share: Callable[[Any], Any]
 
 
 def check_partitioned(
@@ -79,13 +107,13 @@ def check_partitioned(
         )
 
 
-def preview_partitions(preview: MergePreviewCallback, checkpoint: Path, step: int) -> dict[str, Any]:
+def preview_partitions(preview: PartitionPreview, checkpoint: Path, step: int) -> dict[str, Any]:
     """One preview's record under DeepSpeed ZeRO-3 (every rank calls it): each rank merges its own partition of
     every parameter with the global statistics (no parameter gathered); the merged values then replace the
     partitions while the model is scored, and the policy's partitions are restored afterwards.
 
     Args:
-        preview (`MergePreviewCallback`): The callback (its trainer, settings and history).
+        preview (`PartitionPreview`): The trainer, settings and history of this preview.
         checkpoint (`Path`): The policy saved at this step (the merge config names it; the values come from the
             partitions).
         step (`int`): The step.
@@ -113,7 +141,7 @@ def preview_partitions(preview: MergePreviewCallback, checkpoint: Path, step: in
     ]
     start = time.perf_counter()
     # the config names the saved policy (the last agent); merge_ranges takes its values from `saved` instead
-    resolved = resolve_config(load_config(preview.merge_config(checkpoint))[0])
+    resolved = resolve_config(load_config(preview.merge_config)[0])
     result = ctx.guarded(lambda: merge_ranges(resolved, len(resolved.agents) - 1, saved, ctx))
     merge_seconds = time.perf_counter() - start
     agent_digest = preview.share(weights_digest(checkpoint) if ctx.is_main else None)
@@ -140,14 +168,14 @@ def preview_partitions(preview: MergePreviewCallback, checkpoint: Path, step: in
     return preview.share(record if ctx.is_main else None)  # the main rank's timings
 
 
-def score_gathered(preview: MergePreviewCallback, tasks: list[Any]) -> dict[str, float]:
+def score_gathered(preview: PartitionPreview, tasks: list[Any]) -> dict[str, float]:
     """Scores of the model as its partitions now hold it (every rank calls it): the parameters are gathered the
     way TRL gathers them for its training generation, and every rank generates the same completions in step with
     the others (ZeRO-3's forward hooks and ``generate``'s ``synced_gpus`` are collectives); the main rank's scores
     are shared.
 
     Args:
-        preview (`MergePreviewCallback`): The callback (its trainer, tokenizer and evaluation settings).
+        preview (`PartitionPreview`): The trainer, tokenizer and evaluation settings.
         tasks (`list[EvalTask]`): The stages to score.
 
     Returns:
@@ -165,7 +193,7 @@ def score_gathered(preview: MergePreviewCallback, tasks: list[Any]) -> dict[str,
         try:
             with training_rng_kept():
                 scored = evaluate_loaded(
-                    model, preview.generation_tokenizer(), tasks, preview.evaluation, progress=False
+                    model, preview.tokenizer(), tasks, preview.evaluation, progress=False
                 )
         finally:
             model.train(training)

@@ -20,8 +20,9 @@ from ram_trl.merging.config.settings import (
     num_layers,
     shared_settings,
 )
-from ram_trl.merging.config.slices import check_layer_ranges, config_entries
+from ram_trl.merging.config.slices import check_layer_ranges, config_entries, slice_segments
 from ram_trl.merging.config.tokens import (
+    build_union_rows,
     check_token_rules,
     padded_rows,
     resolve_chat_template,
@@ -177,7 +178,7 @@ def resolve_config(
         positions.append(position)
     segments = None
     if slice_settings is not None:
-        segments, slice_gradient = segments(
+        segments, slice_gradient = slice_segments(
             method,
             alias_defaults,
             slice_settings,
@@ -258,7 +259,7 @@ def resolve_config(
                 "a model path"
             )
         models = [base_path, *(a.path for a in agents)]
-        union_rows = union_rows(models, config.dtype)
+        union_rows = build_union_rows(models, config.dtype)
         rules = config.tokenizer.tokens if config.tokenizer is not None and config.tokenizer.tokens else {}
         sources, forced = token_sources(rules, union_rows, donor, models, where, config_dir)
         padded = padded_rows(config, union_rows.rows)
@@ -298,7 +299,7 @@ def resolve_config(
         size = max((tokenizer_vocabulary(base_path) or {}).values()) + 1
         padded = padded_rows(config, size)
         if padded is not None:
-            union_rows = union_rows(models, config.dtype, size)
+            union_rows = build_union_rows(models, config.dtype, size)
             union_rows = dataclasses.replace(union_rows, padded_rows=padded)
             notes.append(f"tokenizer padded to {padded} rows as mergekit pads them (each model's mean row)")
     shape_mismatch = "merge_common_rows" if union else config.shape_mismatch

@@ -135,7 +135,7 @@ def check_layer_ranges(
             )
 
 
-def segments(
+def slice_segments(
     method: MergeMethod,
     alias_defaults: dict[str, Any],
     slice_settings: SliceSettings,

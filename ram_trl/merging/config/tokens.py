@@ -263,7 +263,7 @@ def padded_rows(config: MergeConfig, rows: int) -> int | None:
     return -(-rows // multiple) * multiple
 
 
-def union_rows(models: list[Path], dtype: str | None, size: int | None = None) -> UnionRows:
+def build_union_rows(models: list[Path], dtype: str | None, size: int | None = None) -> UnionRows:
     """The union's rows (models numbering their tokens alike, :func:`union_donor`): its size (the highest used id
     plus one, unless ``size`` gives it) and, for each token some model (the base first) lacks, the models that have
     it."""
