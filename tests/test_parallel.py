@@ -47,8 +47,8 @@ import torch
 import ram_trl
 from ram_trl import parallel
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
-from ram_trl.telemetry import TaskVectorTracker
-from tests.telemetry.helpers import tiny_model, train, write_base
+from ram_trl.callbacks.telemetry import TaskVectorTracker
+from tests.callbacks.telemetry.helpers import tiny_model, train, write_base
 
 parallel.available_cores = lambda: 4  # the thread plan of a 4-core machine: pools of several workers
 torch.set_num_threads(3)
