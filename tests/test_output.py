@@ -228,7 +228,13 @@ def test_a_signalled_cli_merge_leaves_nothing(tmp_path, monkeypatch, capsys, sig
         os.kill(os.getpid(), signum)  # delivered to the main thread, whichever thread writes
 
     monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
-    assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
+    ignored = signal.signal(
+        signum, signal.SIG_DFL
+    )  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
+    try:
+        assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
+    finally:
+        signal.signal(signum, ignored)
     assert "interrupted" in capsys.readouterr().err
     assert not (tmp_path / "deep").exists()
 
