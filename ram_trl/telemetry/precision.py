@@ -14,12 +14,30 @@ from typing import Any
 
 import torch
 
+from ram_trl.errors import ConfigError
+
 #: The dtypes an agent can be saved in.
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: The ``save_dtype`` that saves in the dtype the trainer holds the trained parameters in.
 AUTO = "auto"
 #: Below this share of the training-precision active elements kept by the save, the callback warns at train end.
 KEPT_WARNING = 0.5
+
+
+def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype | None:
+    """The torch dtype of a ``save_dtype`` argument; ``None`` for ``"auto"`` (the training dtype, known at setup).
+
+    Raises:
+        ConfigError: for anything but ``"auto"``, bfloat16, float16 and float32.
+    """
+    if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
+        return save_dtype
+    key = str(save_dtype).removeprefix("torch.")
+    if key == AUTO:
+        return None
+    if key not in SAVE_DTYPES:
+        raise ConfigError(f"save_dtype={save_dtype!r}: use {AUTO!r} or one of {', '.join(SAVE_DTYPES)}")
+    return SAVE_DTYPES[key]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,4 +134,12 @@ def rounding_warning(record: dict[str, Any]) -> str | None:
     )
 
 
-__all__ = ["AUTO", "KEPT_WARNING", "SAVE_DTYPES", "auto_save_dtype", "precision_record", "rounding_warning"]
+__all__ = [
+    "AUTO",
+    "KEPT_WARNING",
+    "SAVE_DTYPES",
+    "auto_save_dtype",
+    "precision_record",
+    "resolve_save_dtype",
+    "rounding_warning",
+]

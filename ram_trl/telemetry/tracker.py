@@ -21,9 +21,11 @@ parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the me
 What one measurement reports (names under ``prefix``, default ``task_vector/``):
 
 - ``density``, ``active``: share / count of elements with ``|tau| > eps`` (strict), ``tau = float32(trained) -
-  float32(base)``; ``density_exact``, ``changed``: elements whose value differs at all;
+  float32(base)`` at the training precision (the parameters as held); ``density_exact``, ``changed``: elements whose
+  value differs at all;
 - ``density_saved``, ``active_saved``: the same at eps after rounding trained weights and base to ``save_dtype``
-  (what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to ``save_dtype``);
+  (as saved: what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to
+  ``save_dtype``); :mod:`ram_trl.telemetry.precision` names both dtypes for the manifest;
 - ``module/<type>/density`` and ``layer/<i>/density`` (saved view; :mod:`ram_trl.anatomy` buckets);
 - ``magnitude/<stat>``: :class:`~ram_trl.statistics.MagnitudeStatistics` of the active float32 task vector
   (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``), over every element
@@ -91,7 +93,13 @@ from ram_trl.telemetry.layout import (
     local_regions,
     model_layout,
 )
-from ram_trl.telemetry.precision import AUTO, SAVE_DTYPES, auto_save_dtype, precision_record, training_dtypes
+from ram_trl.telemetry.precision import (
+    SAVE_DTYPES,
+    auto_save_dtype,
+    precision_record,
+    resolve_save_dtype,
+    training_dtypes,
+)
 from ram_trl.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
 from ram_trl.telemetry.shards import training_context
 
@@ -103,22 +111,6 @@ SMALL_MODEL_ELEMENTS = 1 << 20
 MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
 DEFAULT_PREFIX = defaults.METRIC_PREFIX
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype | None:
-    """The torch dtype of a ``save_dtype`` argument; ``None`` for ``"auto"`` (the training dtype, known at setup).
-
-    Raises:
-        ConfigError: for anything but bfloat16, float16 and float32.
-    """
-    if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
-        return save_dtype
-    key = str(save_dtype).removeprefix("torch.")
-    if key == AUTO:
-        return None
-    if key not in SAVE_DTYPES:
-        raise ConfigError(f"save_dtype={save_dtype!r}: use {AUTO!r} or one of {', '.join(SAVE_DTYPES)}")
-    return SAVE_DTYPES[key]
 
 
 def _single(active: int, numel: int) -> OverlapStatistics:
