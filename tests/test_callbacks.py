@@ -457,7 +457,8 @@ def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp
     """The collision of issue 24: the callback saves the bf16 agent, trainer.save_model then writes the float32
     model over it; the manifest's digests catch it and the merge refuses, naming the file."""
     out = tmp_path / "agent"
-    trainer = grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="s", save_dtype="bfloat16")
+    trainer = grpo_run(base, out, callback, report_to=[])
     manifest = read_manifest(out)
     assert manifest.kind == "full" and sorted(manifest.files) == ["model.safetensors"]
     assert manifest.files == {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in manifest.files}
