@@ -178,7 +178,7 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
     """
     lines = [f"# {title}: {report['method_pretty_name']}", ""]
     lines.append(
-        f"This model was merged with [ram_trl](https://pypi.org/project/ram-trl/) {report['ram_trl_version']} "
+        f"This model was merged with ram_trl {report['ram_trl_version']} "
         f"from the base model `{report['base_model']}` and {report['num_agents']} agents using "
         f"**{report['merge_method']}**"
         + (f" ([paper]({report['reference']}))" if report["reference"] else "")

@@ -78,6 +78,7 @@ def test_model_card(config, tmp_path):
     assert "- `r`: 0.1" in card and "## Configuration" in card
     assert card.rstrip().endswith("Output: 1 safetensors file(s), 28 B.")
     assert "## Stages" not in card
+    assert "](http" not in card.replace(f"]({report['reference']})", "")  # no link but the paper's
     assert f"## Warnings\n\n- no tokenizer files found in {config['base_model']}" in card
 
 
