@@ -340,6 +340,7 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of the written weights (default: bfloat16)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous conversion at OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -621,7 +622,12 @@ def _run_convert_gguf(args: argparse.Namespace) -> int:
     from ram_trl.io.gguf import convert_gguf
 
     record = convert_gguf(
-        args.source, args.output_dir, member=args.member, dtype=args.dtype, overwrite=args.overwrite
+        args.source,
+        args.output_dir,
+        member=args.member,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     check = record["check"]
     Console().print(
