@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from ram_trl import defaults
 from ram_trl.errors import RamTrlError
+from ram_trl.messages import one_voice
 from ram_trl.runtime import gc_paused
 
 #: The module each command's handler imports, imported up front with the garbage collector paused.
@@ -336,8 +337,7 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
-        help="dtype of the written weights (default: bfloat16)",
+        help="dtype of the written weights: bfloat16 (bf16), float16 (fp16) or float32 (fp32) (default: bfloat16)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous conversion at OUT")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -659,9 +659,6 @@ def missing_cli_packages() -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
-    )
     missing = missing_cli_packages()
     if missing:
         print(
@@ -693,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             quiet = progress_bars_off()
     try:
-        with quiet:
+        with quiet, one_voice(logging.INFO if args.verbose else logging.WARNING):
             return handlers[args.command](args)
     except RamTrlError as exc:
         print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)

@@ -28,6 +28,7 @@ from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
 from ram_trl.io.vocabulary import UnionRows
 from ram_trl.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
+from ram_trl.messages import did_you_mean, validation_message
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
 from ram_trl.validation import check_number
 
@@ -196,7 +197,9 @@ class MergeConfig(BaseModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value.lower() not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
+            raise ValueError(
+                f"unknown dtype {value!r}{did_you_mean(value, DTYPES)}; use one of {sorted(set(DTYPES))}"
+            )
         return value
 
     @field_validator("models")
@@ -530,10 +533,7 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
     try:
         return MergeConfig.model_validate(data), path
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"{where}: {problems}") from exc
+        raise ConfigError(f"{where}: {validation_message(exc, MergeConfig)}") from None
 
 
 def _resolve_path(value: str, config_dir: Path | None) -> Path:
@@ -1276,7 +1276,8 @@ def resolve_config(
                 f"{where}: merge_method {config.merge_method!r} is not supported: {refused}"
             ) from None
         raise ConfigError(
-            f"{where}: unknown merge_method {config.merge_method!r}; available: {', '.join(method_names())} "
+            f"{where}: unknown merge_method {config.merge_method!r}{did_you_mean(config.merge_method, method_names())}; "
+            f"available: {', '.join(method_names())} "
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
@@ -1375,7 +1376,10 @@ def resolve_config(
     if ignored:
         message = (
             f"{where}: {method.name} does not use the parameter(s) "
-            + ", ".join(f"{key!r} ({', '.join(dict.fromkeys(places))})" for key, places in ignored.items())
+            + ", ".join(
+                f"{key!r} ({', '.join(dict.fromkeys(places))}){did_you_mean(key, [p.name for p in method.parameters])}"
+                for key, places in ignored.items()
+            )
             + f"; ignored, as mergekit does ({method.name} takes "
             + (", ".join(p.name for p in method.parameters) or "no parameter")
             + ")"

@@ -20,6 +20,7 @@ import yaml
 
 import ram_trl
 from ram_trl import defaults
+from ram_trl.messages import shown
 from ram_trl.methods import resolve_method
 from ram_trl.planner import MergePlan, format_bytes
 
@@ -423,4 +424,5 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
         f"in {seconds:.1f} s"
     )
     for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        if file is not None or not shown(warning):  # the command line printed it when it was raised
+            console.print(f"[yellow]warning:[/yellow] {warning}")

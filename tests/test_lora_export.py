@@ -356,8 +356,8 @@ BAD_OPTIONS = [
         {"output_format": "lora", "lora_max_rank": 4, "lora_energy": 0.0},
         "--energy must be a number in (0, 1]",
     ),
-    ({"output_format": "full", "lora_rank": 4}, "--rank only apply to --output-format lora"),
-    ({"lora_max_rank": 4, "lora_energy": 0.9}, "--max-rank, --energy only apply to --output-format lora"),
+    ({"output_format": "full", "lora_rank": 4}, "--rank applies only to --output-format lora"),
+    ({"lora_max_rank": 4, "lora_energy": 0.9}, "--max-rank and --energy apply only to --output-format lora"),
     (
         {"output_format": "lora", "lora_rank": 4, "lora_max_rank": 8, "lora_energy": 0.9},
         "either --rank R (one rank for every module) or --max-rank R --energy E",
@@ -390,7 +390,7 @@ def test_bad_cli_options_exit_2(tmp_path, capsys):
     assert main(["merge", str(config), str(tmp_path / "out"), "--output-format", "lora", "--rank", "0"]) == 2
     assert "error: --rank must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["merge", str(config), str(tmp_path / "out"), "--rank", "4"]) == 2
-    assert "only apply to --output-format lora" in capsys.readouterr().err
+    assert "only to --output-format lora" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.messages import canonical_dtype, did_you_mean
 from ram_trl.output import OutputDir
 
 __all__ = ["CHECK_PROMPTS", "GGUF_MAGIC", "RECORD_NAME", "GgufSource", "convert_gguf", "open_gguf_source"]
@@ -261,8 +262,12 @@ def convert_gguf(
         CheckpointError: when the written checkpoint does not reproduce the GGUF model's logits in ``dtype``.
         OutputError: when ``out`` may not be written (see :class:`~ram_trl.output.OutputDir`).
     """
+    dtype = canonical_dtype(dtype, _DTYPES)
     if dtype not in _DTYPES:
-        raise ConfigError(f"convert-gguf: dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+        raise ConfigError(
+            f"convert-gguf: dtype {dtype!r}{did_you_mean(dtype, _DTYPES)}; use one of {', '.join(_DTYPES)} "
+            "(or bf16, fp16, fp32)"
+        )
     require_gguf()
     found = open_gguf_source(source, member)
     output = OutputDir(

@@ -57,6 +57,7 @@ from ram_trl import defaults
 from ram_trl.anatomy import summarize
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint
+from ram_trl.messages import canonical_dtype
 from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
 from ram_trl.parallel import (
     compute_pool,
@@ -113,9 +114,11 @@ def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype:
     """
     if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
         return save_dtype
-    key = str(save_dtype).removeprefix("torch.")
+    key = canonical_dtype(save_dtype, SAVE_DTYPES)
     if key not in SAVE_DTYPES:
-        raise ConfigError(f"save_dtype={save_dtype!r}: use one of {', '.join(SAVE_DTYPES)}")
+        raise ConfigError(
+            f"save_dtype={save_dtype!r}: use one of {', '.join(SAVE_DTYPES)} (or bf16, fp16, fp32)"
+        )
     return SAVE_DTYPES[key]
 
 
