@@ -678,35 +678,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fisher": _run_fisher,
         "convert-gguf": _run_convert_gguf,
     }
-    with gc_paused():
-        importlib.import_module(_COMMAND_MODULES[args.command])
-    quiet = contextlib.nullcontext()
-    if not sys.stderr.isatty() and hasattr(args, "no_progress"):
-        # a log file, not a terminal: no bars redrawn with carriage returns (ours, nor transformers' while the
-        # command loads and saves models; stage processes are kept quiet by their launcher)
-        args.no_progress = True
-        if args.command in _MODEL_COMMANDS:
-            from ram_trl.io.quiet import progress_bars_off
+    # the command line's process: each warning once, in our words; no third-party notice the user cannot act on
+    with one_voice(logging.INFO if args.verbose else logging.WARNING):
+        with gc_paused():
+            importlib.import_module(_COMMAND_MODULES[args.command])
+        quiet = contextlib.nullcontext()
+        if not sys.stderr.isatty() and hasattr(args, "no_progress"):
+            # a log file, not a terminal: no bars redrawn with carriage returns (ours, nor transformers' while the
+            # command loads and saves models; stage processes are kept quiet by their launcher)
+            args.no_progress = True
+            if args.command in _MODEL_COMMANDS:
+                from ram_trl.io.quiet import progress_bars_off
 
-            quiet = progress_bars_off()
-    try:
-        with quiet, one_voice(logging.INFO if args.verbose else logging.WARNING):
-            return handlers[args.command](args)
-    except RamTrlError as exc:
-        print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.errno not in _FILE_SYSTEM_ERRORS:
-            raise
-        print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        print(
-            f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
-            file=sys.stderr,
-        )
-        return 128 + int(signum)
+                quiet = progress_bars_off()
+        try:
+            with quiet:
+                return handlers[args.command](args)
+        except RamTrlError as exc:
+            print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            if exc.errno not in _FILE_SYSTEM_ERRORS:
+                raise
+            print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print(
+                f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
+                file=sys.stderr,
+            )
+            return 128 + int(signum)
 
 
 if __name__ == "__main__":

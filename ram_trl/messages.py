@@ -13,7 +13,15 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["DTYPE_ALIASES", "canonical_dtype", "did_you_mean", "one_voice", "shown", "validation_message"]
+__all__ = [
+    "DTYPE_ALIASES",
+    "canonical_dtype",
+    "did_you_mean",
+    "one_voice",
+    "owned_process_filters",
+    "shown",
+    "validation_message",
+]
 
 #: Other spellings of the float dtypes, as torch, mergekit and the command lines write them.
 DTYPE_ALIASES = {
@@ -154,6 +162,34 @@ class _Voice(logging.Formatter):
         return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
+class _ThirdPartyNoise(logging.Filter):
+    """Notices a user cannot act on, dropped in the processes ram_trl owns (the command line, stage processes)."""
+
+    NOTICES = {"DeepSpeed": ("Setting accelerator to CPU",)}
+
+    def __init__(self, logger: str) -> None:
+        super().__init__()
+        self.starts = self.NOTICES[logger]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def owned_process_filters() -> list[tuple[logging.Logger, logging.Filter]]:
+    """Drop third-party notices a user cannot act on (DeepSpeed's "Setting accelerator to CPU" on a CPU machine).
+    Only for processes ram_trl owns: the command line and its stage processes, never a user's script.
+
+    Returns:
+        The ``(logger, filter)`` pairs installed (for ``logger.removeFilter``).
+    """
+    installed = []
+    for name in _ThirdPartyNoise.NOTICES:
+        logger, noise = logging.getLogger(name), _ThirdPartyNoise(name)
+        logger.addFilter(noise)
+        installed.append((logger, noise))
+    return installed
+
+
 @contextlib.contextmanager
 def one_voice(level: int = logging.WARNING) -> Iterator[None]:
     """For the command line's own process: log records as ``warning: ...`` on standard error, Python warnings
@@ -169,6 +205,7 @@ def one_voice(level: int = logging.WARNING) -> Iterator[None]:
     previous_level = root.level
     root.addHandler(handler)
     root.setLevel(level)
+    noise = owned_process_filters()
 
     def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
         logging.getLogger("ram_trl").warning(str(message))
@@ -180,4 +217,6 @@ def one_voice(level: int = logging.WARNING) -> Iterator[None]:
     finally:
         root.removeHandler(handler)
         root.setLevel(previous_level)
+        for logger, installed in noise:
+            logger.removeFilter(installed)
         _SHOWN.clear()

@@ -112,3 +112,26 @@ def test_the_library_still_warns_through_python_warnings(ckpts, tmp_path):
         assert (
             main(["methods"]) == 0
         )  # the command line's voice leaves the host's warning filters as they were
+
+
+def test_deepspeed_cpu_notice_is_dropped_only_in_the_command_lines_process():
+    import logging
+
+    from ram_trl.messages import one_voice
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(handler)
+    try:
+        notice = (
+            "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+        )
+        with one_voice():
+            logger.warning(notice)
+            logger.warning("another DeepSpeed warning")
+        logger.warning(notice)  # a user's process (the library, callbacks): left as DeepSpeed says it
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another DeepSpeed warning", notice]
