@@ -179,6 +179,12 @@ def test_energy_mode_through_the_cli(tmp_path, capsys):
     out = tmp_path / "adapter"
     argv = ["merge", str(config), str(out), "--no-progress", "--output-format", "lora", "--max-rank", "4"]
     assert main([*argv, "--energy", "0.9"]) == 0
+    err = capsys.readouterr().err
+    # the summary names the adapter and its size, not the temporary full model it was cut from
+    assert f"-> {out}" in " ".join(err.split()) and ".ram-trl-full" not in err
+    from ram_trl.planner import format_bytes
+
+    assert f"wrote {format_bytes((out / 'adapter_model.safetensors').stat().st_size)} in 1 file(s)" in err
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     expected = {
         "model.layers.0.self_attn.q_proj": 2,
@@ -203,7 +209,7 @@ def test_energy_mode_through_the_cli(tmp_path, capsys):
     assert layers[1].self_attn.o_proj.lora_A["default"].weight.shape == (4, 32)
     assert layers[1].self_attn.v_proj.lora_B["default"].weight.shape == (16, 1)
     assert layers[0].self_attn.q_proj.scaling["default"] == 1.0
-    assert "LoRA adapter ->" in capsys.readouterr().err
+    assert "LoRA adapter ->" in err
 
 
 def test_norms_biases_and_embeddings_are_saved_in_full_and_restored_exactly(tmp_path):
