@@ -22,7 +22,7 @@ import ram_trl
 from ram_trl import defaults
 from ram_trl.messages import shown
 from ram_trl.methods import resolve_method
-from ram_trl.planner import MergePlan, format_bytes
+from ram_trl.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
 
 if TYPE_CHECKING:
     from ram_trl.config import ResolvedConfig
@@ -355,6 +355,7 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "output_files": [s.file_name for s in plan.shards],
         "chunk_budget": plan.chunk_budget,
         "peak_memory_estimate": plan.peak_memory_estimate(),
+        "peak_memory_fixed": PROCESS_BASELINE_BYTES,
         "resized_tensors": plan.resized,
         "notes": list(resolved.notes),
     }
@@ -386,7 +387,12 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     table.add_row("bytes to read", format_bytes(plan.bytes_read))
     table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")
     table.add_row("chunk budget", format_bytes(plan.chunk_budget))
-    table.add_row("peak memory estimate", format_bytes(plan.peak_memory_estimate()))
+    peak = plan.peak_memory_estimate()
+    table.add_row(
+        "peak memory estimate",
+        f"{format_bytes(peak)}: {format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + "
+        f"{format_bytes(peak - PROCESS_BASELINE_BYTES)} for this merge's buffers",
+    )
     for note in resolved.notes:
         table.add_row("note", note)
     Console(stderr=True).print(table)
