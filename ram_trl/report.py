@@ -398,6 +398,11 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     Console(stderr=True).print(table)
 
 
+def _processes(count: int) -> str:
+    """How many processes ran (``accelerate launch --num_processes 2`` without ``--multi_gpu`` runs one)."""
+    return f"{count} process" + ("" if count == 1 else "es")
+
+
 def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     """Print the per-agent summary table after a merge.
 
@@ -427,7 +432,7 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     seconds = report["timings"].get("total_seconds", 0.0)
     console.print(
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
-        f"in {seconds:.1f} s"
+        f"in {seconds:.1f} s on {_processes(report.get('processes', 1))}"
     )
     for warning in report["warnings"]:
         if file is not None or not shown(warning):  # the command line printed it when it was raised
