@@ -575,6 +575,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     seed = "" if args.seed is None else f" --seed {args.seed}"
     Console(stderr=True).print(
         f"[bold]ram-trl demo[/]{' --quick' if args.quick else ''}{seed}: recipe {DEMO_RECIPE}, run directory {args.out}"
+        + (
+            "\n--quick is a smoke run: a few steps of everything, to check that each step runs; it cannot show "
+            "learning (expect equal scores), run `ram-trl demo` for results"
+            if args.quick
+            else ""
+        )
     )
     run_recipe(
         DEMO_RECIPE,
