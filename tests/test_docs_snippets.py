@@ -79,7 +79,7 @@ def _check_python(code: str) -> None:
 def _check_yaml(code: str) -> None:
     data = yaml.safe_load(code)
     if isinstance(data, dict) and "merge_method" in data:
-        from ram_trl.config import MergeConfig
+        from ram_trl.merging.config.schema import MergeConfig
 
         MergeConfig.model_validate(data)
     elif isinstance(data, dict) and {"name", "base", "stages"} <= set(data):  # a whole recipe, not a fragment

@@ -75,8 +75,9 @@ def test_config_errors_in_our_words(ckpts):
 
 
 def test_recipe_and_telemetry_accept_the_aliases():
+    from ram_trl.callbacks.telemetry.tracker import resolve_save_dtype
+
     from ram_trl.recipes.schema import WarmStartSpec
-    from ram_trl.telemetry.tracker import resolve_save_dtype
 
     assert resolve_save_dtype("bf16") is torch.bfloat16
     assert resolve_save_dtype("fp32") is torch.float32
