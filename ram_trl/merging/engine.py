@@ -414,7 +414,10 @@ def run_lora_merge(
         name = temp_name(output_dir, "full").name if ctx.is_main else None
         full_dir = output_dir.parent / ctx.broadcast_object(name)
         try:
-            merged_report = run_merge(resolved, full_dir, merge_options)
+            # the temporary full model is not what the user asked for: the summary names the adapter, after it
+            merged_report = run_merge(
+                resolved, full_dir, dataclasses.replace(merge_options, print_summary=False)
+            )
 
             def export() -> dict[str, Any] | None:
                 if not ctx.is_main:
@@ -432,6 +435,7 @@ def run_lora_merge(
                     progress=options.progress,
                 )
                 if options.print_summary:
+                    reporting.print_summary(report)
                     print_export(report)
                 return report
 

@@ -20,7 +20,8 @@ import yaml
 
 import ram_trl
 from ram_trl import defaults
-from ram_trl.merging.planner import MergePlan, format_bytes
+from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
+from ram_trl.messages import shown
 from ram_trl.methods import resolve_method
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
     """
     lines = [f"# {title}: {report['method_pretty_name']}", ""]
     lines.append(
-        f"This model was merged with [ram_trl](https://pypi.org/project/ram-trl/) {report['ram_trl_version']} "
+        f"This model was merged with ram_trl {report['ram_trl_version']} "
         f"from the base model `{report['base_model']}` and {report['num_agents']} agents using "
         f"**{report['merge_method']}**"
         + (f" ([paper]({report['reference']}))" if report["reference"] else "")
@@ -354,6 +355,7 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "output_files": [s.file_name for s in plan.shards],
         "chunk_budget": plan.chunk_budget,
         "peak_memory_estimate": plan.peak_memory_estimate(),
+        "peak_memory_fixed": PROCESS_BASELINE_BYTES,
         "resized_tensors": plan.resized,
         "notes": list(resolved.notes),
     }
@@ -385,10 +387,20 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     table.add_row("bytes to read", format_bytes(plan.bytes_read))
     table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")
     table.add_row("chunk budget", format_bytes(plan.chunk_budget))
-    table.add_row("peak memory estimate", format_bytes(plan.peak_memory_estimate()))
+    peak = plan.peak_memory_estimate()
+    table.add_row(
+        "peak memory estimate",
+        f"{format_bytes(peak)}: {format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + "
+        f"{format_bytes(peak - PROCESS_BASELINE_BYTES)} for this merge's buffers",
+    )
     for note in resolved.notes:
         table.add_row("note", note)
     Console(stderr=True).print(table)
+
+
+def _processes(count: int) -> str:
+    """How many processes ran (``accelerate launch --num_processes 2`` without ``--multi_gpu`` runs one)."""
+    return f"{count} process" + ("" if count == 1 else "es")
 
 
 def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
@@ -420,7 +432,8 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     seconds = report["timings"].get("total_seconds", 0.0)
     console.print(
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
-        f"in {seconds:.1f} s"
+        f"in {seconds:.1f} s on {_processes(report.get('processes', 1))}"
     )
     for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        if file is not None or not shown(warning):  # the command line printed it when it was raised
+            console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -75,6 +75,24 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
         if validate_only:
             settings.update(bf16=False, fp16=False)
         settings.setdefault("bf16", False)
+    return _new_checkpointing_names(_trainer_config_class(stage.trainer), settings)
+
+
+def _new_checkpointing_names(cls: type, settings: dict[str, Any]) -> dict[str, Any]:
+    """``gradient_checkpointing*`` said as ``activation_checkpointing*`` where the config knows the new names: TRL's
+    configs default the old name on, and transformers warns about it (a FutureWarning the user cannot act on)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if new in fields and old in fields and settings.get(new) is None:
+            default = fields[old].default if fields[old].default is not dataclasses.MISSING else None
+            value = settings.pop(old, default)
+            if value is not None:
+                settings[new] = value
     return settings
 
 

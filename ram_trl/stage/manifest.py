@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ram_trl.errors import ConfigError, OutputError
 from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
+from ram_trl.messages import validation_message
 from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
@@ -142,10 +143,7 @@ def read_manifest(path: str | os.PathLike) -> StageManifest:
     try:
         return StageManifest.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"stage manifest {file}: {problems}") from exc
+        raise ConfigError(f"stage manifest {file}: {validation_message(exc, StageManifest)}") from exc
 
 
 def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path:

@@ -141,7 +141,7 @@ def test_cli_reports_a_bad_file_in_one_line(tmp_path, capsys):
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"nothing")
-    assert main(["convert-gguf", str(bad), str(tmp_path / "out")]) == 2
+    assert main(["convert-gguf", str(bad), str(tmp_path / "out"), "--no-progress"]) == 2  # a bar by default
     err = capsys.readouterr().err.strip()
     assert (
         err

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import ConfigError
+from ram_trl.messages import canonical_dtype
 
 #: The dtypes an agent can be saved in.
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -32,11 +33,13 @@ def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype | None:
     """
     if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
         return save_dtype
-    key = str(save_dtype).removeprefix("torch.")
-    if key == AUTO:
+    if str(save_dtype) == AUTO:
         return None
+    key = canonical_dtype(save_dtype, SAVE_DTYPES)
     if key not in SAVE_DTYPES:
-        raise ConfigError(f"save_dtype={save_dtype!r}: use {AUTO!r} or one of {', '.join(SAVE_DTYPES)}")
+        raise ConfigError(
+            f"save_dtype={save_dtype!r}: use {AUTO!r} or one of {', '.join(SAVE_DTYPES)} (or bf16, fp16, fp32)"
+        )
     return SAVE_DTYPES[key]
 
 

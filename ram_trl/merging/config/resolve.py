@@ -31,6 +31,7 @@ from ram_trl.merging.config.tokens import (
     tokenizer_vocabulary,
     union_donor,
 )
+from ram_trl.messages import did_you_mean
 from ram_trl.methods import method_names, resolve_method
 from ram_trl.stage.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 
@@ -100,7 +101,8 @@ def resolve_config(
                 f"{where}: merge_method {config.merge_method!r} is not supported: {refused}"
             ) from None
         raise ConfigError(
-            f"{where}: unknown merge_method {config.merge_method!r}; available: {', '.join(method_names())} "
+            f"{where}: unknown merge_method {config.merge_method!r}{did_you_mean(config.merge_method, method_names())}; "
+            f"available: {', '.join(method_names())} "
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
@@ -199,7 +201,10 @@ def resolve_config(
     if ignored:
         message = (
             f"{where}: {method.name} does not use the parameter(s) "
-            + ", ".join(f"{key!r} ({', '.join(dict.fromkeys(places))})" for key, places in ignored.items())
+            + ", ".join(
+                f"{key!r} ({', '.join(dict.fromkeys(places))}){did_you_mean(key, [p.name for p in method.parameters])}"
+                for key, places in ignored.items()
+            )
             + f"; ignored, as mergekit does ({method.name} takes "
             + (", ".join(p.name for p in method.parameters) or "no parameter")
             + ")"

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
+from ram_trl.messages import did_you_mean, validation_message
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -183,7 +184,9 @@ class MergeConfig(BaseModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value.lower() not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
+            raise ValueError(
+                f"unknown dtype {value!r}{did_you_mean(value, DTYPES)}; use one of {sorted(set(DTYPES))}"
+            )
         return value
 
     @field_validator("models")
@@ -238,10 +241,7 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
     try:
         return MergeConfig.model_validate(data), path
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"{where}: {problems}") from exc
+        raise ConfigError(f"{where}: {validation_message(exc, MergeConfig)}") from None
 
 
 def resolve_path(value: str, config_dir: Path | None) -> Path:

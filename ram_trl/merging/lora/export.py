@@ -394,9 +394,7 @@ def print_export(report: dict[str, Any]) -> None:
         )
         + f", {len(section['modules_to_save'])} modules_to_save, {len(section['biases'])} biases, "
         f"{format_bytes(section['adapter_bytes'])}"
-    )
-    for item in section["not_exported"]:
-        console.print(f"[yellow]not exported:[/yellow] {item['tensor']}: {item['reason']}")
+    )  # what was not exported is among the report's warnings, printed with the summary
 
 
 __all__ = [
