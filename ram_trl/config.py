@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ram_trl.anatomy import classify, layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
+from ram_trl.io.hub import local_path, resolve_model
 from ram_trl.io.vocabulary import UnionRows
 from ram_trl.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
@@ -227,6 +228,7 @@ class AgentSpec:
     parameters: dict[str, Any]
     kind: str = "full"
     stage: dict[str, Any] | None = None
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,7 @@ class ResolvedConfig:
             last slice's, as mergekit plans them.
         union_rows: With ``tokenizer_source: union``, the rows every model gets before the merge where some model
             lacks a token the union holds (:func:`ram_trl.io.vocabulary.pad_vocabularies`); ``None`` otherwise.
+        base_reference: ``base_model`` as the config wrote it (a path or a Hub id).
     """
 
     method: MergeMethod
@@ -288,6 +291,7 @@ class ResolvedConfig:
     chat_template: str | None = None
     segments: list[LayerSegment] | None = None
     union_rows: UnionRows | None = None
+    base_reference: str | None = None
 
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
@@ -537,11 +541,13 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
 
 
 def _resolve_path(value: str, config_dir: Path | None) -> Path:
-    path = Path(value).expanduser()
-    if path.is_absolute() or path.exists() or config_dir is None:
-        return path
-    beside = config_dir / path
-    return beside if beside.exists() else path
+    return local_path(value, config_dir)
+
+
+def _resolve_model(value: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference (a path or a Hub id) resolved to a directory, metadata only: the weights of a Hub model are
+    fetched when the inputs are opened, after the whole config is checked."""
+    return resolve_model(value, config_dir, what=what, weights=False)
 
 
 def _resolve_stage(
@@ -921,7 +927,7 @@ def _token_sources(
 def _model_position(reference: Any, models: list[Path], label: str, config_dir: Path | None) -> int:
     """The position (0: the base, ``t + 1``: agent ``t``) of the model a token rule names."""
     if isinstance(reference, str):
-        path = _resolve_path(reference, config_dir).resolve()
+        path = _resolve_model(reference, config_dir, label).resolve()
         for position, model in enumerate(models):
             if model.resolve() == path:
                 return position
@@ -1076,7 +1082,7 @@ def _check_layer_ranges(
 ) -> None:
     """Each slice source must cover every layer of its model, ``[0, N)`` (mergekit's ``models:`` equivalent)."""
     for label, model, (start, stop) in ranges:
-        path = _resolve_path(_split_lora(model, config_dir)[0], config_dir)
+        path = _resolve_model(_split_lora(model, config_dir)[0], config_dir, f"{where}: {label}")
         layers = num_layers(path)
         if layers is None:
             raise ConfigError(
@@ -1300,7 +1306,7 @@ def resolve_config(
             f"{where}: base_model {base_model!r} is a MODEL+ADAPTER reference; the base must be a full checkpoint "
             "(merge the adapter into it first)"
         )
-    base_path = _resolve_path(base_model, config_dir)
+    base_path = _resolve_model(base_model, config_dir, f"{where}: base_model")
     if not base_path.exists():
         raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
     _check_layer_ranges(ranges, config_dir, where)
@@ -1325,14 +1331,14 @@ def resolve_config(
         else:
             label = f"{where}: models[{position}] ({entry.model})"
             model, adapter = _split_lora(entry.model, config_dir)
-            path = _resolve_path(model, config_dir)
+            path = _resolve_model(model, config_dir, label)
             if adapter is not None:
                 if not path.exists() or path.resolve() != base_path.resolve():
                     raise ConfigError(
                         f"{label}: the adapter {adapter!r} is applied to {model!r}, not to base_model "
                         f"{base_model!r}; ram_trl merges adapters of the base only"
                     )
-                path = _resolve_path(adapter, config_dir)
+                path = _resolve_model(adapter, config_dir, label)
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
         if not method.keeps_base_entries and path.resolve() == base_path.resolve():
@@ -1350,7 +1356,16 @@ def resolve_config(
         )
         gradient = gradient or own_gradient
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
-        agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
+        agents.append(
+            AgentSpec(
+                index=len(agents),
+                name=name,
+                path=path,
+                parameters=values,
+                stage=stage_info,
+                reference=entry.model,
+            )
+        )
         positions.append(position)
     segments = None
     if slice_settings is not None:
@@ -1458,7 +1473,7 @@ def resolve_config(
             union_rows = None
         tokenizer_source, union = donor, union_rows is None
     elif tokenizer_name not in (None, "base"):
-        tokenizer_source = _resolve_path(tokenizer_name, config_dir)
+        tokenizer_source = _resolve_model(tokenizer_name, config_dir, f"{where}: tokenizer source")
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
     if config.tokenizer is not None and config.tokenizer.tokens and tokenizer_name != "union":
@@ -1522,4 +1537,5 @@ def resolve_config(
         chat_template=chat_template,
         segments=segments,
         union_rows=union_rows,
+        base_reference=base_model,
     )

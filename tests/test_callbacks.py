@@ -334,10 +334,8 @@ def test_hub_repository_id_as_base_from_the_local_cache(base, tmp_path):
     done = subprocess.run([sys.executable, "-c", HUB], env=env, capture_output=True, text=True, check=True)
     resolved, refused = done.stdout.strip().splitlines()[-2:]
     assert resolved == str(snapshot)
-    assert refused.startswith("base_model: acme/not-cached is not a local directory, and the Hub repository")
-    assert refused.endswith(
-        "download it first (`hf download acme/not-cached --local-dir DIR`) and pass base_model=DIR"
-    )
+    assert refused.startswith("base_model: 'acme/not-cached' is not a local path and the Hub repository")
+    assert refused.endswith("fetch it with `hf download acme/not-cached`")
 
 
 def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):

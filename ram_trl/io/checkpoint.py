@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.hub import ensure_weights, resolve_model
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta, read_safetensors_header
 from ram_trl.validation import check_pickle_state, check_weight_map, read_json_object
@@ -200,11 +201,9 @@ def open_checkpoint(
     Raises:
         CheckpointError: with the path and role, if the input is missing, not a checkpoint, or corrupt.
     """
-    path = Path(path).expanduser()
+    path = ensure_weights(resolve_model(path, what=role), role)
     if not path.exists():
-        raise CheckpointError(
-            f"{role}: {path} does not exist (ram_trl reads local checkpoints; download it first)"
-        )
+        raise CheckpointError(f"{role}: {path} does not exist (not a local path, nor a Hub id ORG/NAME)")
     if path.is_file():
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{role}: {path} is a file but not a .safetensors file")

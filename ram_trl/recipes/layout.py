@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.hub import parse_reference, resolve_model
 from ram_trl.output import OutputDir
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.schema import Recipe, StageSpec
@@ -139,7 +140,10 @@ class RunLayout:
         ``base.path`` (resolved)."""
         if self.recipe.base.build is not None or self.recipe.base.gguf is not None:
             return self.dir / "base_init"
-        return resolve_path(self.recipe.base.path, self.root)
+        path = resolve_path(self.recipe.base.path, self.root)
+        if path.exists() or parse_reference(self.recipe.base.path) is None:
+            return path
+        return resolve_model(self.recipe.base.path, what="recipe base.path")  # a Hub id, through the cache
 
     def _timed(self, key: str, start: float) -> None:
         self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
