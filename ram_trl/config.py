@@ -711,7 +711,7 @@ def _model_chat_template(path: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
+def resolve_chat_template(value: str, models: list[Path], where: str) -> str | None:
     """The template text of a config's ``chat_template``, as mergekit 0.1.5 picks it: ``auto`` (the most common
     template among the input models), one of mergekit's named templates (read from the installed mergekit
     package), or literal Jinja.
@@ -722,16 +722,16 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
         where (`str`): Names the field in errors.
 
     Returns:
-        `str`: The template.
+        `str` or `None`: The template; ``None`` for ``auto`` when no model has one (mergekit then leaves the
+        tokenizer's template as it is).
 
     Raises:
-        ConfigError: ``auto`` without any template among the models, an unknown name, or text that is no
-            template.
+        ConfigError: an unknown name, or text that is no template.
     """
     if value == "auto":
         templates = [t.strip() for t in (_model_chat_template(p) for p in models) if t]
         if not templates:
-            raise ConfigError(f"{where}: 'auto' found no chat template in the base or the agents")
+            return None
         return Counter(templates).most_common(1)[0][0]
     if len(value) < 256 and "\n" not in value and "{" not in value:
         try:
@@ -1511,6 +1511,10 @@ def resolve_config(
         if config.chat_template
         else None
     )
+    if config.chat_template == "auto" and chat_template is None:
+        notes.append(
+            "chat_template 'auto': no input model has a chat template; none is set, as mergekit does"
+        )
     layers = None
     if gradient:
         layers = num_layers(base_path)

@@ -392,6 +392,8 @@ def test_chat_template_names_literals_and_auto(dirs):
         }
         return resolve_config(*load_config({**config, "chat_template": value})).chat_template
 
+    # auto with no template among the inputs sets none, as mergekit 0.1.5 does (it used to be refused)
+    assert template("auto") is None
     pytest.importorskip("mergekit")
     assert template("chatml").startswith("{% for message in messages %}{{'<|im_start|>'")
     literal = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

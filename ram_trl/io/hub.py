@@ -189,6 +189,49 @@ def ensure_weights(path: Path, what: str) -> Path:
     return _snapshot(reference, what, weights=True, commit=reference.revision)
 
 
+def needs_weights(path: Path) -> bool:
+    """Whether ``path`` is a cache snapshot whose weights are not (all) in the cache yet."""
+    return cached_revision(path) is not None and path.is_dir() and bool(missing_files(path, weights=True))
+
+
+def remote_headers(path: Path, what: str) -> dict[str, dict[str, tuple[str, list[int], list[int]]]]:
+    """The safetensors headers of a cache snapshot's weight files, read from the Hub by HTTP range requests (a few
+    kilobytes per file, no weights): per file, each tensor's ``(dtype, shape, data_offsets)``.
+
+    Args:
+        path: A cache snapshot directory (its index, when the model is sharded, is in the cache).
+        what: How an error names it.
+
+    Raises:
+        ConfigError: when the Hub cannot be asked (offline, no network, unknown file), naming the fetch command.
+    """
+    from huggingface_hub import HfApi
+
+    reference = cached_revision(path)
+    assert reference is not None
+    index = path / _INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+    else:
+        files = [
+            "adapter_model.safetensors" if (path / "adapter_config.json").is_file() else "model.safetensors"
+        ]
+    api = HfApi()
+    out: dict[str, dict[str, tuple[str, list[int], list[int]]]] = {}
+    for name in files:
+        try:
+            meta = api.parse_safetensors_file_metadata(reference.repo_id, name, revision=reference.revision)
+        except Exception as exc:  # noqa: BLE001 - offline, no network, missing file, not safetensors, ...
+            raise ConfigError(
+                f"{what}: the headers of {reference.repo_id}'s {name} are not in the cache and cannot be read "
+                f"from the Hub ({type(exc).__name__}); fetch it with `{reference.fetch_command()}`"
+            ) from exc
+        out[name] = {
+            t: (info.dtype, list(info.shape), list(info.data_offsets)) for t, info in meta.tensors.items()
+        }
+    return out
+
+
 def in_repo_blobs(file: Path, root: Path) -> bool:
     """Whether ``file`` is a cache snapshot's own file: named inside the snapshot directory ``root`` and resolving
     (links followed) into the same repository's ``blobs/`` (the cache's layout, ``snapshots/C/F ->
@@ -231,6 +274,8 @@ __all__ = [
     "in_repo_blobs",
     "local_path",
     "missing_files",
+    "needs_weights",
     "parse_reference",
+    "remote_headers",
     "resolve_model",
 ]

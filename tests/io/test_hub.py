@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import huggingface_hub
@@ -175,7 +177,8 @@ def test_the_config_is_checked_from_metadata_before_any_weight_is_read(hub, tmp_
     resolved = resolve_config(load_config(config)[0])
     assert resolved.agents[0].path.name == "d" * 40
     with pytest.raises(
-        ConfigError, match=r"lacks model-00001-of-.*fetch it with `hf download acme/meta-only --revision d{40}`$"
+        ConfigError,
+        match=r"headers of acme/meta-only's model-00001-of-.*fetch it with `hf download acme/meta-only --revision d{40}`$",
     ):
         ram_trl.merge(config, tmp_path / "out", progress=False)
 
@@ -202,3 +205,99 @@ def test_local_paths_do_not_ask_the_hub(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "org" / "name")
     monkeypatch.chdir(tmp_path)
     assert resolve_model("org/name") == Path("org/name")
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """A Hub endpoint serving ``/ORG/NAME/resolve/REV/FILE`` from local folders, with HTTP range requests."""
+
+    folders: dict[str, Path] = {}
+    served: list[tuple[str, int]] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        parts = self.path.split("?")[0].split("/", 5)
+        if len(parts) < 6 or f"{parts[1]}/{parts[2]}" not in self.folders:
+            self.send_response(404)  # huggingface_hub's other requests (its agent detection)
+            self.end_headers()
+            return
+        data = (self.folders[f"{parts[1]}/{parts[2]}"] / parts[5]).read_bytes()
+        file = parts[5]
+        start, stop = 0, len(data) - 1
+        if self.headers.get("range"):
+            first, last = self.headers["range"].removeprefix("bytes=").split("-")
+            start, stop = int(first), min(int(last), len(data) - 1)
+        body = data[start : stop + 1]
+        self.served.append((file, len(body)))
+        self.send_response(206 if self.headers.get("range") else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Range", f"bytes {start}-{stop}/{len(data)}")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def online(hub, monkeypatch):
+    """``hub``, online, its endpoint a local HTTP server holding the local folders under their ids."""
+    cache, local = hub
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    _Hub.folders, _Hub.served = dict(local), []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = (
+        f"http://127.0.0.1:{server.server_port}"  # as HF_ENDPOINT sets them at huggingface_hub's import
+    )
+    monkeypatch.setattr(hub_constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(
+        hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    yield cache, local
+    server.shutdown()
+    server.server_close()
+
+
+def _meta_only(cache: Path, repo_id: str, source: Path, commit: str) -> Path:
+    skip = tuple(p.name for p in source.glob("*.safetensors"))
+    return cache_repo(cache, repo_id, source, commit, skip=skip)
+
+
+def test_a_dry_run_reads_missing_weights_headers_by_range_requests_only(online, tmp_path):
+    cache, _ = online
+    big = {}
+    for seed, name in enumerate(["big-base", "big-agent"]):
+        big[name] = tmp_path / name
+        qwen_model(seed, vocab_size=4096).save_pretrained(big[name])  # one 1.1 MB model.safetensors
+    cache_repo(cache, "acme/big-base", big["big-base"], "d" * 40)
+    snapshot = _meta_only(cache, "acme/big-agent", big["big-agent"], "e" * 40)
+    _Hub.folders["acme/big-agent"] = big["big-agent"]
+    config = {
+        "merge_method": "ram_plus",
+        "base_model": "acme/big-base",
+        "models": [{"model": "acme/big-agent"}],
+    }
+    plan = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False)
+    local = {**config, "base_model": str(big["big-base"]), "models": [{"model": str(big["big-agent"])}]}
+    by_path = ram_trl.merge(local, tmp_path / "o", dry_run=True, progress=False)
+    assert {k: v for k, v in plan.items() if k != "agents"} == {
+        k: v for k, v in by_path.items() if k != "agents"
+    }
+    weights = (big["big-agent"] / "model.safetensors").stat().st_size
+    assert [file for file, _ in _Hub.served] == ["model.safetensors"]  # one range request: the header
+    assert _Hub.served[0][1] <= 100_001 < weights
+    assert not list(snapshot.glob("*.safetensors"))  # nothing fetched into the cache
+
+
+def test_shapes_are_checked_from_the_hubs_headers_before_any_weight_is_fetched(online, tmp_path):
+    cache, local = online
+    wider = qwen_model(0, intermediate_size=72)
+    wider.save_pretrained(tmp_path / "wider", max_shard_size="40KB")
+    _Hub.folders["acme/wider"] = tmp_path / "wider"
+    _meta_only(cache, "acme/wider", tmp_path / "wider", "e" * 40)
+    config = {"merge_method": "ram_plus", "base_model": "acme/base", "models": [{"model": "acme/wider"}]}
+    with pytest.raises(CheckpointError, match=r"mlp.*shape"):
+        ram_trl.merge(config, tmp_path / "out", progress=False)
+    assert all(size <= 100_001 for _, size in _Hub.served)  # range requests of headers only
+    assert not (tmp_path / "out").exists()
