@@ -27,6 +27,7 @@ from ram_trl.anatomy import classify, layer_index
 from ram_trl.errors import ConfigError
 from ram_trl.io.fisher_files import default_fisher_path
 from ram_trl.io.hub import local_path, resolve_model
+from ram_trl.io.lora_base import merged_model
 from ram_trl.io.vocabulary import UnionRows
 from ram_trl.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 from ram_trl.methods import MergeMethod, Parameter, method_names, resolve_method
@@ -542,6 +543,19 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
 
 def _resolve_path(value: str, config_dir: Path | None) -> Path:
     return local_path(value, config_dir)
+
+
+def _full_model(reference: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` is the adapter merged into the model, as mergekit
+    merges it (:func:`~ram_trl.io.lora_base.merged_model`)."""
+    model, adapter = _split_lora(reference, config_dir)
+    if adapter is None:
+        return _resolve_model(model, config_dir, what)
+    paths = [resolve_model(ref, config_dir, what=what) for ref in (model, adapter)]
+    for ref, path in zip((model, adapter), paths, strict=True):
+        if not path.exists():
+            raise ConfigError(f"{what}: {ref!r} of {reference!r} does not exist (resolved to {path})")
+    return merged_model(*paths, what)
 
 
 def _resolve_model(value: str, config_dir: Path | None, what: str) -> Path:
@@ -1301,12 +1315,7 @@ def resolve_config(
                 "(only a plain weighted average of models, such as linear, can take its layout from the first model)"
             )
         base_model = first.model
-    if _split_lora(base_model, config_dir)[1] is not None:
-        raise ConfigError(
-            f"{where}: base_model {base_model!r} is a MODEL+ADAPTER reference; the base must be a full checkpoint "
-            "(merge the adapter into it first)"
-        )
-    base_path = _resolve_model(base_model, config_dir, f"{where}: base_model")
+    base_path = _full_model(base_model, config_dir, f"{where}: base_model")
     if not base_path.exists():
         raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
     _check_layer_ranges(ranges, config_dir, where)
@@ -1332,13 +1341,12 @@ def resolve_config(
             label = f"{where}: models[{position}] ({entry.model})"
             model, adapter = _split_lora(entry.model, config_dir)
             path = _resolve_model(model, config_dir, label)
-            if adapter is not None:
-                if not path.exists() or path.resolve() != base_path.resolve():
-                    raise ConfigError(
-                        f"{label}: the adapter {adapter!r} is applied to {model!r}, not to base_model "
-                        f"{base_model!r}; ram_trl merges adapters of the base only"
-                    )
-                path = _resolve_model(adapter, config_dir, label)
+            if adapter is not None and path.exists() and path.resolve() == base_path.resolve():
+                path = _resolve_model(
+                    adapter, config_dir, label
+                )  # a LoRA agent of the base: its delta streams
+            elif adapter is not None:  # an adapter of another model: merged into it, as mergekit does
+                path = _full_model(entry.model, config_dir, label)
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
         if not method.keeps_base_entries and path.resolve() == base_path.resolve():
