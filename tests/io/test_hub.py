@@ -301,3 +301,33 @@ def test_shapes_are_checked_from_the_hubs_headers_before_any_weight_is_fetched(o
         ram_trl.merge(config, tmp_path / "out", progress=False)
     assert all(size <= 100_001 for _, size in _Hub.served)  # range requests of headers only
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stage_manifests_hub_base_resolves_at_its_recorded_commit(hub, tmp_path):
+    from ram_trl.manifest import StageManifest, base_model_path
+
+    cache, local = hub
+    newer = cache_repo(cache, "acme/moving", local["acme/coder"], "f" * 40)
+    older = newer.parent / ("1" * 40)
+    shutil.copytree(newer, older, symlinks=True)  # refs/main now names f..f; the run trained from 1..1
+    manifest = StageManifest(stage="s", base_model="acme/moving", base_revision="1" * 40, checkpoint=".")
+    assert base_model_path(manifest, tmp_path) == older
+    assert base_model_path(manifest.model_copy(update={"base_revision": None}), tmp_path) == newer
+
+
+def test_a_recipes_base_may_be_a_hub_id(hub, tmp_path):
+    from ram_trl.recipes.layout import RunLayout
+    from ram_trl.recipes.runner import RunOptions
+    from ram_trl.recipes.schema import load_recipe
+    from tests.helpers import check_recipe, recipe_dict
+
+    data = recipe_dict(base={"path": "acme/base"})
+    del data["base"]["build"]
+    assert not [n for n in check_recipe(data) if "base" in n]
+    recipe, root = load_recipe(data)
+    layout = RunLayout(recipe, root, tmp_path / "run", RunOptions())
+    assert layout.initial_base.name == COMMITS["acme/base"]
+    assert layout.resolved_recipe()["base"]["path"] == "acme/base"  # the run's copy keeps the id
+    data["base"]["path"] = "acme/not-cached"
+    with pytest.raises(ConfigError, match=r"base.path: 'acme/not-cached' .*`hf download acme/not-cached`"):
+        check_recipe(data)
