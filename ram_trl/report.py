@@ -385,8 +385,11 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "dry_run": True,
         "merge_method": resolved.method.name,
         "parameters": dict(resolved.params),
+        **({"base_hub": hub} if (hub := describe(resolved.base_path, resolved.base_reference)) else {}),
         "agents": [
-            {"name": a.name, "path": str(a.path), "parameters": a.parameters} for a in resolved.agents
+            {"name": a.name, "path": str(a.path), "parameters": a.parameters}
+            | ({"hub": hub} if (hub := describe(a.path, a.reference)) else {})
+            for a in resolved.agents
         ],
         "tensors": len(plan.tasks),
         "merged_tensors": sum(1 for t in plan.tasks if t.floating),

@@ -281,9 +281,11 @@ def test_a_dry_run_reads_missing_weights_headers_by_range_requests_only(online, 
     plan = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False)
     local = {**config, "base_model": str(big["big-base"]), "models": [{"model": str(big["big-agent"])}]}
     by_path = ram_trl.merge(local, tmp_path / "o", dry_run=True, progress=False)
-    assert {k: v for k, v in plan.items() if k != "agents"} == {
+    assert {k: v for k, v in plan.items() if k not in ("agents", "base_hub")} == {
         k: v for k, v in by_path.items() if k != "agents"
     }
+    assert plan["base_hub"] == {"repo_id": "acme/big-base", "revision": "d" * 40}
+    assert plan["agents"][0]["hub"] == {"repo_id": "acme/big-agent", "revision": "e" * 40}
     weights = (big["big-agent"] / "model.safetensors").stat().st_size
     assert [file for file, _ in _Hub.served] == ["model.safetensors"]  # one range request: the header
     assert _Hub.served[0][1] <= 100_001 < weights
