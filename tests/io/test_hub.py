@@ -171,7 +171,8 @@ def test_the_config_is_checked_from_metadata_before_any_weight_is_read(hub, tmp_
         "d" * 40,
         skip=tuple(p.name for p in local["acme/coder"].glob("model-*.safetensors")),
     )
-    from ram_trl.config import load_config, resolve_config
+    from ram_trl.merging.config.resolve import resolve_config
+    from ram_trl.merging.config.schema import load_config
 
     config = {"merge_method": "ram_plus", "base_model": "acme/base", "models": [{"model": "acme/meta-only"}]}
     resolved = resolve_config(load_config(config)[0])
@@ -306,7 +307,7 @@ def test_shapes_are_checked_from_the_hubs_headers_before_any_weight_is_fetched(o
 
 
 def test_a_stage_manifests_hub_base_resolves_at_its_recorded_commit(hub, tmp_path):
-    from ram_trl.manifest import StageManifest, base_model_path
+    from ram_trl.stage.manifest import StageManifest, base_model_path
 
     cache, local = hub
     newer = cache_repo(cache, "acme/moving", local["acme/coder"], "f" * 40)
