@@ -34,6 +34,7 @@ from ram_trl.callbacks.telemetry.base_weights import ModelBase
 from ram_trl.callbacks.telemetry.precision import rounding_warning
 from ram_trl.callbacks.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 from ram_trl.errors import ConfigError, NonFiniteError
+from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.stage.manifest import (
     FINGERPRINT_ELEMENTS,
@@ -86,39 +87,24 @@ def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, floa
 
 
 def resolve_base_model(base_model: str | os.PathLike | None) -> str | os.PathLike | None:
-    """The local directory of a base model: a path that exists as it is; a Hugging Face Hub repository id
-    (``"org/name"``) through ``huggingface_hub.snapshot_download`` (its ``*.safetensors`` and ``*.json`` files),
-    which answers from the local cache when the files are there and honours ``HF_HUB_OFFLINE``.
+    """The local directory of a base model: a path that exists as it is; a Hugging Face Hub id (``"org/name"``,
+    ``"org/name@revision"``) through :func:`ram_trl.io.hub.resolve_model` (the cache first, honouring
+    ``HF_HUB_OFFLINE``; only the files a model needs are fetched).
 
     Args:
         base_model (`str` or `os.PathLike`, *optional*): A local path or a Hub repository id (``None``: none).
 
     Returns:
-        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it was fetched); a path that
+        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it is a Hub id); a path that
         is neither is returned as it is, for the caller's "does not exist" error.
 
     Raises:
-        ConfigError: for a repository id that cannot be fetched (offline and not cached, unknown, no network),
-            saying how to download it first.
+        ConfigError: for a repository id that cannot be resolved, naming the ``hf download`` command.
     """
     if base_model is None or os.path.exists(base_model):
         return base_model
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    name = os.fspath(base_model)
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return base_model  # not a repository id: a local path that does not exist
-    try:
-        return snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as exc:  # noqa: BLE001 - offline without a cache, unknown repository, no network, ...
-        raise ConfigError(
-            f"base_model: {name} is not a local directory, and the Hub repository could not be fetched "
-            f"({type(exc).__name__}); download it first (`hf download {name} --local-dir DIR`) and pass "
-            "base_model=DIR"
-        ) from exc
+    resolved = resolve_model(base_model, what="base_model")
+    return str(resolved) if cached_revision(resolved) is not None else base_model
 
 
 def policy_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -233,6 +219,13 @@ class TaskVectorSparsityCallback(TrainerCallback):
         )
         self.trainer = trainer
         self.base_model = self.tracker.base_model
+        # a Hub id is recorded as written, with the commit it resolved to
+        hub = (
+            cached_revision(self.base_model)
+            if self.base_model and parse_reference(base_model or "")
+            else None
+        )
+        self.base_reference = (str(base_model), hub.revision) if hub is not None else None
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.stage_name = stage_name
@@ -383,11 +376,14 @@ class TaskVectorSparsityCallback(TrainerCallback):
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
         if self.base_model and Path(base_id).exists():
             base_id = Path(base_id).resolve()  # readers do not run from this run's working directory
+        if self.base_reference is not None:
+            base_id = self.base_reference[0]
         telemetry = {k: v for k, v in self.tracker.last.items() if math.isfinite(v)}
         return StageManifest(
             stage=self.stage_name or Path(args.output_dir).resolve().name,
             domain=self.domain,
             base_model=str(base_id),
+            base_revision=self.base_reference[1] if self.base_reference else None,
             base_fingerprint=self.tracker.base_fingerprint,
             checkpoint=".",
             kind=self.tracker.kind,

@@ -17,6 +17,7 @@ import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.evaluation.rewards import import_object
+from ram_trl.io.hub import parse_reference, resolve_model
 from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec, expand_merges
 
 __all__ = [
@@ -230,7 +231,13 @@ def validate_recipe(
     problems: list[str] = []
     notes: list[str] = []
     if recipe.base.path is not None and check_paths:
-        _check_path(recipe.base.path, root, "base.path", problems, directory=True)
+        if parse_reference(recipe.base.path) is not None and not (root / recipe.base.path).exists():
+            try:  # a Hub id: in the cache, or fetchable (its metadata now, the weights when a stage loads it)
+                resolve_model(recipe.base.path, what="base.path", weights=False)
+            except ConfigError as exc:
+                problems.append(str(exc))
+        else:
+            _check_path(recipe.base.path, root, "base.path", problems, directory=True)
     if recipe.base.gguf is not None:
         from ram_trl.io.gguf import open_gguf_source, require_gguf
 

@@ -316,7 +316,9 @@ HUB = """
 from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
 from ram_trl.errors import ConfigError
 
-print(TaskVectorSparsityCallback(base_model="acme/tiny-base").base_model)
+callback = TaskVectorSparsityCallback(base_model="acme/tiny-base")
+print(callback.base_reference)  # what the stage manifest records: the id as given, and the commit
+print(callback.base_model)
 try:
     TaskVectorSparsityCallback(base_model="acme/not-cached")
 except ConfigError as exc:
@@ -334,12 +336,11 @@ def test_hub_repository_id_as_base_from_the_local_cache(base, tmp_path):
     (repo / "refs" / "main").write_text("0" * 40)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     done = subprocess.run([sys.executable, "-c", HUB], env=env, capture_output=True, text=True, check=True)
-    resolved, refused = done.stdout.strip().splitlines()[-2:]
+    recorded, resolved, refused = done.stdout.strip().splitlines()[-3:]
+    assert recorded == str(("acme/tiny-base", "0" * 40))
     assert resolved == str(snapshot)
-    assert refused.startswith("base_model: acme/not-cached is not a local directory, and the Hub repository")
-    assert refused.endswith(
-        "download it first (`hf download acme/not-cached --local-dir DIR`) and pass base_model=DIR"
-    )
+    assert refused.startswith("base_model: 'acme/not-cached' is not a local path and the Hub repository")
+    assert refused.endswith("fetch it with `hf download acme/not-cached`")
 
 
 def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):

@@ -64,8 +64,9 @@ def test_model_card(config, tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert card == model_card(report)
     front = yaml.safe_load(card.split("---")[1])
-    assert front == {
-        "base_model": config["base_model"],
+    assert front == {  # the Hub's merge convention: every input, local paths by their folder's name
+        "base_model": ["base", "agent0", "agent1", "agent2"],
+        "base_model_relation": "merge",
         "library_name": "transformers",
         "tags": ["merge", "ram_trl", "ram_plus"],
     }
@@ -76,7 +77,9 @@ def test_model_card(config, tmp_path):
         in card
     )
     assert "- `r`: 0.1" in card and "## Configuration" in card
-    assert card.rstrip().endswith("Output: 1 safetensors file(s), 28 B.")
+    assert (
+        "Output: 1 safetensors file(s), 28 B.\n\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL" in card
+    )
     assert "## Stages" not in card
     assert "](http" not in card.replace(f"]({report['reference']})", "")  # no link but the paper's
     assert f"## Warnings\n\n- no tokenizer files found in {config['base_model']}" in card

@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.hub import local_path, resolve_model
+from ram_trl.io.lora_base import merged_model
 from ram_trl.messages import did_you_mean, validation_message
 
 DTYPES: dict[str, torch.dtype] = {
@@ -245,11 +247,26 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
 
 
 def resolve_path(value: str, config_dir: Path | None) -> Path:
-    path = Path(value).expanduser()
-    if path.is_absolute() or path.exists() or config_dir is None:
-        return path
-    beside = config_dir / path
-    return beside if beside.exists() else path
+    return local_path(value, config_dir)
+
+
+def resolve_model_ref(value: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference (a path or a Hub id) resolved to a directory, metadata only: the weights of a Hub model are
+    fetched when the inputs are opened, after the whole config is checked."""
+    return resolve_model(value, config_dir, what=what, weights=False)
+
+
+def full_model(reference: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` is the adapter merged into the model, as mergekit
+    merges it (:func:`~ram_trl.io.lora_base.merged_model`)."""
+    model, adapter = split_lora(reference, config_dir)
+    if adapter is None:
+        return resolve_model_ref(model, config_dir, what)
+    paths = [resolve_model(ref, config_dir, what=what) for ref in (model, adapter)]
+    for ref, path in zip((model, adapter), paths, strict=True):
+        if not path.exists():
+            raise ConfigError(f"{what}: {ref!r} of {reference!r} does not exist (resolved to {path})")
+    return merged_model(*paths, what)
 
 
 def split_lora(value: str, config_dir: Path | None) -> tuple[str, str | None]:

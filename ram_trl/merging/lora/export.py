@@ -43,6 +43,7 @@ import torch
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
+from ram_trl.io.hub import resolve_model
 from ram_trl.io.lora import ADAPTER_CONFIG
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.merging.lora.peft_layout import (
@@ -140,7 +141,11 @@ def export_lora(
     """
     options = lora_options("lora", rank, max_rank, energy)
     assert options is not None
-    base_dir, merged_dir, output_dir = Path(base_dir), Path(merged_dir), Path(output_dir)
+    base_dir, merged_dir, output_dir = (
+        resolve_model(base_dir, what="base model"),
+        Path(merged_dir),
+        Path(output_dir),
+    )
     output = OutputDir(
         output_dir,
         overwrite=overwrite,
