@@ -224,23 +224,35 @@ class Run(RunPreparation, StageLauncher):
         (self.dir / "eval").mkdir(exist_ok=True)
         from tqdm.auto import tqdm
 
-        from ram_trl.recipes.reuse import EVALUATION_KEY, evaluation_key, model_digest, reusable_evaluation
+        from ram_trl.recipes.reuse import (
+            EVALUATION_KEY,
+            evaluation_key,
+            model_digest,
+            reusable_evaluation,
+            reward_digests,
+        )
 
         base_digest = model_digest(self.base)
         settings = self.recipe.evaluation.model_dump(mode="json")
+        rewards, unsound = reward_digests(tasks)
+        if unsound and self.options.resume:
+            self.console.print(
+                f"evaluation: scoring every model again, earlier scores cannot be matched: {unsound}"
+            )
         reused = 0
         for name, kind, path, method, parameters in tqdm(
             models, desc="evaluation", disable=not self.options.progress
         ):
             file = self.dir / "eval" / f"{safe_name(name)}.json"
             digest = base_digest if Path(path) == Path(self.base) else model_digest(path)
-            key = evaluation_key(digest, base_digest, tasks, settings)
+            key = None if rewards is None else evaluation_key(digest, base_digest, tasks, settings, rewards)
             scored = reusable_evaluation(file, key) if self.options.resume else None
             if scored is not None:
                 reused += 1
             else:
                 scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
-                scored[EVALUATION_KEY] = key
+                if key is not None:
+                    scored[EVALUATION_KEY] = key
                 with atomic_file(file, "evaluation file") as tmp:
                     tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
             val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})
