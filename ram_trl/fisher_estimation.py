@@ -374,6 +374,9 @@ def load_agent(
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
     agent_dir, stage_base = _stage_checkpoint(agent_dir)
+    from ram_trl.io.model_dir import check_one_model
+
+    check_one_model(agent_dir, "agent")
     if not is_adapter_dir(agent_dir) and not (agent_dir / "config.json").is_file():
         raise RamTrlError(
             f"agent {agent_dir} holds no model: no config.json (a model saved with save_pretrained) and no "
@@ -399,6 +402,7 @@ def load_agent(
             f"agent {agent_dir} is a LoRA adapter whose base ({base_path}) is not a local directory; pass --base "
             "(base=) to estimate its Fisher on the base with the adapter merged in"
         )
+    check_one_model(base_path, "base model")
     _check_weights_format(base_path, "base model", allow_pickle)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     model = PeftModel.from_pretrained(model, agent_dir).merge_and_unload()
