@@ -20,8 +20,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ram_trl.anatomy import classify, layer_index
 from ram_trl.errors import ConfigError
@@ -197,6 +204,13 @@ class MergeConfig(BaseModel):
     def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value.lower() not in DTYPES:
             raise ValueError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
+        return value
+
+    @field_validator("slices")
+    @classmethod
+    def _some_entries(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not value:
+            raise ValueError(f"'{info.field_name}' is empty: list at least one entry, or give 'models'")
         return value
 
     @field_validator("models")
@@ -516,12 +530,9 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
         data = source
     else:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"merge config {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        from ram_trl.io.config_file import read_yaml_file
+
+        data = read_yaml_file(path, "merge config")
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"
