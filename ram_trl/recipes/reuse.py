@@ -20,7 +20,7 @@ EVALUATION_KEY = "inputs_sha256"
 
 #: Files of a model directory that no loader reads: ram_trl's own records (they hold times) and model cards.
 _NOT_READ = ("ram_*.json", "*.md", ".*")
-#: Weight files, keyed by their tensors (:func:`~ram_trl.preview.scores.weights_digest`), whatever the sharding.
+#: Weight files, keyed by their tensors (:func:`~ram_trl.callbacks.preview.scores.weights_digest`), whatever the sharding.
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 
 
@@ -44,7 +44,7 @@ def model_digest(path: str | Path) -> str:
     Returns:
         `str`: The hex digest.
     """
-    from ram_trl.preview.scores import weights_digest
+    from ram_trl.callbacks.preview.scores import weights_digest
 
     directory = Path(path)
     digest = hashlib.sha256(weights_digest(directory).encode())

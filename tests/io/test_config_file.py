@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ram_trl.config import load_config
+from ram_trl.merging.config.schema import load_config
 from ram_trl.errors import ConfigError
 
 

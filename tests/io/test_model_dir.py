@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError
-from ram_trl.fisher_estimation import load_agent
+from ram_trl.evaluation.fisher import load_agent
 from ram_trl.io.checkpoint import open_checkpoint
 
 

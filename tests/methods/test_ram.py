@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from ram_trl.counting import active_mask, float32_threshold, overlap_counts
 from ram_trl.methods.ram import ram_merge
 from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics.counting import active_mask, float32_threshold, overlap_counts
 
 F = torch.float32
 
