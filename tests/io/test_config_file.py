@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ram_trl.merging.config.schema import load_config
 from ram_trl.errors import ConfigError
+from ram_trl.merging.config.schema import load_config
 
 
 def _refused(source, *parts):
