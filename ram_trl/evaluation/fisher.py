@@ -375,6 +375,9 @@ def load_agent(
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
     agent_dir, stage_base = _stage_checkpoint(agent_dir)
+    from ram_trl.io.model_dir import check_one_model
+
+    check_one_model(agent_dir, "agent")
     if not is_adapter_dir(agent_dir) and not (agent_dir / "config.json").is_file():
         raise RamTrlError(
             f"agent {agent_dir} holds no model: no config.json (a model saved with save_pretrained) and no "
@@ -403,6 +406,7 @@ def load_agent(
             "(base=) to estimate its Fisher on the base with the adapter merged in"
         )
     base_path = ensure_weights(base_path, "base model")  # a stage's Hub base: its weights, if not cached yet
+    check_one_model(base_path, "base model")
     _check_weights_format(base_path, "base model", allow_pickle)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     model = PeftModel.from_pretrained(model, agent_dir).merge_and_unload()

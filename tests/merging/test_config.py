@@ -409,6 +409,30 @@ def test_chat_template_names_literals_and_auto(dirs):
         template("no-such-template")
 
 
+def test_a_chat_template_that_does_not_compile_is_refused_naming_its_origin(dirs):
+    def template(value):
+        config = {
+            "merge_method": "ties",
+            "base_model": str(dirs / "base"),
+            "models": [{"model": str(dirs / "a")}],
+        }
+        return resolve_config(*load_config({**config, "chat_template": value})).chat_template
+
+    broken = "{% for m in messages %}{{ m['content'] }}"  # no endfor
+    with pytest.raises(ConfigError) as exc:
+        template(broken)
+    message = str(exc.value)
+    assert "\n" not in message and "chat_template" in message and "the config's text" in message, message
+    assert "does not compile at line 1" in message and "endfor" in message, message
+    (dirs / "a" / "chat_template.jinja").write_text("{{ messages[0]['content'] }\n")
+    with pytest.raises(ConfigError, match=r"from 'auto' \(.*a\) does not compile"):
+        template("auto")
+    generation = (
+        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}"
+    )
+    assert template(generation) == generation  # transformers' own tags and filters compile
+
+
 def test_bad_dtype_and_choice(dirs):
     with pytest.raises(ConfigError, match="unknown dtype"):
         _resolve(dirs, "merge_method: ram\nbase_model: base\nmodels: [{model: a}]\nout_dtype: int3\n")

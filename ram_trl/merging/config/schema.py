@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
@@ -191,6 +190,13 @@ class MergeConfig(BaseModel):
             )
         return value
 
+    @field_validator("slices")
+    @classmethod
+    def _some_slices(cls, value: Any) -> Any:
+        if value is not None and not value:
+            raise ValueError("'slices' is empty: list at least one entry, or give 'models'")
+        return value
+
     @field_validator("models")
     @classmethod
     def _some_models(cls, value: list[ModelEntry] | None) -> list[ModelEntry] | None:
@@ -229,12 +235,9 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
         data = source
     else:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"merge config {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        from ram_trl.io.config_file import read_yaml_file
+
+        data = read_yaml_file(path, "merge config")
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"

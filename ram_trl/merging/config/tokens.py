@@ -47,18 +47,21 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str | N
         ConfigError: ``auto`` without any template among the models, an unknown name, or text that is no
             template.
     """
+    from ram_trl.io.chat_template import check_chat_template
+
     if value == "auto":
-        templates = [t.strip() for t in (_model_chat_template(p) for p in models) if t]
-        if not templates:
+        found = [(t.strip(), p) for p, t in ((p, _model_chat_template(p)) for p in models) if t]
+        if not found:
             return None  # as mergekit: the tokenizer's template is left as it is
-        return Counter(templates).most_common(1)[0][0]
+        chosen = Counter(t for t, _ in found).most_common(1)[0][0]
+        return check_chat_template(chosen, f"'auto' ({next(p for t, p in found if t == chosen)})", where)
     if len(value) < 256 and "\n" not in value and "{" not in value:
         try:
             from importlib.resources import files
 
             named = files("mergekit._data.chat_templates").joinpath(value + ".jinja")
             if named.is_file():
-                return named.read_text()
+                return check_chat_template(named.read_text(), f"mergekit's {value!r}", where)
         except ModuleNotFoundError:
             raise ConfigError(
                 f"{where}: {value!r} names one of mergekit's templates, which are read from the mergekit package: "
@@ -66,7 +69,7 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str | N
             ) from None
     if len(value) < 20 or "{" not in value:
         raise ConfigError(f"{where}: {value!r} is neither a known template name nor a Jinja template")
-    return value
+    return check_chat_template(value, "the config's text", where)
 
 
 def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
