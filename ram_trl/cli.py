@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from ram_trl import defaults
 from ram_trl.errors import RamTrlError
+from ram_trl.messages import one_voice
 from ram_trl.runtime import gc_paused
 
 #: The module each command's handler imports, imported up front with the garbage collector paused.
@@ -336,10 +337,10 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=("bfloat16", "float16", "float32"),
-        help="dtype of the written weights (default: bfloat16)",
+        help="dtype of the written weights: bfloat16 (bf16), float16 (fp16) or float32 (fp32) (default: bfloat16)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous conversion at OUT")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -574,6 +575,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     seed = "" if args.seed is None else f" --seed {args.seed}"
     Console(stderr=True).print(
         f"[bold]ram-trl demo[/]{' --quick' if args.quick else ''}{seed}: recipe {DEMO_RECIPE}, run directory {args.out}"
+        + (
+            "\n--quick is a smoke run: a few steps of everything, to check that each step runs; it cannot show "
+            "learning (expect equal scores), run `ram-trl demo` for results"
+            if args.quick
+            else ""
+        )
     )
     run_recipe(
         DEMO_RECIPE,
@@ -621,7 +628,12 @@ def _run_convert_gguf(args: argparse.Namespace) -> int:
     from ram_trl.io.gguf import convert_gguf
 
     record = convert_gguf(
-        args.source, args.output_dir, member=args.member, dtype=args.dtype, overwrite=args.overwrite
+        args.source,
+        args.output_dir,
+        member=args.member,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     check = record["check"]
     Console().print(
@@ -653,9 +665,6 @@ def missing_cli_packages() -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ram-trl``; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s"
-    )
     missing = missing_cli_packages()
     if missing:
         print(
@@ -675,37 +684,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fisher": _run_fisher,
         "convert-gguf": _run_convert_gguf,
     }
-    with gc_paused():
-        importlib.import_module(_COMMAND_MODULES[args.command])
-    quiet = contextlib.nullcontext()
-    if not sys.stderr.isatty() and hasattr(args, "no_progress"):
-        # a log file, not a terminal: no bars redrawn with carriage returns (ours, nor transformers' while the
-        # command loads and saves models; stage processes are kept quiet by their launcher)
-        args.no_progress = True
-        if args.command in _MODEL_COMMANDS:
-            from ram_trl.io.quiet import progress_bars_off
+    # the command line's process: each warning once, in our words; no third-party notice the user cannot act on
+    with one_voice(logging.INFO if args.verbose else logging.WARNING):
+        with gc_paused():
+            importlib.import_module(_COMMAND_MODULES[args.command])
+        quiet = contextlib.nullcontext()
+        if not sys.stderr.isatty() and hasattr(args, "no_progress"):
+            # a log file, not a terminal: no bars redrawn with carriage returns (ours, nor transformers' while the
+            # command loads and saves models; stage processes are kept quiet by their launcher)
+            args.no_progress = True
+            if args.command in _MODEL_COMMANDS:
+                from ram_trl.io.quiet import progress_bars_off
 
-            quiet = progress_bars_off()
-    from ram_trl.parallel import owned_process
+                quiet = progress_bars_off()
+        from ram_trl.parallel import owned_process
 
-    try:
-        with quiet, owned_process():  # this process is ours: the compute pools may set torch's thread counts
-            return handlers[args.command](args)
-    except RamTrlError as exc:
-        print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        if exc.errno not in _FILE_SYSTEM_ERRORS:
-            raise
-        print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        print(
-            f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
-            file=sys.stderr,
-        )
-        return 128 + int(signum)
+        try:
+            with (
+                quiet,
+                owned_process(),
+            ):  # this process is ours: the compute pools may set torch's thread counts
+                return handlers[args.command](args)
+        except RamTrlError as exc:
+            print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            if exc.errno not in _FILE_SYSTEM_ERRORS:
+                raise
+            print(f"ram-trl {args.command}: error: {exc.filename or ''}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print(
+                f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
+                file=sys.stderr,
+            )
+            return 128 + int(signum)
 
 
 if __name__ == "__main__":

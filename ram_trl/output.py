@@ -251,6 +251,36 @@ def temp_name(target: Path, kind: str = "tmp") -> Path:
     return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _new_file_mode(directory: Path) -> int:
+    """The mode a file newly created in ``directory`` gets: ``0o666`` less the umask (and default ACLs), probed with
+    a file rather than read with ``os.umask`` (which sets the process-wide umask)."""
+    probe = directory / f".ram-trl-mode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def make_readable(path: Path, mode: int) -> None:
+    """Give ``path`` (a file, or every file under a directory) ``mode``, keeping execute bits: writers that go
+    through a private temporary file (safetensors' ``save_file``) leave ``0600`` whatever the umask allows.
+
+    Args:
+        path: The file or directory, before it is moved into place.
+        mode: The mode of a new file (from :func:`_new_file_mode`).
+    """
+    files = (
+        [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    )
+    for file in files:
+        current = file.stat().st_mode & 0o777
+        wanted = mode | ((mode & 0o444) >> 2 if current & 0o100 else 0)
+        if current != wanted:
+            os.chmod(file, wanted)
+
+
 #: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
 _STEM_BYTES = 200
 
@@ -410,6 +440,7 @@ class OutputDir:
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
+            make_readable(self.temp, _new_file_mode(self.temp))
             if self.merge and self.target.is_dir():
                 merge_into(self.temp, self.target, last=self.markers, remove=remove)
                 shutil.rmtree(self.temp, ignore_errors=True)
@@ -594,6 +625,7 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     try:
         with catch_signals(), guard_os_errors(f"{what} {target}"):
             yield temp
+            make_readable(temp, _new_file_mode(temp.parent))
             os.replace(temp, target)
     except OSError as exc:
         raise as_output_error(exc, f"{what} {target}") from exc

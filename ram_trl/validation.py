@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import CheckpointError, ConfigError, RamTrlError
+from ram_trl.io.hub import in_repo_blobs
 from ram_trl.sizes import parse_size
 
 #: Tensor names of vocabulary-sized tensors (rows = tokens): the only tensors ``merge_common_rows`` may resize.
@@ -361,7 +362,8 @@ def _check_entry(
 
 
 def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> Path:
-    """``path`` if it resolves (symlinks followed) inside ``root``; else a :class:`CheckpointError`.
+    """``path`` if it resolves (symlinks followed) inside ``root``, or, for a Hugging Face cache snapshot, into the
+    same repository's ``blobs/``; else a :class:`CheckpointError`.
 
     Args:
         path: A file a checkpoint's index names.
@@ -372,7 +374,7 @@ def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> 
     if allow_external:
         return path
     resolved, inside = path.resolve(), root.resolve()
-    if resolved != inside and not resolved.is_relative_to(inside):
+    if resolved != inside and not resolved.is_relative_to(inside) and not in_repo_blobs(path, root):
         raise CheckpointError(
             f"{what} names {path}, which resolves to {resolved}, outside the checkpoint directory {root}; move the "
             "shard into the directory, or pass --allow-external-shards (allow_external_shards=True) if it is meant"

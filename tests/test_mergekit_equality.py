@@ -802,6 +802,62 @@ def test_model_plus_lora_reference_equals_mergekit(tmp_path):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_model_plus_lora_as_base_and_on_another_model_equals_mergekit(tmp_path, monkeypatch):
+    """mergekit's LoRA syntax where a full model goes: a base written ``MODEL+ADAPTER`` and an agent that is an
+    adapter on another model than the base are merged into their models as mergekit merges them (PEFT's
+    merge_and_unload): the outputs are bit-identical (ram_trl 0.x refused both)."""
+    import tempfile
+
+    from tests.helpers import lora_adapter, qwen_model, save_base
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the merged models go under tmp_path
+    base_dir = save_base(qwen_model(seed=0), tmp_path / "base")
+    lora_adapter(qwen_model(seed=0), tmp_path / "adapter", seed=3, r=4, target_modules=["q_proj", "v_proj"])
+    lora_adapter(qwen_model(seed=0), tmp_path / "adapter2", seed=5, r=2, target_modules=["k_proj", "up_proj"])
+    agent = qwen_model(seed=0)
+    with torch.no_grad():
+        for k, parameter in enumerate(agent.parameters()):
+            parameter.add_(0.01 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(k)))
+    agent_dir = save_base(agent, tmp_path / "agent")
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": f"{base_dir}+{tmp_path / 'adapter'}",
+        "models": [
+            {"model": str(agent_dir), "parameters": {"weight": 0.5}},
+            {"model": f"{agent_dir}+{tmp_path / 'adapter2'}", "parameters": {"weight": 0.3}},
+        ],
+        "dtype": "float32",
+    }
+    run_merge(
+        MergeConfiguration.model_validate(copy.deepcopy(config)),
+        str(tmp_path / "mergekit"),
+        options=MergeOptions(
+            device="cpu",
+            quiet=True,
+            copy_tokenizer=False,
+            write_model_card=False,
+            lora_merge_cache=str(tmp_path / "c"),
+        ),
+    )
+    report = ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
+    assert [a["kind"] for a in report["agents"]] == ["full", "full"]
+    ours, theirs = _load_dir(tmp_path / "ram_trl"), _load_dir(tmp_path / "mergekit")
+    base = _load_dir(base_dir)
+    _assert_identical(ours, theirs)
+    # the adapters were applied: the merged base's q_proj and the second agent's k_proj differ from their models'
+    merged_base, merged_agent = Path(report["base_model"]), Path(report["agents"][1]["path"])
+    assert (
+        merged_base.parent.parent == merged_agent.parent.parent == tmp_path
+    )  # kept under the temporary directory
+    for merged, plain, module in [
+        (merged_base, base, "q_proj"),
+        (merged_agent, _load_dir(agent_dir), "k_proj"),
+    ]:
+        changed = _load_dir(merged)
+        assert all(not torch.equal(changed[n], plain[n]) for n in plain if f"{module}.weight" in n)
+        assert all(torch.equal(changed[n], plain[n]) for n in plain if "o_proj" in n)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The configs of mergekit's tests/test_tokenizer.py and test_chat_template.py (tiny Llamas, bf16, weight 1.0 on every
 # model, a global `embed_slerp` that linear does not use)

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from ram_trl import output
 from ram_trl.errors import OutputError
@@ -320,3 +321,38 @@ def test_merge_mode_failure_midway_restores_the_directory(tmp_path, monkeypatch,
     monkeypatch.undo()
     assert _tree(target) == before
     assert _siblings(target) == []
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (restored after)."""
+    previous = os.umask(0o022)
+    yield os.umask
+    os.umask(previous)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_outputs_are_as_readable_as_the_umask_allows(tmp_path, umask, mask, mode):
+    # safetensors' save_file writes through a private 0600 temporary whatever the umask: the commit fixes the mode
+    from safetensors.torch import save_file
+
+    umask(mask)
+    with OutputDir(tmp_path / "out") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "sub").mkdir()
+        save_file({"w": torch.zeros(2)}, str(tmp / "sub" / "x.safetensors"))
+        (tmp / "run.sh").write_text("#!/bin/sh\n")
+        os.chmod(tmp / "run.sh", 0o700)
+    with atomic_file(tmp_path / "fisher.safetensors") as temp:
+        save_file({"w": torch.zeros(2)}, str(temp))
+    modes = {
+        p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
+        for p in tmp_path.rglob("*")
+        if p.is_file()
+    }
+    assert modes == {
+        "out/model.safetensors": mode,
+        "out/sub/x.safetensors": mode,
+        "out/run.sh": mode | (mode & 0o444) >> 2,
+        "fisher.safetensors": mode,
+    }

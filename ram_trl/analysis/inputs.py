@@ -10,6 +10,7 @@ from typing import Any
 
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
+from ram_trl.io.hub import resolve_model
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import MergeConfig, load_config
 from ram_trl.merging.config.settings import ResolvedConfig
@@ -87,10 +88,16 @@ def resolve_inputs(
                 "give a base model and at least one agent (or a merge config); the base may be left out only "
                 "when every agent is a stage manifest of the same local base"
             )
+        found = []
         for label, path in [("base model", base), *((f"agent {i}", a) for i, a in enumerate(agents))]:
-            if not Path(path).exists():
-                raise ConfigError(f"{label}: {path} does not exist (ram_trl reads local checkpoints)")
-        if all(Path(a).resolve() == Path(base).resolve() for a in agents):
+            found.append(
+                resolve_model(path, what=label, weights=False)
+            )  # a path, or a Hub id's cache snapshot
+            if not found[-1].exists():
+                raise ConfigError(
+                    f"{label}: {path} does not exist (neither a local path nor a Hub id ORG/NAME)"
+                )
+        if all(a.resolve() == found[0].resolve() for a in found[1:]):
             raise ConfigError(f"every agent is the base model {base}: there is no task vector to analyse")
         entries = [{"stage" if is_stage(path) else "model": str(path)} for path in agents]
         parameters = {k: v for k, v in given.items() if v is not None}

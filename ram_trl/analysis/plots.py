@@ -160,6 +160,15 @@ def plot_magnitudes(result: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("share of active elements per bin (%)")
     axes.set_title("Magnitudes of the active deltas")
     axes.legend(fontsize=8)
+    if any(d in ("bfloat16", "float16") for a in result["agents"] for d in a.get("dtypes") or []):
+        figure.text(
+            0.01,
+            0.0,
+            "Comb-shaped in bf16/fp16: a stored delta is the difference of two rounded weights, so |tau| takes few "
+            "distinct values per octave\nand some bins stay empty (rounding, not training).",
+            fontsize=6,
+            va="bottom",
+        )
     figure.savefig(path)
 
 

@@ -43,8 +43,19 @@ def _num(value: float | str | None, spec: str = ".4g") -> str:
     return value if isinstance(value, str) else format(value, spec)
 
 
-def sparsity_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-agent sparsity and overlap table."""
+def _count(value: int, compact: bool) -> str:
+    """An element count: whole with thousands separators, or (``compact``, for an 80-column terminal) in three
+    significant digits with k / M / G / T above 99,999."""
+    if not compact or value < 100_000:
+        return f"{value:,}"
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:,}"
+
+
+def sparsity_rows(result: dict[str, Any], compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-agent sparsity and overlap table (``compact``: counts shortened for a terminal)."""
     header = [
         "agent",
         "dtype",
@@ -66,8 +77,8 @@ def sparsity_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 _pct(a["density"]),
                 _pct(a["density_exact"]),
                 _pct(a["density_bf16"]),
-                f"{a['unique']:,}",
-                f"{a['shared']:,}",
+                _count(a["unique"], compact),
+                _count(a["shared"], compact),
                 _num(a["rho"], ".3f"),
                 _num(a["lambda"]["ram_plus"], ".4f"),
                 _num(a["lambda"]["ram_plus_soft"], ".4f"),
@@ -195,14 +206,25 @@ def print_tables(result: dict[str, Any]) -> None:
         f"{result['num_agents']} agents, {result['total_elements']:,} elements, {result['tensors']} tensors"
     )
     for title, (header, rows) in [
-        (f"Task-vector sparsity at eps = {result['parameters']['eps']:g}", sparsity_rows(result)),
+        (
+            f"Task-vector sparsity at eps = {result['parameters']['eps']:g}",
+            sparsity_rows(result, compact=True),
+        ),
         ("Magnitudes of the active deltas", magnitude_rows(result)),
     ]:
-        table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for column in header:
-            table.add_column(column, justify="left" if column in ("agent", "dtype") else "right")
+        table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=0)
+        # 80 columns: no column without a value, names whole, headers wrapped before any cell is cut
+        keep = [i for i, column in enumerate(header) if i == 0 or any(row[i] != "-" for row in rows)]
+        for i in keep:
+            cells = [header[i], *(row[i] for row in rows)] if i == 0 else [header[i]]
+            table.add_column(
+                header[i],
+                justify="left" if header[i] in ("agent", "dtype") else "right",
+                min_width=max(map(len, cells)) if i == 0 else None,
+                no_wrap=i == 0,
+            )
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(row[i] for i in keep))
         console.print(table)
     for warning in result["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")

@@ -31,8 +31,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl import defaults
 from ram_trl.callbacks.telemetry.base_weights import ModelBase
+from ram_trl.callbacks.telemetry.precision import rounding_warning
 from ram_trl.callbacks.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 from ram_trl.errors import ConfigError, NonFiniteError
+from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
 from ram_trl.output import OutputDir, guard_os_errors
 from ram_trl.stage.manifest import (
     FINGERPRINT_ELEMENTS,
@@ -85,39 +87,24 @@ def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, floa
 
 
 def resolve_base_model(base_model: str | os.PathLike | None) -> str | os.PathLike | None:
-    """The local directory of a base model: a path that exists as it is; a Hugging Face Hub repository id
-    (``"org/name"``) through ``huggingface_hub.snapshot_download`` (its ``*.safetensors`` and ``*.json`` files),
-    which answers from the local cache when the files are there and honours ``HF_HUB_OFFLINE``.
+    """The local directory of a base model: a path that exists as it is; a Hugging Face Hub id (``"org/name"``,
+    ``"org/name@revision"``) through :func:`ram_trl.io.hub.resolve_model` (the cache first, honouring
+    ``HF_HUB_OFFLINE``; only the files a model needs are fetched).
 
     Args:
         base_model (`str` or `os.PathLike`, *optional*): A local path or a Hub repository id (``None``: none).
 
     Returns:
-        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it was fetched); a path that
+        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it is a Hub id); a path that
         is neither is returned as it is, for the caller's "does not exist" error.
 
     Raises:
-        ConfigError: for a repository id that cannot be fetched (offline and not cached, unknown, no network),
-            saying how to download it first.
+        ConfigError: for a repository id that cannot be resolved, naming the ``hf download`` command.
     """
     if base_model is None or os.path.exists(base_model):
         return base_model
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    name = os.fspath(base_model)
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return base_model  # not a repository id: a local path that does not exist
-    try:
-        return snapshot_download(name, allow_patterns=["*.safetensors", "*.json"])
-    except Exception as exc:  # noqa: BLE001 - offline without a cache, unknown repository, no network, ...
-        raise ConfigError(
-            f"base_model: {name} is not a local directory, and the Hub repository could not be fetched "
-            f"({type(exc).__name__}); download it first (`hf download {name} --local-dir DIR`) and pass "
-            "base_model=DIR"
-        ) from exc
+    resolved = resolve_model(base_model, what="base_model")
+    return str(resolved) if cached_revision(resolved) is not None else base_model
 
 
 def policy_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -152,9 +139,10 @@ class TaskVectorSparsityCallback(TrainerCallback):
             always measured.
         eps (`float`, *optional*, defaults to `1e-5`):
             Activity threshold, ``|tau| > eps`` (strict), as RAM masks (:data:`ram_trl.defaults.EPS`).
-        save_dtype (`str`, *optional*, defaults to `"bfloat16"`):
-            The dtype the agent is saved in at train end and the ``density_saved`` view (``"bfloat16"``,
-            ``"float16"``, ``"float32"``).
+        save_dtype (`str`, *optional*, defaults to `"auto"`):
+            The dtype the agent is saved in at train end and the ``density_saved`` view: ``"auto"`` (the dtype the
+            trainer holds the trained parameters in: the saved agent is the trained one), ``"bfloat16"``,
+            ``"float16"`` or ``"float32"``. A save that rounds away most of what training moved warns at train end.
         prior_stages (`Sequence[str | os.PathLike]`, *optional*, defaults to `()`):
             Stage manifests (or their directories) of agents trained before this one from the same base: the
             overlap and RAM+ rho_t / lambda_t metrics are reported against them.
@@ -231,7 +219,13 @@ class TaskVectorSparsityCallback(TrainerCallback):
         )
         self.trainer = trainer
         self.base_model = self.tracker.base_model
-        self.save_dtype = self.tracker.save_dtype
+        # a Hub id is recorded as written, with the commit it resolved to
+        hub = (
+            cached_revision(self.base_model)
+            if self.base_model and parse_reference(base_model or "")
+            else None
+        )
+        self.base_reference = (str(base_model), hub.revision) if hub is not None else None
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.stage_name = stage_name
@@ -239,6 +233,11 @@ class TaskVectorSparsityCallback(TrainerCallback):
         self.save_agent = save_agent
         self.write_stage = write_stage
         self.manifest_file: Path | None = None
+
+    @property
+    def save_dtype(self) -> torch.dtype | None:
+        """The dtype the agent is saved in (``"auto"``: ``None`` until train begin resolves it)."""
+        return self.tracker.save_dtype
 
     def bind(self, trainer: Any) -> TaskVectorSparsityCallback:
         """Attach the trainer (callbacks receive the model but never the trainer).
@@ -336,6 +335,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
         if not self.tracker.ready:
             return
         out_dir = Path(args.output_dir)
+        warning = rounding_warning(self.tracker.summary())
+        if warning and state.is_world_process_zero:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         if self.save_agent:  # the manifest is committed with the agent, last
             manifest = (lambda: self.manifest(args, state)) if self.write_stage else None
             written = save_agent(self.trainer, out_dir, self.save_dtype, manifest)
@@ -364,11 +366,14 @@ class TaskVectorSparsityCallback(TrainerCallback):
         base_id = self.base_model or getattr(config, "_name_or_path", None) or "unknown"
         if self.base_model and Path(base_id).exists():
             base_id = Path(base_id).resolve()  # readers do not run from this run's working directory
+        if self.base_reference is not None:
+            base_id = self.base_reference[0]
         telemetry = {k: v for k, v in self.tracker.last.items() if math.isfinite(v)}
         return StageManifest(
             stage=self.stage_name or Path(args.output_dir).resolve().name,
             domain=self.domain,
             base_model=str(base_id),
+            base_revision=self.base_reference[1] if self.base_reference else None,
             base_fingerprint=self.tracker.base_fingerprint,
             checkpoint=".",
             kind=self.tracker.kind,

@@ -32,6 +32,7 @@ import torch
 
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.hub import ensure_weights, resolve_model
 from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 from ram_trl.output import atomic_file
 from ram_trl.validation import check_optional_number, read_json_object
@@ -370,10 +371,13 @@ def load_agent(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    agent_dir = Path(agent_dir)
+    agent_dir = resolve_model(agent_dir, what="agent")
     if not agent_dir.is_dir():
         raise RamTrlError(f"agent {agent_dir} does not exist")
     agent_dir, stage_base = _stage_checkpoint(agent_dir)
+    from ram_trl.io.model_dir import check_one_model
+
+    check_one_model(agent_dir, "agent")
     if not is_adapter_dir(agent_dir) and not (agent_dir / "config.json").is_file():
         raise RamTrlError(
             f"agent {agent_dir} holds no model: no config.json (a model saved with save_pretrained) and no "
@@ -391,14 +395,18 @@ def load_agent(
     if claimed is not None and not isinstance(claimed, str):
         raise RamTrlError(f"agent {agent_dir}: base_model_name_or_path must be a path, got {claimed!r}")
     if base is not None:
-        base_path: Path | None = Path(base)
-    else:  # a stage's base (its manifest, read beside it) before the adapter config's own claim
-        base_path = stage_base or (Path(claimed) if claimed else None)
+        base_path: Path | None = resolve_model(base, what="base model")
+    else:  # a stage's base (its manifest, read beside it) before the adapter config's own claim (a Hub id too)
+        base_path = stage_base or (
+            resolve_model(claimed, what="the adapter's base model") if claimed else None
+        )
     if base_path is None or not base_path.is_dir():
         raise RamTrlError(
             f"agent {agent_dir} is a LoRA adapter whose base ({base_path}) is not a local directory; pass --base "
             "(base=) to estimate its Fisher on the base with the adapter merged in"
         )
+    base_path = ensure_weights(base_path, "base model")  # a stage's Hub base: its weights, if not cached yet
+    check_one_model(base_path, "base model")
     _check_weights_format(base_path, "base model", allow_pickle)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
     model = PeftModel.from_pretrained(model, agent_dir).merge_and_unload()

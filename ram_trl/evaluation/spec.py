@@ -3,11 +3,16 @@ models (:class:`StrictModel`, also the recipe schema's: :mod:`ram_trl.recipes.sc
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = ["MAX_SEED", "EvaluationSpec", "StrictModel"]
+from ram_trl.messages import canonical_dtype
+
+__all__ = ["MAX_SEED", "EvaluationSpec", "FloatDtype", "StrictModel"]
+
+#: A float dtype of weights, aliases accepted (``bf16``, ``fp16``, ``fp32``, ``torch.float16``, ...).
+FloatDtype = Annotated[Literal["bfloat16", "float16", "float32"], BeforeValidator(canonical_dtype)]
 
 
 #: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
@@ -61,7 +66,7 @@ class EvaluationSpec(StrictModel):
     temperature: float = Field(1.0, gt=0)
     seed: int = Field(0, ge=0, le=MAX_SEED)
     batch_size: int = Field(64, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: FloatDtype = "float32"
     bootstrap_resamples: int = Field(2000, ge=100)
     bootstrap_seed: int = Field(0, ge=0, le=MAX_SEED)
     retention_min_gain: float = Field(0.02, ge=0)

@@ -16,8 +16,16 @@ from pathlib import Path
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.hub import ensure_weights, needs_weights, remote_headers, resolve_model
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
-from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta, read_safetensors_header
+from ram_trl.io.model_dir import check_one_model
+from ram_trl.io.safetensors_io import (
+    SAFETENSORS_DTYPES,
+    RowReader,
+    TensorInfo,
+    TensorMeta,
+    read_safetensors_header,
+)
 from ram_trl.validation import check_pickle_state, check_weight_map, read_json_object
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -179,6 +187,7 @@ def open_checkpoint(
     allow_external_shards: bool = False,
     base_shapes: Mapping[str, tuple[int, ...]] | None = None,
     base_config: Path | None = None,
+    fetch: bool = True,
 ) -> Checkpoint:
     """Open a checkpoint directory and read every tensor's metadata.
 
@@ -193,6 +202,8 @@ def open_checkpoint(
             ``Conv1D`` layers as PEFT does (:func:`~ram_trl.io.lora.read_adapter`).
         base_config: The base model's ``config.json``, for a LoRA adapter: its architecture places the square
             targets that ``base_shapes`` cannot (:func:`~ram_trl.io.lora.conv1d_modules`).
+        fetch: For a Hub model (an id, or a cache snapshot) whose weights are not cached: fetch them (default), or
+            read only their headers from the Hub (a checkpoint that plans but cannot be read: a dry run).
 
     Returns:
         The opened :class:`Checkpoint`.
@@ -200,15 +211,17 @@ def open_checkpoint(
     Raises:
         CheckpointError: with the path and role, if the input is missing, not a checkpoint, or corrupt.
     """
-    path = Path(path).expanduser()
+    path = resolve_model(path, what=role, weights=fetch)
+    if not fetch and needs_weights(path) and not is_adapter_dir(path):
+        return _from_remote_headers(path, role)
+    path = ensure_weights(path, role)
     if not path.exists():
-        raise CheckpointError(
-            f"{role}: {path} does not exist (ram_trl reads local checkpoints; download it first)"
-        )
+        raise CheckpointError(f"{role}: {path} does not exist (not a local path, nor a Hub id ORG/NAME)")
     if path.is_file():
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{role}: {path} is a file but not a .safetensors file")
         return _from_safetensors_files(path.parent, role, [path])
+    check_one_model(path, role)
     index = path / SAFE_INDEX
     if index.is_file():
         return _from_index(path, role, index, allow_external_shards)
@@ -276,6 +289,14 @@ def _from_index(path: Path, role: str, index: Path, allow_external: bool = False
             )
         infos[name] = headers[file][name]
     return _checkpoint(path, role, infos, files)
+
+
+def _from_remote_headers(path: Path, role: str) -> Checkpoint:
+    infos: dict[str, TensorInfo] = {}
+    for file, tensors in remote_headers(path, role).items():
+        for name, (dtype, shape, (begin, end)) in tensors.items():
+            infos[name] = TensorInfo(name, SAFETENSORS_DTYPES[dtype], tuple(shape), path / file, begin, end)
+    return _checkpoint(path, role, infos, sorted({info.file for info in infos.values()}))
 
 
 def _from_safetensors_files(path: Path, role: str, files: list[Path]) -> Checkpoint:

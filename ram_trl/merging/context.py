@@ -134,7 +134,7 @@ def run_eps(resolved: ResolvedConfig) -> float:
 
 
 def open_inputs(
-    resolved: ResolvedConfig, allow_pickle: bool, allow_external_shards: bool = False
+    resolved: ResolvedConfig, allow_pickle: bool, allow_external_shards: bool = False, fetch: bool = True
 ) -> tuple[Checkpoint, list[Checkpoint]]:
     """Open the base and every agent (headers only; the base's ``config.json`` is validated too).
 
@@ -142,6 +142,7 @@ def open_inputs(
         resolved: The config naming the inputs.
         allow_pickle: Accept ``pytorch_model*.bin`` checkpoints.
         allow_external_shards: Accept index files naming shards outside their checkpoint directory.
+        fetch: Fetch the weights of Hub inputs not in the cache (``False``: read their headers from the Hub only).
 
     Returns:
         The base and the agents, in config order.
@@ -151,6 +152,7 @@ def open_inputs(
         f"base model ({resolved.base_path})",
         allow_pickle=allow_pickle,
         allow_external_shards=allow_external_shards,
+        fetch=fetch,
     )
     if base.config_path is not None:
         check_model_config(base.config_path, base.role)
@@ -163,6 +165,7 @@ def open_inputs(
             allow_external_shards=allow_external_shards,
             base_shapes=shapes,
             base_config=base.config_path,
+            fetch=fetch,
         )
         for agent in resolved.agents
     ]

@@ -37,6 +37,7 @@ from ram_trl.io.fisher_files import (
     fisher_nbytes,
     open_fisher,
 )
+from ram_trl.io.hub import needs_weights
 from ram_trl.io.safetensors_io import RowReader, ShardFile
 from ram_trl.merging import report as reporting
 from ram_trl.merging.config.resolve import resolve_config
@@ -207,7 +208,17 @@ def prepare(
     check_input_cache(options.input_cache)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
-    base, agents = open_inputs(resolved, options.allow_pickle, options.allow_external_shards)
+    if not options.dry_run and any(
+        needs_weights(p) for p in [resolved.base_path, *(a.path for a in resolved.agents)]
+    ):
+        _open_and_plan(resolved, options, fetch=False)  # every header checked before a weight file is fetched
+    return _open_and_plan(resolved, options, fetch=not options.dry_run)
+
+
+def _open_and_plan(
+    resolved: ResolvedConfig, options: MergeOptions, fetch: bool
+) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
+    base, agents = open_inputs(resolved, options.allow_pickle, options.allow_external_shards, fetch=fetch)
     for spec, agent in zip(resolved.agents, agents, strict=True):
         spec.kind = agent.kind
         if agent.adapter is not None:
@@ -414,7 +425,10 @@ def run_lora_merge(
         name = temp_name(output_dir, "full").name if ctx.is_main else None
         full_dir = output_dir.parent / ctx.broadcast_object(name)
         try:
-            merged_report = run_merge(resolved, full_dir, merge_options)
+            # the temporary full model is not what the user asked for: the summary names the adapter, after it
+            merged_report = run_merge(
+                resolved, full_dir, dataclasses.replace(merge_options, print_summary=False)
+            )
 
             def export() -> dict[str, Any] | None:
                 if not ctx.is_main:
@@ -432,6 +446,7 @@ def run_lora_merge(
                     progress=options.progress,
                 )
                 if options.print_summary:
+                    reporting.print_summary(report)
                     print_export(report)
                 return report
 

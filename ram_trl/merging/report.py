@@ -20,7 +20,9 @@ import yaml
 
 import ram_trl
 from ram_trl import defaults
-from ram_trl.merging.planner import MergePlan, format_bytes
+from ram_trl.io.hub import cached_revision, describe, parse_reference
+from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
+from ram_trl.messages import shown
 from ram_trl.methods import resolve_method
 
 if TYPE_CHECKING:
@@ -106,12 +108,16 @@ def build_report(
         }
         if agent.stage is not None:
             entry["stage"] = agent.stage
+        hub = describe(agent.path, agent.reference)
+        if hub:
+            entry["hub"] = hub
         stats = state.stats.as_dict(t)
         stats["rho"] = _finite(stats["rho"])
         entry.update(stats)
         entry.update(_lambda_summary(resolved, state, t))
         agents.append(entry)
     params = dict(resolved.params)
+    base_hub = describe(resolved.base_path, resolved.base_reference)
     return {
         "ram_trl_version": ram_trl.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -121,6 +127,8 @@ def build_report(
         "reference": resolved.method.reference,
         "parameters": params,
         "base_model": str(resolved.base_path),
+        **({"base_hub": base_hub} if base_hub else {}),
+        "card_inputs": card_inputs(resolved),
         "output_dir": str(output_dir),
         "num_agents": len(agents),
         "total_elements": state.stats.numel,
@@ -159,14 +167,46 @@ def _front_matter(front: dict[str, Any]) -> str:
     return "---\n" + yaml.safe_dump(front, sort_keys=False).strip() + "\n---\n"
 
 
+def _hub_name(reference: str | None, path: str | Path) -> str:
+    """How a card names an input: a Hub id as written (without ``@revision``), a local path by its folder's name."""
+    hub = parse_reference(reference) if reference and not Path(reference).expanduser().exists() else None
+    if hub is not None:
+        return hub.repo_id
+    cached = cached_revision(path)
+    return cached.repo_id if cached is not None else Path(reference or path).name
+
+
+def card_inputs(resolved: ResolvedConfig) -> list[str]:
+    """Every input model as a card's ``base_model`` lists it: the base, then each agent (stages by their checkpoint's
+    folder, a ``MODEL+ADAPTER`` by its adapter), without repeats."""
+    names = [_hub_name(resolved.base_reference, resolved.base_path)]
+    for agent in resolved.agents:
+        reference = (
+            agent.reference.rsplit("+", 1)[-1]
+            if agent.reference and "+" in agent.reference
+            else agent.reference
+        )
+        names.append(_hub_name(reference, agent.path))
+    return list(dict.fromkeys(names))
+
+
 def model_card(report: dict[str, Any]) -> str:
-    """A Hugging Face model card (README.md) for a merged model."""
+    """A Hugging Face model card (README.md) for a merged model: the Hub's merge convention (``base_model`` lists
+    every input, ``base_model_relation: merge``, tags)."""
     front = {
-        "base_model": report["base_model"],
+        "base_model": report.get("card_inputs") or [report["base_model"]],
+        "base_model_relation": "merge",
         "library_name": "transformers",
         "tags": ["merge", "ram_trl", report["merge_method"]],
     }
-    return _front_matter(front) + "\n" + card_body(report)
+    return _front_matter(front) + "\n" + card_body(report) + _upload_lines()
+
+
+def _upload_lines() -> str:
+    return (
+        "\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL PATH/TO/THIS/FOLDER .\n```\n\n"
+        "(`hf auth login` first; the folder holds everything the Hub needs.)\n"
+    )
 
 
 def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
@@ -178,7 +218,7 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
     """
     lines = [f"# {title}: {report['method_pretty_name']}", ""]
     lines.append(
-        f"This model was merged with [ram_trl](https://pypi.org/project/ram-trl/) {report['ram_trl_version']} "
+        f"This model was merged with ram_trl {report['ram_trl_version']} "
         f"from the base model `{report['base_model']}` and {report['num_agents']} agents using "
         f"**{report['merge_method']}**"
         + (f" ([paper]({report['reference']}))" if report["reference"] else "")
@@ -251,15 +291,19 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
 
 def adapter_card(report: dict[str, Any]) -> str:
     """The model card of an exported adapter: the merge's card (method, parameters, agents) plus the export."""
+    base = (report.get("card_inputs") or [report.get("base_model")])[0]
+    tags = {"lora", "transformers", f"base_model:adapter:{base}", "merge", "ram_trl"}
     front = {
-        "base_model": report.get("base_model"),
+        "base_model": base,
         "library_name": "peft",
-        "tags": ["merge", "ram_trl", "lora", *([report["merge_method"]] if "merge_method" in report else [])],
+        "pipeline_tag": "text-generation",
+        "tags": sorted(tags | ({report["merge_method"]} if "merge_method" in report else set())),
     }
     body = _merge_card_body(report) or "# LoRA adapter exported by ram_trl\n"
     export = "\n".join(_export_lines(report, report["lora_export"]))
     head, marker, tail = body.partition("\n## Configuration")
-    return _front_matter(front) + "\n" + head.strip("\n") + "\n" + export + (marker + tail if marker else "")
+    card = _front_matter(front) + "\n" + head.strip("\n") + "\n" + export + (marker + tail if marker else "")
+    return card + _upload_lines()
 
 
 def _merge_card_body(report: dict[str, Any]) -> str:
@@ -342,8 +386,11 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "dry_run": True,
         "merge_method": resolved.method.name,
         "parameters": dict(resolved.params),
+        **({"base_hub": hub} if (hub := describe(resolved.base_path, resolved.base_reference)) else {}),
         "agents": [
-            {"name": a.name, "path": str(a.path), "parameters": a.parameters} for a in resolved.agents
+            {"name": a.name, "path": str(a.path), "parameters": a.parameters}
+            | ({"hub": hub} if (hub := describe(a.path, a.reference)) else {})
+            for a in resolved.agents
         ],
         "tensors": len(plan.tasks),
         "merged_tensors": sum(1 for t in plan.tasks if t.floating),
@@ -354,6 +401,7 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "output_files": [s.file_name for s in plan.shards],
         "chunk_budget": plan.chunk_budget,
         "peak_memory_estimate": plan.peak_memory_estimate(),
+        "peak_memory_fixed": PROCESS_BASELINE_BYTES,
         "resized_tensors": plan.resized,
         "notes": list(resolved.notes),
     }
@@ -385,10 +433,20 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
     table.add_row("bytes to read", format_bytes(plan.bytes_read))
     table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")
     table.add_row("chunk budget", format_bytes(plan.chunk_budget))
-    table.add_row("peak memory estimate", format_bytes(plan.peak_memory_estimate()))
+    peak = plan.peak_memory_estimate()
+    table.add_row(
+        "peak memory estimate",
+        f"{format_bytes(peak)}: {format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + "
+        f"{format_bytes(peak - PROCESS_BASELINE_BYTES)} for this merge's buffers",
+    )
     for note in resolved.notes:
         table.add_row("note", note)
     Console(stderr=True).print(table)
+
+
+def _processes(count: int) -> str:
+    """How many processes ran (``accelerate launch --num_processes 2`` without ``--multi_gpu`` runs one)."""
+    return f"{count} process" + ("" if count == 1 else "es")
 
 
 def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
@@ -420,7 +478,8 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     seconds = report["timings"].get("total_seconds", 0.0)
     console.print(
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
-        f"in {seconds:.1f} s"
+        f"in {seconds:.1f} s on {_processes(report.get('processes', 1))}"
     )
     for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        if file is not None or not shown(warning):  # the command line printed it when it was raised
+            console.print(f"[yellow]warning:[/yellow] {warning}")

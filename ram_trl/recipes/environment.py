@@ -17,6 +17,7 @@ import yaml
 
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.evaluation.rewards import import_object
+from ram_trl.io.hub import parse_reference, resolve_model
 from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec, expand_merges
 
 __all__ = [
@@ -75,6 +76,24 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
         if validate_only:
             settings.update(bf16=False, fp16=False)
         settings.setdefault("bf16", False)
+    return _new_checkpointing_names(_trainer_config_class(stage.trainer), settings)
+
+
+def _new_checkpointing_names(cls: type, settings: dict[str, Any]) -> dict[str, Any]:
+    """``gradient_checkpointing*`` said as ``activation_checkpointing*`` where the config knows the new names: TRL's
+    configs default the old name on, and transformers warns about it (a FutureWarning the user cannot act on)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for old, new in (
+        ("gradient_checkpointing", "activation_checkpointing"),
+        ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+    ):
+        if new in fields and old in fields and settings.get(new) is None:
+            default = fields[old].default if fields[old].default is not dataclasses.MISSING else None
+            value = settings.pop(old, default)
+            if value is not None:
+                settings[new] = value
     return settings
 
 
@@ -212,7 +231,13 @@ def validate_recipe(
     problems: list[str] = []
     notes: list[str] = []
     if recipe.base.path is not None and check_paths:
-        _check_path(recipe.base.path, root, "base.path", problems, directory=True)
+        if parse_reference(recipe.base.path) is not None and not (root / recipe.base.path).exists():
+            try:  # a Hub id: in the cache, or fetchable (its metadata now, the weights when a stage loads it)
+                resolve_model(recipe.base.path, what="base.path", weights=False)
+            except ConfigError as exc:
+                problems.append(str(exc))
+        else:
+            _check_path(recipe.base.path, root, "base.path", problems, directory=True)
     if recipe.base.gguf is not None:
         from ram_trl.io.gguf import open_gguf_source, require_gguf
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.hub import parse_reference, resolve_model
 from ram_trl.output import OutputDir
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.schema import Recipe, StageSpec
@@ -168,7 +169,10 @@ class RunLayout:
         ``base.path`` (resolved)."""
         if self.recipe.base.build is not None or self.recipe.base.gguf is not None:
             return self.dir / "base_init"
-        return resolve_path(self.recipe.base.path, self.root)
+        path = resolve_path(self.recipe.base.path, self.root)
+        if path.exists() or parse_reference(self.recipe.base.path) is None:
+            return path
+        return resolve_model(self.recipe.base.path, what="recipe base.path")  # a Hub id, through the cache
 
     def timed(self, key: str, start: float) -> None:
         """Add the seconds since ``start`` (``time.perf_counter()``) to the timing ``key``."""
@@ -184,7 +188,11 @@ class RunLayout:
         data = self.recipe.model_dump(mode="json", exclude_none=True)
         for key in ("path", "gguf"):
             if key in data["base"]:
-                data["base"][key] = str(resolve_path(data["base"][key], self.root))
+                path = resolve_path(data["base"][key], self.root)
+                hub_id = (
+                    key == "path" and not path.exists() and parse_reference(data["base"][key]) is not None
+                )
+                data["base"][key] = data["base"][key] if hub_id else str(path)  # a Hub id stays as written
         for stage in data["stages"]:
             for key in ("checkpoint", "accelerate_config"):
                 if key in stage:

@@ -101,8 +101,9 @@ def markdown(results: dict[str, Any]) -> str:
         "Score per stage: mean over its prompts of the sum of that stage's rewards "
         f"({results.get('decoding', 'greedy decoding')}); average: mean over the stages. Brackets: 95% interval, "
         f"{how}. Retention: (merge - base) / (specialist - base) per vertical, mean over the verticals where the "
-        f"specialist gained at least {config.get('retention_min_gain', stats.MIN_GAIN):g} over the base. "
-        "**Bold**: the merge chosen on the validation split for that column (never the best test score); "
+        f"specialist gained at least {config.get('retention_min_gain', stats.MIN_GAIN):g} over the base; above 100%: "
+        "the merge beats the specialist on its own vertical (the other agents' changes help there, or noise: read "
+        "the interval). **Bold**: the merge chosen on the validation split for that column (never the best test score); "
         "(ship): the merge to ship. density / unique / rho: the agent's task vector at eps = "
         f"{results.get('eps', defaults.EPS):g} (unique = share of its active elements no other agent changes; "
         "rho = shared / unique, RAM+'s rescaling signal). How to read this file: docs/recipes-results.md.",

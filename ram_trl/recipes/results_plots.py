@@ -13,7 +13,7 @@ import numpy as np
 from ram_trl.output import atomic_file
 from ram_trl.recipes.selection import row_average
 
-__all__ = ["plot_preview", "plot_retention", "plot_scores", "plot_training"]
+__all__ = ["plot_preview", "plot_retention", "plot_scores", "plot_training", "scores_figure"]
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
@@ -23,6 +23,19 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
     Args:
         results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
         path (`Path`): The PNG file written.
+    """
+    _save_figure(scores_figure(results), path)
+
+
+def scores_figure(results: dict[str, Any]) -> Any:
+    """The figure of :func:`plot_scores`: the shipped merge's bars outlined in black and marked "ship" above its
+    average; a zero score drawn as a short line on the axis (a bar of height 0 is invisible).
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run.
+
+    Returns:
+        The matplotlib ``Figure``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -47,6 +60,8 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
             [max(0.0, iv[1] - h) if iv else 0.0 for h, iv in zip(heights, intervals, strict=True)],
         ]
         xs = [c + (i - (len(rows) - 1) / 2) * width for c in range(len(columns))]
+        color = "#7f7f7f" if row["kind"] == "base" else cmap(i % 20)
+        shipped = row["name"] == ship
         ax.bar(
             xs,
             heights,
@@ -55,16 +70,23 @@ def plot_scores(results: dict[str, Any], path: Path) -> None:
             capsize=1.5,
             error_kw={"elinewidth": 0.8},
             label=row["name"] + (" (ship)" if row["name"] == ship else ""),
-            color="#7f7f7f" if row["kind"] == "base" else cmap(i % 20),
+            color=color,
             hatch="//" if row["kind"] == "merge" else None,
-            edgecolor="white",
+            edgecolor="black" if shipped else "white",
+            linewidth=1.5 if shipped else 0.5,
         )
+        for x, value in zip(xs, values, strict=True):
+            if value is not None and value == 0:  # visible: a short thick line on the axis
+                ax.hlines(0, x - width / 2, x + width / 2, colors=[color], linewidth=3, zorder=3)
+        if shipped:
+            top = heights[-1] + errors[1][-1]
+            ax.text(xs[-1], top + 0.02, "ship", ha="center", va="bottom", fontsize=7, rotation=90)
     ax.set_xticks(range(len(columns)), columns)
     ax.set_ylabel("test score (95% interval)")
     ax.set_title(f"{results.get('recipe', 'recipe')}: test score per model per stage (merges hatched)")
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
-    _save_figure(figure, path)
+    return figure
 
 
 def _save_figure(figure: Any, path: Path) -> None:
@@ -183,11 +205,11 @@ def plot_training(training: dict[str, list[dict[str, Any]]], path: Path) -> None
     cmap = colormaps["tab10"]
     for index, (stage, curve) in enumerate(training.items()):
         color = cmap(index % 10)
-        for key, style, label in (("density_saved", "-", "saved dtype"), ("density", "--", "|tau| > eps")):
+        for key, style, label in (("density_saved", "-o", "saved dtype"), ("density", "--x", "|tau| > eps")):
             points = [(p["step"], 100 * p[key]) for p in curve if p.get(key) is not None]
             if points:
                 steps, values = zip(*points, strict=True)
-                density_axes.plot(steps, values, style, color=color, marker=".", label=f"{stage} ({label})")
+                density_axes.plot(steps, values, style, color=color, markersize=3, label=f"{stage} ({label})")
         points = [(p["step"], p["reward"]) for p in curve if p.get("reward") is not None]
         if points:
             steps, values = zip(*points, strict=True)
@@ -195,7 +217,7 @@ def plot_training(training: dict[str, list[dict[str, Any]]], path: Path) -> None
     density_axes.set_xlabel("training step")
     density_axes.set_ylabel("density (% of elements)")
     density_axes.set_title("Task-vector density during training")
-    density_axes.legend(fontsize=7)
+    density_axes.legend(fontsize=7, handlelength=4)  # long enough to tell solid from dashed
     reward_axes.set_xlabel("training step")
     reward_axes.set_ylabel("batch reward (logged)")
     reward_axes.set_title("Reward at the measurements")

@@ -1,37 +1,34 @@
 """What ``ram-trl run --resume`` may reuse of an earlier attempt's evaluation: a model's scores are kept when
-nothing they depend on changed (the model's weights and configuration files, the base an adapter is merged into,
-the held-out prompts, the reward functions' source files and the evaluation settings), checked by content digests,
-never by file times (the merges are written again on every resume, byte-identical).
+nothing they depend on changed (the model's weights and every other file a loader reads, the base an adapter is
+merged into, the held-out prompts, the reward functions' code closure (:mod:`ram_trl.recipes.code_digest`), the
+evaluation settings and the versions of torch, transformers, TRL, PEFT and ram_trl), checked by content digests,
+never by file times (the merges are written again on every resume, byte-identical). When a reward's code cannot be
+keyed soundly, every model is scored again and the log says why.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 from typing import Any
 
-from ram_trl.digest import hasher, text_digest, weights_digest
+from ram_trl.digest import file_digest, hasher, text_digest, weights_digest
 
-__all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation"]
+__all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation", "reward_digests"]
 
 #: The key of an evaluation file (``RUN/eval/NAME.json``) that holds the digest it was computed for.
 EVALUATION_KEY = "inputs_sha256"
 
-#: Small files of a model directory that change what it generates besides its weights.
-_MODEL_FILES = (
-    "config.json",
-    "adapter_config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-)
+#: Files of a model directory that no loader reads: ram_trl's own records (they hold times) and model cards.
+_NOT_READ = ("ram_*.json", "*.md", ".*")
+#: Weight files, keyed by their tensors (:func:`~ram_trl.digest.weights_digest`), whatever the sharding.
+_WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 
 
 def model_digest(path: str | Path) -> str:
-    """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of the files
-    that change its generations (configuration, tokenizer, chat template).
+    """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of every other
+    file in it that a loader may read (configuration, every tokenizer file, chat templates, generation
+    configuration, pickled weights), by name; ram_trl's own records and model cards are left out.
 
     Args:
         path (`str` or `Path`): The model directory.
@@ -42,25 +39,37 @@ def model_digest(path: str | Path) -> str:
     directory = Path(path)
     digest = hasher()
     digest.update(weights_digest(directory).encode())
-    for name in _MODEL_FILES:
-        file = directory / name
-        if file.is_file():
-            digest.update(f"|{name}|".encode())
-            digest.update(file.read_bytes())
+    for file in sorted(directory.iterdir()):
+        if not file.is_file() or any(file.match(p) for p in _NOT_READ + _WEIGHTS):
+            continue
+        digest.update(f"|{file.name}|{file_digest(file)}".encode())
     return digest.hexdigest()
 
 
-def _reward_source(path: str) -> str:
-    """The source file of a reward function (``module:function``), or its path when it cannot be found."""
+def reward_digests(tasks: list[Any]) -> tuple[dict[str, str] | None, str | None]:
+    """The code digest of every reward function of ``tasks`` (:func:`~ram_trl.recipes.code_digest.reward_digest`).
+
+    Args:
+        tasks (`list[EvalTask]`): The evaluation tasks.
+
+    Returns:
+        `tuple`: ``(digests, None)``, or ``(None, reason)`` when one reward's code cannot be keyed soundly.
+    """
     from ram_trl.evaluation.rewards import import_object
+    from ram_trl.recipes.code_digest import UnsoundKey, reward_digest
 
-    try:
-        return Path(inspect.getfile(import_object(path, "reward function"))).read_text(encoding="utf-8")
-    except (OSError, TypeError):
-        return path
+    digests: dict[str, str] = {}
+    for path in sorted({p for task in tasks for p in task.paths}):
+        try:
+            digests[path] = reward_digest(path, import_object(path, "reward function"))
+        except UnsoundKey as exc:
+            return None, f"reward {path}: {exc}"
+    return digests, None
 
 
-def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, Any]) -> str:
+def evaluation_key(
+    model: str, base: str, tasks: list[Any], settings: dict[str, Any], rewards: dict[str, str] | None = None
+) -> str | None:
     """The digest of everything one model's evaluation depends on.
 
     Args:
@@ -68,20 +77,28 @@ def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, 
         base (`str`): :func:`model_digest` of the run's base (an adapter is merged into it).
         tasks (`list[EvalTask]`): The held-out prompts and reward functions, stage by stage and split by split.
         settings (`dict[str, Any]`): The evaluation settings (``EvaluationSpec.model_dump()``).
+        rewards (`dict[str, str]`, *optional*): :func:`reward_digests` of ``tasks`` (computed when not given).
 
     Returns:
-        `str`: The hex digest.
+        `str` or `None`: The hex digest; ``None`` when the rewards' code cannot be keyed soundly (score again).
     """
+    from ram_trl.recipes.code_digest import library_versions
+
+    if rewards is None:
+        rewards, _ = reward_digests(tasks)
+        if rewards is None:
+            return None
     described = {
         "model": model,
         "base": base,
         "settings": settings,
+        "libraries": library_versions(),
         "tasks": [
             {
                 "stage": task.stage,
                 "split": task.split,
                 "rows": task.rows,
-                "rewards": {p: text_digest(_reward_source(p)) for p in task.paths},
+                "rewards": {p: rewards[p] for p in task.paths},
             }
             for task in tasks
         ],
@@ -90,7 +107,7 @@ def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, 
     return text_digest(text)
 
 
-def reusable_evaluation(file: Path, key: str) -> dict[str, Any] | None:
+def reusable_evaluation(file: Path, key: str | None) -> dict[str, Any] | None:
     """An earlier evaluation file's scores, when it was computed for ``key``.
 
     Args:
@@ -100,6 +117,8 @@ def reusable_evaluation(file: Path, key: str) -> dict[str, Any] | None:
     Returns:
         `dict[str, Any]` or `None`: The file's content, ``None`` when it is missing, unreadable or for other inputs.
     """
+    if key is None:
+        return None
     try:
         scored = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):

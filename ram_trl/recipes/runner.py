@@ -204,17 +204,28 @@ class Run:
         (self.layout.dir / "eval").mkdir(exist_ok=True)
         from tqdm.auto import tqdm
 
-        from ram_trl.recipes.reuse import EVALUATION_KEY, evaluation_key, model_digest, reusable_evaluation
+        from ram_trl.recipes.reuse import (
+            EVALUATION_KEY,
+            evaluation_key,
+            model_digest,
+            reusable_evaluation,
+            reward_digests,
+        )
 
         base_digest = model_digest(self.layout.base)
         settings = self.layout.recipe.evaluation.model_dump(mode="json")
+        rewards, unsound = reward_digests(tasks)
+        if unsound and self.layout.options.resume:
+            self.layout.console.print(
+                f"evaluation: scoring every model again, earlier scores cannot be matched: {unsound}"
+            )
         reused = 0
         for name, kind, path, method, parameters in tqdm(
             models, desc="evaluation", disable=not self.layout.options.progress
         ):
             file = self.layout.dir / "eval" / f"{safe_name(name)}.json"
             digest = base_digest if Path(path) == Path(self.layout.base) else model_digest(path)
-            key = evaluation_key(digest, base_digest, tasks, settings)
+            key = None if rewards is None else evaluation_key(digest, base_digest, tasks, settings, rewards)
             scored = reusable_evaluation(file, key) if self.layout.options.resume else None
             if scored is not None:
                 reused += 1
@@ -222,7 +233,8 @@ class Run:
                 scored = evaluate_model(
                     path, tasks, self.layout.recipe.evaluation, base=self.layout.base, progress=False
                 )
-                scored[EVALUATION_KEY] = key
+                if key is not None:
+                    scored[EVALUATION_KEY] = key
                 with atomic_file(file, "evaluation file") as tmp:
                     tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
             val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})

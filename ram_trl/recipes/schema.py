@@ -37,7 +37,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
-from ram_trl.evaluation.spec import MAX_SEED, EvaluationSpec, StrictModel
+from ram_trl.evaluation.spec import MAX_SEED, EvaluationSpec, FloatDtype, StrictModel
+from ram_trl.messages import validation_message
 
 __all__ = [
     "RESERVED_NAMES",
@@ -93,7 +94,7 @@ class BaseSpec(_Strict):
     build: dict[str, Any] | None = None
     gguf: str | None = None
     gguf_member: str | None = None
-    gguf_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    gguf_dtype: FloatDtype = "bfloat16"
 
     @model_validator(mode="after")
     def _one_source(self) -> BaseSpec:
@@ -189,7 +190,7 @@ class WarmStartSpec(_Strict):
     learning_rate: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     seed: int = Field(0, ge=0, le=MAX_SEED)
-    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    save_dtype: FloatDtype = "bfloat16"
     abstain_share: float = Field(0.0, ge=0, lt=1)
     abstain_steps: int = Field(200, ge=1)
     abstain_learning_rate: float = Field(1e-3, gt=0)
@@ -330,7 +331,7 @@ class StageSpec(_Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     peft: dict[str, Any] | None = None
     accelerate_config: str | None = None
-    save_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    save_dtype: FloatDtype = "bfloat16"
     checkpoint: str | None = None
     hub_id: str | None = None
     preview: PreviewSpec | None = None
@@ -510,10 +511,7 @@ class Recipe(_Strict):
 
 
 def _format_errors(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg'].removeprefix('Value error, ')}"
-        for e in exc.errors()
-    )
+    return validation_message(exc, Recipe)
 
 
 def load_recipe(

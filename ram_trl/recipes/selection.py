@@ -469,6 +469,14 @@ def verdict(results: dict[str, Any]) -> str:
         text += f" Its retention is undefined: no specialist beat the base on its own test prompts by at least {gain:g}."
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     others = {r["name"]: row_average(val_block(r), stages) for r in merges if r["name"] != ship}
+    tied = [name for name, value in others.items() if value is not None and value == val_average]
+    if tied:
+        same = [n for n in tied if by_name[n].get("scores") == row.get("scores")]
+        text += (
+            f" It ties on validation with {', '.join(tied)}"
+            + (f" ({', '.join(same)}: the same test scores too, an identical merge here)" if same else "")
+            + "; the tie is broken by retention, then row order, so it does not show one method beats the other."
+        )
     runner_up = stats.select_best(others)
     if runner_up is not None:
         text += " " + _compare(results, ship, runner_up, f"the runner-up on validation ({runner_up})")
@@ -480,5 +488,12 @@ def verdict(results: dict[str, Any]) -> str:
         text += (
             f" {best_test} has the highest test average ({fmt3(by_name[best_test].get('average'))}), but "
             "the choice is made on validation only, so that test scores stay an unbiased estimate."
+        )
+    averages = {r.get("average") for r in results["rows"]}
+    if len(averages) == 1:  # every model the same: nothing was learned, nothing can be chosen
+        text = (
+            f"Every model scores the same ({fmt3(averages.pop())} on average) on test: this run cannot show "
+            "learning or tell the merges apart (a smoke run such as `ram-trl demo --quick` checks that every step "
+            "runs, not that RL teaches anything). " + text
         )
     return " ".join(f"{text} {regime_text}".split())

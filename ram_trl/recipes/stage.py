@@ -257,6 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep:
             parser.error(f"--val {item!r}: write STAGE=FILE")
         val_files[name] = Path(file)
+    from ram_trl.messages import owned_process_filters
+
+    owned_process_filters()  # this process is ram_trl's: no third-party notice the user cannot act on
     try:
         with owned_process():  # the stage process is the library's: its compute pools may set thread counts
             run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)

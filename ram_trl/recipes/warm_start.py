@@ -242,13 +242,23 @@ class _Checker:
     """The acceptance measurements on the check rows, taken on a copy of the model rounded to the saved dtype (what
     the stages will load), in eval mode, under a forked random state (the training's draws are not disturbed)."""
 
-    def __init__(self, base_in: Path, checks: list[Any], spec: WarmStartSpec) -> None:
+    def __init__(self, base_in: Path, checks: list[Any], spec: WarmStartSpec, progress: bool = False) -> None:
         from transformers import AutoTokenizer
 
         from ram_trl.recipes.evaluate import generation_tokenizer
 
         self.tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(str(base_in)))
-        self.checks, self.spec, self.accept = checks, spec, spec.accept
+        self.checks, self.spec, self.accept, self.progress = checks, spec, spec.accept, progress
+
+    def _tasks(self, what: str) -> Any:
+        """The check tasks, under a bar: a check generates on every stage's rows (minutes on a busy CPU)."""
+        return tqdm(
+            self.checks,
+            desc=f"warm start check ({what})",
+            unit="stage",
+            disable=not self.progress,
+            leave=False,
+        )
 
     def _copy(self, model: Any) -> Any:
         import copy
@@ -282,7 +292,7 @@ class _Checker:
         from ram_trl.recipes.evaluate import score_completions
 
         copy, k, out = self._copy(model), self.accept.pass_k, {}
-        for task in self.checks:
+        for task in self._tasks("answers"):
             rows = [row for row in task.rows for _ in range(k)]
             scores = score_completions(
                 task.functions(), rows, self._generate(copy, [r["prompt"] for r in rows], True)
@@ -303,7 +313,7 @@ class _Checker:
         from ram_trl.recipes.tasks import completion_text
 
         copy, out = self._copy(model), {}
-        for task in self.checks:
+        for task in self._tasks("declines"):
             completions = self._generate(copy, [r["prompt"] for r in task.rows], False)
             declined = [completion_text(c) == self.spec.abstain_reply for c in completions]
             out[task.stage] = round(sum(declined) / len(declined), 4)
@@ -462,7 +472,7 @@ def warm_start(
     accept = spec.accept
     if accept is not None and not checks:
         raise ConfigError("warm start: warm_start.accept needs check rows (none were given)")
-    checker = _Checker(base_in, checks, spec) if accept is not None else None
+    checker = _Checker(base_in, checks, spec, progress) if accept is not None else None
     acceptance: dict[str, Any] = {}
     common = {"spec": spec, "rng": rng, "pad_id": tokenizer.pad_token_id, "progress": progress}
     with torch.random.fork_rng(devices=[]):

@@ -29,13 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ram_trl.digest import file_digest, hasher
 from ram_trl.errors import ConfigError, OutputError
 from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
+from ram_trl.io.hub import HubReference, parse_reference, resolve_model
 from ram_trl.io.safetensors_io import RowReader
+from ram_trl.messages import validation_message
 from ram_trl.output import atomic_file
 from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
-#: 2 added ``files`` (the weight files and their SHA-256); version 1 manifests are still read.
-SCHEMA_VERSION = 2
+#: 2 added ``files`` (the weight files and their SHA-256), 3 ``base_revision``; older manifests are still read.
+SCHEMA_VERSION = 3
 #: Tensors hashed into a base fingerprint (spread evenly over the sorted floating tensor names).
 FINGERPRINT_TENSORS = 4
 #: Leading elements of each fingerprinted tensor that are hashed.
@@ -68,6 +70,7 @@ class StageManifest(BaseModel):
         domain: The vertical it specialises in (free text, e.g. ``"coding"``).
         base_model: The base model's id or path as the run was given it.
         base_fingerprint: Fingerprint of the base (see :func:`fingerprint`).
+        base_revision: The commit a Hub id ``base_model`` resolved to (``None`` for a local path).
         checkpoint: The agent's checkpoint: a full model directory or a PEFT adapter directory. Relative paths are
             relative to the manifest's directory.
         kind: ``"full"`` or ``"lora"``.
@@ -91,6 +94,7 @@ class StageManifest(BaseModel):
     domain: str | None = None
     base_model: str
     base_fingerprint: BaseFingerprint | None = None
+    base_revision: str | None = None
     checkpoint: str
     kind: Literal["full", "lora"] = "full"
     files: dict[str, str] | None = None
@@ -141,10 +145,7 @@ def read_manifest(path: str | os.PathLike) -> StageManifest:
     try:
         return StageManifest.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ConfigError(f"stage manifest {file}: {problems}") from exc
+        raise ConfigError(f"stage manifest {file}: {validation_message(exc, StageManifest)}") from exc
 
 
 def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path:
@@ -170,13 +171,23 @@ def base_model_path(manifest: StageManifest, manifest_file: str | os.PathLike) -
         manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
 
     Returns:
-        `Path` or `None`: The base's path, or ``None`` when no such file or directory exists (a Hub id, or a base
-        that has moved since the run).
+        `Path` or `None`: The base's path (a Hub id's cache snapshot, at the recorded ``base_revision``), or ``None``
+        when no such file or directory exists (a Hub id that cannot be resolved, or a base that has moved).
     """
     path = Path(manifest.base_model).expanduser()
     if not path.is_absolute():
         path = (manifest_path(manifest_file).parent / path).resolve()
-    return path if path.exists() else None
+    if path.exists():
+        return path
+    reference = parse_reference(manifest.base_model)
+    if reference is None:
+        return None
+    if manifest.base_revision:  # the commit the run trained from
+        reference = HubReference(reference.repo_id, manifest.base_revision)
+    try:
+        return resolve_model(str(reference), what=f"stage {manifest.stage!r}: base_model", weights=False)
+    except ConfigError:
+        return None
 
 
 def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:

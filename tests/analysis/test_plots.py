@@ -59,3 +59,24 @@ def test_anatomy_without_layers_draws_module_bars(tmp_path):
     write_figures(_result(layers=False), tmp_path)
     # max(5, 0.9 * 2 modules + 2) x 3.8 in
     assert imread(tmp_path / "anatomy.png").shape[:2] == (round(3.8 * DPI), 5 * DPI)
+
+
+def test_the_magnitude_histogram_explains_its_comb_in_bf16(tmp_path, monkeypatch):
+    from ram_trl.analysis import plots
+
+    figures = []
+    original = plots._figure
+
+    def capture(*args):
+        figures.append(original(*args))
+        return figures[-1]
+
+    monkeypatch.setattr(plots, "_figure", capture)
+    result = _result(layers=False)
+    plots.plot_magnitudes(result, tmp_path / "float32.png")
+    for agent in result["agents"]:
+        agent["dtypes"] = ["bfloat16"]
+    plots.plot_magnitudes(result, tmp_path / "bf16.png")
+    captions = [[t.get_text() for t in figure.texts] for figure in figures]
+    assert captions[0] == []
+    assert len(captions[1]) == 1 and captions[1][0].startswith("Comb-shaped in bf16/fp16")

@@ -73,3 +73,50 @@ def test_magnitude_rows():
         "top 5% mass",
     ]
     assert rows == [["coding", "1,000", "0.000123", "0.5000", "-", "4.6%", "100.0%"]]
+
+
+def test_the_terminal_tables_fit_80_columns(capsys, monkeypatch):
+    # a 7B-scale agent: counts in the billions; every column (shared included) is whole in an 80-column terminal
+    from ram_trl.analysis.render import print_tables
+
+    monkeypatch.setenv("COLUMNS", "80")
+    agent = _agent("RL-MemoryAgent-7B", dtypes=["bfloat16"], unique=1_234_567_890, shared=6_543_210_987)
+    result = {
+        "agents": [
+            agent,
+            _agent("ReasonFlux-Coder-7B", dtypes=["bfloat16"], unique=98_765, shared=12_345_678),
+        ],
+        "num_agents": 2,
+        "total_elements": 7_615_616_512,
+        "tensors": 339,
+        "parameters": {"eps": 1e-5},
+        "warnings": [],
+    }
+    print_tables(result)
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" not in out
+    lines = [line.split() for line in out.splitlines()]
+    assert [
+        "RL-MemoryAgent-7B",
+        "bf16",
+        "12.35%",
+        "50.00%",
+        "1.23G",
+        "6.54G",
+        "0.250",
+        "1.0250",
+        "inf",
+    ] in lines
+    assert [
+        "ReasonFlux-Coder-7B",
+        "bf16",
+        "12.35%",
+        "50.00%",
+        "98,765",
+        "12.3M",
+        "0.250",
+        "1.0250",
+        "inf",
+    ] in lines
+    assert any("shared" in line for line in lines)  # the columns without any value ("bf16": "-") are left out

@@ -100,7 +100,9 @@ def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Pa
 
 def test_grpo_full_finetune_base_from_disk(base, tmp_path):
     out = tmp_path / "grpo"
-    callback = TaskVectorSparsityCallback(base_model=base, stage_name="coding", domain="code")
+    callback = TaskVectorSparsityCallback(
+        base_model=base, stage_name="coding", domain="code", save_dtype="bfloat16"
+    )
     trainer = grpo_run(base, out, callback)
     assert callback.tracker.base_description.startswith(f"base checkpoint {base}")
     assert callback.tracker.state_bytes == 0
@@ -122,7 +124,7 @@ def test_grpo_full_finetune_base_from_disk(base, tmp_path):
 
 def test_grpo_reference_model_is_the_base(base, tmp_path):
     out = tmp_path / "grpo_beta"
-    callback = TaskVectorSparsityCallback(base_model=base)
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="bfloat16")
     trainer = grpo_run(base, out, callback, beta=0.04)
     assert trainer.ref_model is not None
     assert callback.tracker.base_description == "reference model"
@@ -131,7 +133,7 @@ def test_grpo_reference_model_is_the_base(base, tmp_path):
 
 def test_grpo_lora_needs_no_base(base, tmp_path):
     out = tmp_path / "grpo_lora"
-    callback = TaskVectorSparsityCallback()
+    callback = TaskVectorSparsityCallback(save_dtype="bfloat16")
     peft_config = LoraConfig(
         r=4,
         lora_alpha=8,
@@ -153,7 +155,7 @@ def test_grpo_lora_needs_no_base(base, tmp_path):
 
 def test_rloo(base, tmp_path):
     out = tmp_path / "rloo"
-    callback = TaskVectorSparsityCallback(base_model=base)
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="bfloat16")
     trainer = train_rl(
         RLOOTrainer, base, rl_args(RLOOConfig, out), callback, distinct_char_count, rl_prompts(4)
     )
@@ -320,7 +322,9 @@ HUB = """
 from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
 from ram_trl.errors import ConfigError
 
-print(TaskVectorSparsityCallback(base_model="acme/tiny-base").base_model)
+callback = TaskVectorSparsityCallback(base_model="acme/tiny-base")
+print(callback.base_reference)  # what the stage manifest records: the id as given, and the commit
+print(callback.base_model)
 try:
     TaskVectorSparsityCallback(base_model="acme/not-cached")
 except ConfigError as exc:
@@ -338,12 +342,11 @@ def test_hub_repository_id_as_base_from_the_local_cache(base, tmp_path):
     (repo / "refs" / "main").write_text("0" * 40)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     done = subprocess.run([sys.executable, "-c", HUB], env=env, capture_output=True, text=True, check=True)
-    resolved, refused = done.stdout.strip().splitlines()[-2:]
+    recorded, resolved, refused = done.stdout.strip().splitlines()[-3:]
+    assert recorded == str(("acme/tiny-base", "0" * 40))
     assert resolved == str(snapshot)
-    assert refused.startswith("base_model: acme/not-cached is not a local directory, and the Hub repository")
-    assert refused.endswith(
-        "download it first (`hf download acme/not-cached --local-dir DIR`) and pass base_model=DIR"
-    )
+    assert refused.startswith("base_model: 'acme/not-cached' is not a local path and the Hub repository")
+    assert refused.endswith("fetch it with `hf download acme/not-cached`")
 
 
 def test_resumed_run_without_a_base_fails_clearly(base, tmp_path):
@@ -461,7 +464,8 @@ def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp
     """The collision of issue 24: the callback saves the bf16 agent, trainer.save_model then writes the float32
     model over it; the manifest's digests catch it and the merge refuses, naming the file."""
     out = tmp_path / "agent"
-    trainer = grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="s", save_dtype="bfloat16")
+    trainer = grpo_run(base, out, callback, report_to=[])
     manifest = read_manifest(out)
     assert manifest.kind == "full" and sorted(manifest.files) == ["model.safetensors"]
     assert manifest.files == {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in manifest.files}

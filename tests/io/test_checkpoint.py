@@ -104,7 +104,7 @@ def test_pickle_checkpoints_need_allow_pickle(tmp_path):
     [
         (
             "missing",
-            r"agent 2: .*/nothing does not exist \(ram_trl reads local checkpoints; download it first\)",
+            r"agent 2: .*/nothing does not exist \(not a local path, nor a Hub id ORG/NAME\)",
         ),
         ("text_file", r"agent 2: .*notes.txt is a file but not a .safetensors file"),
         ("empty_dir", r"agent 2: .* is not a checkpoint directory"),

@@ -136,12 +136,94 @@ def test_unsupported_or_corrupt_gguf_leaves_nothing(tmp_path, arch, truncate, ex
         assert not (tmp_path / "out").exists()  # no output, no temporary sibling, no created parent
 
 
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-character alphabet (256 tokens: any text can be tokenised)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
+
+
+def _tiny_llama_gguf(path: Path, arch: str = "llama", drop: str = "", nan: str = "", wide: str = "") -> Path:
+    """A one-layer llama GGUF (float32, byte-level BPE tokenizer): ``drop`` leaves a tensor out, ``nan`` puts a NaN
+    into one, ``wide`` gives one an extra row, ``arch`` labels it with another architecture."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    tokens = [*_byte_alphabet(), "Ġt", "<s>", "</s>"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(4)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    shapes = {
+        "token_embd.weight": (len(tokens), 8),
+        "output_norm.weight": (8,),
+        "output.weight": (len(tokens), 8),
+        "blk.0.attn_norm.weight": (8,),
+        "blk.0.attn_q.weight": (8, 8),
+        "blk.0.attn_k.weight": (4, 8),
+        "blk.0.attn_v.weight": (4, 8),
+        "blk.0.attn_output.weight": (8, 8),
+        "blk.0.ffn_norm.weight": (8,),
+        "blk.0.ffn_gate.weight": (16, 8),
+        "blk.0.ffn_up.weight": (16, 8),
+        "blk.0.ffn_down.weight": (8, 16),
+    }
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        if name == drop:
+            continue
+        values = rng.standard_normal((shape[0] + (name == wide), *shape[1:])).astype(np.float32)
+        if name == nan:
+            values.flat[3] = np.nan
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_every_parameter_comes_from_a_gguf_tensor_or_nothing_is_written(tmp_path):
+    """A complete file converts, every parameter equal to the gguf package's own dequantisation; a missing tensor,
+    another architecture's label, a NaN or a tensor of the wrong shape is refused in one line, nothing written."""
+    record = convert_gguf(_tiny_llama_gguf(tmp_path / "ok.gguf"), tmp_path / "ok", check_prompts=("hi",))
+    assert record["check"]["parameters_equal_gguf_dequantised"] == 12
+    assert record["check"]["max_abs_diff_same_dtype"] == 0.0
+    cases = [
+        (
+            dict(drop="blk.0.ffn_up.weight"),
+            ["model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight", "random"],
+        ),
+        (dict(arch="mamba"), ["(mamba) has no tensor for", "general.architecture"]),
+        (dict(nan="blk.0.ffn_gate.weight"), ["blk.0.ffn_gate.weight holds 1 NaN/Inf", "corrupt"]),
+        (dict(wide="blk.0.ffn_down.weight"), ["transformers cannot load it", "does not match"]),
+    ]
+    for i, (kwargs, parts) in enumerate(cases):
+        source = _tiny_llama_gguf(tmp_path / f"bad{i}.gguf", **kwargs)
+        with pytest.raises(ConfigError) as exc:
+            convert_gguf(source, tmp_path / "out" / f"bad{i}", check_prompts=("hi",))
+        _one_line(exc, str(source), *parts)
+        assert not (tmp_path / "out").exists()
+
+
 def test_cli_reports_a_bad_file_in_one_line(tmp_path, capsys):
     from ram_trl.cli import main
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"nothing")
-    assert main(["convert-gguf", str(bad), str(tmp_path / "out")]) == 2
+    assert main(["convert-gguf", str(bad), str(tmp_path / "out"), "--no-progress"]) == 2  # a bar by default
     err = capsys.readouterr().err.strip()
     assert (
         err
@@ -292,7 +374,9 @@ def test_two_grpo_steps_with_the_telemetry_callback_on_the_converted_model(conve
         bf16=False,
         seed=0,
     )
-    callback = TaskVectorSparsityCallback(base_model=str(base), stage_name="smoke", domain="test")
+    callback = TaskVectorSparsityCallback(
+        base_model=str(base), stage_name="smoke", domain="test", save_dtype="bfloat16"
+    )
     trainer = GRPOTrainer(
         model=str(base),
         reward_funcs=length_reward,

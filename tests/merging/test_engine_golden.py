@@ -172,6 +172,7 @@ def test_a_library_merge_prints_nothing_and_logs_one_line(golden, capfd, caplog)
     assert capfd.readouterr() == ("", "")
     text = " ".join(log.getvalue().split())
     assert "(RAM+)" in text and "wrote 28 B in 1 file(s)" in text, text
+    assert " s on 1 process" in text, text  # how many processes ran, said plainly
 
 
 def test_chat_template_without_a_tokenizer_is_not_written(tmp_path):

@@ -64,8 +64,9 @@ def test_model_card(config, tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     assert card == model_card(report)
     front = yaml.safe_load(card.split("---")[1])
-    assert front == {
-        "base_model": config["base_model"],
+    assert front == {  # the Hub's merge convention: every input, local paths by their folder's name
+        "base_model": ["base", "agent0", "agent1", "agent2"],
+        "base_model_relation": "merge",
         "library_name": "transformers",
         "tags": ["merge", "ram_trl", "ram_plus"],
     }
@@ -76,8 +77,11 @@ def test_model_card(config, tmp_path):
         in card
     )
     assert "- `r`: 0.1" in card and "## Configuration" in card
-    assert card.rstrip().endswith("Output: 1 safetensors file(s), 28 B.")
+    assert (
+        "Output: 1 safetensors file(s), 28 B.\n\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL" in card
+    )
     assert "## Stages" not in card
+    assert "](http" not in card.replace(f"]({report['reference']})", "")  # no link but the paper's
     assert f"## Warnings\n\n- no tokenizer files found in {config['base_model']}" in card
 
 
@@ -100,8 +104,18 @@ def test_model_card_sections_for_warnings_lora_and_tensor_scope(config, tmp_path
     assert "LoRA agents contribute the dense delta B @ A * scaling" in card
 
 
-def test_dry_run_summary(config, tmp_path):
-    summary = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False)
+def test_dry_run_summary(config, tmp_path, capsys):
+    summary = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False, print_summary=True)
+    # the estimate separates the fixed overhead (the same for any model) from the merge's own buffers
+    from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, format_bytes
+
+    assert summary["peak_memory_fixed"] == PROCESS_BASELINE_BYTES
+    share = format_bytes(summary["peak_memory_estimate"] - PROCESS_BASELINE_BYTES)
+    printed = " ".join(w for w in capsys.readouterr().err.split() if w != "│")
+    assert (
+        f"{format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + {share} for this"
+        in printed
+    )
     assert not (tmp_path / "out").exists()
     assert summary["dry_run"] is True and summary["merge_method"] == "ram_plus"
     assert (summary["tensors"], summary["merged_tensors"], summary["chunked_tensors"]) == (2, 2, 0)

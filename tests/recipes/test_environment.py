@@ -185,7 +185,7 @@ def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
                 b.prompts.kwargs,
             )
     for stage in full.stages:
-        assert stage.peft is None and stage.save_dtype == "bfloat16" and stage.has_validation
+        assert stage.peft is None and stage.save_dtype == "float32" and stage.has_validation
         assert 1e-6 <= stage.config["learning_rate"] <= 1e-5
     assert all(s.peft and s.peft["r"] == 16 and s.config["learning_rate"] <= 1e-5 for s in lora.stages)
     assert all(
@@ -196,3 +196,22 @@ def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
     from ram_trl.methods.registry import method_names
 
     assert methods == set(method_names()) - {"slerp"}
+
+
+@pytest.mark.parametrize("given", [{}, {"gradient_checkpointing": False}, {"gradient_checkpointing": True}])
+def test_trainer_settings_raise_no_deprecation_warning(tmp_path, given):
+    # TRL's configs default `gradient_checkpointing` on, which transformers 5 deprecates with a FutureWarning
+    import dataclasses
+    import warnings
+
+    from trl import GRPOConfig
+
+    from ram_trl.recipes.environment import trainer_settings
+
+    recipe, _ = load_recipe(recipe_dict(stages={"*": {"config": {"max_steps": 1, **given}}}))
+    settings = trainer_settings(recipe.stages[0], 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = GRPOConfig(output_dir=str(tmp_path), **settings)
+    default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
+    assert config.gradient_checkpointing is given.get("gradient_checkpointing", default)  # the same setting

@@ -34,3 +34,12 @@ def test_print_table_shows_the_test_table_and_the_verdict(capsys):
     assert "tiny: test scores, 95% intervals (bold: chosen on validation)" in out
     assert "merge (ship)" in out and "62.0%" in out and "11.1" in out
     assert " ".join(out.split()).endswith(" ".join(results["verdict"].split()))
+
+
+def test_the_legend_explains_bold_and_retention_above_100_percent():
+    text = " ".join(markdown(add_statistics(hand_made())).split())
+    assert (
+        "**Bold**: the merge chosen on the validation split for that column (never the best test score)"
+        in text
+    )
+    assert "above 100%: the merge beats the specialist on its own vertical" in text

@@ -204,3 +204,32 @@ def test_seeds_aggregate_means_and_t_intervals_golden():
     assert (low, high) == pytest.approx((1.0 - half, 1.0 + half))
     assert results["selection"]["ship"] == "m1"  # validation is unchanged across seeds
     assert "over 3 seeds" in markdown(results)
+
+
+def test_the_verdict_names_a_tie_on_validation():
+    results = hand_made()
+    m1 = next(r for r in results["rows"] if r["name"] == "m1")
+    results["rows"].append({**m1, "name": "m3"})  # an identical merge (RAM and RAM+ at r=0 on dense agents)
+    text = add_statistics(results)["verdict"]
+    assert text.startswith("Ship m1:")
+    assert (
+        "It ties on validation with m3 (m3: the same test scores too, an identical merge here); the tie is broken "
+        "by retention, then row order, so it does not show one method beats the other." in text
+    )
+    assert "ties on validation" not in add_statistics(hand_made())["verdict"]
+
+
+def test_a_run_where_every_model_scores_the_same_says_it_cannot_show_learning():
+    results = hand_made()
+    for row in results["rows"]:
+        for block in (row["rewards"], row["val"]["rewards"]):
+            for stage in block:
+                block[stage] = [0, 0, 0, 0]
+        row["scores"] = {s: 0.0 for s in row["scores"]}
+        row["val"]["scores"] = {s: 0.0 for s in row["val"]["scores"]}
+    text = add_statistics(results)["verdict"]
+    assert text.startswith(
+        "Every model scores the same (0.000 on average) on test: this run cannot show learning or tell the merges "
+        "apart (a smoke run such as `ram-trl demo --quick`"
+    )
+    assert not add_statistics(hand_made())["verdict"].startswith("Every model")

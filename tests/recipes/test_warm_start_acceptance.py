@@ -125,7 +125,7 @@ def test_acceptance_fields_are_validated():
         WarmStartSpec(steps=600, accept=WarmStartAcceptance(max_steps=500))
 
 
-def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
+def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path, capsys):
     import torch
 
     from ram_trl.recipes.evaluate import EvalTask
@@ -173,10 +173,12 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path):
             tmp_path / "out",
             rows,
             spec,
-            progress=False,
+            progress=True,
             checks=checks,
             on_check=lambda phase, step, values: reported.append((phase, step)),
         )
+    bars = capsys.readouterr().err  # the checks (generation, minutes on a busy CPU) have their bar too
+    assert "warm start check (answers)" in bars and "warm start check (declines)" in bars
     assert reported == [("answers", 5), ("answers", 10), ("answers", 12), ("abstain", 6)]
     saved = json.loads((tmp_path / "out" / WARM_START_RECORD).read_text())
     acceptance = saved["acceptance"]

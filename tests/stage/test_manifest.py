@@ -132,7 +132,7 @@ def test_bad_manifests_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match=rf"{MANIFEST_NAME}: not valid JSON"):
         read_manifest(bad)
     (bad / MANIFEST_NAME).write_text(json.dumps({"stage": "s", "base_model": "b"}))
-    with pytest.raises(ConfigError, match="checkpoint: Field required"):
+    with pytest.raises(ConfigError, match="checkpoint is missing; add it"):
         read_manifest(bad)
     (bad / MANIFEST_NAME).write_text(json.dumps({"schema_version": 99, "stage": "s"}))
     with pytest.raises(ConfigError, match="newer than this ram_trl"):

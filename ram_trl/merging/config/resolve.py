@@ -11,7 +11,14 @@ from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.vocabulary import UnionRows
-from ram_trl.merging.config.schema import DTYPES, MergeConfig, resolve_path, split_lora
+from ram_trl.merging.config.schema import (
+    DTYPES,
+    MergeConfig,
+    full_model,
+    resolve_model_ref,
+    resolve_path,
+    split_lora,
+)
 from ram_trl.merging.config.settings import (
     AgentSpec,
     ResolvedConfig,
@@ -31,6 +38,7 @@ from ram_trl.merging.config.tokens import (
     tokenizer_vocabulary,
     union_donor,
 )
+from ram_trl.messages import did_you_mean
 from ram_trl.methods import method_names, resolve_method
 from ram_trl.stage.manifest import base_model_path, check_base, manifest_path, read_manifest, verify_stage
 
@@ -100,7 +108,8 @@ def resolve_config(
                 f"{where}: merge_method {config.merge_method!r} is not supported: {refused}"
             ) from None
         raise ConfigError(
-            f"{where}: unknown merge_method {config.merge_method!r}; available: {', '.join(method_names())} "
+            f"{where}: unknown merge_method {config.merge_method!r}{did_you_mean(config.merge_method, method_names())}; "
+            f"available: {', '.join(method_names())} "
             "(mergekit names ramplus_tl, ramplus, average are accepted as aliases)"
         ) from None
     config_dir = config_path.parent if config_path else None
@@ -119,12 +128,7 @@ def resolve_config(
                 "(only a plain weighted average of models, such as linear, can take its layout from the first model)"
             )
         base_model = first.model
-    if split_lora(base_model, config_dir)[1] is not None:
-        raise ConfigError(
-            f"{where}: base_model {base_model!r} is a MODEL+ADAPTER reference; the base must be a full checkpoint "
-            "(merge the adapter into it first)"
-        )
-    base_path = resolve_path(base_model, config_dir)
+    base_path = full_model(base_model, config_dir, f"{where}: base_model")
     if not base_path.exists():
         raise ConfigError(f"{where}: base_model {base_model!r} does not exist (resolved to {base_path})")
     check_layer_ranges(ranges, config_dir, where)
@@ -149,14 +153,13 @@ def resolve_config(
         else:
             label = f"{where}: models[{position}] ({entry.model})"
             model, adapter = split_lora(entry.model, config_dir)
-            path = resolve_path(model, config_dir)
-            if adapter is not None:
-                if not path.exists() or path.resolve() != base_path.resolve():
-                    raise ConfigError(
-                        f"{label}: the adapter {adapter!r} is applied to {model!r}, not to base_model "
-                        f"{base_model!r}; ram_trl merges adapters of the base only"
-                    )
-                path = resolve_path(adapter, config_dir)
+            path = resolve_model_ref(model, config_dir, label)
+            if adapter is not None and path.exists() and path.resolve() == base_path.resolve():
+                path = resolve_model_ref(
+                    adapter, config_dir, label
+                )  # a LoRA agent of the base: its delta streams
+            elif adapter is not None:  # an adapter of another model: merged into it, as mergekit does
+                path = full_model(entry.model, config_dir, label)
         if not path.exists():
             raise ConfigError(f"{label}: agent checkpoint does not exist (resolved to {path})")
         if not method.keeps_base_entries and path.resolve() == base_path.resolve():
@@ -174,7 +177,16 @@ def resolve_config(
         )
         gradient = gradient or own_gradient
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
-        agents.append(AgentSpec(index=len(agents), name=name, path=path, parameters=values, stage=stage_info))
+        agents.append(
+            AgentSpec(
+                index=len(agents),
+                name=name,
+                path=path,
+                parameters=values,
+                stage=stage_info,
+                reference=entry.model,
+            )
+        )
         positions.append(position)
     segments = None
     if slice_settings is not None:
@@ -199,7 +211,10 @@ def resolve_config(
     if ignored:
         message = (
             f"{where}: {method.name} does not use the parameter(s) "
-            + ", ".join(f"{key!r} ({', '.join(dict.fromkeys(places))})" for key, places in ignored.items())
+            + ", ".join(
+                f"{key!r} ({', '.join(dict.fromkeys(places))}){did_you_mean(key, [p.name for p in method.parameters])}"
+                for key, places in ignored.items()
+            )
             + f"; ignored, as mergekit does ({method.name} takes "
             + (", ".join(p.name for p in method.parameters) or "no parameter")
             + ")"
@@ -282,7 +297,7 @@ def resolve_config(
             union_rows = None
         tokenizer_source, union = donor, union_rows is None
     elif tokenizer_name not in (None, "base"):
-        tokenizer_source = resolve_path(tokenizer_name, config_dir)
+        tokenizer_source = resolve_model_ref(tokenizer_name, config_dir, f"{where}: tokenizer source")
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
     if config.tokenizer is not None and config.tokenizer.tokens and tokenizer_name != "union":
@@ -320,6 +335,10 @@ def resolve_config(
         if config.chat_template
         else None
     )
+    if config.chat_template == "auto" and chat_template is None:
+        notes.append(
+            "chat_template 'auto': no input model has a chat template; none is set, as mergekit does"
+        )
     layers = None
     if gradient:
         layers = num_layers(base_path)
@@ -346,4 +365,5 @@ def resolve_config(
         chat_template=chat_template,
         segments=segments,
         union_rows=union_rows,
+        base_reference=base_model,
     )

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.hub import local_path, resolve_model
+from ram_trl.io.lora_base import merged_model
+from ram_trl.messages import did_you_mean, validation_message
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -183,7 +185,16 @@ class MergeConfig(BaseModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value.lower() not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
+            raise ValueError(
+                f"unknown dtype {value!r}{did_you_mean(value, DTYPES)}; use one of {sorted(set(DTYPES))}"
+            )
+        return value
+
+    @field_validator("slices")
+    @classmethod
+    def _some_slices(cls, value: Any) -> Any:
+        if value is not None and not value:
+            raise ValueError("'slices' is empty: list at least one entry, or give 'models'")
         return value
 
     @field_validator("models")
@@ -224,12 +235,9 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
         data = source
     else:
         path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"merge config {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        from ram_trl.io.config_file import read_yaml_file
+
+        data = read_yaml_file(path, "merge config")
         if not isinstance(data, dict):
             raise ConfigError(
                 f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"
@@ -238,18 +246,30 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
     try:
         return MergeConfig.model_validate(data), path
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"{where}: {problems}") from exc
+        raise ConfigError(f"{where}: {validation_message(exc, MergeConfig)}") from None
 
 
 def resolve_path(value: str, config_dir: Path | None) -> Path:
-    path = Path(value).expanduser()
-    if path.is_absolute() or path.exists() or config_dir is None:
-        return path
-    beside = config_dir / path
-    return beside if beside.exists() else path
+    return local_path(value, config_dir)
+
+
+def resolve_model_ref(value: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference (a path or a Hub id) resolved to a directory, metadata only: the weights of a Hub model are
+    fetched when the inputs are opened, after the whole config is checked."""
+    return resolve_model(value, config_dir, what=what, weights=False)
+
+
+def full_model(reference: str, config_dir: Path | None, what: str) -> Path:
+    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` is the adapter merged into the model, as mergekit
+    merges it (:func:`~ram_trl.io.lora_base.merged_model`)."""
+    model, adapter = split_lora(reference, config_dir)
+    if adapter is None:
+        return resolve_model_ref(model, config_dir, what)
+    paths = [resolve_model(ref, config_dir, what=what) for ref in (model, adapter)]
+    for ref, path in zip((model, adapter), paths, strict=True):
+        if not path.exists():
+            raise ConfigError(f"{what}: {ref!r} of {reference!r} does not exist (resolved to {path})")
+    return merged_model(*paths, what)
 
 
 def split_lora(value: str, config_dir: Path | None) -> tuple[str, str | None]:

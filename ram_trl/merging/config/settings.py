@@ -31,6 +31,7 @@ class AgentSpec:
     parameters: dict[str, Any]
     kind: str = "full"
     stage: dict[str, Any] | None = None
+    reference: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class ResolvedConfig:
             last slice's, as mergekit plans them.
         union_rows: With ``tokenizer_source: union``, the rows every model gets before the merge where some model
             lacks a token the union holds (:func:`ram_trl.io.vocabulary.pad_vocabularies`); ``None`` otherwise.
+        base_reference: ``base_model`` as the config wrote it (a path or a Hub id).
     """
 
     method: MergeMethod
@@ -92,6 +94,7 @@ class ResolvedConfig:
     chat_template: str | None = None
     segments: list[LayerSegment] | None = None
     union_rows: UnionRows | None = None
+    base_reference: str | None = None
 
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the

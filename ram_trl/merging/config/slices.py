@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import ConfigError
-from ram_trl.merging.config.schema import MergeConfig, ModelEntry, SliceEntry, resolve_path, split_lora
+from ram_trl.merging.config.schema import MergeConfig, ModelEntry, SliceEntry, resolve_model_ref, split_lora
 from ram_trl.merging.config.settings import (
     LayerSegment,
     agent_settings,
@@ -120,7 +120,7 @@ def check_layer_ranges(
 ) -> None:
     """Each slice source must cover every layer of its model, ``[0, N)`` (mergekit's ``models:`` equivalent)."""
     for label, model, (start, stop) in ranges:
-        path = resolve_path(split_lora(model, config_dir)[0], config_dir)
+        path = resolve_model_ref(split_lora(model, config_dir)[0], config_dir, f"{where}: {label}")
         layers = num_layers(path)
         if layers is None:
             raise ConfigError(

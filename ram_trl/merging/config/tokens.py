@@ -10,7 +10,7 @@ from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.vocabulary import UnionRows
-from ram_trl.merging.config.schema import DTYPES, MergeConfig, resolve_path
+from ram_trl.merging.config.schema import DTYPES, MergeConfig, resolve_model_ref
 
 
 def _model_chat_template(path: Path) -> str | None:
@@ -30,7 +30,7 @@ def _model_chat_template(path: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
+def resolve_chat_template(value: str, models: list[Path], where: str) -> str | None:
     """The template text of a config's ``chat_template``, as mergekit 0.1.5 picks it: ``auto`` (the most common
     template among the input models), one of mergekit's named templates (read from the installed mergekit
     package), or literal Jinja.
@@ -47,18 +47,21 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
         ConfigError: ``auto`` without any template among the models, an unknown name, or text that is no
             template.
     """
+    from ram_trl.io.chat_template import check_chat_template
+
     if value == "auto":
-        templates = [t.strip() for t in (_model_chat_template(p) for p in models) if t]
-        if not templates:
-            raise ConfigError(f"{where}: 'auto' found no chat template in the base or the agents")
-        return Counter(templates).most_common(1)[0][0]
+        found = [(t.strip(), p) for p, t in ((p, _model_chat_template(p)) for p in models) if t]
+        if not found:
+            return None  # as mergekit: the tokenizer's template is left as it is
+        chosen = Counter(t for t, _ in found).most_common(1)[0][0]
+        return check_chat_template(chosen, f"'auto' ({next(p for t, p in found if t == chosen)})", where)
     if len(value) < 256 and "\n" not in value and "{" not in value:
         try:
             from importlib.resources import files
 
             named = files("mergekit._data.chat_templates").joinpath(value + ".jinja")
             if named.is_file():
-                return named.read_text()
+                return check_chat_template(named.read_text(), f"mergekit's {value!r}", where)
         except ModuleNotFoundError:
             raise ConfigError(
                 f"{where}: {value!r} names one of mergekit's templates, which are read from the mergekit package: "
@@ -66,7 +69,7 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str:
             ) from None
     if len(value) < 20 or "{" not in value:
         raise ConfigError(f"{where}: {value!r} is neither a known template name nor a Jinja template")
-    return value
+    return check_chat_template(value, "the config's text", where)
 
 
 def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
@@ -248,7 +251,7 @@ def token_sources(
 def _model_position(reference: Any, models: list[Path], label: str, config_dir: Path | None) -> int:
     """The position (0: the base, ``t + 1``: agent ``t``) of the model a token rule names."""
     if isinstance(reference, str):
-        path = resolve_path(reference, config_dir).resolve()
+        path = resolve_model_ref(reference, config_dir, label).resolve()
         for position, model in enumerate(models):
             if model.resolve() == path:
                 return position

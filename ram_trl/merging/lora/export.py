@@ -43,6 +43,7 @@ import torch
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
+from ram_trl.io.hub import resolve_model
 from ram_trl.io.lora import ADAPTER_CONFIG
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.merging.lora.peft_layout import (
@@ -140,7 +141,11 @@ def export_lora(
     """
     options = lora_options("lora", rank, max_rank, energy)
     assert options is not None
-    base_dir, merged_dir, output_dir = Path(base_dir), Path(merged_dir), Path(output_dir)
+    base_dir, merged_dir, output_dir = (
+        resolve_model(base_dir, what="base model"),
+        Path(merged_dir),
+        Path(output_dir),
+    )
     output = OutputDir(
         output_dir,
         overwrite=overwrite,
@@ -394,9 +399,7 @@ def print_export(report: dict[str, Any]) -> None:
         )
         + f", {len(section['modules_to_save'])} modules_to_save, {len(section['biases'])} biases, "
         f"{format_bytes(section['adapter_bytes'])}"
-    )
-    for item in section["not_exported"]:
-        console.print(f"[yellow]not exported:[/yellow] {item['tensor']}: {item['reason']}")
+    )  # what was not exported is among the report's warnings, printed with the summary
 
 
 __all__ = [

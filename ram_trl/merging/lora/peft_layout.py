@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.hub import hub_name
 from ram_trl.io.lora import meta_model
 from ram_trl.io.safetensors_io import TensorInfo
 from ram_trl.merging.lora.svd import LoraExportOptions
@@ -287,7 +288,7 @@ def adapter_layout(
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_dir.resolve()),
+        "base_model_name_or_path": hub_name(base_dir),
         "r": cap,
         "lora_alpha": cap,
         "rank_pattern": pattern,

@@ -88,8 +88,8 @@ def lora_options(
         used = [flag for flag, value in given.items() if value is not None]
         if used:
             raise ConfigError(
-                f"{', '.join(used)} only apply to --output-format lora (output_format='lora'); the output format "
-                "is 'full'"
+                f"{' and '.join(used)} {'applies' if len(used) == 1 else 'apply'} only to --output-format lora "
+                "(output_format='lora'); the output format is 'full'"
             )
         return None
     if rank is not None and (max_rank is not None or energy is not None):

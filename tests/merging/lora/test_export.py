@@ -179,6 +179,12 @@ def test_energy_mode_through_the_cli(tmp_path, capsys):
     out = tmp_path / "adapter"
     argv = ["merge", str(config), str(out), "--no-progress", "--output-format", "lora", "--max-rank", "4"]
     assert main([*argv, "--energy", "0.9"]) == 0
+    err = capsys.readouterr().err
+    # the summary names the adapter and its size, not the temporary full model it was cut from
+    assert f"-> {out}" in " ".join(err.split()) and ".ram-trl-full" not in err
+    from ram_trl.merging.planner import format_bytes
+
+    assert f"wrote {format_bytes((out / 'adapter_model.safetensors').stat().st_size)} in 1 file(s)" in err
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     expected = {
         "model.layers.0.self_attn.q_proj": 2,
@@ -203,7 +209,7 @@ def test_energy_mode_through_the_cli(tmp_path, capsys):
     assert layers[1].self_attn.o_proj.lora_A["default"].weight.shape == (4, 32)
     assert layers[1].self_attn.v_proj.lora_B["default"].weight.shape == (16, 1)
     assert layers[0].self_attn.q_proj.scaling["default"] == 1.0
-    assert "LoRA adapter ->" in capsys.readouterr().err
+    assert "LoRA adapter ->" in err
 
 
 def test_norms_biases_and_embeddings_are_saved_in_full_and_restored_exactly(tmp_path):
@@ -356,8 +362,8 @@ BAD_OPTIONS = [
         {"output_format": "lora", "lora_max_rank": 4, "lora_energy": 0.0},
         "--energy must be a number in (0, 1]",
     ),
-    ({"output_format": "full", "lora_rank": 4}, "--rank only apply to --output-format lora"),
-    ({"lora_max_rank": 4, "lora_energy": 0.9}, "--max-rank, --energy only apply to --output-format lora"),
+    ({"output_format": "full", "lora_rank": 4}, "--rank applies only to --output-format lora"),
+    ({"lora_max_rank": 4, "lora_energy": 0.9}, "--max-rank and --energy apply only to --output-format lora"),
     (
         {"output_format": "lora", "lora_rank": 4, "lora_max_rank": 8, "lora_energy": 0.9},
         "either --rank R (one rank for every module) or --max-rank R --energy E",
@@ -390,7 +396,7 @@ def test_bad_cli_options_exit_2(tmp_path, capsys):
     assert main(["merge", str(config), str(tmp_path / "out"), "--output-format", "lora", "--rank", "0"]) == 2
     assert "error: --rank must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["merge", str(config), str(tmp_path / "out"), "--rank", "4"]) == 2
-    assert "only apply to --output-format lora" in capsys.readouterr().err
+    assert "only to --output-format lora" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

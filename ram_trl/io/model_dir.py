@@ -1,0 +1,44 @@
+"""One reading of a model directory for every reader (merge, analyze, eval, fisher, preview, the recipes' scoring):
+a directory that two readers would read as two different models is refused, naming the files.
+
+transformers loads ``model.safetensors`` before a shard index and a full model before an adapter; ram_trl's tensor
+reader took the index first and PEFT readers the adapter. Rather than pick one silently, both layouts are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ram_trl.errors import CheckpointError
+
+__all__ = ["check_one_model"]
+
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_FULL = (_SINGLE, _INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_one_model(path: str | Path, role: str) -> None:
+    """Refuse a directory holding two models.
+
+    Args:
+        path (`str` or `Path`): The model directory (anything else is left to the reader).
+        role (`str`): How the message names the input (``"agent 'coding'"``).
+
+    Raises:
+        CheckpointError: in one line naming the directory and the files, when it holds ``model.safetensors`` and a
+            shard index, or a full model's weights and a PEFT adapter (``adapter_config.json``).
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        return
+    if (directory / _SINGLE).is_file() and (directory / _INDEX).is_file():
+        raise CheckpointError(
+            f"{role}: {directory} holds both {_SINGLE} and a shard index {_INDEX}; transformers reads the first, a "
+            "merge would read the shards: remove the stale one"
+        )
+    full = [name for name in _FULL if (directory / name).is_file()]
+    if full and (directory / "adapter_config.json").is_file():
+        raise CheckpointError(
+            f"{role}: {directory} holds both a full model ({full[0]}) and a PEFT adapter (adapter_config.json); "
+            "readers would disagree on which is the model: move one of them into its own directory"
+        )
