@@ -23,7 +23,7 @@ _COMMAND_MODULES = {
     "methods": "ram_trl.methods",
     "analyze": "ram_trl.analysis",
     "run": "ram_trl.recipes.runner",
-    "eval": "ram_trl.recipes.evaluate",
+    "eval": "ram_trl.evaluation.scoring",
     "demo": "ram_trl.recipes.runner",
     "fisher": "ram_trl.evaluation.fisher",
     "convert-gguf": "ram_trl.io.gguf",
@@ -495,9 +495,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ram_trl.evaluation.scoring import EvalTask, evaluate_model
     from ram_trl.output import check_output_file
     from ram_trl.recipes.data import draw_splits
-    from ram_trl.recipes.evaluate import EvalTask, evaluate_model
     from ram_trl.recipes.schema import load_recipe
     from ram_trl.recipes.stats import bootstrap_scores, interval_of
 

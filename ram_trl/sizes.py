@@ -1,4 +1,5 @@
-"""Byte sizes: the one parser of ``"5GB"``-style sizes and their formatting.
+"""Values given by the user: the one parser of ``"5GB"``-style byte sizes and their formatting, and the one check of
+a number (finite, in float32, within bounds), each error naming the place and the field.
 
 Decimal units are powers of 1000 (``KB``, ``MB``, ``GB``, ``TB``, and the bare ``K``, ``M``, ``G``), binary units
 powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes. Imports nothing heavier than
@@ -7,12 +8,14 @@ powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes.
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
+from typing import Any
 
 from ram_trl.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["FLOAT32_MAX", "check_number", "check_optional_number", "format_bytes", "parse_size"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
@@ -87,3 +90,67 @@ def format_bytes(num: float) -> str:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
         num /= 1000
     raise AssertionError
+
+
+#: The largest finite float32: the merge computes in float32, so a parameter beyond it would be infinite there.
+FLOAT32_MAX = 3.4028234663852886e38  # float(torch.finfo(torch.float32).max)
+
+
+def check_number(
+    value: Any,
+    where: str,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+) -> float:
+    """A finite number within bounds, or a :class:`ConfigError` naming ``where`` and ``name``.
+
+    Args:
+        value: The value as read (YAML, JSON or the command line).
+        where: The file or context (e.g. ``"merge.yaml: models[1] (./coder)"``).
+        name: The field's name.
+        minimum: Inclusive lower bound.
+        maximum: Inclusive upper bound.
+        above: Exclusive lower bound.
+        integer: Require a whole number.
+
+    Returns:
+        The value as a float (an ``int``-valued float when ``integer``).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {value!r}; give a finite value")
+    if abs(number) > FLOAT32_MAX:
+        raise ConfigError(
+            f"{where}: {name} is {value!r}, beyond float32 (the merge computes in float32, |x| <= 3.4e38); give a "
+            "smaller value"
+        )
+    if integer and not number.is_integer():
+        raise ConfigError(f"{where}: {name} must be a whole number, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{where}: {name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{where}: {name} must be <= {maximum}, got {value!r}")
+    if above is not None and number <= above:
+        raise ConfigError(f"{where}: {name} must be > {above}, got {value!r}")
+    return number
+
+
+def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
+    """:func:`check_number` for a value that may be ``None`` (not given).
+
+    Args:
+        value: The value as read, or ``None``.
+        where: The file or context.
+        name: The field's name.
+        **bounds: :func:`check_number`'s keyword arguments (``minimum``, ``maximum``, ``above``, ``integer``).
+
+    Returns:
+        ``None`` for ``None``, else the checked value as a float.
+    """
+    return None if value is None else check_number(value, where, name, **bounds)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ram_trl.evaluation.scoring import generate
 from ram_trl.merging.lora.svd import LoraExportOptions, choose_rank
-from ram_trl.recipes.evaluate import generate
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.magnitude import (

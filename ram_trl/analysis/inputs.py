@@ -13,9 +13,9 @@ from ram_trl.errors import ConfigError
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import MergeConfig, load_config
 from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.sizes import check_optional_number
 from ram_trl.stage.manifest import base_model_path, is_stage, manifest_path, read_manifest
 from ram_trl.statistics.counting import DEFAULT_EPS
-from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R
 DEFAULT_ALPHA = defaults.ALPHA

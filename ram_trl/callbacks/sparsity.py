@@ -20,7 +20,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from ram_trl.callbacks.telemetry.base_weights import ModelBase
 from ram_trl.callbacks.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.output import OutputDir, guard_os_errors
+from ram_trl.sizes import check_number
 from ram_trl.stage.manifest import (
     FINGERPRINT_ELEMENTS,
     MANIFEST_NAME,
@@ -44,7 +45,6 @@ from ram_trl.stage.manifest import (
     weight_files,
     write_manifest,
 )
-from ram_trl.validation import check_callback_arguments
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
@@ -607,6 +607,7 @@ def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] =
 __all__ = [
     "TaskVectorSparsityCallback",
     "agent_output",
+    "check_callback_arguments",
     "check_finite_agent",
     "check_policy_starts_from_base",
     "last_reward_metrics",
@@ -614,3 +615,60 @@ __all__ = [
     "resolve_base_model",
     "save_agent",
 ]
+
+
+def check_callback_arguments(arguments: Mapping[str, Any], where: str = "TaskVectorSparsityCallback") -> None:
+    """Validate the arguments of the telemetry callback before any training: types, finiteness, ranges and the
+    characters of names (a stage name becomes a directory label, a merge row and a model-card line).
+
+    Args:
+        arguments: The constructor's arguments by name (those absent are not checked).
+        where: How messages name the callback.
+
+    Raises:
+        ConfigError: naming the argument, the value and what to give.
+    """
+
+    def fail(name: str, value: Any, want: str) -> None:
+        raise ConfigError(f"{where}: {name}={value!r}: {want}")
+
+    def positive_int(name: str) -> None:
+        value = arguments.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            fail(name, value, "give a positive integer (or None)")
+
+    positive_int("every_n_steps")
+    positive_int("threads")
+    positive_int("magnitude_sample")
+    for name in ("eps", "r", "alpha"):
+        if name in arguments:
+            check_number(arguments[name], where, name, minimum=0.0)
+    for name in ("magnitudes", "save_agent", "write_stage"):
+        if name in arguments and not isinstance(arguments[name], bool):
+            fail(name, arguments[name], "give True or False")
+    base = arguments.get("base_model")
+    if base is not None and not isinstance(base, str | os.PathLike):
+        fail("base_model", base, "give the base checkpoint's directory (a path)")
+    prior = arguments.get("prior_stages", ())
+    if isinstance(prior, str | bytes | os.PathLike) or not isinstance(prior, Sequence):
+        fail(
+            "prior_stages", prior, "give a list of stage manifests or their directories, e.g. ['runs/coding']"
+        )
+    for item in prior:
+        if not isinstance(item, str | os.PathLike):
+            fail("prior_stages", prior, "every entry must be a path")
+    prefix = arguments.get("prefix", "")
+    if not isinstance(prefix, str) or any(ord(c) < 32 for c in prefix):
+        fail("prefix", prefix, "give a string without control characters")
+    for name in ("stage_name", "domain"):
+        value = arguments.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.strip():
+            fail(name, value, "give a non-empty string (or None)")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value) or len(value) > 200:
+            fail(
+                name, value, "give one line of at most 200 characters, without control characters (newlines)"
+            )
+        if name == "stage_name" and any(c in value for c in "/\\|"):
+            fail(name, value, "a stage name may not hold '/', '\\' or '|' (it labels files, rows and tables)")

@@ -32,9 +32,10 @@ import torch
 
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 from ram_trl.output import atomic_file
-from ram_trl.validation import check_optional_number, read_json_object
+from ram_trl.sizes import check_optional_number
 
 __all__ = [
     "FISHER_FILE",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.validation import check_reward_values
 
-__all__ = ["StageFailure", "import_object", "wrap_reward"]
+__all__ = ["StageFailure", "check_reward_values", "import_object", "wrap_reward"]
 
 
 def import_object(path: str, what: str = "object") -> Any:
@@ -55,7 +55,7 @@ class StageFailure(RamTrlError, RuntimeError):
 
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
     """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
-    finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
+    finite float or ``None`` per completion: :func:`ram_trl.evaluation.rewards.check_reward_values`) name the stage and the
     function.
 
     Args:
@@ -83,3 +83,47 @@ def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., 
     if not hasattr(reward, "__name__"):
         reward.__name__ = path.rpartition(":")[2] or path
     return reward
+
+
+def check_reward_values(values: Any, count: int, where: str) -> list[float | None]:
+    """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion.
+
+    Args:
+        values: What the function returned.
+        count: The number of completions it was given.
+        where: The stage and the function, e.g. ``"stage 'coding': reward function pkg:fn"``.
+
+    Returns:
+        The values as floats (``None`` kept).
+
+    Raises:
+        ConfigError: naming the function, the completion and what to return instead.
+    """
+    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        raise ConfigError(
+            f"{where} returned {type(values).__name__}; return a list with one float per completion"
+        )
+    if len(values) != count:
+        raise ConfigError(
+            f"{where} returned {len(values)} values for {count} completions; return one float per completion"
+        )
+    out: list[float | None] = []
+    for index, value in enumerate(values):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            if isinstance(value, str | bytes):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: value {index} is {value!r:.40}, not a number; return a float (None: not scored)"
+            ) from None
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{where}: value {index} is {number}; return a finite float, or None for a completion the "
+                "function does not score"
+            )
+        out.append(number)
+    return out

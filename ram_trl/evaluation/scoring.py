@@ -4,8 +4,7 @@ Greedy decoding by default, the seed set before each stage's generation, prompts
 completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
 stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
 on), scored the same way, each split's prompts generated on their own. The recipes' evaluation
-(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it;
-:mod:`ram_trl.recipes.evaluate` re-exports its names.
+(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it.
 """
 
 from __future__ import annotations

@@ -12,13 +12,14 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta, read_safetensors_header
-from ram_trl.validation import check_pickle_state, check_weight_map, read_json_object
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -343,3 +344,86 @@ def _from_pickle(path: Path, role: str, allow_external: bool = False) -> Checkpo
     return Checkpoint(
         path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files
     )
+
+
+def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> Path:
+    """``path`` if it resolves (symlinks followed) inside ``root``; else a :class:`CheckpointError`.
+
+    Args:
+        path: A file a checkpoint's index names.
+        root: The checkpoint directory.
+        what: How the message names the file's origin (e.g. ``"agent 0 (x): model.safetensors.index.json"``).
+        allow_external: Accept paths outside ``root`` (``--allow-external-shards``).
+    """
+    if allow_external:
+        return path
+    resolved, inside = path.resolve(), root.resolve()
+    if resolved != inside and not resolved.is_relative_to(inside):
+        raise CheckpointError(
+            f"{what} names {path}, which resolves to {resolved}, outside the checkpoint directory {root}; move the "
+            "shard into the directory, or pass --allow-external-shards (allow_external_shards=True) if it is meant"
+        )
+    return path
+
+
+def check_weight_map(
+    data: Any, index: Path, root: Path, role: str, allow_external: bool = False
+) -> dict[str, Path]:
+    """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``.
+
+    Args:
+        data: The index as loaded from JSON.
+        index: The index file, for messages.
+        root: The checkpoint directory the shards must lie in.
+        role: How messages name the checkpoint (e.g. ``"agent 0 (coder)"``).
+        allow_external: Accept shards outside ``root`` (default ``False``; ``--allow-external-shards``).
+
+    Returns:
+        Each tensor name's shard file.
+
+    Raises:
+        CheckpointError: naming the index and the entry, for a missing or mistyped ``weight_map``, an empty shard
+            name, or a shard outside the checkpoint directory.
+    """
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{role}: {index} is not a valid checkpoint index: 'weight_map' must be an object mapping tensor names "
+            f"to shard files, got {type(weight_map).__name__}"
+        )
+    files: dict[str, Path] = {}
+    for name, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name:
+            raise CheckpointError(
+                f"{role}: {index}: weight_map entry {name!r} must be a shard file name, got {file_name!r}"
+            )
+        files[name] = confine(root / file_name, root, f"{role}: {index.name} entry {name!r}", allow_external)
+    return files
+
+
+def check_pickle_state(state: Any, file: Path, role: str) -> dict[str, torch.Tensor]:
+    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else).
+
+    Args:
+        state: What the file unpickled to.
+        file: The file, for messages.
+        role: How messages name the checkpoint.
+
+    Returns:
+        The state dict, as a ``dict``.
+
+    Raises:
+        CheckpointError: for anything but a mapping of string names to tensors.
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{role}: {file} holds a {type(state).__name__}, not a state dict of tensors; save the model's "
+            "state_dict (better: with safetensors)"
+        )
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{role}: {file}: entry {name!r} is a {type(value).__name__}, not a tensor; save only the "
+                "state_dict's tensors (better: with safetensors)"
+            )
+    return dict(state)

@@ -20,14 +20,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora_product import lora_product
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
-from ram_trl.validation import check_lora_config, read_json_object
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -375,3 +375,75 @@ def read_adapter(
         if "lora_B.bias" in parts:
             content.bias_deltas[f"{module}.bias"] = (parts["lora_B.bias"], scaling)
     return content
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The numbers of an ``adapter_config.json`` a LoRA delta needs, validated."""
+
+    rank: int
+    alpha: float
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    rslora: bool
+    fan_in_fan_out: bool
+
+
+def _pattern(value: Any, where: str, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: {field} must be an object of regex -> value, got {value!r}")
+    for pattern in value:
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")
+        except re.error as exc:
+            raise CheckpointError(
+                f"{where}: {field} key {pattern!r} is not a valid regular expression ({exc})"
+            ) from exc
+    return value
+
+
+def check_lora_config(config: Any, path: Path, role: str) -> LoraSettings:
+    """Validate the LoRA numbers of an adapter config: ranks positive integers, alphas finite, patterns valid regexes.
+
+    Args:
+        config: The adapter config as loaded from JSON (``r`` and ``lora_alpha`` default to 8, as in PEFT).
+        path: The ``adapter_config.json``, for messages.
+        role: How messages name the adapter.
+
+    Returns:
+        The validated numbers.
+
+    Raises:
+        CheckpointError: naming the adapter config and the field.
+    """
+    where = f"{role}: {path}"
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: an adapter config must be a JSON object")
+
+    def rank(value: Any, field: str) -> int:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not float(value).is_integer()
+            or value < 1
+        ):
+            raise CheckpointError(f"{where}: {field} must be a positive integer rank, got {value!r}")
+        return int(value)
+
+    def alpha(value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise CheckpointError(f"{where}: {field} must be a finite number, got {value!r}")
+        return float(value)
+
+    rank_pattern = _pattern(config.get("rank_pattern"), where, "rank_pattern")
+    alpha_pattern = _pattern(config.get("alpha_pattern"), where, "alpha_pattern")
+    return LoraSettings(
+        rank=rank(config.get("r", 8), "r"),
+        alpha=alpha(config.get("lora_alpha", 8), "lora_alpha"),
+        rank_pattern={k: rank(v, f"rank_pattern[{k!r}]") for k, v in rank_pattern.items()},
+        alpha_pattern={k: alpha(v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items()},
+        rslora=bool(config.get("use_rslora")),
+        fan_in_fan_out=bool(config.get("fan_in_fan_out")),
+    )

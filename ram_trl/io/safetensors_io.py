@@ -23,14 +23,14 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.errors import CheckpointError
-from ram_trl.validation import check_safetensors_header
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -453,3 +453,92 @@ class ShardFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One validated tensor entry of a safetensors header (offsets relative to the end of the header)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_safetensors_header(
+    header: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
+) -> tuple[list[HeaderEntry], dict[str, str]]:
+    """Validate a decoded safetensors header as the safetensors library would, with one message per problem.
+
+    Args:
+        header: The decoded JSON.
+        path: The file (for messages).
+        data_bytes: Bytes in the file after the header.
+        itemsizes: Supported dtype names to their element size.
+
+    Returns:
+        ``(entries, metadata)``.
+
+    Raises:
+        CheckpointError: for a field of the wrong JSON type, an unsupported dtype, a negative or non-integer shape,
+            offsets that do not match the shape, lie outside the file or overlap another tensor's.
+    """
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: __metadata__ must map strings to strings, got "
+            f"{type(metadata).__name__}; re-save the file with safetensors"
+        )
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        entries.append(_check_entry(name, entry, path, data_bytes, itemsizes))
+    ordered = sorted((e for e in entries if e.end > e.begin), key=lambda e: e.begin)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        if after.begin < before.end:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: the data of tensors {before.name!r} "
+                f"[{before.begin}, {before.end}) and {after.name!r} [{after.begin}, {after.end}) overlap; "
+                "re-save the file with safetensors"
+            )
+    return entries, dict(metadata)
+
+
+def _check_entry(
+    name: str, entry: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
+) -> HeaderEntry:
+    where = f"{path}: corrupt safetensors header entry for tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: expected an object with dtype, shape, data_offsets")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype must be a string, got {dtype!r}")
+    if dtype not in itemsizes:
+        raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(whole_number(d) for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(whole_number(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be two non-negative integers, got {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * itemsizes[dtype]
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: tensor {name!r} spans {end - begin} bytes, "
+            f"its shape {list(shape)} and dtype {dtype} need {expected}"
+        )
+    if end > data_bytes:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: tensor {name!r} ends at data byte {end}, the file has "
+            f"{data_bytes} bytes of data"
+        )
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)

@@ -13,6 +13,7 @@ whole-tensor steps too (TIES' cut, SLERP's angle, the RAM family's counts).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -21,7 +22,6 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta
-from ram_trl.validation import is_vocabulary_tensor
 
 
 @dataclass(frozen=True)
@@ -236,4 +236,13 @@ def pad_vocabularies(base: Checkpoint, agents: list[Checkpoint], union: UnionRow
     return wrapped
 
 
-__all__ = ["PaddedCheckpoint", "UnionRows", "pad_vocabularies"]
+__all__ = ["PaddedCheckpoint", "UnionRows", "VOCABULARY_PATTERN", "is_vocabulary_tensor", "pad_vocabularies"]
+
+
+#: Tensor names of vocabulary-sized tensors (rows = tokens): the only tensors ``merge_common_rows`` may resize.
+VOCABULARY_PATTERN = re.compile(r"^(?!.*pos)(.*\.)?([^.]*embed[^.]*|wte|lm_head)(\.|$)|^(output|shared)\.")
+
+
+def is_vocabulary_tensor(name: str) -> bool:
+    """Whether ``name`` is a vocabulary-sized tensor (input embeddings, output head, or their LoRA factors)."""
+    return bool(VOCABULARY_PATTERN.search(name))

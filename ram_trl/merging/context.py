@@ -12,19 +12,22 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.distributed import DistContext
+from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
-from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.io.json_files import read_json_object
+from ram_trl.io.safetensors_io import RowReader, dtype_itemsize, whole_number
 from ram_trl.io.vocabulary import pad_vocabularies
 from ram_trl.merging.config.settings import ResolvedConfig
 from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.merging.streaming import InputCache, ReadCounter
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import DEFAULT_EPS
-from ram_trl.validation import check_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +228,31 @@ __all__ = [
     "MergeState",
     "RunContext",
     "check_densities",
+    "check_model_config",
     "open_inputs",
     "run_eps",
     "task_input_bytes",
 ]
+
+
+def check_model_config(path: Path, role: str) -> dict[str, Any]:
+    """A model's ``config.json``: a JSON object whose size fields, when present, are positive integers.
+
+    Args:
+        path: The ``config.json``.
+        role: How messages name the model.
+
+    Returns:
+        The config.
+
+    Raises:
+        CheckpointError: naming the file and the field.
+    """
+    config = read_json_object(path, role)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size"):
+        if key in config and not (whole_number(config[key]) and config[key] > 0):
+            raise CheckpointError(f"{role}: {path}: {key} must be a positive integer, got {config[key]!r}")
+    for key in ("model_type", "torch_dtype", "dtype"):
+        if key in config and config[key] is not None and not isinstance(config[key], str):
+            raise CheckpointError(f"{role}: {path}: {key} must be a string, got {config[key]!r}")
+    return config

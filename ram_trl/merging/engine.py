@@ -18,17 +18,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.errors import CheckpointError
+from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, write_chat_template
 from ram_trl.io.fisher_files import (
     check_fisher_headers,
@@ -38,6 +40,7 @@ from ram_trl.io.fisher_files import (
     open_fisher,
 )
 from ram_trl.io.safetensors_io import RowReader, ShardFile
+from ram_trl.io.vocabulary import is_vocabulary_tensor
 from ram_trl.merging import report as reporting
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import MergeConfig, load_config
@@ -51,7 +54,8 @@ from ram_trl.merging.context import (
     task_input_bytes,
 )
 from ram_trl.merging.lora.export import LoraExportOptions, export_lora, lora_options, print_export
-from ram_trl.merging.passes import method_factors, planned_tensors, statistics_pass, write_tensors
+from ram_trl.merging.passes.merge import planned_tensors, write_tensors
+from ram_trl.merging.passes.statistics import method_factors, statistics_pass
 from ram_trl.merging.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -59,10 +63,9 @@ from ram_trl.merging.planner import (
     build_plan,
     parse_size,
 )
-from ram_trl.merging.streaming import InputCache, input_cache_budget
+from ram_trl.merging.streaming import InputCache, check_input_cache, input_cache_budget
 from ram_trl.output import OutputDir, temp_name
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.validation import check_device, check_input_cache, check_weight_sums, is_vocabulary_tensor
 
 REPORT_FILE = reporting.REPORT_FILE
 
@@ -526,4 +529,52 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["CheckpointError", "MergeOptions", "MergeState", "merge", "run_lora_merge", "run_merge"]
+__all__ = [
+    "CheckpointError",
+    "MergeOptions",
+    "MergeState",
+    "check_device",
+    "check_weight_sums",
+    "merge",
+    "run_lora_merge",
+    "run_merge",
+]
+
+
+def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:
+    """Refuse per-tensor weight sums that a normalising method would divide by: zero or not finite.
+
+    Args:
+        sums: Tensor name to the sum of the agents' weights for it (after filter rules).
+        where: The config file.
+        method: The method name.
+    """
+    for tensor, total in sums.items():
+        if not math.isfinite(total) or abs(total) < 1e-8:
+            raise ConfigError(
+                f"{where}: {method} with normalize: the agents' weights for tensor {tensor!r} sum to {total:g}, "
+                "and the merge divides by that sum; change the weights (or their filter rules) or set "
+                "normalize: false"
+            )
+
+
+def check_device(device: Any) -> torch.device:
+    """A device the merge can compute on: ``cpu``, ``cuda`` or ``cuda:N`` (with CUDA available).
+
+    Raises:
+        ConfigError: for anything else, naming the value and the choices.
+    """
+    try:
+        parsed = torch.device(str(device))
+    except (RuntimeError, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: unknown device; use cpu, cuda or cuda:N")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device is available; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0.."
+            )
+    return parsed

@@ -7,7 +7,7 @@ agents and the base read from disk (the same flat ranges, read a few rows at a t
 1. the statistics: every process counts the method's overlap statistics on its ranges; the integer counts are summed
    over the processes (one all-reduce), so the per-agent factors (RAM+'s ``lambda_t``) are exactly the engine's;
 2. the merge: every process runs the method's kernel on its ranges, block by block, with the engine's arithmetic
-   (:func:`ram_trl.merging.passes.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
+   (:func:`ram_trl.merging.passes.epilogue.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
 
 The merged values are those ``ram-trl merge`` writes for the same elements when the in-memory agent is saved in the
 dtype its ranges are given in: bit for bit. Methods whose kernel needs more than the elements of a range and the
@@ -30,7 +30,8 @@ from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.config.settings import ResolvedConfig
 from ram_trl.merging.context import open_inputs, run_eps
-from ram_trl.merging.passes import agent_parameter_values, kernel_output
+from ram_trl.merging.passes.epilogue import kernel_output
+from ram_trl.merging.passes.tensors import agent_parameter_values
 from ram_trl.merging.planner import TensorTask, build_plan
 from ram_trl.merging.streaming import fill_delta, fill_weights, read_agent_rows
 from ram_trl.methods import ChunkInputs, MergeMethod

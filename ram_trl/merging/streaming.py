@@ -11,15 +11,17 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ram_trl.errors import NonFiniteError
+from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.fisher_files import fill_fisher, read_fisher_rows
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.planner import TensorTask
+from ram_trl.sizes import parse_size
 
 
 @dataclass
@@ -239,7 +241,7 @@ def input_cache_budget(setting: int | None, device: torch.device) -> int:
     """Bytes the :class:`InputCache` of a merge may keep.
 
     Args:
-        setting: The checked ``input_cache`` option (:func:`~ram_trl.validation.check_input_cache`): bytes, or
+        setting: The checked ``input_cache`` option (:func:`~ram_trl.merging.streaming.check_input_cache`): bytes, or
             ``None`` for ``auto``.
         device: Where the arithmetic runs.
 
@@ -510,3 +512,31 @@ def raise_nonfinite(
                     f"(|agent - base| > 3.4e38, rows {start}:{stop}); these weights are not a fine-tune of this "
                     "base, check the agent and the base"
                 )
+
+
+def check_input_cache(setting: Any) -> int | None:
+    """An ``input_cache`` setting: ``"auto"``, ``"off"`` or a size.
+
+    Args:
+        setting: The value given (``--input-cache``).
+
+    Returns:
+        ``None`` for ``"auto"``, the bytes of a size (0 for ``"off"``).
+
+    Raises:
+        ConfigError: for anything else, naming the value and the choices.
+    """
+    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+        return None if setting.strip().lower() == "auto" else 0
+    size = None
+    if not isinstance(setting, bool):
+        try:
+            size = parse_size(setting)
+        except (ConfigError, TypeError, AttributeError):
+            size = None
+    if size is None or size < 0:
+        raise ConfigError(
+            f"--input-cache {setting!r}: use auto, off or a size such as 8GB (memory that may keep the inputs "
+            "the statistics pass read for the merge pass)"
+        )
+    return size

@@ -78,7 +78,7 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
     return settings
 
 
-#: Ranges of common trainer-config numbers (:func:`ram_trl.validation.check_number` bounds) that the trainers
+#: Ranges of common trainer-config numbers (:func:`ram_trl.sizes.check_number` bounds) that the trainers
 #: check only when training starts, or never (a NaN learning rate trains a NaN model).
 TRAINER_BOUNDS: dict[str, dict[str, Any]] = {
     "learning_rate": {"above": 0},
@@ -158,7 +158,7 @@ def check_trainer_config(stage: StageSpec) -> None:
     import dataclasses
     import tempfile
 
-    from ram_trl.validation import check_number
+    from ram_trl.sizes import check_number
 
     cls = _trainer_config_class(stage.trainer)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -206,7 +206,7 @@ def validate_recipe(
     """
     from ram_trl.merging.config.settings import check_parameter
     from ram_trl.methods import resolve_method
-    from ram_trl.validation import check_number
+    from ram_trl.sizes import check_number
 
     source = where
     problems: list[str] = []
@@ -301,7 +301,7 @@ def validate_recipe(
                 try:
                     from peft import LoraConfig
 
-                    from ram_trl.validation import check_lora_config
+                    from ram_trl.io.lora import check_lora_config
 
                     check_finite(stage.peft, f"{where}: peft")
                     check_lora_config(stage.peft, Path("recipe"), f"{where}: peft")

@@ -232,7 +232,7 @@ class RunLayout:
         Returns:
             `list[EvalTask]`: The tasks, stage by stage.
         """
-        from ram_trl.recipes.evaluate import EvalTask
+        from ram_trl.evaluation.scoring import EvalTask
 
         tasks = []
         for split, file in (("test", "eval.jsonl"), ("val", "val.jsonl")):
@@ -249,7 +249,7 @@ class RunLayout:
         Returns:
             `list[EvalTask]`: The stages that have check rows, in order.
         """
-        from ram_trl.recipes.evaluate import EvalTask
+        from ram_trl.evaluation.scoring import EvalTask
 
         tasks = []
         for stage in self.recipe.stages:

@@ -218,7 +218,7 @@ class RunPreparation:
         Returns:
             `str`: The reply.
         """
-        from ram_trl.recipes.evaluate import score_completions
+        from ram_trl.evaluation.scoring import score_completions
         from ram_trl.recipes.schema import ABSTAIN_REPLIES
 
         def earning(candidate: str) -> tuple[str, str, float] | None:

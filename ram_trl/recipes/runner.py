@@ -23,7 +23,7 @@ from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.environment import validate_recipe
-from ram_trl.recipes.launch import STAGE_RECORD, StageError, StageLauncher, die_with_parent
+from ram_trl.recipes.launch import StageError, StageLauncher
 from ram_trl.recipes.layout import (
     RunLayout,
     RunOptions,
@@ -36,15 +36,7 @@ from ram_trl.recipes.prepare import RunPreparation
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
 from ram_trl.recipes.training import read_training
 
-__all__ = [
-    "STAGE_RECORD",
-    "RunOptions",
-    "StageError",
-    "die_with_parent",
-    "run_recipe",
-    "run_seeds",
-    "stage_complete",
-]
+__all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds"]
 
 
 class Run:
@@ -189,7 +181,7 @@ class Run:
         """
         import json
 
-        from ram_trl.recipes.evaluate import evaluate_model
+        from ram_trl.evaluation.scoring import evaluate_model
 
         if not self.layout.recipe.evaluation.enabled:
             return []
@@ -257,7 +249,9 @@ class Run:
         Returns:
             `dict[str, Any]`: The results, statistics included.
         """
-        from ram_trl.recipes.results import print_table, regime_from_analysis, write_results
+        from ram_trl.recipes.results import write_results
+        from ram_trl.recipes.results_markdown import print_table
+        from ram_trl.recipes.selection import regime_from_analysis
 
         evaluation = self.layout.recipe.evaluation
         decoding = (
@@ -441,7 +435,9 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
     """
     from dataclasses import replace
 
-    from ram_trl.recipes.results import aggregate_seeds, print_table, write_results
+    from ram_trl.recipes.results import write_results
+    from ram_trl.recipes.results_markdown import print_table
+    from ram_trl.recipes.selection import aggregate_seeds
 
     if options.only is not None:
         raise ConfigError("--seeds runs the whole pipeline once per seed; it does not combine with --only")

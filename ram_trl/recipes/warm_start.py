@@ -245,7 +245,7 @@ class _Checker:
     def __init__(self, base_in: Path, checks: list[Any], spec: WarmStartSpec) -> None:
         from transformers import AutoTokenizer
 
-        from ram_trl.recipes.evaluate import generation_tokenizer
+        from ram_trl.evaluation.scoring import generation_tokenizer
 
         self.tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(str(base_in)))
         self.checks, self.spec, self.accept = checks, spec, spec.accept
@@ -257,7 +257,7 @@ class _Checker:
         return saved.eval()
 
     def _generate(self, model: Any, prompts: list[str], sample: bool) -> list[str]:
-        from ram_trl.recipes.evaluate import generate
+        from ram_trl.evaluation.scoring import generate
         from ram_trl.recipes.schema import EvaluationSpec
 
         decoding = EvaluationSpec(
@@ -279,7 +279,7 @@ class _Checker:
         Returns:
             Per stage, the share of check rows with a passing sample among ``pass_k``.
         """
-        from ram_trl.recipes.evaluate import score_completions
+        from ram_trl.evaluation.scoring import score_completions
 
         copy, k, out = self._copy(model), self.accept.pass_k, {}
         for task in self.checks:
@@ -426,7 +426,7 @@ def warm_start(
         progress: Show a progress bar.
         record_extra: More fields of the record (the runner's digest of the rows).
         checks: With ``spec.accept``, each stage's check rows and rewards
-            (:class:`~ram_trl.recipes.evaluate.EvalTask`): rows held out of ``rows`` that no stage trains on.
+            (:class:`~ram_trl.evaluation.scoring.EvalTask`): rows held out of ``rows`` that no stage trains on.
         on_check: Called with the phase (``"answers"`` or ``"abstain"``), the step and the measurement after each
             check (the runner prints them).
 

@@ -30,9 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ram_trl.errors import ConfigError, OutputError
 from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.output import atomic_file
-from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
 #: 2 added ``files`` (the weight files and their SHA-256); version 1 manifests are still read.

@@ -17,8 +17,8 @@ from ram_trl.io.fisher_files import default_fisher_path
 from ram_trl.io.vocabulary import UnionRows
 from ram_trl.merging.config.schema import resolve_path
 from ram_trl.methods import MergeMethod, Parameter
+from ram_trl.sizes import check_number
 from ram_trl.statistics.anatomy import classify, layer_index
-from ram_trl.validation import check_number
 
 
 @dataclass
