@@ -1,4 +1,7 @@
-"""Synthetic, RL-like Hugging Face checkpoints built from configs, for tests, examples and benchmarks.
+"""Synthetic, RL-like Hugging Face checkpoints built from configs.
+
+A product module, not a test fixture: ``ram-trl example`` writes its base, agents and merge config with it, a
+recipe's ``base.build`` (the demo's tiny char-tokenizer base) is built by it, and the examples and benchmarks use it.
 
 No model hub is needed: a base model is a randomly initialised ``Qwen2ForCausalLM`` with a character-level
 tokenizer, and an "RL agent" is the base with a sparse, heavy-tailed perturbation of its stored weights, shaped
@@ -48,6 +51,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from ram_trl.io.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from ram_trl.sizes import parse_size
 
 __all__ = [
@@ -72,8 +76,6 @@ SPECIAL_TOKENS: dict[str, str] = {
     "unk_token": "<unk>",
 }
 
-SAFE_SINGLE = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 
 #: Shard size of the streaming base writer when none is given (transformers' own default is "50GB", which would
 #: put a 1B-parameter model in one file and so in memory at once).
