@@ -27,31 +27,12 @@ _UNITS.update(
 def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False, name: str | None = None) -> int:
     """Bytes in a size such as ``"5GB"``, ``"500MiB"``, ``"1.5GB"`` or ``1048576``.
 
-    Args:
-        value (`str` or `int`):
-            The size; an int is returned as it is. Units are case-insensitive; fractions are exact
-            (``"4.35MB"`` is 4,350,000 bytes), the result is rounded down to whole bytes.
-        lowercase_b_is_bits (`bool`, *optional*, defaults to `False`):
-            The convention of transformers' ``max_shard_size``: a decimal unit written with a lowercase final
-            ``b`` (``"5Gb"``) counts bits, so the bytes are divided by 8 (rounded down). Without it, ``"5Gb"``
-            is ``"5GB"``.
-        name (`str`, *optional*):
-            The option the size is given for (e.g. ``"max_shard_size"``): with it, a size below one byte is refused,
-            naming the option.
-
-    Returns:
-        `int`: the number of bytes.
-
-    Raises:
-        ConfigError: when ``value`` is not a size (also a ``ValueError``).
-
     Example:
 
     ```python
     >>> parse_size("5GB"), parse_size("256MiB"), parse_size("1Gb", lowercase_b_is_bits=True)
     (5000000000, 268435456, 125000000)
-    ```
-    """
+    ```"""
     size = (
         value
         if isinstance(value, int) and not isinstance(value, bool)
@@ -77,14 +58,7 @@ def _parse(value: str, lowercase_b_is_bits: bool) -> int:
 
 
 def format_bytes(num: float) -> str:
-    """A byte count in decimal units with two decimals (``"1.50 GB"``; whole bytes below 1 KB: ``"512 B"``).
-
-    Args:
-        num (`float`): Bytes.
-
-    Returns:
-        `str`: the formatted size.
-    """
+    """A byte count in decimal units with two decimals (``"1.50 GB"``; whole bytes below 1 KB: ``"512 B"``)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(num) < 1000 or unit == "TB":
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
@@ -106,20 +80,7 @@ def check_number(
     above: float | None = None,
     integer: bool = False,
 ) -> float:
-    """A finite number within bounds, or a :class:`ConfigError` naming ``where`` and ``name``.
-
-    Args:
-        value: The value as read (YAML, JSON or the command line).
-        where: The file or context (e.g. ``"merge.yaml: models[1] (./coder)"``).
-        name: The field's name.
-        minimum: Inclusive lower bound.
-        maximum: Inclusive upper bound.
-        above: Exclusive lower bound.
-        integer: Require a whole number.
-
-    Returns:
-        The value as a float (an ``int``-valued float when ``integer``).
-    """
+    """A finite number within bounds, or a :class:`ConfigError` naming ``where`` and ``name``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
     number = float(value)
@@ -142,15 +103,5 @@ def check_number(
 
 
 def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
-    """:func:`check_number` for a value that may be ``None`` (not given).
-
-    Args:
-        value: The value as read, or ``None``.
-        where: The file or context.
-        name: The field's name.
-        **bounds: :func:`check_number`'s keyword arguments (``minimum``, ``maximum``, ``above``, ``integer``).
-
-    Returns:
-        ``None`` for ``None``, else the checked value as a float.
-    """
+    """:func:`check_number` for a value that may be ``None`` (not given)."""
     return None if value is None else check_number(value, where, name, **bounds)

@@ -20,18 +20,7 @@ __all__ = ["StageFailure", "check_reward_values", "import_object", "wrap_reward"
 
 
 def import_object(path: str, what: str = "object") -> Any:
-    """Import ``package.module:attribute`` (or ``package.module.attribute``).
-
-    Args:
-        path: The import path.
-        what: What it is, for the error message (e.g. ``"reward function"``).
-
-    Returns:
-        `Any`: The imported object.
-
-    Raises:
-        ConfigError: naming the path and what is wrong (module not found, no such attribute).
-    """
+    """Import ``package.module:attribute`` (or ``package.module.attribute``)."""
     module_name, sep, attribute = path.partition(":")
     if not sep:
         module_name, _, attribute = path.rpartition(".")
@@ -56,17 +45,7 @@ class StageFailure(RamTrlError, RuntimeError):
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
     """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
     finite float or ``None`` per completion: :func:`ram_trl.evaluation.rewards.check_reward_values`) name the stage and the
-    function.
-
-    Args:
-        fn (`Callable`): The reward function, called as TRL calls it (``prompts``, ``completions``, columns).
-        path (`str`): Its import path, as the recipe names it.
-        stage (`str`): The stage it scores.
-
-    Returns:
-        `Callable`: The wrapped function (same signature); it raises :class:`StageFailure` naming the stage and
-        the function.
-    """
+    function."""
 
     @functools.wraps(fn)
     def reward(*args: Any, **kwargs: Any) -> list[float | None]:
@@ -86,19 +65,7 @@ def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., 
 
 
 def check_reward_values(values: Any, count: int, where: str) -> list[float | None]:
-    """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion.
-
-    Args:
-        values: What the function returned.
-        count: The number of completions it was given.
-        where: The stage and the function, e.g. ``"stage 'coding': reward function pkg:fn"``.
-
-    Returns:
-        The values as floats (``None`` kept).
-
-    Raises:
-        ConfigError: naming the function, the completion and what to return instead.
-    """
+    """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion."""
     if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
         raise ConfigError(
             f"{where} returned {type(values).__name__}; return a list with one float per completion"

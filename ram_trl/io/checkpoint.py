@@ -44,15 +44,7 @@ TOKENIZER_FILES = (
 
 
 def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer files (:data:`TOKENIZER_FILES`) found in ``source`` into ``out_dir``.
-
-    Args:
-        source: The directory holding the tokenizer (the base, ``tokenizer_source`` or a merged model).
-        out_dir: The output directory being written.
-
-    Returns:
-        The names of the files copied (empty when ``source`` holds none).
-    """
+    """Copy the tokenizer files (:data:`TOKENIZER_FILES`) found in ``source`` into ``out_dir``."""
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in copied:
         shutil.copy2(source / name, out_dir / name)
@@ -62,12 +54,7 @@ def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
 def write_chat_template(out_dir: Path, template: str) -> None:
     """Make ``template`` the chat template of the tokenizer in ``out_dir``, as transformers saves one: the file
     ``chat_template.jinja``, with any other copy of a template (``chat_template.json``, the ``chat_template`` entry
-    of ``tokenizer_config.json``) removed so that no loader picks the old one.
-
-    Args:
-        out_dir: The output directory, its tokenizer files already copied.
-        template: The Jinja template.
-    """
+    of ``tokenizer_config.json``) removed so that no loader picks the old one."""
     (out_dir / "chat_template.jinja").write_text(template)
     (out_dir / "chat_template.json").unlink(missing_ok=True)
     config_path = out_dir / "tokenizer_config.json"
@@ -80,14 +67,7 @@ def write_chat_template(out_dir: Path, template: str) -> None:
 
 @dataclass
 class Checkpoint:
-    """A model checkpoint on disk, opened lazily.
-
-    Args:
-        path: The checkpoint directory (or a single ``.safetensors`` file).
-        role: How error messages name this input, e.g. ``"base model"`` or ``"agent 2 (./tool_agent)"``.
-        tensors: Tensor name to metadata.
-        format: ``"safetensors"`` or ``"pickle"``.
-    """
+    """A model checkpoint on disk, opened lazily."""
 
     path: Path
     role: str
@@ -111,18 +91,7 @@ class Checkpoint:
         return name in self.tensors
 
     def lora_delta_rows(self, name: str, reader: RowReader, start: int, stop: int) -> torch.Tensor | None:
-        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it.
-
-        Args:
-            name: The base tensor's name.
-            reader: The positioned reader.
-            start: First row.
-            stop: One past the last row.
-
-        Returns:
-            ``B @ A * scaling`` of those rows (a ``lora_bias`` adapter's bias delta for a bias), or ``None`` (a full
-            checkpoint, or a tensor no factor touches).
-        """
+        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it."""
         if self.adapter is None:
             return None
         factors = self.adapter.factors.get(name)
@@ -147,17 +116,7 @@ class Checkpoint:
         return self._safetensors.get(name)
 
     def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
-        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype.
-
-        Args:
-            name: The tensor's name (an adapter reads its stored full values: modules_to_save, biases).
-            reader: The positioned reader (safetensors files).
-            start: First row (default ``None``: 0).
-            stop: One past the last row (default ``None``: all rows).
-
-        Returns:
-            The rows (a 0-d tensor whole); a memory map or a copy, see :meth:`RowReader.read_rows`.
-        """
+        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype."""
         if self.adapter is not None:
             return reader.read_rows(self.adapter.full[name], start, stop)
         if self.format == "safetensors":
@@ -181,26 +140,7 @@ def open_checkpoint(
     base_shapes: Mapping[str, tuple[int, ...]] | None = None,
     base_config: Path | None = None,
 ) -> Checkpoint:
-    """Open a checkpoint directory and read every tensor's metadata.
-
-    Args:
-        path: A Hugging Face model directory (``model.safetensors``, or shards with ``model.safetensors.index.json``)
-            or a single ``.safetensors`` file.
-        role: How error messages refer to this input.
-        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
-        allow_external_shards: Accept index files whose shards resolve outside ``path`` (absolute paths, ``..``,
-            symbolic links out of the directory); refused by default.
-        base_shapes: The base model's tensor shapes, for a LoRA adapter: they tell its Linear layers from GPT-2
-            ``Conv1D`` layers as PEFT does (:func:`~ram_trl.io.lora.read_adapter`).
-        base_config: The base model's ``config.json``, for a LoRA adapter: its architecture places the square
-            targets that ``base_shapes`` cannot (:func:`~ram_trl.io.lora.conv1d_modules`).
-
-    Returns:
-        The opened :class:`Checkpoint`.
-
-    Raises:
-        CheckpointError: with the path and role, if the input is missing, not a checkpoint, or corrupt.
-    """
+    """Open a checkpoint directory and read every tensor's metadata."""
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(
@@ -347,14 +287,7 @@ def _from_pickle(path: Path, role: str, allow_external: bool = False) -> Checkpo
 
 
 def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> Path:
-    """``path`` if it resolves (symlinks followed) inside ``root``; else a :class:`CheckpointError`.
-
-    Args:
-        path: A file a checkpoint's index names.
-        root: The checkpoint directory.
-        what: How the message names the file's origin (e.g. ``"agent 0 (x): model.safetensors.index.json"``).
-        allow_external: Accept paths outside ``root`` (``--allow-external-shards``).
-    """
+    """``path`` if it resolves (symlinks followed) inside ``root``; else a :class:`CheckpointError`."""
     if allow_external:
         return path
     resolved, inside = path.resolve(), root.resolve()
@@ -369,22 +302,7 @@ def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> 
 def check_weight_map(
     data: Any, index: Path, root: Path, role: str, allow_external: bool = False
 ) -> dict[str, Path]:
-    """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``.
-
-    Args:
-        data: The index as loaded from JSON.
-        index: The index file, for messages.
-        root: The checkpoint directory the shards must lie in.
-        role: How messages name the checkpoint (e.g. ``"agent 0 (coder)"``).
-        allow_external: Accept shards outside ``root`` (default ``False``; ``--allow-external-shards``).
-
-    Returns:
-        Each tensor name's shard file.
-
-    Raises:
-        CheckpointError: naming the index and the entry, for a missing or mistyped ``weight_map``, an empty shard
-            name, or a shard outside the checkpoint directory.
-    """
+    """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``."""
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(
@@ -402,19 +320,7 @@ def check_weight_map(
 
 
 def check_pickle_state(state: Any, file: Path, role: str) -> dict[str, torch.Tensor]:
-    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else).
-
-    Args:
-        state: What the file unpickled to.
-        file: The file, for messages.
-        role: How messages name the checkpoint.
-
-    Returns:
-        The state dict, as a ``dict``.
-
-    Raises:
-        CheckpointError: for anything but a mapping of string names to tensors.
-    """
+    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else)."""
     if not isinstance(state, Mapping):
         raise CheckpointError(
             f"{role}: {file} holds a {type(state).__name__}, not a state dict of tensors; save the model's "

@@ -11,19 +11,7 @@ from ram_trl.errors import CheckpointError, RamTrlError
 
 
 def read_json_object(path: Path, what: str, error: type[RamTrlError] = CheckpointError) -> dict[str, Any]:
-    """A JSON file holding an object, or ``error`` naming the file.
-
-    Args:
-        path: The file.
-        what: How the message names it (e.g. a checkpoint's role).
-        error: The exception type raised (default :class:`CheckpointError`).
-
-    Returns:
-        The object.
-
-    Raises:
-        RamTrlError: ``error``, for an unreadable file, invalid JSON or a value that is not an object.
-    """
+    """A JSON file holding an object, or ``error`` naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

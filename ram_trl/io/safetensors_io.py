@@ -63,16 +63,7 @@ def dtype_itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives in a safetensors file.
-
-    Args:
-        name: Tensor name as stored.
-        dtype: Stored torch dtype.
-        shape: Stored shape.
-        file: Path of the file holding it.
-        begin: Absolute byte offset of the first element in the file.
-        end: Absolute byte offset one past the last element.
-    """
+    """Where one tensor lives in a safetensors file."""
 
     name: str
     dtype: torch.dtype
@@ -100,17 +91,7 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header without reading tensor data.
-
-    Args:
-        path: The ``.safetensors`` file.
-
-    Returns:
-        A tuple ``(tensors, metadata)``: tensor name to :class:`TensorInfo`, and the ``__metadata__`` map.
-
-    Raises:
-        CheckpointError: if the file is missing, truncated, or its header is malformed or inconsistent.
-    """
+    """Parse and validate a safetensors header without reading tensor data."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -168,12 +149,7 @@ class RowReader:
     compute reads the page cache directly instead of a copy of it (on a CPU whose memory bandwidth is the limit, the
     copy costs as much as the arithmetic), and the mapping is released with the last view, so the resident set stays
     bounded by the chunks in use. The mapping is copy-on-write: writing to a returned tensor never reaches the file.
-    Smaller ranges are read with ``os.preadv`` into new memory.
-
-    Args:
-        max_open_files: File handles kept open.
-        map_min_bytes: Smallest range returned as a memory map; ``None`` reads every range with ``os.preadv``.
-    """
+    Smaller ranges are read with ``os.preadv`` into new memory."""
 
     def __init__(self, max_open_files: int = 64, map_min_bytes: int | None = MAP_MIN_BYTES) -> None:
         self._handles: OrderedDict[Path, _Handle] = OrderedDict()
@@ -207,20 +183,7 @@ class RowReader:
                 handle.close()
 
     def read_rows(self, info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype.
-
-        Args:
-            info: The tensor's location.
-            start: First row (default 0).
-            stop: One past the last row (default: all rows).
-
-        Returns:
-            A tensor of shape ``(stop - start, *info.shape[1:])`` (or ``info.shape`` for 0-d tensors), which may be
-            a copy-on-write memory map of the file (see the class docstring).
-
-        Raises:
-            CheckpointError: if the file ends before the range does.
-        """
+        """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype."""
         if not info.shape:
             start, stop = 0, 1
         start = 0 if start is None else start
@@ -310,16 +273,7 @@ PlannedTensor = TensorMeta
 def shard_layout(
     tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]], int]:
-    """The header of a safetensors file holding ``tensors`` in order, and where each tensor's data goes.
-
-    Args:
-        tensors: The file's tensors, in file order.
-        metadata: The ``__metadata__`` map (default ``{"format": "pt"}``, what transformers expects).
-
-    Returns:
-        ``(prefix, locations, file_size)``: the length-prefixed header padded to 8 bytes, each tensor's absolute
-        ``(begin, end)`` byte range, and the size of the complete file.
-    """
+    """The header of a safetensors file holding ``tensors`` in order, and where each tensor's data goes."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     relative: dict[str, tuple[int, int]] = {}
@@ -359,13 +313,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing a just-written range to disk now, without waiting (Linux; else a no-op).
 
     The disk then works while the merge computes the next chunks, and the final ``fsync`` only waits for the last
-    ones, instead of for the whole file (and for other processes' dirty data queued on the same disk).
-
-    Args:
-        fd: The file's descriptor.
-        offset: Byte offset of the range.
-        nbytes: Its length in bytes (nothing is done for 0).
-    """
+    ones, instead of for the whole file (and for other processes' dirty data queued on the same disk)."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # best effort: errors are not actionable
 
@@ -374,13 +322,7 @@ class ShardFile:
     """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets.
 
     One process creates the file (:meth:`create`: header plus a sparse file of the final size); any number of
-    processes then open it and write the row ranges they own, in any order, with positioned writes.
-
-    Args:
-        path: The file (created beforehand with :meth:`create`).
-        tensors: The file's tensors, in file order (the same list given to :meth:`create`).
-        metadata: The ``__metadata__`` map.
-    """
+    processes then open it and write the row ranges they own, in any order, with positioned writes."""
 
     def __init__(
         self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
@@ -395,29 +337,14 @@ class ShardFile:
     def create(
         path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
     ) -> None:
-        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`.
-
-        Args:
-            path: The file (created or truncated).
-            tensors: The file's tensors, in file order.
-            metadata: The ``__metadata__`` map (default ``None``: none).
-        """
+        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`."""
         prefix, _, size = shard_layout(tensors, metadata)
         with open(path, "wb") as handle:
             handle.write(prefix)
             handle.truncate(size)
 
     def write_rows(self, name: str, row_start: int, chunk: torch.Tensor) -> None:
-        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype).
-
-        Args:
-            name: The tensor's name (planned in this file).
-            row_start: The first row written.
-            chunk: The rows, in the tensor's planned dtype (on any device).
-
-        Raises:
-            RuntimeError: for a tensor not planned in this file, another dtype, or rows past the tensor's end.
-        """
+        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype)."""
         planned = self._planned.get(name)
         if planned is None:
             raise RuntimeError(f"{self.path}: tensor {name!r} is not planned in this file")
@@ -473,21 +400,7 @@ def whole_number(value: Any) -> bool:
 def check_safetensors_header(
     header: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
 ) -> tuple[list[HeaderEntry], dict[str, str]]:
-    """Validate a decoded safetensors header as the safetensors library would, with one message per problem.
-
-    Args:
-        header: The decoded JSON.
-        path: The file (for messages).
-        data_bytes: Bytes in the file after the header.
-        itemsizes: Supported dtype names to their element size.
-
-    Returns:
-        ``(entries, metadata)``.
-
-    Raises:
-        CheckpointError: for a field of the wrong JSON type, an unsupported dtype, a negative or non-integer shape,
-            offsets that do not match the shape, lie outside the file or overlap another tensor's.
-    """
+    """Validate a decoded safetensors header as the safetensors library would, with one message per problem."""
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.get("__metadata__") or {}

@@ -154,30 +154,12 @@ def merge(
 
 
 def output_for(resolved: ResolvedConfig, output_dir: Path, overwrite: bool) -> OutputDir:
-    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``).
-
-    Args:
-        resolved: The merge config (its inputs, which the output must not be or hold).
-        output_dir: The output directory.
-        overwrite: Replace a previous merge output there.
-
-    Returns:
-        The output directory's commit protocol (not begun).
-    """
+    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``)."""
     return OutputDir(output_dir, overwrite=overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,))
 
 
 def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
-    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero.
-
-    Args:
-        resolved: The merge config (nothing is checked unless its method divides by the weight sum and
-            ``normalize`` is on).
-        plan: The plan (its floating tensors are checked, each with its filter rules resolved).
-
-    Raises:
-        ConfigError: naming a tensor whose weights sum to zero or to a non-finite value.
-    """
+    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero."""
     if not (resolved.method.divides_by_weight_sum and resolved.params.get("normalize")):
         return
     sums = {
@@ -191,21 +173,7 @@ def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
 def prepare(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions
 ) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
-    """Everything that can fail cheaply: output checks, input headers, the plan.
-
-    Args:
-        resolved: The merge config (each agent's ``kind`` is filled in).
-        output_dir: The output directory (checked unless ``options.dry_run``).
-        options: The run's options (device, pickle and external shards, chunk budget, shard size).
-
-    Returns:
-        The base, the agents (in config order) and the plan (with the Fisher files for a Fisher method).
-
-    Raises:
-        ConfigError: for an unusable config, device or weights (e.g. a zero weight sum to normalise by).
-        CheckpointError: for unreadable or inconsistent inputs.
-        OutputError: for an output directory the merge may not write.
-    """
+    """Everything that can fail cheaply: output checks, input headers, the plan."""
     check_device(options.device)
     check_input_cache(options.input_cache)
     if not options.dry_run:
@@ -274,29 +242,13 @@ def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkp
 def run_copy(resolved: ResolvedConfig) -> ResolvedConfig:
     """The run's own copy of a validated config: what a run learns on the way (each agent's kind, the Fisher file
     each agent's Fisher came from, notes, the LoRA export's float32 output) is written into it, never into the
-    caller's config, which stays as validated (and can be merged again).
-
-    Args:
-        resolved: The validated merge config.
-
-    Returns:
-        A copy with its own agents (and their parameters) and notes.
-    """
+    caller's config, which stays as validated (and can be merged again)."""
     agents = [dataclasses.replace(a, parameters=dict(a.parameters)) for a in resolved.agents]
     return dataclasses.replace(resolved, agents=agents, notes=list(resolved.notes))
 
 
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
-    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun.
-
-    Args:
-        resolved: The validated merge config (left as it is: the run works on :func:`run_copy`).
-        output_dir: Where the merged model is written (committed atomically).
-        options: The run's options.
-
-    Returns:
-        The merge report (the plan's summary with ``options.dry_run``); the same on every process.
-    """
+    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun."""
     resolved = run_copy(resolved)
     ctx = DistContext.from_env(options.device)
     try:
@@ -391,17 +343,7 @@ def run_lora_merge(
     """Merge in float32 into a temporary full model beside ``output_dir``, export it as LoRA, remove it.
 
     Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
-    fails every rank.
-
-    Args:
-        resolved: The validated merge config (left as it is; the run's copy merges in float32).
-        output_dir: Where the LoRA adapter is written.
-        options: The run's options.
-        lora: The export's rank options.
-
-    Returns:
-        The export's report (with ``options.dry_run``, the merge plan's summary with the export options).
-    """
+    fails every rank."""
     resolved = run_copy(resolved)
     resolved.out_dtype = torch.float32  # exact deltas for the SVD (in the run's copy)
     merge_options = dataclasses.replace(options, overwrite=False)
@@ -470,15 +412,7 @@ def _create_shards(plan: MergePlan, temp_dir: Path) -> None:
 def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
-    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report.
-
-    Args:
-        resolved: The merge config (base and tokenizer sources, output dtype).
-        base: The base checkpoint (its ``config.json``).
-        plan: The plan (shards, output bytes, resized tensors).
-        out_dir: The temporary output directory.
-        report: The merge report; a missing tokenizer adds a warning to it.
-    """
+    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": plan.output_bytes},
@@ -501,14 +435,7 @@ def finalize_output(
 
 
 def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
-    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary.
-
-    Args:
-        resolved: The merge config (its output dtype).
-        base: The base checkpoint (without a ``config.json``, a warning and no config).
-        plan: The plan (its resized tensors set ``vocab_size``).
-        out_dir: The directory written into.
-    """
+    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
     if base.config_path is None:
         warnings.warn(
             f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2
@@ -542,13 +469,7 @@ __all__ = [
 
 
 def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:
-    """Refuse per-tensor weight sums that a normalising method would divide by: zero or not finite.
-
-    Args:
-        sums: Tensor name to the sum of the agents' weights for it (after filter rules).
-        where: The config file.
-        method: The method name.
-    """
+    """Refuse per-tensor weight sums that a normalising method would divide by: zero or not finite."""
     for tensor, total in sums.items():
         if not math.isfinite(total) or abs(total) < 1e-8:
             raise ConfigError(
@@ -559,11 +480,7 @@ def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> Non
 
 
 def check_device(device: Any) -> torch.device:
-    """A device the merge can compute on: ``cpu``, ``cuda`` or ``cuda:N`` (with CUDA available).
-
-    Raises:
-        ConfigError: for anything else, naming the value and the choices.
-    """
+    """A device the merge can compute on: ``cpu``, ``cuda`` or ``cuda:N`` (with CUDA available)."""
     try:
         parsed = torch.device(str(device))
     except (RuntimeError, ValueError, TypeError):

@@ -61,14 +61,7 @@ def seed_overrides(seed: int) -> dict:
     """``ram-trl demo --seed S``: every seed of the demo recipe set to ``seed`` (the base's initialisation, the
     prompt splits and warm-start rows of every stage, the warm start's batches, abstentions and acceptance sampling,
     the GRPO trainers, the merges' random draws (DARE), the evaluation's sampling and bootstrap). The demo recipe
-    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is.
-
-    Args:
-        seed: The run's seed.
-
-    Returns:
-        Overrides for :func:`~ram_trl.recipes.schema.apply_overrides` (or ``RunOptions.overrides``).
-    """
+    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is."""
     return {
         "seed": seed,
         "base": {"build": {"seed": seed}},

@@ -37,16 +37,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) -> list[Path]:
     """Add the statistics (:func:`add_statistics`) and write ``results.json``, ``scores.png`` and
-    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-        out_dir (`Path`): The directory written to (created if needed).
-        figures (`bool`, *optional*, defaults to `True`): Also draw the figures.
-
-    Returns:
-        `list[Path]`: The files written.
-    """
+    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     add_statistics(results)
     written = []

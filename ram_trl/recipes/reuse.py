@@ -30,14 +30,7 @@ _MODEL_FILES = (
 
 def model_digest(path: str | Path) -> str:
     """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of the files
-    that change its generations (configuration, tokenizer, chat template).
-
-    Args:
-        path (`str` or `Path`): The model directory.
-
-    Returns:
-        `str`: The hex digest.
-    """
+    that change its generations (configuration, tokenizer, chat template)."""
     from ram_trl.callbacks.preview.scores import weights_digest
 
     directory = Path(path)
@@ -61,17 +54,7 @@ def _reward_source(path: str) -> str:
 
 
 def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, Any]) -> str:
-    """The digest of everything one model's evaluation depends on.
-
-    Args:
-        model (`str`): :func:`model_digest` of the model evaluated.
-        base (`str`): :func:`model_digest` of the run's base (an adapter is merged into it).
-        tasks (`list[EvalTask]`): The held-out prompts and reward functions, stage by stage and split by split.
-        settings (`dict[str, Any]`): The evaluation settings (``EvaluationSpec.model_dump()``).
-
-    Returns:
-        `str`: The hex digest.
-    """
+    """The digest of everything one model's evaluation depends on."""
     described = {
         "model": model,
         "base": base,
@@ -91,15 +74,7 @@ def evaluation_key(model: str, base: str, tasks: list[Any], settings: dict[str, 
 
 
 def reusable_evaluation(file: Path, key: str) -> dict[str, Any] | None:
-    """An earlier evaluation file's scores, when it was computed for ``key``.
-
-    Args:
-        file (`Path`): ``RUN/eval/NAME.json``.
-        key (`str`): :func:`evaluation_key` of the model now.
-
-    Returns:
-        `dict[str, Any]` or `None`: The file's content, ``None`` when it is missing, unreadable or for other inputs.
-    """
+    """An earlier evaluation file's scores, when it was computed for ``key``."""
     try:
         scored = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):

@@ -113,11 +113,7 @@ _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype of a ``save_dtype`` argument.
-
-    Raises:
-        ConfigError: for anything but bfloat16, float16 and float32.
-    """
+    """The torch dtype of a ``save_dtype`` argument."""
     if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
         return save_dtype
     key = str(save_dtype).removeprefix("torch.")
