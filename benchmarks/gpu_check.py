@@ -294,7 +294,7 @@ def preview_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[str
     """GRPO with MergePreviewCallback and one prior stage."""
     from ram_trl.callbacks import TaskVectorSparsityCallback
     from ram_trl.callbacks.preview import MergePreviewCallback, weights_digest
-    from ram_trl.recipes.evaluate import EvalTask
+    from ram_trl.evaluation.scoring import EvalTask
     from ram_trl.recipes.schema import EvaluationSpec
 
     base = _base(root, "grpo", smoke)

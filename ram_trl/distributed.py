@@ -36,14 +36,7 @@ class RankFailedError(RamTrlError):
 
 @dataclass
 class DistContext:
-    """The process's place in a (possibly single-process) run.
-
-    Args:
-        rank: Global rank.
-        world_size: Number of processes.
-        local_rank: Rank on this node (selects the GPU with ``--device cuda``).
-        owns_group: Whether this context initialised the process group (and destroys it).
-    """
+    """The process's place in a (possibly single-process) run."""
 
     rank: int = 0
     world_size: int = 1
@@ -64,15 +57,7 @@ class DistContext:
         """Join the process group that ``accelerate launch`` / ``torchrun`` describe in the environment, if any.
 
         Uses gloo for CPU arithmetic and nccl for CUDA. A process group that is already initialised is used as it is
-        (and not destroyed by :meth:`close`).
-
-        Args:
-            device: The merge's device (default ``"cpu"``); a ``cuda`` device selects nccl.
-            timeout_minutes: The process group's timeout for collectives (default 30).
-
-        Returns:
-            The context: a single process when ``WORLD_SIZE`` is unset or 1.
-        """
+        (and not destroyed by :meth:`close`)."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
             return cls()
@@ -117,15 +102,7 @@ class DistContext:
         return tensor
 
     def all_reduce_int(self, value: int, op: str = "sum") -> int:
-        """An integer reduced over the ranks.
-
-        Args:
-            value: This rank's value.
-            op: ``"sum"`` (default) or ``"max"``.
-
-        Returns:
-            The sum (or maximum) over the ranks; ``value`` in a single process.
-        """
+        """An integer reduced over the ranks."""
         if not self.enabled:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=self._tensor_device())
@@ -187,11 +164,7 @@ COMMUNICATION_THREADS = ("pt_gloo", "gloo", "pt_nccl")
 
 
 def communication_threads() -> list[str] | None:
-    """The names of this process's live torch.distributed communication threads (see ``COMMUNICATION_THREADS``).
-
-    Returns:
-        The names (empty when none is alive), or ``None`` where thread names cannot be read (no ``/proc``).
-    """
+    """The names of this process's live torch.distributed communication threads (see ``COMMUNICATION_THREADS``)."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -211,15 +184,7 @@ def shutdown_distributed(barrier: bool = True) -> list[str] | None:
     ``destroy_process_group`` only unregisters the groups: a gloo group's threads stop when its last reference goes
     (gloo's ``shutdown`` does nothing), and DeepSpeed keeps references to its groups (ZeRO-3 parameters,
     ``zero.Init``, ``deepspeed.utils.groups``) until the interpreter exits. Whatever this returns is still running
-    then; :func:`exit_distributed` exits safely in that case.
-
-    Args:
-        barrier: Wait for every rank first (so no rank leaves while another still communicates); leave it off on
-            an error path, where another rank may never arrive.
-
-    Returns:
-        The communication threads still alive afterwards (see :func:`communication_threads`).
-    """
+    then; :func:`exit_distributed` exits safely in that case."""
     if dist.is_available() and dist.is_initialized():
         if barrier:
             with contextlib.suppress(Exception):  # a rank that already left: nothing left to wait for
@@ -235,11 +200,7 @@ def exit_process(code: int = 0) -> NoReturn:
     The steps kept: non-daemon threads are joined (after ``concurrent.futures`` pools are told to stop),
     ``atexit`` callbacks run (logging is flushed there), standard output and error are flushed. Skipped: the
     interpreter's finalization and C++ static destructors, which native threads still running at that point (e.g.
-    gloo's, see :func:`exit_distributed`) can turn into an abort.
-
-    Args:
-        code: The process's exit status.
-    """
+    gloo's, see :func:`exit_distributed`) can turn into an abort."""
     try:
         if threading.current_thread() is threading.main_thread():
             # what the interpreter does first at exit: stop concurrent.futures workers, join non-daemon threads
@@ -265,9 +226,6 @@ def exit_distributed(code: int = 0) -> NoReturn:
     whose unwinding through a C++ destructor calls ``std::terminate``. DeepSpeed jobs on CPU (gloo) always leave
     their groups alive, and did abort after their work was done.
 
-    Args:
-        code: The exit status (0: success).
-
     Example:
 
     ```python
@@ -276,8 +234,7 @@ def exit_distributed(code: int = 0) -> NoReturn:
     if __name__ == "__main__":
         main()  # deepspeed.initialize(...), trainer.train(), ...
         exit_distributed()
-    ```
-    """
+    ```"""
     alive = shutdown_distributed(barrier=code == 0)
     if alive is None or alive:
         exit_process(code)
@@ -285,15 +242,7 @@ def exit_distributed(code: int = 0) -> NoReturn:
 
 
 def partition_by_bytes(weights: list[int], world_size: int) -> list[list[int]]:
-    """Assign items to ranks, heaviest first to the least-loaded rank (ties: lowest rank).
-
-    Args:
-        weights: Cost of each item (bytes read).
-        world_size: Number of ranks.
-
-    Returns:
-        For each rank, the indices of its items in ascending order.
-    """
+    """Assign items to ranks, heaviest first to the least-loaded rank (ties: lowest rank)."""
     loads = [0] * world_size
     owners: list[list[int]] = [[] for _ in range(world_size)]
     for index in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):

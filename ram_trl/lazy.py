@@ -14,20 +14,11 @@ def lazy_exports(
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A package's module-level ``__getattr__`` and ``__dir__`` for names defined in modules it does not import.
 
-    Args:
-        package: The package's ``__name__`` (named in the ``AttributeError`` of an unknown name).
-        namespace: The package's ``globals()``: a loaded name is stored there, so it is looked up only once.
-        names: Each lazily loaded name -> the module that defines it.
-
-    Returns:
-        ``(__getattr__, __dir__)``, to assign at the package's top level.
-
     Example:
 
     ```python
     >>> __getattr__, __dir__ = lazy_exports(__name__, globals(), {"merge": "ram_trl.merging.engine"})
-    ```
-    """
+    ```"""
 
     def __getattr__(name: str) -> Any:
         module = names.get(name)

@@ -88,16 +88,7 @@ def rename_noreplace(source: Path, target: Path) -> None:
     """Rename ``source`` to ``target`` atomically, failing if ``target`` exists (even if it appears meanwhile).
 
     Uses ``renameat2(RENAME_NOREPLACE)`` on Linux; where the kernel or file system lacks it, reserves ``target``
-    with ``mkdir`` (atomic, fails if it exists) and renames onto that empty directory.
-
-    Args:
-        source: The file or directory renamed.
-        target: Its new path, which must not exist.
-
-    Raises:
-        FileExistsError: if ``target`` exists.
-        OSError: for other file-system errors.
-    """
+    with ``mkdir`` (atomic, fails if it exists) and renames onto that empty directory."""
     if _RENAMEAT2 is not None:
         result = _RENAMEAT2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE)
         if result == 0:
@@ -167,11 +158,7 @@ def remove_stale(target: Path) -> list[Path]:
 
     Only entries named like this protocol's temporaries, made on this host by a process that no longer exists, are
     removed; each is named in a warning. Entries of live processes, of other hosts, or without a process id are
-    left alone (the latter named in a warning).
-
-    Returns:
-        The entries removed.
-    """
+    left alone (the latter named in a warning)."""
     parent, name = target.parent, _temp_stem(target.name)
     if not parent.is_dir():
         return []
@@ -217,15 +204,7 @@ def _describe(path: Path, limit: int = 8) -> str:
 
 
 def as_output_error(exc: OSError, what: str) -> OutputError:
-    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it.
-
-    Args:
-        exc: The file-system error.
-        what: How the message names the output (e.g. ``"output directory merged"``).
-
-    Returns:
-        The error to raise (its message names the file, the reason and a remedy: space, read-only, permission).
-    """
+    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it."""
     reason = exc.strerror or str(exc)
     hint = {
         errno.ENOSPC: "free some space or choose another output location",
@@ -238,16 +217,7 @@ def as_output_error(exc: OSError, what: str) -> OutputError:
 
 
 def temp_name(target: Path, kind: str = "tmp") -> Path:
-    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old).
-
-    Args:
-        target: The output path.
-        kind: What the temporary holds (default ``"tmp"``): a new output (``tmp``), a full model for a LoRA export
-            (``full``), a previous output moved aside (``old``).
-
-    Returns:
-        A hidden path beside ``target``: ``.NAME.ram-trl-KIND-PID-RANDOM`` (not created).
-    """
+    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old)."""
     return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
@@ -297,20 +267,6 @@ def _temp_stem(name: str) -> str:
 class OutputDir:
     """The commit protocol of one output directory.
 
-    Args:
-        target: The directory the run produces.
-        overwrite: Replace an existing ``target`` that is a recognisable previous output.
-        reads: ``(label, path)`` of everything the run reads (config, checkpoints, Fisher files, prompt files,
-            manifests): the target must neither be nor hold any of them, nor lie inside an input directory.
-        markers: File names that make an existing directory a recognisable previous output (any one suffices).
-        what: How messages name the output (e.g. ``"output directory"``).
-        replace_previous: Replace a recognisable previous output even without ``overwrite`` (the analysis and
-            recipe steps, which always rewrite their own outputs).
-        merge: Keep an existing target directory and move the new files into it (:func:`merge_into`): the agent
-            a training callback saves into a trainer's ``output_dir``, which also holds the trainer's own files.
-            The files named in ``markers`` mark a complete output: the previous ones are moved aside first and the
-            new ones moved in last, so a run killed half-way leaves a directory without them.
-
     Example::
 
         out = OutputDir(Path("merged"), overwrite=False, reads=[("merge config", cfg)], markers=("report.json",))
@@ -321,8 +277,7 @@ class OutputDir:
             out.commit()
         except BaseException:
             out.abort()
-            raise
-    """
+            raise"""
 
     def __init__(
         self,
@@ -431,12 +386,7 @@ class OutputDir:
 
     def commit(self, remove: Sequence[str] = ()) -> None:
         """Move the temporary directory into place: atomically, never onto a directory that appeared meanwhile;
-        with ``overwrite``, the previous output is moved aside first and removed after.
-
-        Args:
-            remove: With ``merge``, entries of the existing target to remove in the same transaction (a previous
-                save's files that the new one does not replace).
-        """
+        with ``overwrite``, the previous output is moved aside first and removed after."""
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
@@ -501,18 +451,7 @@ class OutputDir:
     # -- one place for the whole protocol -------------------------------------------------------------------------
 
     def write(self, fill: Callable[[Path], T], what: str | None = None) -> T:
-        """Write the output in one go: :meth:`begin`, ``fill(temp)``, :meth:`commit`; :meth:`abort` on any failure.
-
-        Args:
-            fill: Writes every file into the temporary directory it is given; its result is returned.
-            what: How a file-system error of the output is named (default: ``"{what} {target}"``).
-
-        Returns:
-            What ``fill`` returned.
-
-        Raises:
-            OutputError: for file-system errors that are the user's to fix (space, permissions, read-only).
-        """
+        """Write the output in one go: :meth:`begin`, ``fill(temp)``, :meth:`commit`; :meth:`abort` on any failure."""
         temp = self.begin()
         try:
             with guard_os_errors(what or f"{self.what} {self.target}"):
@@ -527,12 +466,7 @@ class OutputDir:
     def shared(self, dist: Any) -> Iterator[Path]:
         """The protocol over the processes of a distributed run: the main process begins (and aborts on any
         failure), every process writes into the temporary directory it yields; the main process calls
-        :meth:`commit` once every file is written.
-
-        Args:
-            dist: The run's :class:`~ram_trl.distributed.DistContext` (``is_main``, ``guarded``,
-                ``broadcast_object``).
-        """
+        :meth:`commit` once every file is written."""
         temp = dist.guarded(lambda: str(self.begin()) if dist.is_main else None)
         temp_dir = Path(dist.broadcast_object(temp))
         try:
@@ -569,15 +503,7 @@ def merge_into(source: Path, target: Path, last: Sequence[str] = (), remove: Seq
     The entries named in ``last`` (the markers of a complete output, e.g. ``ram_stage.json``) are moved aside
     before anything else and the new ones moved in after everything else, so that a process killed half-way
     (``kill -9``, where no rollback runs) leaves a ``target`` without them: detectably incomplete. The replaced
-    entries wait in a temporary sibling (``.NAME.ram-trl-old-PID-...``), which :func:`remove_stale` removes.
-
-    Args:
-        source: The directory holding the new entries (left empty on success).
-        target: The directory to move them into.
-        last: Entry names to hide first and move in last.
-        remove: Entry names of ``target`` to remove as well (moved aside with the replaced ones, restored on
-            failure).
-    """
+    entries wait in a temporary sibling (``.NAME.ram-trl-old-PID-...``), which :func:`remove_stale` removes."""
     names = sorted(p.name for p in source.iterdir() if p.name != LOCK_FILE)
     ordered = [n for n in names if n not in last] + [n for n in last if n in names]
     aside_order = [n for n in last if (target / n).exists()] + [n for n in ordered if n not in last]
@@ -610,15 +536,7 @@ def merge_into(source: Path, target: Path, last: Sequence[str] = (), remove: Seq
 def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterator[Path]:
     """Write one file atomically: yields a temporary sibling path (named after this process); on success it
     replaces ``target``, on any failure or catchable signal it is removed. Killed runs' leftovers beside
-    ``target`` are removed first.
-
-    Args:
-        target (`str` or `os.PathLike`): The file to write.
-        what (`str`, *optional*, defaults to `"output file"`): What the file is, for error messages.
-
-    Raises:
-        OutputError: for file-system errors (read-only, full, no permission), naming the file.
-    """
+    ``target`` are removed first."""
     target = Path(target)
     remove_stale(target)
     temp = temp_name(target)
@@ -645,19 +563,7 @@ def check_output_file(
     """Refuse to write one file over an input or over an existing file (without ``overwrite``).
 
     The rule of every writer: nothing is written over something the run reads (with or without ``overwrite``), nor
-    over a file the run did not create unless the user asked for it with ``flag``.
-
-    Args:
-        target (`str` or `os.PathLike`): The file about to be written (with :func:`atomic_file`).
-        reads (`Sequence[tuple[str, Path]]`, *optional*, defaults to `()`): ``(label, path)`` of the run's inputs:
-            the target must not be one of them nor lie inside an input directory.
-        overwrite (`bool`, *optional*, defaults to `False`): Replace an existing file that is not an input.
-        what (`str`, *optional*, defaults to `"output file"`): How messages name the file.
-        flag (`str`, *optional*, defaults to `"--overwrite"`): The flag that allows replacing an existing file.
-
-    Raises:
-        OutputError: naming the file (and the input it would replace, or the flag that allows it).
-    """
+    over a file the run did not create unless the user asked for it with ``flag``."""
     target = Path(target)
     out = target.resolve()
     for label, path in reads:
@@ -682,14 +588,7 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 def wrapped_errno(exc: BaseException) -> int | None:
     """The ``errno`` of a file-system error that a library reports as its own exception type: safetensors' Rust
-    writer raises ``SafetensorError("... (os error 28) ...")`` for a full disk.
-
-    Args:
-        exc: The exception.
-
-    Returns:
-        The error number, or ``None`` when ``exc`` is not such an error.
-    """
+    writer raises ``SafetensorError("... (os error 28) ...")`` for a full disk."""
     if type(exc).__name__ != "SafetensorError":
         return None
     match = _OS_ERROR.search(str(exc))

@@ -44,15 +44,7 @@ def owned_process() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    """How many threads each part of the work gets on a machine (see :func:`plan_threads`).
-
-    Args:
-        cores: The cores the plan is for.
-        compute: Workers of a merge's compute pool (:func:`compute_pool`).
-        readers: Threads reading input tensors ahead of the compute (:func:`ram_trl.merging.streaming.iter_chunks`).
-        telemetry: Workers of a telemetry measurement on the CPU (the training step waits for the measurement, so
-            it has the step's cores).
-    """
+    """How many threads each part of the work gets on a machine (see :func:`plan_threads`)."""
 
     cores: int
     compute: int
@@ -61,11 +53,7 @@ class ThreadPlan:
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS tells it, else the CPU count).
-
-    Returns:
-        At least 1.
-    """
+    """The cores this process may run on (its CPU affinity where the OS tells it, else the CPU count)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -87,11 +75,7 @@ def process_cores() -> int:
     """The cores this process's thread plan may use: :func:`available_cores`, shared with the other processes of a
     launched job on the same node (``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``), and no more than ``OMP_NUM_THREADS``
     when that is set (the per-process budget a user, a launcher such as torchrun, or a recipe's ``torch_threads``
-    gives).
-
-    Returns:
-        At least 1.
-    """
+    gives)."""
     cores = available_cores()
     local = next((n for n in map(_positive_env, LOCAL_PROCESSES_VARIABLES) if n is not None), 1)
     cores = max(1, cores // local)
@@ -107,17 +91,7 @@ def plan_threads(cores: int | None = None) -> ThreadPlan:
 
     The plan decides how many threads run, never what they compute: the merge's blocks and the telemetry's chunks are
     the same for every plan, and their results are combined in a fixed order, so outputs and metrics do not depend
-    on it.
-
-    Args:
-        cores: The cores (default: :func:`process_cores`).
-
-    Returns:
-        The plan.
-
-    Raises:
-        ValueError: for fewer than one core.
-    """
+    on it."""
     cores = process_cores() if cores is None else cores
     if cores < 1:
         raise ValueError(f"cores={cores}: plan for at least one core")
@@ -139,16 +113,8 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
 
     Each worker runs single-threaded torch operations, so each block stays on one core and no operation waits for a
     barrier of all cores. Only inside :func:`owned_process` (setting a worker's thread count is process-wide); the
-    calling thread's count and the default that new threads start from are put back before any work runs.
-
-    Args:
-        device: Where the blocks compute.
-        workers: Threads of the pool (default: the compute workers of :func:`plan_threads` for this process).
-
-    Returns:
-        The pool, or ``None`` (run blocks in order on the calling thread) on an accelerator, with one worker, or
-        outside :func:`owned_process`.
-    """
+    calling thread's count and the default that new threads start from are put back before any work runs. Yields
+    ``None`` (run blocks in order on the calling thread) on an accelerator, with one worker, or outside it."""
     previous = torch.get_num_threads()
     workers = plan_threads().compute if workers is None else workers
     if device.type != "cpu" or workers <= 1 or not _OWNED.get():
@@ -180,11 +146,7 @@ def _started_pool(workers: int, default: int) -> Iterator[ThreadPoolExecutor]:
 
 def single_threaded_worker() -> ThreadPoolExecutor | None:
     """One started worker thread that runs single-threaded torch operations, for :func:`single_threaded_call` (keep it
-    to reuse the thread; it ends when the executor is shut down or collected).
-
-    Returns:
-        The executor; ``None`` outside :func:`owned_process`.
-    """
+    to reuse the thread; it ends when the executor is shut down or collected); ``None`` outside :func:`owned_process`."""
     return _start_pool(1, torch.get_num_threads()) if _OWNED.get() else None
 
 
@@ -194,15 +156,8 @@ def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | 
 
     For host work done beside a training loop (e.g. the telemetry's summary of its histograms): on a CPU shared with
     training, torch's multi-threaded operations on small tensors wait at barriers for busy cores (measured on 2 busy
-    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here).
-
-    Args:
-        fn: The work.
-        worker: A kept :func:`single_threaded_worker` (default: a new thread for this call).
-
-    Returns:
-        What ``fn`` returns (its exception is raised here).
-    """
+    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here); on the calling
+    thread outside :func:`owned_process`."""
     if not _OWNED.get():
         return fn()
     if worker is not None:
@@ -214,16 +169,7 @@ def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | 
 def map_blocks(
     pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
 ) -> list[Result]:
-    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order.
-
-    Args:
-        pool: The pool, or ``None`` to run on the calling thread.
-        fn: The work of one item.
-        items: The items.
-
-    Returns:
-        The results, in the order of ``items``.
-    """
+    """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
     if pool is None:
         return [fn(item) for item in items]
     return list(pool.map(fn, items))
@@ -235,17 +181,7 @@ def submit_blocks(
     """Start ``fn`` over ``items`` on the pool now; the returned function waits for the results, in order.
 
     Lets a caller submit the blocks of its next unit of work (e.g. the next chunk) before waiting for this one's, so
-    that the pool does not idle while the last blocks of a unit finish and the next unit is prepared.
-
-    Args:
-        pool: The pool, or ``None`` to run ``fn`` over every item at once on the calling thread.
-        fn: The work of one item.
-        items: The items.
-
-    Returns:
-        A function returning ``[fn(item) for item in items]``; it raises the first error in item order (the items
-        not yet started are cancelled).
-    """
+    that the pool does not idle while the last blocks of a unit finish and the next unit is prepared."""
     if pool is None:
         results = [fn(item) for item in items]
         return lambda: results
@@ -264,19 +200,7 @@ def submit_blocks(
 def imap_blocks(
     pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item], ahead: int = 8
 ) -> Iterator[Result]:
-    """Lazy :func:`map_blocks` for long streams of items: results in order, at most ``ahead`` items in flight.
-
-    Args:
-        pool: The pool, or ``None`` to run ``fn`` on the calling thread as results are consumed.
-        fn: The work of one item.
-        items: The items, consumed as work is submitted.
-        ahead: Items submitted but not yet consumed (bounds the memory of waiting results); at least the pool's
-            thread count to keep every thread busy.
-
-    Returns:
-        An iterator over ``fn(item)``; an error of ``fn`` is raised when its result is reached, and the items not yet
-        started are then cancelled.
-    """
+    """Lazy :func:`map_blocks` for long streams of items: results in order, at most ``ahead`` items in flight."""
     if pool is None:
         yield from map(fn, items)
         return

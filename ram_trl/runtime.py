@@ -52,11 +52,7 @@ def tune_for_streaming() -> bool:
     """Keep block-sized allocations in the heap and freeze the objects created so far (see the module docstring).
 
     Larger buffers (the chunks read from disk) are still mapped and returned to the kernel when freed, so the
-    resident set stays bounded by the chunk budget plus at most :data:`TRIM_THRESHOLD`.
-
-    Returns:
-        Whether the allocator settings were applied (glibc on Linux only; elsewhere only the collector part runs).
-    """
+    resident set stays bounded by the chunk budget plus at most :data:`TRIM_THRESHOLD`."""
     gc.freeze()
     if not sys.platform.startswith("linux"):
         return False

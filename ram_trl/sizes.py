@@ -1,4 +1,5 @@
-"""Byte sizes: the one parser of ``"5GB"``-style sizes and their formatting.
+"""Values given by the user: the one parser of ``"5GB"``-style byte sizes and their formatting, and the one check of
+a number (finite, in float32, within bounds), each error naming the place and the field.
 
 Decimal units are powers of 1000 (``KB``, ``MB``, ``GB``, ``TB``, and the bare ``K``, ``M``, ``G``), binary units
 powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes. Imports nothing heavier than
@@ -7,12 +8,14 @@ powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes.
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal
+from typing import Any
 
 from ram_trl.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["FLOAT32_MAX", "check_number", "check_optional_number", "format_bytes", "parse_size"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
@@ -24,31 +27,12 @@ _UNITS.update(
 def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False, name: str | None = None) -> int:
     """Bytes in a size such as ``"5GB"``, ``"500MiB"``, ``"1.5GB"`` or ``1048576``.
 
-    Args:
-        value (`str` or `int`):
-            The size; an int is returned as it is. Units are case-insensitive; fractions are exact
-            (``"4.35MB"`` is 4,350,000 bytes), the result is rounded down to whole bytes.
-        lowercase_b_is_bits (`bool`, *optional*, defaults to `False`):
-            The convention of transformers' ``max_shard_size``: a decimal unit written with a lowercase final
-            ``b`` (``"5Gb"``) counts bits, so the bytes are divided by 8 (rounded down). Without it, ``"5Gb"``
-            is ``"5GB"``.
-        name (`str`, *optional*):
-            The option the size is given for (e.g. ``"max_shard_size"``): with it, a size below one byte is refused,
-            naming the option.
-
-    Returns:
-        `int`: the number of bytes.
-
-    Raises:
-        ConfigError: when ``value`` is not a size (also a ``ValueError``).
-
     Example:
 
     ```python
     >>> parse_size("5GB"), parse_size("256MiB"), parse_size("1Gb", lowercase_b_is_bits=True)
     (5000000000, 268435456, 125000000)
-    ```
-    """
+    ```"""
     size = (
         value
         if isinstance(value, int) and not isinstance(value, bool)
@@ -74,16 +58,50 @@ def _parse(value: str, lowercase_b_is_bits: bool) -> int:
 
 
 def format_bytes(num: float) -> str:
-    """A byte count in decimal units with two decimals (``"1.50 GB"``; whole bytes below 1 KB: ``"512 B"``).
-
-    Args:
-        num (`float`): Bytes.
-
-    Returns:
-        `str`: the formatted size.
-    """
+    """A byte count in decimal units with two decimals (``"1.50 GB"``; whole bytes below 1 KB: ``"512 B"``)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(num) < 1000 or unit == "TB":
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.2f} {unit}"
         num /= 1000
     raise AssertionError
+
+
+#: The largest finite float32: the merge computes in float32, so a parameter beyond it would be infinite there.
+FLOAT32_MAX = 3.4028234663852886e38  # float(torch.finfo(torch.float32).max)
+
+
+def check_number(
+    value: Any,
+    where: str,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+) -> float:
+    """A finite number within bounds, or a :class:`ConfigError` naming ``where`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {value!r}; give a finite value")
+    if abs(number) > FLOAT32_MAX:
+        raise ConfigError(
+            f"{where}: {name} is {value!r}, beyond float32 (the merge computes in float32, |x| <= 3.4e38); give a "
+            "smaller value"
+        )
+    if integer and not number.is_integer():
+        raise ConfigError(f"{where}: {name} must be a whole number, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{where}: {name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{where}: {name} must be <= {maximum}, got {value!r}")
+    if above is not None and number <= above:
+        raise ConfigError(f"{where}: {name} must be > {above}, got {value!r}")
+    return number
+
+
+def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
+    """:func:`check_number` for a value that may be ``None`` (not given)."""
+    return None if value is None else check_number(value, where, name, **bounds)

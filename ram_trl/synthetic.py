@@ -1,4 +1,7 @@
-"""Synthetic, RL-like Hugging Face checkpoints built from configs, for tests, examples and benchmarks.
+"""Synthetic, RL-like Hugging Face checkpoints built from configs.
+
+A product module, not a test fixture: ``ram-trl example`` writes its base, agents and merge config with it, a
+recipe's ``base.build`` (the demo's tiny char-tokenizer base) is built by it, and the examples and benchmarks use it.
 
 No model hub is needed: a base model is a randomly initialised ``Qwen2ForCausalLM`` with a character-level
 tokenizer, and an "RL agent" is the base with a sparse, heavy-tailed perturbation of its stored weights, shaped
@@ -48,6 +51,7 @@ from transformers import (
 )
 
 from ram_trl.digest import text_digest
+from ram_trl.io.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from ram_trl.sizes import parse_size
 
 __all__ = [
@@ -72,8 +76,6 @@ SPECIAL_TOKENS: dict[str, str] = {
     "unk_token": "<unk>",
 }
 
-SAFE_SINGLE = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
 
 #: Shard size of the streaming base writer when none is given (transformers' own default is "50GB", which would
 #: put a 1B-parameter model in one file and so in memory at once).
@@ -126,16 +128,7 @@ def build_char_tokenizer(output_dir: str | Path, alphabet: str | None = None) ->
     decoder and a BPE model without merges: with transformers 5, ``AutoTokenizer`` loads a directory whose
     ``config.json`` says ``qwen2`` as ``Qwen2Tokenizer``, which rebuilds a byte-level pipeline around the stored
     vocabulary, and this layout tokenizes identically under both. A non-ASCII character becomes one token per
-    UTF-8 byte. Characters outside the alphabet map to ``<unk>`` here (``Qwen2Tokenizer`` drops them).
-
-    Args:
-        output_dir: Directory the tokenizer files are written to (``save_pretrained``); created if missing.
-        alphabet: Characters of the vocabulary. Defaults to printable ASCII plus newline
-            (:data:`DEFAULT_ALPHABET`, 96 characters, so 100 tokens in all).
-
-    Returns:
-        The tokenizer, which ``AutoTokenizer.from_pretrained(output_dir)`` also loads offline.
-    """
+    UTF-8 byte. Characters outside the alphabet map to ``<unk>`` here (``Qwen2Tokenizer`` drops them)."""
     text = DEFAULT_ALPHABET if alphabet is None else alphabet
     if not text:
         raise ValueError("alphabet is empty: the character tokenizer needs at least one character")
@@ -210,20 +203,7 @@ def write_synthetic_base(
     written once as ``save_pretrained`` does, and shards are planned with the same splitter transformers uses, so
     the layout matches ``save_pretrained(max_shard_size=...)`` for the same config. Values are seeded per tensor
     name: ``normal * 0.02`` for matrices, zeros for biases, ones for norm weights. Tensors are generated and saved
-    one shard at a time, so peak memory is about one shard.
-
-    Args:
-        output_dir: Directory to write (created if missing).
-        config: A causal-LM config ``AutoModelForCausalLM.from_config`` accepts (e.g. a ``Qwen2Config``).
-        dtype: Stored floating dtype of every tensor.
-        seed: Seed of the values.
-        max_shard_size: Largest shard (``"1GB"``, ``"20KB"``, bytes...). Defaults to
-            :data:`STREAM_DEFAULT_SHARD_SIZE`. A model that fits in one shard is written as ``model.safetensors``,
-            otherwise as ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
-
-    Returns:
-        The output directory.
-    """
+    one shard at a time, so peak memory is about one shard."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
@@ -277,30 +257,7 @@ def make_base_checkpoint(
     """Write a randomly initialised Qwen2 causal LM with a character tokenizer and a generation config.
 
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` offline
-    and can ``generate``.
-
-    Args:
-        output_dir: Directory to write (created if missing).
-        hidden_size: Model width.
-        num_layers: Number of decoder layers.
-        intermediate_size: MLP width.
-        num_attention_heads: Attention heads (must divide ``hidden_size``).
-        num_key_value_heads: Key/value heads (must divide ``num_attention_heads``).
-        vocab_size: Embedding rows; defaults to the tokenizer size (100). Must be at least the tokenizer size.
-        tie_word_embeddings: Tie ``lm_head`` to the input embeddings (then no ``lm_head.weight`` is stored).
-        dtype: Stored dtype of the weights.
-        seed: Seed of the initialisation.
-        max_shard_size: Largest shard, e.g. ``"20KB"`` to force a sharded layout with an index. Defaults to
-            transformers' default (``"50GB"``) when ``materialize="eager"`` and to
-            :data:`STREAM_DEFAULT_SHARD_SIZE` when ``materialize="stream"``.
-        materialize: ``"eager"`` builds the ``Qwen2ForCausalLM`` (transformers' own initialisation under
-            ``torch.manual_seed(seed)``, the caller's global RNG state is restored afterwards) and calls
-            ``save_pretrained``; ``"stream"`` never builds the model and writes seeded values shard by shard with
-            :func:`write_synthetic_base` (use it for large models: memory stays about one shard).
-
-    Returns:
-        The output directory.
-    """
+    and can ``generate``."""
     if materialize not in ("eager", "stream"):
         raise ValueError(
             f"materialize={materialize!r}: use 'eager' (build the model) or 'stream' (write shards)"
@@ -485,22 +442,7 @@ def make_rl_agent(
 
     Other tensors (integer, float8) are copied unchanged. The output has the base's shard layout (same file names, same
     index) plus copies of its other files (``config.json``, ``generation_config.json``, tokenizer files...).
-    Tensors are read one at a time; memory is about one output shard plus one tensor.
-
-    Args:
-        base_dir: Base checkpoint directory (``model.safetensors``, or shards with ``model.safetensors.index.json``).
-        output_dir: Directory to write (created if missing; must differ from ``base_dir``).
-        density: Fraction of the elements of each tensor to change, in [0, 1].
-        seed: Seed of the agent's own support draws and of its steps.
-        overlap: Fraction of the elements whose support draw is shared between agents, in [0, 1].
-        support_seed: Seed of the shared draws; agents meant to overlap must use the same one.
-        max_ulps: Largest step (in bf16 ulps, or in units of ``2**-8`` relative change for other dtypes).
-        dtype: Cast floating tensors to this dtype before perturbing (``config.json`` is updated); ``None`` keeps
-            the stored dtype.
-
-    Returns:
-        The output directory.
-    """
+    Tensors are read one at a time; memory is about one output shard plus one tensor."""
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density={density} must be in [0, 1]")
     if not 0.0 <= overlap <= 1.0:
@@ -573,22 +515,7 @@ def make_agent_set(
     max_ulps: int = 64,
     dtype: torch.dtype | None = None,
 ) -> list[Path]:
-    """Write one agent per density, with distinct seeds and a common ``support_seed`` (partly shared supports).
-
-    Args:
-        base_dir: Base checkpoint directory.
-        output_root: Parent directory of the agents.
-        densities: One density per agent.
-        overlap: Shared fraction of the support draws (see :func:`make_rl_agent`).
-        seed: Seed of the set; agent ``i`` gets a seed derived from ``seed`` and ``i``.
-        names: Directory names of the agents; defaults to ``agent_0``, ``agent_1``, ...
-        support_seed: Common seed of the shared support draws.
-        max_ulps: Largest step (see :func:`make_rl_agent`).
-        dtype: Output dtype of the agents (``None`` keeps the base dtype).
-
-    Returns:
-        The agent directories, in the order of ``densities``.
-    """
+    """Write one agent per density, with distinct seeds and a common ``support_seed`` (partly shared supports)."""
     densities = list(densities)
     names = [f"agent_{i}" for i in range(len(densities))] if names is None else list(names)
     if len(names) != len(densities):
@@ -631,19 +558,7 @@ def generate_example(
         ...
         parameters:
           r: 0.1
-          alpha: 2.0
-
-    Args:
-        output_root: Directory to write (created if missing).
-        num_agents: Number of agents.
-        densities: Agent densities, used in order and repeated if fewer than ``num_agents`` are given.
-        seed: Seed of the base and of the agents.
-        overlap: Shared fraction of the agents' support draws.
-        **base_kwargs: Passed to :func:`make_base_checkpoint` (e.g. ``hidden_size``, ``materialize="stream"``).
-
-    Returns:
-        ``{"base": Path, "agents": [Path, ...], "config": Path}`` (absolute paths).
-    """
+          alpha: 2.0"""
     if num_agents < 1:
         raise ValueError(f"num_agents={num_agents} must be at least 1")
     if not densities:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ram_trl.methods.dare import dare_key, hashed_uniform
+from ram_trl.statistics.counting import keep_count
 
 
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -236,3 +237,46 @@ def fisher_reference(
         out = torch.where(denominator == 0, fallback, numerator / denominator)
         merged[name] = base[name].float() + (out * lam if lam != 1.0 else out)
     return merged
+
+
+# The exact magnitude statistics the streaming histograms approximate (ram_trl.statistics.magnitude)
+
+
+def gini_coefficient(values: torch.Tensor) -> float:
+    """Exact Gini coefficient of ``|values|``.
+
+    ``G = sum_i (2 i - n - 1) x_(i) / (n sum_i x_i)`` with ``x_(1) <= ... <= x_(n)`` the sorted magnitudes: 0 when
+    all magnitudes are equal, ``1 - 1/n`` for one nonzero among ``n`` (it tends to 1 as ``n`` grows).
+
+    Args:
+        values: Any shape; sorted in float64 in memory (use :class:`MagnitudeStatistics` for a whole model).
+
+    Returns:
+        The coefficient, or NaN when ``values`` is empty or all zero.
+    """
+    x = values.reshape(-1).to(torch.float64).abs().sort().values
+    n = x.numel()
+    total = float(x.sum())
+    if n == 0 or total == 0.0:
+        return math.nan
+    ranks = torch.arange(1, n + 1, dtype=torch.float64, device=x.device)
+    return float(((2 * ranks - n - 1) * x).sum()) / (n * total)
+
+
+def top_mass_share(values: torch.Tensor, fraction: float) -> float:
+    """Exact share of the L1 mass of ``values`` held by its ``k`` largest magnitudes.
+
+    Args:
+        values: Any shape.
+        fraction: Share of the elements; ``k = max(1, floor(fraction * n))`` (:func:`ram_trl.statistics.counting.keep_count`,
+            the same rule as TIES trimming).
+
+    Returns:
+        ``sum of the k largest |values| / sum |values|``, or NaN when empty or all zero.
+    """
+    x = values.reshape(-1).to(torch.float64).abs()
+    total = float(x.sum())
+    if x.numel() == 0 or total == 0.0:
+        return math.nan
+    k = keep_count(x.numel(), fraction)
+    return float(x.topk(k).values.sum()) / total

@@ -92,7 +92,7 @@ def _check_bash(code: str) -> None:
     if shutil.which("bash"):
         done = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
-    from ram_trl.cli import build_parser
+    from ram_trl.cli_parser import build_parser
 
     for line in code.replace("\\\n", " ").splitlines():
         command = re.sub(r"\[[^\]]*\]", "", line.split("#", 1)[0]).strip()  # [--optional FLAGS] left out

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ram_trl"
 PUBLIC_API = {
     "ram_trl/methods/*.py": ["*"],
     "ram_trl/errors.py": ["*"],
-    "ram_trl/callbacks/sparsity.py": ["TaskVectorSparsityCallback.*", "save_agent"],
+    "ram_trl/callbacks/sparsity.py": ["TaskVectorSparsityCallback.*"],
+    "ram_trl/stage/save.py": ["save_agent"],
     "ram_trl/callbacks/preview/callback.py": [
         "MergePreviewCallback.*",
         "default_preview_every",
@@ -28,6 +29,7 @@ PUBLIC_API = {
     "ram_trl/analysis/__init__.py": ["analyze"],
     "ram_trl/merging/config/schema.py": ["MergeConfig.*"],
     "ram_trl/recipes/runner.py": ["run_recipe"],
+    "ram_trl/recipes/layout.py": ["RunOptions"],
 }
 
 #: Functions whose parameters are documented elsewhere, as ``module path:qualified name`` patterns, with the reason.

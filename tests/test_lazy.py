@@ -8,7 +8,6 @@ import pytest
 
 import ram_trl
 import ram_trl.evaluation
-import ram_trl.recipes
 from ram_trl.lazy import lazy_exports
 
 
@@ -27,7 +26,6 @@ def test_a_name_is_loaded_on_first_access_and_kept():
     ("package", "name", "module"),
     [
         (ram_trl, "merge", "ram_trl.merging.engine"),
-        (ram_trl.recipes, "evaluate_model", "ram_trl.evaluation.scoring"),
         (ram_trl.evaluation, "EvaluationSpec", "ram_trl.evaluation.spec"),
     ],
 )

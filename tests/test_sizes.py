@@ -7,7 +7,7 @@ import pytest
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
 from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE
-from ram_trl.sizes import format_bytes, parse_size
+from ram_trl.sizes import FLOAT32_MAX, check_number, check_optional_number, format_bytes, parse_size
 
 
 @pytest.mark.parametrize(
@@ -79,3 +79,36 @@ def test_defaults_are_parsed_by_the_same_parser():
 )
 def test_format_bytes(num, text):
     assert format_bytes(num) == text
+
+
+WHERE = "merge.yaml: models[1] (./coder)"
+
+
+def test_numbers_within_bounds_become_floats():
+    assert check_number(3, WHERE, "weight") == 3.0
+    assert type(check_number(3, WHERE, "weight")) is float
+    assert check_number(0.0, WHERE, "density", minimum=0.0, maximum=1.0) == 0.0
+    assert check_number(1.0, WHERE, "density", minimum=0.0, maximum=1.0) == 1.0
+    assert check_number(FLOAT32_MAX, WHERE, "lambda") == FLOAT32_MAX
+    assert check_number(4.0, WHERE, "rank", integer=True) == 4.0
+    assert check_optional_number(None, WHERE, "r", minimum=0.0) is None
+    assert check_optional_number(2, WHERE, "r", minimum=0.0) == 2.0
+
+
+@pytest.mark.parametrize(
+    ("value", "bounds", "message"),
+    [
+        (True, {}, "weight must be a number, got True"),
+        ("1", {}, "weight must be a number, got '1'"),
+        (float("nan"), {}, "weight must be a finite number, got nan"),
+        (1e39, {}, "weight is 1e+39, beyond float32"),
+        (2.5, {"integer": True}, "weight must be a whole number, got 2.5"),
+        (-0.5, {"minimum": 0.0}, "weight must be >= 0.0, got -0.5"),
+        (1.5, {"maximum": 1.0}, "weight must be <= 1.0, got 1.5"),
+        (0.0, {"above": 0.0}, "weight must be > 0.0, got 0.0"),
+    ],
+)
+def test_bad_numbers_name_the_place_and_field(value, bounds, message):
+    with pytest.raises(ConfigError) as info:
+        check_number(value, WHERE, "weight", **bounds)
+    assert str(info.value).startswith(f"{WHERE}: {message}")

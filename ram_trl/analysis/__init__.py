@@ -135,21 +135,7 @@ def analyze(
 
 @dataclass(frozen=True)
 class AnalysisRun:
-    """One analysis run: what is analysed, where it is written, this process's place, and the options.
-
-    Args:
-        inputs (`AnalysisInputs`): The resolved inputs and eps, r, alpha.
-        out_dir (`Path`, *optional*): The output directory; ``None`` writes nothing.
-        ctx (`DistContext`): This process's place in the run (rank, world size).
-        allow_pickle (`bool`, *optional*, defaults to `False`): Accept ``pytorch_model*.bin`` inputs.
-        chunk_budget (`str` or `int`, *optional*, defaults to `DEFAULT_CHUNK_BUDGET`): Memory for one chunk's
-            buffers.
-        figures (`bool`, *optional*, defaults to `True`): Draw the PNG figures.
-        progress (`bool`, *optional*, defaults to `True`): Show a progress bar (main process only).
-        print_summary (`bool`, *optional*, defaults to `False`): Print the tables in the terminal.
-        allow_external_shards (`bool`, *optional*, defaults to `False`): Accept index files naming shards outside
-            their checkpoint directory.
-    """
+    """One analysis run: what is analysed, where it is written, this process's place, and the options."""
 
     inputs: AnalysisInputs
     out_dir: Path | None
@@ -228,12 +214,7 @@ def _run(run: AnalysisRun) -> dict[str, Any]:
 
 def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
     """The commit protocol of an analysis directory: never inside (nor holding) an input; a previous analysis
-    (``analysis.json``) or an empty directory is replaced, anything else is refused.
-
-    Args:
-        out_dir: The output directory.
-        resolved: The inputs.
-    """
+    (``analysis.json``) or an empty directory is replaced, anything else is refused."""
     return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
 
 

@@ -14,9 +14,9 @@ from ram_trl.io.hub import resolve_model
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import MergeConfig, load_config
 from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.sizes import check_optional_number
 from ram_trl.stage.manifest import base_model_path, is_stage, manifest_path, read_manifest
 from ram_trl.statistics.counting import DEFAULT_EPS
-from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R
 DEFAULT_ALPHA = defaults.ALPHA
@@ -24,14 +24,7 @@ DEFAULT_ALPHA = defaults.ALPHA
 
 @dataclass
 class AnalysisInputs:
-    """What to analyse, resolved and validated (paths exist, parameters in range).
-
-    Args:
-        resolved: The inputs as a merge config (``merge_method`` is irrelevant to the analysis).
-        eps: Activity threshold (strict).
-        r: RAM+ / RAM+s rescale strength for the implied lambda_t.
-        alpha: RAM+ clip bound of rho_t.
-    """
+    """What to analyse, resolved and validated (paths exist, parameters in range)."""
 
     resolved: ResolvedConfig
     eps: float
@@ -50,26 +43,7 @@ def resolve_inputs(
     names: Sequence[str] | None = None,
     allow_external_shards: bool = False,
 ) -> AnalysisInputs:
-    """Validate the arguments of :func:`analyze` (through the merge's config resolution).
-
-    Args:
-        base: The base checkpoint directory; may be ``None`` when every agent is a stage manifest of the same local
-            base.
-        agents: Agent checkpoint directories or stage manifests.
-        eps: Activity threshold (``None``: the config's, else the default).
-        r: Rescale strength of RAM+ / RAM+s (``None``: the config's, else the default).
-        alpha: RAM+ clip bound of rho_t (``None``: the config's, else the default).
-        config: A merge config (YAML path, dict or :class:`~ram_trl.merging.config.schema.MergeConfig`) instead of
-            ``base`` / ``agents`` (default ``None``).
-        names: Agent labels, one per agent (default ``None``: the config's names, else the directory names).
-        allow_external_shards: Accept a stage manifest whose ``checkpoint`` lies outside its directory.
-
-    Returns:
-        The resolved config (``eps``, ``r`` and ``alpha`` written into its parameters) and the three values.
-
-    Raises:
-        ConfigError: naming the argument or config field to change.
-    """
+    """Validate the arguments of :func:`analyze` (through the merge's config resolution)."""
     given = {"eps": eps, "r": r, "alpha": alpha}
     for key, value in given.items():
         check_optional_number(value, "analyze", f"--{key}", minimum=0.0)
@@ -128,14 +102,7 @@ def resolve_inputs(
 
 def stage_base(path: str | os.PathLike) -> Path | None:
     """The base model a stage manifest names (:func:`~ram_trl.stage.manifest.base_model_path`: a relative path resolved
-    against the manifest's directory, not the current directory).
-
-    Args:
-        path (`str` or `os.PathLike`): The manifest or its directory.
-
-    Returns:
-        `Path` or `None`: The base model's path, ``None`` when it names no existing local path.
-    """
+    against the manifest's directory, not the current directory)."""
     file = manifest_path(path)
     return base_model_path(read_manifest(file), file)
 

@@ -23,17 +23,7 @@ BF16_ITEMSIZE = 2
 
 
 def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[TensorTask]) -> list[bool]:
-    """Which agents get a bfloat16 view: those whose task vector is held wider than bf16.
-
-    Args:
-        base: The base checkpoint.
-        agents: The agents.
-        tasks: The floating tensors.
-
-    Returns:
-        Per agent: the base or the agent stores a floating tensor wider than bf16 (float32, float64), or the agent is
-        a LoRA adapter (its deltas are computed in float32).
-    """
+    """Which agents get a bfloat16 view: those whose task vector is held wider than bf16."""
     base_wide = any(dtype_itemsize(t.base.dtype) > BF16_ITEMSIZE for t in tasks)
     return [
         base_wide
@@ -48,16 +38,7 @@ def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[Ten
 
 
 def as_bf16(chunk: RawChunk) -> RawChunk:
-    """The chunk as bfloat16 checkpoints would store it.
-
-    Args:
-        chunk: Stored values (and LoRA deltas) of one row chunk.
-
-    Returns:
-        A chunk whose base and agent values are rounded to bf16 (round to nearest even, as ``save_pretrained`` in
-        bf16 does). A LoRA agent's values are the base (or its stored values) plus its delta, added in float32 and
-        then rounded, as ``merge_and_unload`` followed by a bf16 save gives; the new chunk has no LoRA deltas.
-    """
+    """The chunk as bfloat16 checkpoints would store it."""
     assert chunk.base is not None
     agents: list[torch.Tensor | None] = []
     for values, lora in zip(chunk.agents, chunk.lora, strict=True):
@@ -81,22 +62,7 @@ def analysis_pass(
     allow_nonfinite: bool = False,
     progress: bool = False,
 ) -> dict[str, TensorAnalysis]:
-    """Stream the floating tensors ``tasks`` once and measure each of them.
-
-    Args:
-        base: The base checkpoint.
-        agents: The agents.
-        tasks: Floating tensors to read (this rank's share).
-        eps: Activity threshold.
-        bf16: Also measure the bfloat16 view.
-        magnitudes: Accumulates the magnitude statistics of the active deltas.
-        read: Accumulates the bytes read.
-        allow_nonfinite: Measure inputs holding NaN/Inf instead of refusing them.
-        progress: Show a progress bar.
-
-    Returns:
-        Per tensor name, its :class:`TensorAnalysis`.
-    """
+    """Stream the floating tensors ``tasks`` once and measure each of them."""
     from tqdm.auto import tqdm
 
     records: dict[str, TensorAnalysis] = {}

@@ -29,12 +29,7 @@ def _names(result: dict[str, Any]) -> list[str]:
 
 
 def plot_density(result: dict[str, Any], path: Path) -> None:
-    """Per-agent density bars: at eps, at exact equality of the stored values, and in the bf16 view if measured.
-
-    Args:
-        result: The analysis result (:func:`ram_trl.analyze`'s return value).
-        path: The PNG file written.
-    """
+    """Per-agent density bars: at eps, at exact equality of the stored values, and in the bf16 view if measured."""
     names = _names(result)
     series = [("|tau| > eps", "density"), ("stored values differ", "density_exact")]
     if any(a["density_bf16"] is not None for a in result["agents"]):
@@ -56,12 +51,7 @@ def plot_density(result: dict[str, Any], path: Path) -> None:
 
 def plot_overlap(result: dict[str, Any], path: Path) -> None:
     """Stacked bars (the RAM paper's figure 2, right): the share of each agent's active elements that 0, 1, ...
-    other agents also update.
-
-    Args:
-        result: The analysis result (:func:`ram_trl.analyze`'s return value).
-        path: The PNG file written.
-    """
+    other agents also update."""
     names = _names(result)
     n = len(names)
     figure = _figure(max(5.0, 1.1 * n + 2.5), 3.8)
@@ -82,12 +72,7 @@ def plot_overlap(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_anatomy(result: dict[str, Any], path: Path) -> None:
-    """Density by decoder layer and module type, one heatmap per agent (module-type bars if there are no layers).
-
-    Args:
-        result: The analysis result (:func:`ram_trl.analyze`'s return value).
-        path: The PNG file written.
-    """
+    """Density by decoder layer and module type, one heatmap per agent (module-type bars if there are no layers)."""
     names = _names(result)
     layers = result["anatomy"]["layers"]
     if not layers:
@@ -138,12 +123,7 @@ def plot_anatomy(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_magnitudes(result: dict[str, Any], path: Path) -> None:
-    """Histogram of |tau| of the active elements on a log scale (4 bins per octave), one line per agent.
-
-    Args:
-        result: The analysis result (:func:`ram_trl.analyze`'s return value).
-        path: The PNG file written.
-    """
+    """Histogram of |tau| of the active elements on a log scale (4 bins per octave), one line per agent."""
     histogram = result["magnitude_histogram"]
     edges = histogram["edges"]
     figure = _figure(6.5, 3.8)
@@ -182,15 +162,7 @@ FIGURES = {
 
 
 def write_figures(result: dict[str, Any], out_dir: Path) -> list[str]:
-    """Draw every figure into ``out_dir``.
-
-    Args:
-        result: The analysis result (:func:`ram_trl.analyze`'s return value).
-        out_dir: The directory the figures are written into.
-
-    Returns:
-        The file names written.
-    """
+    """Draw every figure into ``out_dir``."""
     for name, draw in FIGURES.items():
         draw(result, out_dir / name)
     return list(FIGURES)

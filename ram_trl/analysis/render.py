@@ -12,13 +12,7 @@ MARKDOWN_FILE = "analysis.md"
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path, figures: bool = True) -> None:
-    """Write ``analysis.json``, ``analysis.md`` and the PNG figures.
-
-    Args:
-        result: The analysis; its ``figures`` entry is set to the figure files written.
-        out_dir: The output directory (created if missing).
-        figures: Draw the figures.
-    """
+    """Write ``analysis.json``, ``analysis.md`` and the PNG figures."""
     out_dir.mkdir(parents=True, exist_ok=True)
     result["figures"] = []
     if figures:

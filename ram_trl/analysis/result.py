@@ -23,14 +23,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_summary(checkpoint: Checkpoint) -> dict[str, int]:
-    """Elements per stored dtype in a checkpoint, over every tensor (a LoRA adapter's targets count as float32).
-
-    Args:
-        checkpoint: An opened checkpoint (headers only).
-
-    Returns:
-        dtype name to elements, most elements first.
-    """
+    """Elements per stored dtype in a checkpoint, over every tensor (a LoRA adapter's targets count as float32)."""
     out: dict[str, int] = {}
     for meta in checkpoint.tensors.values():
         key = _dtype_name(meta.dtype)
@@ -48,20 +41,7 @@ def build_result(
     magnitudes: MagnitudeStatistics,
     wide: list[bool],
 ) -> dict[str, Any]:
-    """Assemble the analysis (the content of ``analysis.json``, without timings and figures).
-
-    Args:
-        inputs: What was analysed, and eps, r, alpha.
-        base: The base checkpoint.
-        agents: The agents.
-        tasks: The floating tensors, in plan order.
-        records: Per tensor name, its statistics (every tensor of ``tasks``).
-        magnitudes: Magnitude statistics of the whole model.
-        wide: Per agent, whether its bf16 view was measured (:func:`bf16_view_agents`).
-
-    Returns:
-        The JSON-ready result (see :func:`analyze`).
-    """
+    """Assemble the analysis (the content of ``analysis.json``, without timings and figures)."""
     resolved = inputs.resolved
     n = len(agents)
     ordered = [(t.name, records[t.name]) for t in tasks]

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback, save_agent
+from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
 from ram_trl.lazy import lazy_exports
+from ram_trl.stage.save import save_agent
 
 if TYPE_CHECKING:
     from ram_trl.callbacks.preview import MergePreviewCallback

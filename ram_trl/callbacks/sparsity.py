@@ -16,12 +16,10 @@ PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` bes
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,29 +33,21 @@ from ram_trl.callbacks.telemetry.precision import rounding_warning
 from ram_trl.callbacks.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
-from ram_trl.output import OutputDir, guard_os_errors
+from ram_trl.sizes import check_number
 from ram_trl.stage.manifest import (
     FINGERPRINT_ELEMENTS,
-    MANIFEST_NAME,
     StageManifest,
     check_save_target,
-    describe_files,
-    manifest_path,
-    weight_files,
     write_manifest,
 )
-from ram_trl.validation import check_callback_arguments
+from ram_trl.stage.save import agent_output, policy_of, prior_stage_reads, save_agent
 
 #: Libraries whose versions a manifest records (those installed).
 VERSIONED_PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", "safetensors")
 
 
 def library_versions() -> dict[str, str]:
-    """Installed versions of :data:`VERSIONED_PACKAGES` and of ram_trl.
-
-    Returns:
-        `dict[str, str]`: Package name to version, for those installed.
-    """
+    """Installed versions of :data:`VERSIONED_PACKAGES` and of ram_trl."""
     versions = {"ram_trl": ram_trl.__version__}
     for package in VERSIONED_PACKAGES:
         try:
@@ -69,14 +59,7 @@ def library_versions() -> dict[str, str]:
 
 def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The most recent value of every logged metric whose name mentions ``reward`` (e.g. GRPO's ``reward``,
-    ``reward_std``, ``rewards/<func>/mean``), skipping non-finite values.
-
-    Args:
-        log_history (`Sequence[dict[str, Any]]`): A trainer's ``state.log_history``.
-
-    Returns:
-        `dict[str, float]`: Metric name to its last finite value, sorted by name.
-    """
+    ``reward_std``, ``rewards/<func>/mean``), skipping non-finite values."""
     out: dict[str, float] = {}
     for entry in reversed(log_history):
         for key, value in entry.items():
@@ -105,19 +88,6 @@ def resolve_base_model(base_model: str | os.PathLike | None) -> str | os.PathLik
         return base_model
     resolved = resolve_model(base_model, what="base_model")
     return str(resolved) if cached_revision(resolved) is not None else base_model
-
-
-def policy_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The policy inside a trainer's model: TRL's PPO wraps policy and value model in one module with ``.policy``.
-
-    Args:
-        model (`torch.nn.Module`): The trainer's model.
-
-    Returns:
-        `torch.nn.Module`: Its ``policy`` when it has one, else ``model``.
-    """
-    policy = getattr(model, "policy", None)
-    return policy if isinstance(policy, torch.nn.Module) else model
 
 
 class TaskVectorSparsityCallback(TrainerCallback):
@@ -394,112 +364,14 @@ class TaskVectorSparsityCallback(TrainerCallback):
         )
 
 
-def _cast_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating tensors cast to ``dtype`` on the CPU; tensors sharing storage (tied weights) stay shared."""
-    out: dict[str, torch.Tensor] = {}
-    memo: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        tensor = tensor.detach()
-        if not torch.is_floating_point(tensor):
-            out[name] = tensor.cpu()
-            continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in memo:
-            memo[key] = tensor.to(device="cpu", dtype=dtype).contiguous()
-        out[name] = memo[key]
-    return out
-
-
-def save_agent(
-    trainer: Any,
-    out_dir: Path,
-    dtype: torch.dtype,
-    manifest: Callable[[], StageManifest] | None = None,
-) -> Path | None:
-    """Save the trainer's model in ``dtype`` to ``out_dir``: the full model (with the tokenizer), or the adapter of
-    a PEFT model, and with ``manifest`` the stage manifest beside it.
-
-    The output-commit protocol of :mod:`ram_trl.output`: everything is written to a temporary sibling of ``out_dir``
-    (with a lock file naming the process) and committed at once. A missing ``out_dir`` is created by an atomic
-    rename; an existing one (a trainer's ``output_dir`` also holds its checkpoints and logs) receives the files all
-    or nothing, the manifest last, so a save killed half-way leaves no manifest and the directory is not taken for
-    a finished stage. A failure (or SIGINT/SIGTERM/SIGHUP) while saving removes the temporary directory and leaves
-    ``out_dir`` as it was; a ``kill -9``'s leftovers are removed by the next save.
-
-    Every process must call this (under DeepSpeed ZeRO-3 the gather of the sharded model is collective); only the
-    main process writes.
-
-    Args:
-        trainer: The trainer (its ``accelerator``, ``model`` and ``processing_class``).
-        out_dir: The agent directory.
-        dtype: The dtype of the saved floating tensors.
-        manifest: Called on the main process for the stage manifest to write beside the agent.
-
-    Returns:
-        The manifest's path on the main process when ``manifest`` is given, else ``None``.
-
-    Raises:
-        OutputError: for file-system errors of ``out_dir`` (full, read-only, no permission).
-    """
-    accelerator = trainer.accelerator
-    model = trainer.model_wrapped if getattr(trainer, "model_wrapped", None) is not None else trainer.model
-    state_dict = accelerator.get_state_dict(model)
-    if not accelerator.is_main_process:
-        return None
-    unwrapped = policy_of(accelerator.unwrap_model(trainer.model))
-    if unwrapped is not accelerator.unwrap_model(trainer.model):
-        prefix = "policy."
-        state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    cast = _cast_state(state_dict, dtype)
-    check_finite_agent(cast, dtype, out_dir)  # commit only healthy agents: nothing written otherwise
-    output = agent_output(out_dir)
-    tmp = output.begin()
-    try:
-        with guard_os_errors(f"agent directory {out_dir}"):
-            unwrapped.save_pretrained(str(tmp), state_dict=cast, safe_serialization=True)
-            # the weights hash while the config and tokenizer are written
-            with ThreadPoolExecutor(1) as hasher:
-                digests = hasher.submit(describe_files, tmp) if manifest is not None else None
-                config_file = tmp / "config.json"
-                # say what the weights hold (save_pretrained writes the training dtype)
-                if config_file.is_file():
-                    config = json.loads(config_file.read_text())
-                    config["dtype"] = str(dtype).removeprefix("torch.")
-                    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-                processing = getattr(trainer, "processing_class", None)
-                if processing is not None and hasattr(processing, "save_pretrained"):
-                    processing.save_pretrained(str(tmp))
-                if manifest is not None and digests is not None:
-                    stage = manifest()
-                    files = digests.result()
-                    if sorted(files) != weight_files(tmp):  # a weight file written since: describe all
-                        files = describe_files(tmp)
-                    stage.files = files  # the stage contract: exactly these files, these bytes
-                    write_manifest(stage, tmp)
-        # the previous save's weight files that this one does not replace go with the commit
-        output.commit(remove=check_save_target(out_dir, weight_files(tmp)))
-    except BaseException:
-        output.abort()
-        raise
-    return out_dir / MANIFEST_NAME if manifest is not None else None
-
-
 def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Module) -> None:
     """Compare the policy at train begin with the base checkpoint on the base fingerprint's tensors (their leading
     elements, in the lower of the two precisions): a ``base_model`` that is not where the policy starts from (same
     architecture, other weights) makes every metric meaningless, so it is reported before training.
 
-    Args:
-        tracker (`TaskVectorTracker`): The set-up tracker (its base source and fingerprint).
-        model (`torch.nn.Module`): The policy, before its first step.
-
-    Raises:
-        NonFiniteError: naming the base and the tensor, when the base holds NaN/Inf there.
-
     Warns:
         UserWarning: naming the base and the first tensor that differs (the policy may start from another
-            checkpoint on purpose, e.g. a fine-tune measured against its original base).
-    """
+            checkpoint on purpose, e.g. a fine-tune measured against its original base)."""
     source, fingerprint = tracker.source, tracker.base_fingerprint
     if source is None or fingerprint is None:
         return
@@ -528,84 +400,60 @@ def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Mo
             return
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a floating tensor holds no NaN or Inf: its minimum and maximum in one pass without a temporary
-    (NaN propagates into both, an Inf is one of them), an order of magnitude faster than ``isfinite`` on the CPU."""
-    if tensor.numel() == 0:
-        return True
-    try:
-        low, high = torch.aminmax(tensor)
-    except (RuntimeError, NotImplementedError):  # a dtype without a min/max kernel: the elementwise test
-        return bool(torch.isfinite(tensor).all())
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def check_finite_agent(
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
-) -> None:
-    """Refuse to save an agent holding NaN or Inf values (a diverged run, or trained values beyond ``dtype``).
-
-    Args:
-        tensors (`dict[str, torch.Tensor]`): The agent's tensors, cast to the save dtype.
-        dtype (`torch.dtype`): The save dtype (named in the message).
-        out_dir (`str` or `os.PathLike`): The agent directory (named in the message; nothing is written to it).
-
-    Raises:
-        NonFiniteError: naming the first tensor with non-finite values and how many the agent holds.
-    """
-    bad: list[tuple[str, int]] = []
-    for name, tensor in tensors.items():
-        if torch.is_floating_point(tensor) and not _all_finite(tensor):
-            bad.append((name, int(tensor.numel() - torch.isfinite(tensor).sum())))
-    if bad:
-        total = sum(count for _, count in bad)
-        name = str(dtype).removeprefix("torch.")
-        raise NonFiniteError(
-            f"agent directory {out_dir}: the agent holds {total} NaN/Inf values in {name} ({len(bad)} tensors, "
-            f"first {bad[0][0]!r}); the run diverged or its weights overflow save_dtype={name!r}: nothing was "
-            "saved (the trainer's own checkpoints are untouched). Use save_dtype='float32' or a lower learning rate"
-        )
-
-
-def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[str, Path]]:
-    """The directories of prior stages, as inputs an agent directory must not overlap (:class:`OutputDir` reads).
-
-    Args:
-        prior_stages (`Sequence[str | os.PathLike]`): Stage manifests or their directories.
-
-    Returns:
-        `list[tuple[str, Path]]`: ``("prior stage", directory)`` for each that exists.
-    """
-    reads = []
-    for stage in prior_stages:
-        file = manifest_path(stage)
-        if file.exists():
-            reads.append(("prior stage", file.parent))
-    return reads
-
-
-def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
-    """The output-commit protocol of an agent directory (:func:`save_agent`): files merged into an existing
-    directory, ``ram_stage.json`` last.
-
-    Args:
-        out_dir (`str` or `os.PathLike`): The agent directory.
-        reads (`Sequence[tuple[str, Path]]`, *optional*, defaults to `()`): Inputs it must not overlap, each with
-            what it is (the base model).
-
-    Returns:
-        `OutputDir`: The protocol object (``check()`` it before training, ``commit`` the files after).
-    """
-    return OutputDir(out_dir, merge=True, markers=(MANIFEST_NAME,), reads=reads, what="agent directory")
-
-
 __all__ = [
     "TaskVectorSparsityCallback",
-    "agent_output",
-    "check_finite_agent",
+    "check_callback_arguments",
     "check_policy_starts_from_base",
     "last_reward_metrics",
     "library_versions",
     "resolve_base_model",
-    "save_agent",
 ]
+
+
+def check_callback_arguments(arguments: Mapping[str, Any], where: str = "TaskVectorSparsityCallback") -> None:
+    """Validate the arguments of the telemetry callback before any training: types, finiteness, ranges and the
+    characters of names (a stage name becomes a directory label, a merge row and a model-card line)."""
+
+    def fail(name: str, value: Any, want: str) -> None:
+        raise ConfigError(f"{where}: {name}={value!r}: {want}")
+
+    def positive_int(name: str) -> None:
+        value = arguments.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            fail(name, value, "give a positive integer (or None)")
+
+    positive_int("every_n_steps")
+    positive_int("threads")
+    positive_int("magnitude_sample")
+    for name in ("eps", "r", "alpha"):
+        if name in arguments:
+            check_number(arguments[name], where, name, minimum=0.0)
+    for name in ("magnitudes", "save_agent", "write_stage"):
+        if name in arguments and not isinstance(arguments[name], bool):
+            fail(name, arguments[name], "give True or False")
+    base = arguments.get("base_model")
+    if base is not None and not isinstance(base, str | os.PathLike):
+        fail("base_model", base, "give the base checkpoint's directory (a path)")
+    prior = arguments.get("prior_stages", ())
+    if isinstance(prior, str | bytes | os.PathLike) or not isinstance(prior, Sequence):
+        fail(
+            "prior_stages", prior, "give a list of stage manifests or their directories, e.g. ['runs/coding']"
+        )
+    for item in prior:
+        if not isinstance(item, str | os.PathLike):
+            fail("prior_stages", prior, "every entry must be a path")
+    prefix = arguments.get("prefix", "")
+    if not isinstance(prefix, str) or any(ord(c) < 32 for c in prefix):
+        fail("prefix", prefix, "give a string without control characters")
+    for name in ("stage_name", "domain"):
+        value = arguments.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value.strip():
+            fail(name, value, "give a non-empty string (or None)")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value) or len(value) > 200:
+            fail(
+                name, value, "give one line of at most 200 characters, without control characters (newlines)"
+            )
+        if name == "stage_name" and any(c in value for c in "/\\|"):
+            fail(name, value, "a stage name may not hold '/', '\\' or '|' (it labels files, rows and tables)")

@@ -33,9 +33,10 @@ import torch
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher_files import FISHER_FILE
 from ram_trl.io.hub import ensure_weights, resolve_model
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 from ram_trl.output import atomic_file
-from ram_trl.validation import check_optional_number, read_json_object
+from ram_trl.sizes import check_optional_number
 
 __all__ = [
     "FISHER_FILE",
@@ -76,24 +77,7 @@ def generate_completions(
     sample: bool = False,
     seed: int = 0,
 ) -> list[Completion]:
-    """The model's own completions of ``num_samples`` prompts, taken in order (cycling when sampling).
-
-    Args:
-        model: A causal LM with ``generate``.
-        tokenizer: Its tokenizer; prompts are tokenized as given (apply a chat template beforehand if wanted).
-        prompts: The stage's prompts.
-        num_samples: Samples to draw (default: one per prompt). With ``sample=True`` it may exceed the number of
-            prompts (prompts are reused, each time with a new completion).
-        max_new_tokens: Longest completion.
-        sample: Sample from the full distribution (temperature 1, no top-k/top-p) instead of greedy decoding.
-        seed: Seed of the sampling (the caller's random state is restored afterwards).
-
-    Returns:
-        One :class:`Completion` per sample.
-
-    Raises:
-        ValueError: for no prompts, an empty prompt, or more greedy samples than prompts (they would repeat).
-    """
+    """The model's own completions of ``num_samples`` prompts, taken in order (cycling when sampling)."""
     from transformers import GenerationConfig
 
     if not prompts:
@@ -154,17 +138,7 @@ def _completion_length(completion: torch.Tensor, eos: int | list[int] | None) ->
 def fisher_from_completions(
     model: torch.nn.Module, completions: Sequence[Completion], *, progress: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Mean over samples of the squared gradient of ``log p(completion | prompt)``, per parameter, in float32.
-
-    Args:
-        model: A causal LM whose forward takes ``input_ids`` and returns ``.logits`` (any dtype; dropout is off).
-        completions: The samples (see :func:`generate_completions`).
-        progress: Show a progress bar.
-
-    Returns:
-        Parameter name (as :meth:`~torch.nn.Module.named_parameters` lists it, tied parameters once) to a float32
-        tensor of the parameter's shape.
-    """
+    """Mean over samples of the squared gradient of ``log p(completion | prompt)``, per parameter, in float32."""
     if not completions:
         raise ValueError("no completions: the Fisher is a mean over at least one sample")
     _check_plain_model(model)
@@ -222,25 +196,7 @@ def estimate_fisher(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The diagonal empirical Fisher of ``model`` on ``prompts`` (see the module docstring for the definition).
-
-    Args:
-        model: A plain causal LM (no PEFT adapters: merge them in first, see :func:`load_agent`).
-        tokenizer: Its tokenizer.
-        prompts: The agent's own stage prompts.
-        num_samples: Samples (default: one per prompt, in order).
-        max_new_tokens: Longest completion.
-        sample: Sample completions (temperature 1, seeded) instead of greedy decoding.
-        seed: Seed of the sampling.
-        progress: Show a progress bar.
-
-    Returns:
-        Tensor name to float32 Fisher values of the parameter's shape, keyed by the checkpoint's names.
-
-    Raises:
-        RamTrlError: for a model carrying PEFT adapters.
-        ValueError: for bad prompts or sample counts.
-    """
+    """The diagonal empirical Fisher of ``model`` on ``prompts`` (see the module docstring for the definition)."""
     _check_plain_model(model)
     completions = generate_completions(
         model, tokenizer, prompts, num_samples, max_new_tokens, sample=sample, seed=seed
@@ -251,19 +207,7 @@ def estimate_fisher(
 def save_fisher(
     fisher: dict[str, torch.Tensor], agent_dir: str | os.PathLike, metadata: dict[str, Any] | None = None
 ) -> Path:
-    """Write ``agent_dir/fisher.safetensors`` atomically (temporary sibling, then rename); nothing else is touched.
-
-    Args:
-        fisher: Tensor name to non-negative finite Fisher values (stored as float32).
-        agent_dir: The agent's checkpoint directory (a LoRA agent's adapter directory).
-        metadata: Strings stored in the file's ``__metadata__`` (how the Fisher was estimated).
-
-    Returns:
-        The file written.
-
-    Raises:
-        RamTrlError: for a missing directory, an empty Fisher, or negative/NaN/Inf values (naming the tensor).
-    """
+    """Write ``agent_dir/fisher.safetensors`` atomically (temporary sibling, then rename); nothing else is touched."""
     from safetensors.torch import save_file
 
     agent_dir = Path(agent_dir)
@@ -289,11 +233,7 @@ def save_fisher(
 
 def read_prompts(path: str | os.PathLike) -> list[str]:
     """Prompts from a file: JSONL with a ``prompt`` field (``.jsonl``/``.json`` files, or lines starting with
-    ``{``), otherwise one prompt per non-empty line.
-
-    Raises:
-        RamTrlError: naming the file and line, for a JSONL line without a string ``prompt`` or an empty file.
-    """
+    ``{``), otherwise one prompt per non-empty line."""
     path = Path(path)
     if not path.is_file():
         raise RamTrlError(f"prompts file {path} does not exist")
@@ -354,21 +294,7 @@ def load_agent(
     dtype: torch.dtype = torch.float32,
     allow_pickle: bool = False,
 ) -> tuple[torch.nn.Module, Any]:
-    """Load an agent for Fisher estimation: a model directory, or a LoRA adapter merged into its base.
-
-    Args:
-        agent_dir: A model checkpoint directory or a PEFT LoRA adapter directory.
-        base: The adapter's base model (default: a stage's ``base_model``, relative to its manifest, else the adapter
-            config's ``base_model_name_or_path``); ignored for full models.
-        dtype: Dtype to load in (float32 by default: gradients in full precision).
-        allow_pickle: Accept weights stored only as pickles (``pytorch_model*.bin``, ``adapter_model.bin``).
-
-    Returns:
-        ``(model, tokenizer)``; the tokenizer comes from the agent's directory, else the base's.
-
-    Raises:
-        RamTrlError: for a missing directory or an adapter whose base cannot be found.
-    """
+    """Load an agent for Fisher estimation: a model directory, or a LoRA adapter merged into its base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     agent_dir = resolve_model(agent_dir, what="agent")
@@ -426,22 +352,7 @@ def run_fisher(
     progress: bool = True,
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
-    """``ram-trl fisher``: load the agent, estimate its Fisher on the prompts, save it beside the agent.
-
-    Args:
-        agent_dir: The agent's checkpoint directory (or LoRA adapter directory); the Fisher goes beside it.
-        prompts_file: One prompt per line, or JSONL with a ``prompt`` field.
-        num_samples: Samples (default: one per prompt); at least 1.
-        max_new_tokens: Longest completion; at least 1.
-        sample: Sample completions (temperature 1, seeded) instead of greedy decoding.
-        seed: Seed of ``sample``.
-        base: Base model of a LoRA adapter (default: its ``base_model_name_or_path``).
-        progress: Show a progress bar.
-        allow_pickle: Accept an agent (or LoRA base) whose weights exist only as pickles.
-
-    Returns:
-        A summary: file, samples, completion tokens, tensors, elements, total and largest Fisher, seconds.
-    """
+    """``ram-trl fisher``: load the agent, estimate its Fisher on the prompts, save it beside the agent."""
     started = time.perf_counter()
     check_optional_number(num_samples, "fisher", "--num-samples", minimum=1, integer=True)
     check_optional_number(max_new_tokens, "fisher", "--max-new-tokens", minimum=1, integer=True)

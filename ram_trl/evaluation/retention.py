@@ -21,18 +21,7 @@ def retention(merge: float, base: float, specialist: float, min_gain: float = MI
     """Retention ``(merge - base) / (specialist - base)`` on one vertical.
 
     ``1`` keeps all of the specialist's gain, ``0`` none of it (the base's score), negative values are below the base
-    and values above 1 beat the specialist.
-
-    Args:
-        merge (`float`): The merge's score on the vertical.
-        base (`float`): The base model's score on it.
-        specialist (`float`): The score of the agent trained on it.
-        min_gain (`float`, *optional*, defaults to `MIN_GAIN`): The smallest specialist gain a ratio is taken to.
-
-    Returns:
-        ``None`` (undefined) when the specialist's gain ``specialist - base`` is not positive or is below
-        ``min_gain``: a ratio to a gain that did not happen (or is within noise) means nothing.
-    """
+    and values above 1 beat the specialist."""
     gain = specialist - base
     if not gain > 0 or gain < min_gain - 1e-12:  # a gain of exactly min_gain counts (up to rounding)
         return None
@@ -40,14 +29,7 @@ def retention(merge: float, base: float, specialist: float, min_gain: float = MI
 
 
 def mean_retention(values: Mapping[str, float | None] | Sequence[float | None]) -> float | None:
-    """Mean of the defined (not ``None``) retentions; ``None`` when none is defined.
-
-    Args:
-        values (`Mapping[str, float | None]` or `Sequence[float | None]`): Retentions, e.g. per vertical.
-
-    Returns:
-        `float | None`: Their ``math.fsum`` mean over the defined values.
-    """
+    """Mean of the defined (not ``None``) retentions; ``None`` when none is defined."""
     items = list(values.values()) if isinstance(values, Mapping) else list(values)
     defined = [v for v in items if v is not None]
     return math.fsum(defined) / len(defined) if defined else None

@@ -10,28 +10,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
 from ram_trl.errors import ConfigError, RamTrlError
-from ram_trl.validation import check_reward_values
 
-__all__ = ["StageFailure", "import_object", "wrap_reward"]
+__all__ = ["StageFailure", "check_reward_values", "import_object", "wrap_reward"]
 
 
 def import_object(path: str, what: str = "object") -> Any:
-    """Import ``package.module:attribute`` (or ``package.module.attribute``).
-
-    Args:
-        path: The import path.
-        what: What it is, for the error message (e.g. ``"reward function"``).
-
-    Returns:
-        `Any`: The imported object.
-
-    Raises:
-        ConfigError: naming the path and what is wrong (module not found, no such attribute).
-    """
+    """Import ``package.module:attribute`` (or ``package.module.attribute``)."""
     module_name, sep, attribute = path.partition(":")
     if not sep:
         module_name, _, attribute = path.rpartition(".")
@@ -55,18 +44,8 @@ class StageFailure(RamTrlError, RuntimeError):
 
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
     """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
-    finite float or ``None`` per completion: :func:`ram_trl.validation.check_reward_values`) name the stage and the
-    function.
-
-    Args:
-        fn (`Callable`): The reward function, called as TRL calls it (``prompts``, ``completions``, columns).
-        path (`str`): Its import path, as the recipe names it.
-        stage (`str`): The stage it scores.
-
-    Returns:
-        `Callable`: The wrapped function (same signature); it raises :class:`StageFailure` naming the stage and
-        the function.
-    """
+    finite float or ``None`` per completion: :func:`ram_trl.evaluation.rewards.check_reward_values`) name the stage and the
+    function."""
 
     @functools.wraps(fn)
     def reward(*args: Any, **kwargs: Any) -> list[float | None]:
@@ -83,3 +62,35 @@ def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., 
     if not hasattr(reward, "__name__"):
         reward.__name__ = path.rpartition(":")[2] or path
     return reward
+
+
+def check_reward_values(values: Any, count: int, where: str) -> list[float | None]:
+    """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion."""
+    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        raise ConfigError(
+            f"{where} returned {type(values).__name__}; return a list with one float per completion"
+        )
+    if len(values) != count:
+        raise ConfigError(
+            f"{where} returned {len(values)} values for {count} completions; return one float per completion"
+        )
+    out: list[float | None] = []
+    for index, value in enumerate(values):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            if isinstance(value, str | bytes):
+                raise TypeError
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: value {index} is {value!r:.40}, not a number; return a float (None: not scored)"
+            ) from None
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{where}: value {index} is {number}; return a finite float, or None for a completion the "
+                "function does not score"
+            )
+        out.append(number)
+    return out

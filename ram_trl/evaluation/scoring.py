@@ -4,8 +4,7 @@ Greedy decoding by default, the seed set before each stage's generation, prompts
 completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
 stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
 on), scored the same way, each split's prompts generated on their own. The recipes' evaluation
-(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it;
-:mod:`ram_trl.recipes.evaluate` re-exports its names.
+(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it.
 """
 
 from __future__ import annotations
@@ -52,20 +51,7 @@ class EvalTask:
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
     """Load a causal LM for evaluation (:func:`ram_trl.evaluation.fisher.load_agent`: a model directory, or a PEFT
-    adapter merged into its base), in eval mode with left padding for batched generation.
-
-    Args:
-        path: Model directory (``config.json``) or adapter directory (``adapter_config.json``).
-        dtype: Dtype to load in.
-        base: Base model of an adapter (default: a stage's ``base_model``, relative to its manifest, else the adapter
-            config's ``base_model_name_or_path``).
-
-    Returns:
-        ``(model, tokenizer)``; the tokenizer comes from ``path`` when it has one, else from the base.
-
-    Raises:
-        RamTrlError: naming the path when it is missing, or an adapter whose base cannot be found.
-    """
+    adapter merged into its base), in eval mode with left padding for batched generation."""
     from ram_trl.evaluation.fisher import load_agent
     from ram_trl.io.quiet import progress_bars_off
 
@@ -85,14 +71,7 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
 
 
 def generation_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` set up for batched generation: left padding, the EOS token as padding when it has none.
-
-    Args:
-        tokenizer (`PreTrainedTokenizer`): A tokenizer (changed in place).
-
-    Returns:
-        `PreTrainedTokenizer`: The same tokenizer.
-    """
+    """``tokenizer`` set up for batched generation: left padding, the EOS token as padding when it has none."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -101,17 +80,7 @@ def generation_tokenizer(tokenizer: Any) -> Any:
 
 @torch.no_grad()
 def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpec) -> list[str]:
-    """Completions of ``prompts`` (new tokens only, special tokens dropped), batched, seeded.
-
-    Args:
-        model (`PreTrainedModel`): The model (:func:`load_model`).
-        tokenizer (`PreTrainedTokenizer`): Its tokenizer (left padding).
-        prompts (`list[str]`): The prompts.
-        spec (`EvaluationSpec`): Decoding settings (greedy or sampled, new tokens, batch size, seed).
-
-    Returns:
-        `list[str]`: One completion per prompt, in order.
-    """
+    """Completions of ``prompts`` (new tokens only, special tokens dropped), batched, seeded."""
     completions: list[str] = []
     torch.manual_seed(spec.seed)
     device = next(model.parameters()).device
@@ -142,16 +111,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
 def score_completions(
     functions: list[Any], rows: list[dict[str, Any]], completions: list[str]
 ) -> list[float]:
-    """Per completion, the sum of the reward functions (called TRL-style with the rows' columns).
-
-    Args:
-        functions (`list[Callable]`): Reward functions ``fn(prompts=..., completions=..., **columns)``.
-        rows (`list[dict[str, Any]]`): The prompts' rows.
-        completions (`list[str]`): One completion per row.
-
-    Returns:
-        `list[float]`: One score per completion.
-    """
+    """Per completion, the sum of the reward functions (called TRL-style with the rows' columns)."""
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
     totals = [0.0] * len(completions)
     for fn in functions:
@@ -170,21 +130,7 @@ def evaluate_model(
     samples: int = 3,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Score one model on every task.
-
-    Args:
-        path (`str` or `Path`): Model or adapter directory (:func:`load_model`).
-        tasks (`list[EvalTask]`): The stages' prompts and rewards, per split.
-        spec (`EvaluationSpec`): Decoding settings.
-        base (`str` or `Path`, *optional*): Base model of an adapter.
-        samples (`int`, *optional*, defaults to `3`): Completions kept per stage as examples.
-        progress (`bool`, *optional*, defaults to `True`): Show a progress bar.
-
-    Returns:
-        ``{"splits": {split: {"scores": {stage: mean}, "n": {stage: prompts}, "rewards": {stage: [per prompt]},
-        "samples": {stage: [{prompt, completion, reward}]}}}, "seconds": float}``, and the test split's
-        ``scores``, ``n``, ``rewards`` and ``samples`` also at the top level.
-    """
+    """Score one model on every task."""
     start = time.perf_counter()
     model, tokenizer = load_model(path, spec.dtype, base)
     result = evaluate_loaded(
@@ -204,20 +150,7 @@ def evaluate_loaded(
     samples: int = 3,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Score a model already in memory on every task (what :func:`evaluate_model` does after loading).
-
-    Args:
-        model (`PreTrainedModel`): The model, in eval mode.
-        tokenizer (`PreTrainedTokenizer`): Its tokenizer (:func:`generation_tokenizer`).
-        tasks (`list[EvalTask]`): The stages' prompts and rewards, per split.
-        spec (`EvaluationSpec`): Decoding settings.
-        name (`str`, *optional*, defaults to `"model"`): The model's name in the progress bar.
-        samples (`int`, *optional*, defaults to `3`): Completions kept per stage as examples.
-        progress (`bool`, *optional*, defaults to `True`): Show a progress bar.
-
-    Returns:
-        The result of :func:`evaluate_model`.
-    """
+    """Score a model already in memory on every task (what :func:`evaluate_model` does after loading)."""
     start = time.perf_counter()
     splits: dict[str, dict[str, Any]] = {}
     for task in tqdm(tasks, desc=f"eval {name}", disable=not progress, leave=False):

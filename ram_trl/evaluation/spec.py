@@ -44,21 +44,7 @@ def _numeric(annotation: Any) -> bool:
 
 
 class EvaluationSpec(StrictModel):
-    """How held-out prompts are scored.
-
-    Args:
-        enabled: Evaluate (merge-only recipes without held-out prompts may turn it off).
-        max_new_tokens: Tokens generated per prompt.
-        do_sample: Sample instead of greedy decoding (default greedy).
-        temperature: Sampling temperature (with ``do_sample``).
-        seed: Seed set before each model's generation.
-        batch_size: Prompts per ``generate`` call.
-        dtype: Dtype the models are loaded in for evaluation.
-        bootstrap_resamples: Resamples of the percentile bootstrap over prompts behind every 95% interval.
-        bootstrap_seed: Seed of the bootstrap (intervals are deterministic).
-        retention_min_gain: Retention on a vertical is reported only when the specialist beats the base there by
-            at least this much (absolute; rewards in [0, 1]); otherwise it is undefined.
-    """
+    """How held-out prompts are scored."""
 
     enabled: bool = True
     max_new_tokens: int = Field(32, ge=1)

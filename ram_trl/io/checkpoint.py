@@ -12,11 +12,13 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.errors import CheckpointError
-from ram_trl.io.hub import ensure_weights, needs_weights, remote_headers, resolve_model
+from ram_trl.io.hub import ensure_weights, in_repo_blobs, needs_weights, remote_headers, resolve_model
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.model_dir import check_one_model
 from ram_trl.io.safetensors_io import (
@@ -26,7 +28,6 @@ from ram_trl.io.safetensors_io import (
     TensorMeta,
     read_safetensors_header,
 )
-from ram_trl.validation import check_pickle_state, check_weight_map, read_json_object
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -51,15 +52,7 @@ TOKENIZER_FILES = (
 
 
 def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
-    """Copy the tokenizer files (:data:`TOKENIZER_FILES`) found in ``source`` into ``out_dir``.
-
-    Args:
-        source: The directory holding the tokenizer (the base, ``tokenizer_source`` or a merged model).
-        out_dir: The output directory being written.
-
-    Returns:
-        The names of the files copied (empty when ``source`` holds none).
-    """
+    """Copy the tokenizer files (:data:`TOKENIZER_FILES`) found in ``source`` into ``out_dir``."""
     copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
     for name in copied:
         shutil.copy2(source / name, out_dir / name)
@@ -69,12 +62,7 @@ def copy_tokenizer(source: Path, out_dir: Path) -> list[str]:
 def write_chat_template(out_dir: Path, template: str) -> None:
     """Make ``template`` the chat template of the tokenizer in ``out_dir``, as transformers saves one: the file
     ``chat_template.jinja``, with any other copy of a template (``chat_template.json``, the ``chat_template`` entry
-    of ``tokenizer_config.json``) removed so that no loader picks the old one.
-
-    Args:
-        out_dir: The output directory, its tokenizer files already copied.
-        template: The Jinja template.
-    """
+    of ``tokenizer_config.json``) removed so that no loader picks the old one."""
     (out_dir / "chat_template.jinja").write_text(template)
     (out_dir / "chat_template.json").unlink(missing_ok=True)
     config_path = out_dir / "tokenizer_config.json"
@@ -87,14 +75,7 @@ def write_chat_template(out_dir: Path, template: str) -> None:
 
 @dataclass
 class Checkpoint:
-    """A model checkpoint on disk, opened lazily.
-
-    Args:
-        path: The checkpoint directory (or a single ``.safetensors`` file).
-        role: How error messages name this input, e.g. ``"base model"`` or ``"agent 2 (./tool_agent)"``.
-        tensors: Tensor name to metadata.
-        format: ``"safetensors"`` or ``"pickle"``.
-    """
+    """A model checkpoint on disk, opened lazily."""
 
     path: Path
     role: str
@@ -118,18 +99,7 @@ class Checkpoint:
         return name in self.tensors
 
     def lora_delta_rows(self, name: str, reader: RowReader, start: int, stop: int) -> torch.Tensor | None:
-        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it.
-
-        Args:
-            name: The base tensor's name.
-            reader: The positioned reader.
-            start: First row.
-            stop: One past the last row.
-
-        Returns:
-            ``B @ A * scaling`` of those rows (a ``lora_bias`` adapter's bias delta for a bias), or ``None`` (a full
-            checkpoint, or a tensor no factor touches).
-        """
+        """Rows ``start:stop`` of the float32 LoRA delta of ``name``, or ``None`` when no LoRA factor touches it."""
         if self.adapter is None:
             return None
         factors = self.adapter.factors.get(name)
@@ -154,17 +124,7 @@ class Checkpoint:
         return self._safetensors.get(name)
 
     def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
-        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype.
-
-        Args:
-            name: The tensor's name (an adapter reads its stored full values: modules_to_save, biases).
-            reader: The positioned reader (safetensors files).
-            start: First row (default ``None``: 0).
-            stop: One past the last row (default ``None``: all rows).
-
-        Returns:
-            The rows (a 0-d tensor whole); a memory map or a copy, see :meth:`RowReader.read_rows`.
-        """
+        """Read rows ``start:stop`` of tensor ``name`` in its stored dtype."""
         if self.adapter is not None:
             return reader.read_rows(self.adapter.full[name], start, stop)
         if self.format == "safetensors":
@@ -189,28 +149,8 @@ def open_checkpoint(
     base_config: Path | None = None,
     fetch: bool = True,
 ) -> Checkpoint:
-    """Open a checkpoint directory and read every tensor's metadata.
-
-    Args:
-        path: A Hugging Face model directory (``model.safetensors``, or shards with ``model.safetensors.index.json``)
-            or a single ``.safetensors`` file.
-        role: How error messages refer to this input.
-        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
-        allow_external_shards: Accept index files whose shards resolve outside ``path`` (absolute paths, ``..``,
-            symbolic links out of the directory); refused by default.
-        base_shapes: The base model's tensor shapes, for a LoRA adapter: they tell its Linear layers from GPT-2
-            ``Conv1D`` layers as PEFT does (:func:`~ram_trl.io.lora.read_adapter`).
-        base_config: The base model's ``config.json``, for a LoRA adapter: its architecture places the square
-            targets that ``base_shapes`` cannot (:func:`~ram_trl.io.lora.conv1d_modules`).
-        fetch: For a Hub model (an id, or a cache snapshot) whose weights are not cached: fetch them (default), or
-            read only their headers from the Hub (a checkpoint that plans but cannot be read: a dry run).
-
-    Returns:
-        The opened :class:`Checkpoint`.
-
-    Raises:
-        CheckpointError: with the path and role, if the input is missing, not a checkpoint, or corrupt.
-    """
+    """Open a checkpoint directory and read every tensor's metadata; for a Hub model whose weights are not cached,
+    fetch them (``fetch=True``) or read only their headers from the Hub (a dry run)."""
     path = resolve_model(path, what=role, weights=fetch)
     if not fetch and needs_weights(path) and not is_adapter_dir(path):
         return _from_remote_headers(path, role)
@@ -364,3 +304,53 @@ def _from_pickle(path: Path, role: str, allow_external: bool = False) -> Checkpo
     return Checkpoint(
         path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files
     )
+
+
+def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> Path:
+    """``path`` if it resolves (symlinks followed) inside ``root``, or, for a Hugging Face cache snapshot, into the
+    same repository's ``blobs/``; else a :class:`CheckpointError`."""
+    if allow_external:
+        return path
+    resolved, inside = path.resolve(), root.resolve()
+    if resolved != inside and not resolved.is_relative_to(inside) and not in_repo_blobs(path, root):
+        raise CheckpointError(
+            f"{what} names {path}, which resolves to {resolved}, outside the checkpoint directory {root}; move the "
+            "shard into the directory, or pass --allow-external-shards (allow_external_shards=True) if it is meant"
+        )
+    return path
+
+
+def check_weight_map(
+    data: Any, index: Path, root: Path, role: str, allow_external: bool = False
+) -> dict[str, Path]:
+    """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``."""
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{role}: {index} is not a valid checkpoint index: 'weight_map' must be an object mapping tensor names "
+            f"to shard files, got {type(weight_map).__name__}"
+        )
+    files: dict[str, Path] = {}
+    for name, file_name in weight_map.items():
+        if not isinstance(file_name, str) or not file_name:
+            raise CheckpointError(
+                f"{role}: {index}: weight_map entry {name!r} must be a shard file name, got {file_name!r}"
+            )
+        files[name] = confine(root / file_name, root, f"{role}: {index.name} entry {name!r}", allow_external)
+    return files
+
+
+def check_pickle_state(state: Any, file: Path, role: str) -> dict[str, torch.Tensor]:
+    """A loaded pickle checkpoint: a mapping of tensor names to tensors (nothing else)."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{role}: {file} holds a {type(state).__name__}, not a state dict of tensors; save the model's "
+            "state_dict (better: with safetensors)"
+        )
+    for name, value in state.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{role}: {file}: entry {name!r} is a {type(value).__name__}, not a tensor; save only the "
+                "state_dict's tensors (better: with safetensors)"
+            )
+    return dict(state)

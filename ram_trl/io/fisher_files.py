@@ -37,16 +37,7 @@ def default_fisher_path(agent_path: str | Path) -> Path:
 
 
 def open_fisher(path: str | Path, agent_role: str, agent_path: str | Path) -> Checkpoint:
-    """Open one agent's Fisher file (headers only).
-
-    Args:
-        path: The file (or a directory holding :data:`FISHER_FILE`).
-        agent_role: How errors name the agent, e.g. ``"agent 0 (coder)"``.
-        agent_path: The agent's checkpoint, for the hint on how to create the file.
-
-    Raises:
-        CheckpointError: naming the agent and the file, if it is missing or not a safetensors file.
-    """
+    """Open one agent's Fisher file (headers only)."""
     path = Path(path)
     if path.is_dir():
         path = path / FISHER_FILE
@@ -62,17 +53,7 @@ def check_fisher_headers(fisher: Checkpoint, agent: Checkpoint, base: Checkpoint
     """Check that a Fisher file has a floating tensor of the right shape for each of ``names``.
 
     The shape must be the base's, or the agent's own where its tensor has more or fewer rows (resized vocabulary).
-    Tensors of the file that the base does not merge are ignored.
-
-    Args:
-        fisher: The agent's Fisher file.
-        agent: The agent (its own shapes).
-        base: The base (its shapes).
-        names: The floating tensors the merge reads.
-
-    Raises:
-        CheckpointError: naming the agent, the file and the tensor.
-    """
+    Tensors of the file that the base does not merge are ignored."""
     for name in names:
         meta = fisher.tensors.get(name)
         if meta is None:
@@ -99,33 +80,14 @@ def fisher_itemsize(fisher: Checkpoint) -> int:
 
 
 def fisher_nbytes(fisher: Checkpoint, names: list[str]) -> int:
-    """Bytes of ``names`` in a Fisher file (what one pass reads).
-
-    Args:
-        fisher: The Fisher file.
-        names: The tensors read (all in the file: :func:`check_fisher_headers`).
-
-    Returns:
-        Their stored bytes.
-    """
+    """Bytes of ``names`` in a Fisher file (what one pass reads)."""
     return sum(fisher.tensors[n].nbytes for n in names)
 
 
 def read_fisher_rows(
     fisher: Checkpoint, name: str, reader: RowReader, start: int, stop: int
 ) -> torch.Tensor | None:
-    """Rows ``start:stop`` of one Fisher tensor in its stored dtype (fewer where it has fewer rows; ``None``: none).
-
-    Args:
-        fisher: The Fisher file.
-        name: The tensor's name.
-        reader: The positioned reader.
-        start: First row.
-        stop: One past the last row.
-
-    Returns:
-        The rows the file holds in the range, or ``None`` when it holds none of them.
-    """
+    """Rows ``start:stop`` of one Fisher tensor in its stored dtype (fewer where it has fewer rows; ``None``: none)."""
     shape = fisher.tensors[name].shape
     have = min(stop, shape[0] if shape else 1)
     if have <= start:
@@ -136,18 +98,7 @@ def read_fisher_rows(
 def fill_fisher(
     out: torch.Tensor, raw: torch.Tensor | None, fisher: Checkpoint, name: str, start: int
 ) -> None:
-    """Write one agent's float32 Fisher of a chunk into ``out`` (flat, the chunk's length); zero on rows it lacks.
-
-    Args:
-        out: Float32, flat: receives the Fisher.
-        raw: The file's rows of the chunk (:func:`read_fisher_rows`), or ``None``.
-        fisher: The Fisher file, for messages.
-        name: The tensor's name, for messages.
-        start: The chunk's first row, for messages.
-
-    Raises:
-        NonFiniteError: naming the agent's Fisher file and the tensor, for NaN/Inf or negative values.
-    """
+    """Write one agent's float32 Fisher of a chunk into ``out`` (flat, the chunk's length); zero on rows it lacks."""
     n = 0 if raw is None else raw.numel()
     if raw is not None:
         out[:n].copy_(raw.reshape(-1))

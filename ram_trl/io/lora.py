@@ -20,14 +20,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora_product import lora_product
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_header
-from ram_trl.validation import check_lora_config, read_json_object
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -36,15 +36,7 @@ _PREFIX = "base_model.model."
 
 @dataclass(frozen=True)
 class LoraFactors:
-    """The LoRA factors of one target module.
-
-    Args:
-        target: The base tensor the delta applies to (e.g. ``model.layers.0.self_attn.q_proj.weight``).
-        a: ``lora_A`` (``r x in``) or ``lora_embedding_A`` (``r x num_embeddings``).
-        b: ``lora_B`` (``out x r``) or ``lora_embedding_B`` (``dim x r``).
-        scaling: ``lora_alpha / r`` (or ``/ sqrt(r)``).
-        layout: ``"linear"``: delta = B @ A; ``"transposed"`` (fan_in_fan_out, embeddings): delta = (B @ A).T.
-    """
+    """The LoRA factors of one target module."""
 
     target: str
     a: TensorInfo
@@ -58,16 +50,7 @@ class LoraFactors:
         return (rows, cols) if self.layout == "linear" else (cols, rows)
 
     def delta_rows(self, reader: RowReader, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout).
-
-        Args:
-            reader: The positioned reader of the adapter file.
-            start: First row of the delta.
-            stop: One past its last row.
-
-        Returns:
-            A new float32 tensor of ``stop - start`` rows (:func:`lora_delta_rows`).
-        """
+        """Rows ``start:stop`` of the dense float32 delta ``B @ A * scaling`` (transposed for that layout)."""
         if self.layout == "linear":
             return lora_delta_rows(
                 reader.read_rows(self.a), reader.read_rows(self.b, start, stop), self.scaling, self.layout
@@ -85,18 +68,7 @@ def lora_delta_rows(
     The one implementation of a LoRA task vector: the merge and the analysis read the factors from an adapter file,
     the training telemetry takes them from the live PEFT layers, and both get the same bits for the same factors.
     The product is :func:`~ram_trl.io.lora_product.lora_product`: each element's bits depend only on its row of ``B``
-    and its column of ``A``, not on how the rows are chunked, the number of threads or the BLAS's code path.
-
-    Args:
-        a: ``lora_A`` (``r x in``), or the columns of ``lora_A`` / ``lora_embedding_A`` for the wanted output rows of a
-            transposed layout; any floating dtype (computed in float32).
-        b: ``lora_B`` (``out x r``), or its wanted rows for the linear layout.
-        scaling: ``lora_alpha / r`` (or ``lora_alpha / sqrt(r)``).
-        layout: ``"linear"`` or ``"transposed"`` (``fan_in_fan_out`` layers and embeddings).
-
-    Returns:
-        A new float32 tensor.
-    """
+    and its column of ``A``, not on how the rows are chunked, the number of threads or the BLAS's code path."""
     product = lora_product(b, a)
     if layout == "transposed":
         product = product.T
@@ -105,14 +77,7 @@ def lora_delta_rows(
 
 @dataclass
 class AdapterContent:
-    """What an adapter holds, mapped onto base tensor names.
-
-    Args:
-        config: ``adapter_config.json``.
-        factors: Base tensor name to its LoRA factors.
-        full: Base tensor name to a tensor stored with full values (modules_to_save, trained biases).
-        bias_deltas: Base bias name to ``(lora_B.bias, scaling)`` for ``lora_bias`` adapters.
-    """
+    """What an adapter holds, mapped onto base tensor names."""
 
     config: dict
     factors: dict[str, LoraFactors] = field(default_factory=dict)
@@ -168,17 +133,7 @@ CONV1D_MODEL_TYPES = frozenset(
 
 
 def meta_model(base_dir: Path) -> torch.nn.Module:
-    """The base's causal LM built on the meta device (no weights, no ``trust_remote_code``) from its ``config.json``.
-
-    Args:
-        base_dir: The base checkpoint directory.
-
-    Returns:
-        The model, on the meta device.
-
-    Raises:
-        Exception: whatever transformers raises for an unknown or broken config (callers name the base).
-    """
+    """The base's causal LM built on the meta device (no weights, no ``trust_remote_code``) from its ``config.json``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_dir)
@@ -192,15 +147,7 @@ def conv1d_modules(base_config: Path) -> frozenset[str] | None:
     PEFT decides ``fan_in_fan_out`` by the class of the layer it wraps: it resets the flag to ``False`` on an
     ``nn.Linear`` and to ``True`` on a ``Conv1D`` (with a warning), so the base's architecture, not the adapter
     config's flag, says how a delta applies. Model types outside :data:`CONV1D_MODEL_TYPES` have no ``Conv1D``; the
-    others are built on the meta device to name theirs.
-
-    Args:
-        base_config: The base's ``config.json``.
-
-    Returns:
-        The module names (empty for a model built from ``nn.Linear`` layers), or ``None`` when the architecture is
-        unknown: no readable ``model_type``, remote code (``auto_map``), or one transformers cannot build.
-    """
+    others are built on the meta device to name theirs."""
     try:
         config = read_json_object(base_config, "base model config")
     except CheckpointError:
@@ -251,23 +198,7 @@ def read_adapter(
     base_shapes: Mapping[str, tuple[int, ...]] | None = None,
     base_config: Path | None = None,
 ) -> AdapterContent:
-    """Read and validate a PEFT adapter directory.
-
-    Args:
-        path: The adapter directory (``adapter_config.json`` and the adapter's weights).
-        role: How messages name the adapter (e.g. ``"agent 1 (math)"``).
-        base_shapes: The base model's tensor shapes by name, when known: they tell a Linear layer from a GPT-2
-            ``Conv1D`` as PEFT does (a ``fan_in_fan_out`` flag that contradicts the layer is ignored, as in PEFT).
-        base_config: The base model's ``config.json``, when known: its architecture tells a square Linear weight
-            from a square ``Conv1D`` one (:func:`conv1d_modules`, read only for such targets).
-
-    Returns:
-        Its config and tensors, mapped onto base tensor names.
-
-    Raises:
-        CheckpointError: for a missing or corrupt file, a PEFT method other than LoRA, DoRA, or an unsupported
-            LoRA feature, naming the adapter.
-    """
+    """Read and validate a PEFT adapter directory."""
     config_path = path / ADAPTER_CONFIG
     config = read_json_object(config_path, f"{role}: adapter config")
     method = str(config.get("peft_type", "LORA")).upper()
@@ -375,3 +306,63 @@ def read_adapter(
         if "lora_B.bias" in parts:
             content.bias_deltas[f"{module}.bias"] = (parts["lora_B.bias"], scaling)
     return content
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The numbers of an ``adapter_config.json`` a LoRA delta needs, validated."""
+
+    rank: int
+    alpha: float
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    rslora: bool
+    fan_in_fan_out: bool
+
+
+def _pattern(value: Any, where: str, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: {field} must be an object of regex -> value, got {value!r}")
+    for pattern in value:
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")
+        except re.error as exc:
+            raise CheckpointError(
+                f"{where}: {field} key {pattern!r} is not a valid regular expression ({exc})"
+            ) from exc
+    return value
+
+
+def check_lora_config(config: Any, path: Path, role: str) -> LoraSettings:
+    """Validate the LoRA numbers of an adapter config: ranks positive integers, alphas finite, patterns valid regexes."""
+    where = f"{role}: {path}"
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: an adapter config must be a JSON object")
+
+    def rank(value: Any, field: str) -> int:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not float(value).is_integer()
+            or value < 1
+        ):
+            raise CheckpointError(f"{where}: {field} must be a positive integer rank, got {value!r}")
+        return int(value)
+
+    def alpha(value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise CheckpointError(f"{where}: {field} must be a finite number, got {value!r}")
+        return float(value)
+
+    rank_pattern = _pattern(config.get("rank_pattern"), where, "rank_pattern")
+    alpha_pattern = _pattern(config.get("alpha_pattern"), where, "alpha_pattern")
+    return LoraSettings(
+        rank=rank(config.get("r", 8), "r"),
+        alpha=alpha(config.get("lora_alpha", 8), "lora_alpha"),
+        rank_pattern={k: rank(v, f"rank_pattern[{k!r}]") for k, v in rank_pattern.items()},
+        alpha_pattern={k: alpha(v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items()},
+        rslora=bool(config.get("use_rslora")),
+        fan_in_fan_out=bool(config.get("fan_in_fan_out")),
+    )

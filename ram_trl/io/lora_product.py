@@ -41,20 +41,7 @@ _UNIT = 2.0**-53
 
 
 def lora_product(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``b @ a`` in float32, each element the float64 sum of its products in rank order, rounded once.
-
-    Args:
-        b: The ``m x r`` left factor (any floating dtype that converts exactly to float32: float32, bfloat16,
-            float16).
-        a: The ``r x n`` right factor (same).
-
-    Returns:
-        A new contiguous float32 ``m x n`` tensor whose bits depend only on the values of ``b`` and ``a`` (not on the
-        BLAS, the thread count or how the rows are split).
-
-    Raises:
-        ValueError: If the factors are not matrices with a shared inner dimension.
-    """
+    """``b @ a`` in float32, each element the float64 sum of its products in rank order, rounded once."""
     if b.dim() != 2 or a.dim() != 2 or b.shape[1] != a.shape[0]:
         raise ValueError(f"LoRA factors of shapes {tuple(b.shape)} and {tuple(a.shape)} do not multiply")
     m, r = b.shape

@@ -20,20 +20,7 @@ Result = TypeVar("Result")
 def read_ahead(
     items: Iterable[Item], read: Callable[[Item], Result], depth: int = 1, readers: int = 1
 ) -> Iterator[Result]:
-    """Yield ``read(item)`` for each item in order, reading up to ``depth`` items ahead in background threads.
-
-    Args:
-        items: What to read, in order.
-        read: Reads one item; runs in a background thread (with several readers, on several at once: it must be
-            thread-safe).
-        depth: Items read ahead of the one being consumed (0 reads synchronously).
-        readers: Background threads (:attr:`ram_trl.parallel.ThreadPlan.readers`); the items in flight stay
-            ``depth + 1`` whatever their number, so the memory held does not depend on it.
-
-    Returns:
-        An iterator of results, in the order of ``items``; an exception raised by ``read`` is raised when its item is
-        reached.
-    """
+    """Yield ``read(item)`` for each item in order, reading up to ``depth`` items ahead in background threads."""
     if depth <= 0:
         for item in items:
             yield read(item)
@@ -44,11 +31,7 @@ def read_ahead(
 
 
 class BackgroundWriter:
-    """Run write calls in order on one background thread, with at most ``depth`` calls queued.
-
-    Args:
-        depth: Calls that may be queued before :meth:`submit` waits.
-    """
+    """Run write calls in order on one background thread, with at most ``depth`` calls queued."""
 
     def __init__(self, depth: int = 2) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-trl-write")
@@ -58,12 +41,7 @@ class BackgroundWriter:
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue ``fn(*args)``; raises the error of an earlier call if one failed.
 
-        Waits while ``depth`` calls are queued.
-
-        Args:
-            fn: The write call.
-            *args: Its arguments.
-        """
+        Waits while ``depth`` calls are queued."""
         while len(self._pending) >= self._depth:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(fn, *args))

@@ -23,14 +23,14 @@ import struct
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.errors import CheckpointError
-from ram_trl.validation import check_safetensors_header
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -63,16 +63,7 @@ def dtype_itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives in a safetensors file.
-
-    Args:
-        name: Tensor name as stored.
-        dtype: Stored torch dtype.
-        shape: Stored shape.
-        file: Path of the file holding it.
-        begin: Absolute byte offset of the first element in the file.
-        end: Absolute byte offset one past the last element.
-    """
+    """Where one tensor lives in a safetensors file."""
 
     name: str
     dtype: torch.dtype
@@ -100,17 +91,7 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse and validate a safetensors header without reading tensor data.
-
-    Args:
-        path: The ``.safetensors`` file.
-
-    Returns:
-        A tuple ``(tensors, metadata)``: tensor name to :class:`TensorInfo`, and the ``__metadata__`` map.
-
-    Raises:
-        CheckpointError: if the file is missing, truncated, or its header is malformed or inconsistent.
-    """
+    """Parse and validate a safetensors header without reading tensor data."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -168,12 +149,7 @@ class RowReader:
     compute reads the page cache directly instead of a copy of it (on a CPU whose memory bandwidth is the limit, the
     copy costs as much as the arithmetic), and the mapping is released with the last view, so the resident set stays
     bounded by the chunks in use. The mapping is copy-on-write: writing to a returned tensor never reaches the file.
-    Smaller ranges are read with ``os.preadv`` into new memory.
-
-    Args:
-        max_open_files: File handles kept open.
-        map_min_bytes: Smallest range returned as a memory map; ``None`` reads every range with ``os.preadv``.
-    """
+    Smaller ranges are read with ``os.preadv`` into new memory."""
 
     def __init__(self, max_open_files: int = 64, map_min_bytes: int | None = MAP_MIN_BYTES) -> None:
         self._handles: OrderedDict[Path, _Handle] = OrderedDict()
@@ -207,20 +183,7 @@ class RowReader:
                 handle.close()
 
     def read_rows(self, info: TensorInfo, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype.
-
-        Args:
-            info: The tensor's location.
-            start: First row (default 0).
-            stop: One past the last row (default: all rows).
-
-        Returns:
-            A tensor of shape ``(stop - start, *info.shape[1:])`` (or ``info.shape`` for 0-d tensors), which may be
-            a copy-on-write memory map of the file (see the class docstring).
-
-        Raises:
-            CheckpointError: if the file ends before the range does.
-        """
+        """Read rows ``start:stop`` (first dimension) of a tensor in its stored dtype."""
         if not info.shape:
             start, stop = 0, 1
         start = 0 if start is None else start
@@ -310,16 +273,7 @@ PlannedTensor = TensorMeta
 def shard_layout(
     tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]], int]:
-    """The header of a safetensors file holding ``tensors`` in order, and where each tensor's data goes.
-
-    Args:
-        tensors: The file's tensors, in file order.
-        metadata: The ``__metadata__`` map (default ``{"format": "pt"}``, what transformers expects).
-
-    Returns:
-        ``(prefix, locations, file_size)``: the length-prefixed header padded to 8 bytes, each tensor's absolute
-        ``(begin, end)`` byte range, and the size of the complete file.
-    """
+    """The header of a safetensors file holding ``tensors`` in order, and where each tensor's data goes."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
     relative: dict[str, tuple[int, int]] = {}
@@ -359,13 +313,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing a just-written range to disk now, without waiting (Linux; else a no-op).
 
     The disk then works while the merge computes the next chunks, and the final ``fsync`` only waits for the last
-    ones, instead of for the whole file (and for other processes' dirty data queued on the same disk).
-
-    Args:
-        fd: The file's descriptor.
-        offset: Byte offset of the range.
-        nbytes: Its length in bytes (nothing is done for 0).
-    """
+    ones, instead of for the whole file (and for other processes' dirty data queued on the same disk)."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # best effort: errors are not actionable
 
@@ -374,13 +322,7 @@ class ShardFile:
     """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets.
 
     One process creates the file (:meth:`create`: header plus a sparse file of the final size); any number of
-    processes then open it and write the row ranges they own, in any order, with positioned writes.
-
-    Args:
-        path: The file (created beforehand with :meth:`create`).
-        tensors: The file's tensors, in file order (the same list given to :meth:`create`).
-        metadata: The ``__metadata__`` map.
-    """
+    processes then open it and write the row ranges they own, in any order, with positioned writes."""
 
     def __init__(
         self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
@@ -395,29 +337,14 @@ class ShardFile:
     def create(
         path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
     ) -> None:
-        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`.
-
-        Args:
-            path: The file (created or truncated).
-            tensors: The file's tensors, in file order.
-            metadata: The ``__metadata__`` map (default ``None``: none).
-        """
+        """Write the header and size the file; tensor data is filled in by :meth:`write_rows`."""
         prefix, _, size = shard_layout(tensors, metadata)
         with open(path, "wb") as handle:
             handle.write(prefix)
             handle.truncate(size)
 
     def write_rows(self, name: str, row_start: int, chunk: torch.Tensor) -> None:
-        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype).
-
-        Args:
-            name: The tensor's name (planned in this file).
-            row_start: The first row written.
-            chunk: The rows, in the tensor's planned dtype (on any device).
-
-        Raises:
-            RuntimeError: for a tensor not planned in this file, another dtype, or rows past the tensor's end.
-        """
+        """Write ``chunk`` (rows ``row_start : row_start + len(chunk)`` of tensor ``name``, in its planned dtype)."""
         planned = self._planned.get(name)
         if planned is None:
             raise RuntimeError(f"{self.path}: tensor {name!r} is not planned in this file")
@@ -453,3 +380,78 @@ class ShardFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One validated tensor entry of a safetensors header (offsets relative to the end of the header)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_safetensors_header(
+    header: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
+) -> tuple[list[HeaderEntry], dict[str, str]]:
+    """Validate a decoded safetensors header as the safetensors library would, with one message per problem."""
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: __metadata__ must map strings to strings, got "
+            f"{type(metadata).__name__}; re-save the file with safetensors"
+        )
+    entries = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        entries.append(_check_entry(name, entry, path, data_bytes, itemsizes))
+    ordered = sorted((e for e in entries if e.end > e.begin), key=lambda e: e.begin)
+    for before, after in zip(ordered, ordered[1:], strict=False):
+        if after.begin < before.end:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: the data of tensors {before.name!r} "
+                f"[{before.begin}, {before.end}) and {after.name!r} [{after.begin}, {after.end}) overlap; "
+                "re-save the file with safetensors"
+            )
+    return entries, dict(metadata)
+
+
+def _check_entry(
+    name: str, entry: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
+) -> HeaderEntry:
+    where = f"{path}: corrupt safetensors header entry for tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: expected an object with dtype, shape, data_offsets")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise CheckpointError(f"{where}: dtype must be a string, got {dtype!r}")
+    if dtype not in itemsizes:
+        raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(whole_number(d) for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(whole_number(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be two non-negative integers, got {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * itemsizes[dtype]
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: tensor {name!r} spans {end - begin} bytes, "
+            f"its shape {list(shape)} and dtype {dtype} need {expected}"
+        )
+    if end > data_bytes:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: tensor {name!r} ends at data byte {end}, the file has "
+            f"{data_bytes} bytes of data"
+        )
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)

@@ -13,6 +13,7 @@ whole-tensor steps too (TIES' cut, SLERP's angle, the RAM family's counts).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -21,24 +22,11 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, TensorInfo, TensorMeta
-from ram_trl.validation import is_vocabulary_tensor
 
 
 @dataclass(frozen=True)
 class UnionRows:
-    """The rows of a union vocabulary that some model lacks.
-
-    Args:
-        rows: The union's token count (every model's vocabulary row count after padding).
-        holders: For each token id some model lacks: the models that have it, by position (0: the base, ``t + 1``:
-            agent ``t``), in config order.
-        load_dtype: The config's ``dtype`` (mergekit computes the default rows in it), ``None`` for the stored one.
-        sources: mergekit's ``tokenizer.tokens`` rules, by token id: ``("zero",)`` or ``("model", position, row)``
-            (that model's stored row), used instead of the default for the models that lack the token.
-        forced: Token ids whose row every model takes from :attr:`sources` (a rule with ``force``).
-        padded_rows: mergekit's ``tokenizer.pad_to_multiple_of``: the row count after padding (``None``: no
-            padding); each model's padding rows are the mean of its :attr:`rows` rows, in the load dtype.
-    """
+    """The rows of a union vocabulary that some model lacks."""
 
     rows: int
     holders: dict[int, tuple[int, ...]]
@@ -53,14 +41,7 @@ class UnionRows:
         return self.padded_rows or self.rows
 
     def rebuilt(self, position: int) -> list[int]:
-        """The token ids whose row a model takes from the default or a rule, not from its own rows.
-
-        Args:
-            position (`int`): The model (0: the base, ``t + 1``: agent ``t``).
-
-        Returns:
-            `list[int]`: The ids, ascending.
-        """
+        """The token ids whose row a model takes from the default or a rule, not from its own rows."""
         lacking = {token for token, holders in self.holders.items() if position not in holders}
         return sorted(lacking | self.forced)
 
@@ -125,42 +106,18 @@ class PaddedCheckpoint(Checkpoint):
     defaults: _DefaultRows | None = None
 
     def has_values(self, name: str) -> bool:
-        """Whether the checkpoint stores values of ``name`` (see :meth:`Checkpoint.has_values`).
-
-        Args:
-            name (`str`): The tensor's name.
-
-        Returns:
-            `bool`: As the wrapped checkpoint.
-        """
+        """Whether the checkpoint stores values of ``name`` (see :meth:`Checkpoint.has_values`)."""
         assert self.inner is not None
         return self.inner.has_values(name)
 
     def location(self, name: str) -> TensorInfo | None:
         """The stored location of ``name``; ``None`` for a padded vocabulary tensor (read it with
-        :meth:`read_rows`).
-
-        Args:
-            name (`str`): The tensor's name.
-
-        Returns:
-            `TensorInfo | None`: The location.
-        """
+        :meth:`read_rows`)."""
         assert self.inner is not None and self.defaults is not None
         return None if name in self.defaults.dtype else self.inner.location(name)
 
     def read_rows(self, name: str, reader: RowReader, start: int | None = None, stop: int | None = None):
-        """Rows ``start:stop`` of ``name``; for a vocabulary tensor, in the union's numbering.
-
-        Args:
-            name (`str`): The tensor's name.
-            reader (`RowReader`): The positioned reader.
-            start (`int`, *optional*): First row (default 0).
-            stop (`int`, *optional*): One past the last row (default: all rows).
-
-        Returns:
-            `torch.Tensor`: The rows (a new tensor for a vocabulary tensor).
-        """
+        """Rows ``start:stop`` of ``name``; for a vocabulary tensor, in the union's numbering."""
         assert self.inner is not None and self.defaults is not None
         if name not in self.defaults.dtype:
             return self.inner.read_rows(name, reader, start, stop)
@@ -186,19 +143,7 @@ class PaddedCheckpoint(Checkpoint):
 
 
 def pad_vocabularies(base: Checkpoint, agents: list[Checkpoint], union: UnionRows) -> list[Checkpoint]:
-    """The base and the agents with every vocabulary tensor in the union's rows (:class:`PaddedCheckpoint`).
-
-    Args:
-        base (`Checkpoint`): The base.
-        agents (`list[Checkpoint]`): The agents, in config order.
-        union (`UnionRows`): The union's rows.
-
-    Returns:
-        `list[Checkpoint]`: The base, then the agents, wrapped.
-
-    Raises:
-        CheckpointError: A LoRA agent, or vocabulary tensors stored in several dtypes or missing from a model.
-    """
+    """The base and the agents with every vocabulary tensor in the union's rows (:class:`PaddedCheckpoint`)."""
     models = [base, *agents]
     for model in agents:
         if model.kind == "lora":
@@ -236,4 +181,13 @@ def pad_vocabularies(base: Checkpoint, agents: list[Checkpoint], union: UnionRow
     return wrapped
 
 
-__all__ = ["PaddedCheckpoint", "UnionRows", "pad_vocabularies"]
+__all__ = ["PaddedCheckpoint", "UnionRows", "VOCABULARY_PATTERN", "is_vocabulary_tensor", "pad_vocabularies"]
+
+
+#: Tensor names of vocabulary-sized tensors (rows = tokens): the only tensors ``merge_common_rows`` may resize.
+VOCABULARY_PATTERN = re.compile(r"^(?!.*pos)(.*\.)?([^.]*embed[^.]*|wte|lm_head)(\.|$)|^(output|shared)\.")
+
+
+def is_vocabulary_tensor(name: str) -> bool:
+    """Whether ``name`` is a vocabulary-sized tensor (input embeddings, output head, or their LoRA factors)."""
+    return bool(VOCABULARY_PATTERN.search(name))

@@ -12,19 +12,22 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from ram_trl.distributed import DistContext
+from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
-from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.io.json_files import read_json_object
+from ram_trl.io.safetensors_io import RowReader, dtype_itemsize, whole_number
 from ram_trl.io.vocabulary import pad_vocabularies
 from ram_trl.merging.config.settings import ResolvedConfig
 from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.merging.streaming import InputCache, ReadCounter
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import DEFAULT_EPS
-from ram_trl.validation import check_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +37,7 @@ DENSE_AGENT_WARNING = 0.99
 
 @dataclass
 class MergeOptions:
-    """Run options (the CLI flags), separate from what is merged (the config).
-
-    Args:
-        overwrite: Replace an existing output directory.
-        dry_run: Plan and print, write nothing.
-        max_shard_size: Largest output file, e.g. ``"5GB"``.
-        device: Where the arithmetic runs (``"cpu"`` or ``"cuda"``); reads and writes stay on the CPU.
-        allow_pickle: Accept ``pytorch_model*.bin`` inputs.
-        chunk_budget: Bytes allowed for one chunk's buffers, e.g. ``"256MB"``.
-        progress: Show progress bars.
-        allow_external_shards: Accept checkpoint index files naming shards outside their directory.
-        print_summary: Print the plan (dry run) or the summary tables in the terminal (the command line does;
-            a library call logs one line through ``logging`` instead).
-        input_cache: Memory that may keep the inputs the statistics pass (RAM+, RAM+s) read, on the compute device,
-            for the merge pass, which then neither reads nor copies them again: ``"auto"`` (half the accelerator's
-            free memory; none on the CPU), ``"off"`` or a size such as ``"8GB"``.
-    """
+    """Run options (the CLI flags), separate from what is merged (the config)."""
 
     overwrite: bool = False
     dry_run: bool = False
@@ -80,20 +67,7 @@ class MergeState:
 
 @dataclass
 class RunContext:
-    """Everything one merge run's passes read and update, in one object.
-
-    Args:
-        resolved: The validated merge config (method, parameters, agents).
-        options: The run options.
-        base: The opened base checkpoint (headers).
-        agents: The opened agents, in config order.
-        plan: The plan: tensors, chunks, output shards.
-        dist: This process's place in the run (rank, world size).
-        state: What the passes accumulate.
-        device: Where the arithmetic runs.
-        tasks: This process's share of ``plan.tasks``.
-        reader: The positioned reader of the run (set while the passes run).
-    """
+    """Everything one merge run's passes read and update, in one object."""
 
     resolved: ResolvedConfig
     options: MergeOptions
@@ -136,17 +110,7 @@ def run_eps(resolved: ResolvedConfig) -> float:
 def open_inputs(
     resolved: ResolvedConfig, allow_pickle: bool, allow_external_shards: bool = False, fetch: bool = True
 ) -> tuple[Checkpoint, list[Checkpoint]]:
-    """Open the base and every agent (headers only; the base's ``config.json`` is validated too).
-
-    Args:
-        resolved: The config naming the inputs.
-        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints.
-        allow_external_shards: Accept index files naming shards outside their checkpoint directory.
-        fetch: Fetch the weights of Hub inputs not in the cache (``False``: read their headers from the Hub only).
-
-    Returns:
-        The base and the agents, in config order.
-    """
+    """Open the base and every agent (headers only; the base's ``config.json`` is validated too)."""
     base = open_checkpoint(
         resolved.base_path,
         f"base model ({resolved.base_path})",
@@ -176,15 +140,7 @@ def open_inputs(
 
 def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
     """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
-    balances over processes).
-
-    Args:
-        task: The tensor (a copied tensor counts the base's bytes only).
-        agents: The agents (those that store the tensor count).
-
-    Returns:
-        The stored bytes.
-    """
+    balances over processes)."""
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(
@@ -196,13 +152,7 @@ def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
 
 
 def check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
-    """Warn about agents whose task vector is zero, or differs from the base almost everywhere (another base?).
-
-    Args:
-        resolved: The merge config.
-        state: The accumulated overlap statistics; the warnings are appended to ``state.warnings``.
-        emit: Also raise them as Python warnings and log them (the main process only).
-    """
+    """Warn about agents whose task vector is zero, or differs from the base almost everywhere (another base?)."""
     for t, agent in enumerate(resolved.agents):
         density = state.stats.density(t)
         if state.stats.active(t) == 0:
@@ -228,7 +178,20 @@ __all__ = [
     "MergeState",
     "RunContext",
     "check_densities",
+    "check_model_config",
     "open_inputs",
     "run_eps",
     "task_input_bytes",
 ]
+
+
+def check_model_config(path: Path, role: str) -> dict[str, Any]:
+    """A model's ``config.json``: a JSON object whose size fields, when present, are positive integers."""
+    config = read_json_object(path, role)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size"):
+        if key in config and not (whole_number(config[key]) and config[key] > 0):
+            raise CheckpointError(f"{role}: {path}: {key} must be a positive integer, got {config[key]!r}")
+    for key in ("model_type", "torch_dtype", "dtype"):
+        if key in config and config[key] is not None and not isinstance(config[key], str):
+            raise CheckpointError(f"{role}: {path}: {key} must be a string, got {config[key]!r}")
+    return config

@@ -18,17 +18,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.errors import CheckpointError
+from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, write_chat_template
 from ram_trl.io.fisher_files import (
     check_fisher_headers,
@@ -39,6 +41,7 @@ from ram_trl.io.fisher_files import (
 )
 from ram_trl.io.hub import needs_weights
 from ram_trl.io.safetensors_io import RowReader, ShardFile
+from ram_trl.io.vocabulary import is_vocabulary_tensor
 from ram_trl.merging import report as reporting
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import MergeConfig, load_config
@@ -52,7 +55,8 @@ from ram_trl.merging.context import (
     task_input_bytes,
 )
 from ram_trl.merging.lora.export import LoraExportOptions, export_lora, lora_options, print_export
-from ram_trl.merging.passes import method_factors, planned_tensors, statistics_pass, write_tensors
+from ram_trl.merging.passes.merge import planned_tensors, write_tensors
+from ram_trl.merging.passes.statistics import method_factors, statistics_pass
 from ram_trl.merging.planner import (
     DEFAULT_CHUNK_BUDGET,
     DEFAULT_MAX_SHARD_SIZE,
@@ -60,10 +64,9 @@ from ram_trl.merging.planner import (
     build_plan,
     parse_size,
 )
-from ram_trl.merging.streaming import InputCache, input_cache_budget
+from ram_trl.merging.streaming import InputCache, check_input_cache, input_cache_budget
 from ram_trl.output import OutputDir, temp_name
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.validation import check_device, check_input_cache, check_weight_sums, is_vocabulary_tensor
 
 REPORT_FILE = reporting.REPORT_FILE
 
@@ -152,30 +155,12 @@ def merge(
 
 
 def output_for(resolved: ResolvedConfig, output_dir: Path, overwrite: bool) -> OutputDir:
-    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``).
-
-    Args:
-        resolved: The merge config (its inputs, which the output must not be or hold).
-        output_dir: The output directory.
-        overwrite: Replace a previous merge output there.
-
-    Returns:
-        The output directory's commit protocol (not begun).
-    """
+    """The commit protocol of a merge's output directory (a previous output holds ``ram_merge_report.json``)."""
     return OutputDir(output_dir, overwrite=overwrite, reads=resolved.inputs(), markers=(REPORT_FILE,))
 
 
 def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
-    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero.
-
-    Args:
-        resolved: The merge config (nothing is checked unless its method divides by the weight sum and
-            ``normalize`` is on).
-        plan: The plan (its floating tensors are checked, each with its filter rules resolved).
-
-    Raises:
-        ConfigError: naming a tensor whose weights sum to zero or to a non-finite value.
-    """
+    """Refuse weights whose per-tensor sum a normalising method would divide by when it is zero."""
     if not (resolved.method.divides_by_weight_sum and resolved.params.get("normalize")):
         return
     sums = {
@@ -189,21 +174,7 @@ def check_normalized_weights(resolved: ResolvedConfig, plan: MergePlan) -> None:
 def prepare(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions
 ) -> tuple[Checkpoint, list[Checkpoint], MergePlan]:
-    """Everything that can fail cheaply: output checks, input headers, the plan.
-
-    Args:
-        resolved: The merge config (each agent's ``kind`` is filled in).
-        output_dir: The output directory (checked unless ``options.dry_run``).
-        options: The run's options (device, pickle and external shards, chunk budget, shard size).
-
-    Returns:
-        The base, the agents (in config order) and the plan (with the Fisher files for a Fisher method).
-
-    Raises:
-        ConfigError: for an unusable config, device or weights (e.g. a zero weight sum to normalise by).
-        CheckpointError: for unreadable or inconsistent inputs.
-        OutputError: for an output directory the merge may not write.
-    """
+    """Everything that can fail cheaply: output checks, input headers, the plan."""
     check_device(options.device)
     check_input_cache(options.input_cache)
     if not options.dry_run:
@@ -282,29 +253,13 @@ def _check_adapter_base(resolved: ResolvedConfig, spec: AgentSpec, agent: Checkp
 def run_copy(resolved: ResolvedConfig) -> ResolvedConfig:
     """The run's own copy of a validated config: what a run learns on the way (each agent's kind, the Fisher file
     each agent's Fisher came from, notes, the LoRA export's float32 output) is written into it, never into the
-    caller's config, which stays as validated (and can be merged again).
-
-    Args:
-        resolved: The validated merge config.
-
-    Returns:
-        A copy with its own agents (and their parameters) and notes.
-    """
+    caller's config, which stays as validated (and can be merged again)."""
     agents = [dataclasses.replace(a, parameters=dict(a.parameters)) for a in resolved.agents]
     return dataclasses.replace(resolved, agents=agents, notes=list(resolved.notes))
 
 
 def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions) -> dict[str, Any]:
-    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun.
-
-    Args:
-        resolved: The validated merge config (left as it is: the run works on :func:`run_copy`).
-        output_dir: Where the merged model is written (committed atomically).
-        options: The run's options.
-
-    Returns:
-        The merge report (the plan's summary with ``options.dry_run``); the same on every process.
-    """
+    """Run a resolved merge (see :func:`merge`), over all processes when launched with accelerate or torchrun."""
     resolved = run_copy(resolved)
     ctx = DistContext.from_env(options.device)
     try:
@@ -399,17 +354,7 @@ def run_lora_merge(
     """Merge in float32 into a temporary full model beside ``output_dir``, export it as LoRA, remove it.
 
     Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
-    fails every rank.
-
-    Args:
-        resolved: The validated merge config (left as it is; the run's copy merges in float32).
-        output_dir: Where the LoRA adapter is written.
-        options: The run's options.
-        lora: The export's rank options.
-
-    Returns:
-        The export's report (with ``options.dry_run``, the merge plan's summary with the export options).
-    """
+    fails every rank."""
     resolved = run_copy(resolved)
     resolved.out_dtype = torch.float32  # exact deltas for the SVD (in the run's copy)
     merge_options = dataclasses.replace(options, overwrite=False)
@@ -482,15 +427,7 @@ def _create_shards(plan: MergePlan, temp_dir: Path) -> None:
 def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
-    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report.
-
-    Args:
-        resolved: The merge config (base and tokenizer sources, output dtype).
-        base: The base checkpoint (its ``config.json``).
-        plan: The plan (shards, output bytes, resized tensors).
-        out_dir: The temporary output directory.
-        report: The merge report; a missing tokenizer adds a warning to it.
-    """
+    """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
     if len(plan.shards) > 1:
         index = {
             "metadata": {"total_size": plan.output_bytes},
@@ -513,14 +450,7 @@ def finalize_output(
 
 
 def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
-    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary.
-
-    Args:
-        resolved: The merge config (its output dtype).
-        base: The base checkpoint (without a ``config.json``, a warning and no config).
-        plan: The plan (its resized tensors set ``vocab_size``).
-        out_dir: The directory written into.
-    """
+    """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
     if base.config_path is None:
         warnings.warn(
             f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2
@@ -541,4 +471,42 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = ["CheckpointError", "MergeOptions", "MergeState", "merge", "run_lora_merge", "run_merge"]
+__all__ = [
+    "CheckpointError",
+    "MergeOptions",
+    "MergeState",
+    "check_device",
+    "check_weight_sums",
+    "merge",
+    "run_lora_merge",
+    "run_merge",
+]
+
+
+def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:
+    """Refuse per-tensor weight sums that a normalising method would divide by: zero or not finite."""
+    for tensor, total in sums.items():
+        if not math.isfinite(total) or abs(total) < 1e-8:
+            raise ConfigError(
+                f"{where}: {method} with normalize: the agents' weights for tensor {tensor!r} sum to {total:g}, "
+                "and the merge divides by that sum; change the weights (or their filter rules) or set "
+                "normalize: false"
+            )
+
+
+def check_device(device: Any) -> torch.device:
+    """A device the merge can compute on: ``cpu``, ``cuda`` or ``cuda:N`` (with CUDA available)."""
+    try:
+        parsed = torch.device(str(device))
+    except (RuntimeError, ValueError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: unknown device; use cpu, cuda or cuda:N")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device is available; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); use cuda:0.."
+            )
+    return parsed

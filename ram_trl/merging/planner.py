@@ -57,18 +57,7 @@ def bytes_per_element(
     and of two chunks queued for writing (``3 out_itemsize``). With Fisher inputs (``fisher_itemsize`` > 0, the
     stored Fisher's bytes per element): the float32 Fishers of the chunk being merged and of the one read ahead
     (``8N``) and the stored rows being converted (``N fisher_itemsize``). For methods that merge weights
-    (``model_buffers``): the agents' float32 weights (``4N``).
-
-    Args:
-        num_agents: Agents merged (``N``).
-        in_itemsize: Bytes per stored input element (default 4).
-        out_itemsize: Bytes per output element (default 4).
-        fisher_itemsize: Bytes per stored Fisher element, 0 without Fisher inputs (default 0).
-        model_buffers: The method merges weights rather than task vectors (default ``False``).
-
-    Returns:
-        The bytes per element.
-    """
+    (``model_buffers``): the agents' float32 weights (``4N``)."""
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
     if fisher_itemsize:
         total += num_agents * (8 + fisher_itemsize)
@@ -85,36 +74,14 @@ def chunk_elements(
     fisher_itemsize: int = 0,
     model_buffers: bool = False,
 ) -> int:
-    """Largest chunk (in elements) whose buffers fit in ``budget`` bytes.
-
-    Args:
-        budget: The chunk budget in bytes.
-        num_agents: Agents merged.
-        in_itemsize: Bytes per stored input element (default 4).
-        out_itemsize: Bytes per output element (default 4).
-        fisher_itemsize: Bytes per stored Fisher element, 0 without Fisher inputs (default 0).
-        model_buffers: The method merges weights rather than task vectors (default ``False``).
-
-    Returns:
-        ``budget // bytes_per_element(...)``, at least 1.
-    """
+    """Largest chunk (in elements) whose buffers fit in ``budget`` bytes."""
     per = bytes_per_element(num_agents, in_itemsize, out_itemsize, fisher_itemsize, model_buffers)
     return max(1, budget // per)
 
 
 @dataclass(frozen=True)
 class TensorTask:
-    """One output tensor.
-
-    Args:
-        name: Tensor name.
-        base: The base tensor's metadata.
-        out_dtype: Output dtype.
-        out_rows: Rows of the output (more than the base's when an agent resized a vocabulary).
-        agent_rows: Rows each agent holds.
-        floating: Whether the tensor is merged (floating point) or copied from the base.
-        rows_per_chunk: Rows read and merged at once.
-    """
+    """One output tensor."""
 
     name: str
     base: TensorMeta
@@ -169,22 +136,7 @@ class ShardPlan:
 
 @dataclass
 class MergePlan:
-    """Everything the merge will do, known before it reads a tensor.
-
-    Args:
-        tasks: Output tensors in write order.
-        shards: Output files.
-        num_agents: Agents merged.
-        chunk_budget: Bytes allowed for one chunk's buffers.
-        passes: Reads of every input (2 when global statistics precede the merge).
-        input_bytes: Bytes of base and agents read per pass.
-        trims_by_magnitude: Whether the method prepares each tensor whole (TIES' cuts: one extra read of each
-            agent per tensor).
-        fisher_itemsize: Bytes per element of the stored Fisher inputs (0: no Fisher inputs).
-        fishers: Each agent's Fisher file (methods that need them), streamed beside its weights.
-        merges_weights: Whether each chunk also holds the agents' float32 weights.
-        prepare_bytes: Bytes per element of the largest tensor that the per-tensor preparation holds at once.
-    """
+    """Everything the merge will do, known before it reads a tensor."""
 
     tasks: list[TensorTask]
     shards: list[ShardPlan]
@@ -257,31 +209,7 @@ def build_plan(
     merges_weights: bool = False,
     prepare_bytes: int = 12,
 ) -> MergePlan:
-    """Check all inputs against the base and plan the merge.
-
-    Args:
-        base: The base checkpoint.
-        agents: Agent checkpoints, in config order.
-        out_dtype: Output dtype of floating tensors (``None``: the base tensor's dtype).
-        shape_mismatch: ``"error"``, ``"merge_common_rows"``, or ``"tokenizer_rows"`` (agents may have more
-            vocabulary rows than the base, which are left out: the output keeps the base's rows).
-        needs_statistics: Whether a statistics pass precedes the merge.
-        trims_by_magnitude: Whether the method computes per-tensor magnitude cuts.
-        chunk_budget: Bytes allowed for one chunk's buffers.
-        max_shard_size: Largest output file (a tensor larger than this gets a shard of its own).
-        fisher_itemsize: Bytes per element of the stored Fisher inputs streamed beside the agents (0: none).
-        resizable: Which tensors ``merge_common_rows`` may resize (default: any); the merge passes the vocabulary
-            tensors (embeddings, output head).
-        merges_weights: Whether each chunk also holds the agents' float32 weights (smaller chunks).
-        prepare_bytes: Bytes per element of the largest tensor that the method's per-tensor preparation holds.
-
-    Returns:
-        The :class:`MergePlan`.
-
-    Raises:
-        CheckpointError: naming the tensor, the agent and the file for a missing tensor, an extra tensor, a shape
-            mismatch or a non-floating agent tensor.
-    """
+    """Check all inputs against the base and plan the merge."""
     num_agents = len(agents)
     for agent in agents:
         extra = sorted(set(agent.tensors) - set(base.tensors))
@@ -382,15 +310,7 @@ def build_plan(
 
 
 def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]:
-    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, named as transformers names them.
-
-    Args:
-        tasks: The output tensors, in file order.
-        max_shard_size: The largest file in bytes (a larger tensor gets a file of its own).
-
-    Returns:
-        One ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files.
-    """
+    """Group tensors, in order, into files of at most ``max_shard_size`` bytes, named as transformers names them."""
     groups: list[list[TensorTask]] = [[]]
     size = 0
     for task in tasks:

@@ -7,7 +7,7 @@ agents and the base read from disk (the same flat ranges, read a few rows at a t
 1. the statistics: every process counts the method's overlap statistics on its ranges; the integer counts are summed
    over the processes (one all-reduce), so the per-agent factors (RAM+'s ``lambda_t``) are exactly the engine's;
 2. the merge: every process runs the method's kernel on its ranges, block by block, with the engine's arithmetic
-   (:func:`ram_trl.merging.passes.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
+   (:func:`ram_trl.merging.passes.epilogue.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
 
 The merged values are those ``ram-trl merge`` writes for the same elements when the in-memory agent is saved in the
 dtype its ranges are given in: bit for bit. Methods whose kernel needs more than the elements of a range and the
@@ -30,7 +30,8 @@ from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.config.settings import ResolvedConfig
 from ram_trl.merging.context import open_inputs, run_eps
-from ram_trl.merging.passes import agent_parameter_values, kernel_output
+from ram_trl.merging.passes.epilogue import kernel_output
+from ram_trl.merging.passes.tensors import agent_parameter_values
 from ram_trl.merging.planner import TensorTask, build_plan
 from ram_trl.merging.streaming import fill_delta, fill_weights, read_agent_rows
 from ram_trl.methods import ChunkInputs, MergeMethod
@@ -45,17 +46,7 @@ __all__ = ["BLOCK_ELEMENTS", "FlatRange", "RangeMerge", "check_range_method", "m
 
 @dataclass(frozen=True)
 class FlatRange:
-    """Elements ``[offset, offset + values.numel())`` of one flattened tensor of the in-memory agent.
-
-    Args:
-        name: The tensor's name in the base checkpoint.
-        offset: Flat index of ``values[0]`` in the full tensor.
-        values: The agent's elements, 1-D, in the dtype the merge is to read them in (the dtype the agent is saved
-            in: ``ram-trl merge`` of the saved agent sees exactly these values).
-        counted: Whether this process counts the range in the statistics. A range that every process holds (a
-            replicated parameter) is counted by one process only, so that the sum over processes counts every
-            element once.
-    """
+    """Elements ``[offset, offset + values.numel())`` of one flattened tensor of the in-memory agent."""
 
     name: str
     offset: int
@@ -65,17 +56,7 @@ class FlatRange:
 
 @dataclass
 class RangeMerge:
-    """The result of :func:`merge_ranges` on this process.
-
-    Args:
-        values: The merged elements of every range, in the order given, each 1-D in its tensor's output dtype.
-        factors: The method's per-agent factors (global), or ``None`` for methods without statistics.
-        stats: The global overlap statistics (summed over the processes), for methods with statistics.
-        digest: SHA-256 of the merged elements of every process (tensor name, offset, dtype and bytes of each
-            range, the processes in rank order): equal digests mean equal merged weights for one partitioning.
-        tensor_factors: Per tensor, the factors from that tensor's statistics (methods with tensor-local factors,
-            e.g. ``rho_scope: tensor``); empty otherwise.
-    """
+    """The result of :func:`merge_ranges` on this process."""
 
     values: list[torch.Tensor]
     factors: list[float] | None
@@ -85,15 +66,7 @@ class RangeMerge:
 
 
 def check_range_method(method: MergeMethod) -> None:
-    """Refuse a method that cannot merge flat ranges of partitioned parameters.
-
-    Args:
-        method: The merge method.
-
-    Raises:
-        ConfigError: for a method with a per-tensor preparation over whole tensors, a scan of earlier blocks or
-            Fisher inputs, naming what to use instead.
-    """
+    """Refuse a method that cannot merge flat ranges of partitioned parameters."""
     if method.prepare_tensor is not None or method.scan is not None or method.needs_fisher:
         what = "Fisher inputs" if method.needs_fisher else "whole tensors (a per-tensor preparation)"
         raise ConfigError(
@@ -131,24 +104,7 @@ def merge_ranges(
     Every process of ``ctx`` calls it with its own ranges; together the ranges of all processes must cover every
     floating tensor of the base exactly once (counted ranges). The other agents and the base are read from the
     checkpoints the config names; agent ``current``'s checkpoint is never read (the config may name any stand-in
-    with the base's tensors).
-
-    Args:
-        resolved: The validated merge config (:func:`ram_trl.merging.config.resolve.resolve_config`).
-        current: Index of the in-memory agent in ``resolved.agents``.
-        ranges: This process's ranges of that agent.
-        ctx: The processes merging (each with its ranges).
-        device: Where the arithmetic runs.
-        block_elements: Elements merged at once.
-
-    Returns:
-        The merged elements of each range and the global statistics.
-
-    Raises:
-        ConfigError: for a method that cannot merge ranges, a range of a tensor the base does not have as a
-            floating tensor, a range past its tensor's end, or ranges that do not cover the base's floating tensors.
-        NonFiniteError: naming the tensor and agent, for NaN/Inf inputs (unless ``allow_nonfinite``).
-    """
+    with the base's tensors)."""
     method = resolved.method
     check_range_method(method)
     if not 0 <= current < len(resolved.agents):

@@ -84,19 +84,7 @@ def build_report(
     timings: dict[str, float],
     output_dir: Path,
 ) -> dict[str, Any]:
-    """Assemble the merge report (the content of ``ram_merge_report.json``).
-
-    Args:
-        resolved: The merge config (method, parameters, agents, notes).
-        plan: The plan (output files and bytes).
-        state: The merge's accumulated state (overlap statistics, factors, bytes read, warnings), summed over the
-            processes.
-        timings: Seconds per phase (``statistics_seconds``, ``merge_seconds``, ``total_seconds``).
-        output_dir: The final output directory (as the report names it).
-
-    Returns:
-        The report, JSON-serialisable after :func:`json_default`.
-    """
+    """Assemble the merge report (the content of ``ram_merge_report.json``)."""
     agents = []
     for t, agent in enumerate(resolved.agents):
         entry: dict[str, Any] = {
@@ -152,13 +140,7 @@ def build_report(
 
 
 def write_report(out_dir: Path, report: dict[str, Any], card: str) -> None:
-    """Write the report (``ram_merge_report.json``) and the model card (``README.md``) into an output directory.
-
-    Args:
-        out_dir: The output's temporary directory.
-        report: The report (paths, dtypes and infinities are serialised by :func:`json_default`).
-        card: The model card's Markdown (:func:`model_card` or :func:`adapter_card`).
-    """
+    """Write the report (``ram_merge_report.json``) and the model card (``README.md``) into an output directory."""
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, default=json_default) + "\n")
     (out_dir / CARD_FILE).write_text(card)
 
@@ -210,12 +192,7 @@ def _upload_lines() -> str:
 
 
 def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
-    """The body of a merged model's card (no front matter): method, parameters, agents, stages, warnings, config.
-
-    Args:
-        report: The merge report.
-        title: The heading, followed by the method's name.
-    """
+    """The body of a merged model's card (no front matter): method, parameters, agents, stages, warnings, config."""
     lines = [f"# {title}: {report['method_pretty_name']}", ""]
     lines.append(
         f"This model was merged with ram_trl {report['ram_trl_version']} "
@@ -373,15 +350,7 @@ def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
 
 
 def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
-    """The dry-run result: what the merge would read, write and hold in memory.
-
-    Args:
-        resolved: The merge config.
-        plan: The merge's plan.
-
-    Returns:
-        The summary (``dry_run: True``, tensors, passes, bytes, files, chunk budget, peak memory estimate, notes).
-    """
+    """The dry-run result: what the merge would read, write and hold in memory."""
     return {
         "dry_run": True,
         "merge_method": resolved.method.name,
@@ -408,12 +377,7 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
 
 
 def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
-    """Print the dry-run plan as a table.
-
-    Args:
-        resolved: The merge config.
-        plan: The merge's plan (summarised by :func:`plan_summary`).
-    """
+    """Print the dry-run plan as a table."""
     from rich.console import Console
     from rich.table import Table
 
@@ -450,12 +414,7 @@ def _processes(count: int) -> str:
 
 
 def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
-    """Print the per-agent summary table after a merge.
-
-    Args:
-        report: The merge report (:func:`ram_trl.merge`'s return value).
-        file: Where to print (default: standard error).
-    """
+    """Print the per-agent summary table after a merge."""
     from rich.console import Console
     from rich.table import Table
 

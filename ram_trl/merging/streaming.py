@@ -11,33 +11,22 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ram_trl.errors import NonFiniteError
+from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.fisher_files import fill_fisher, read_fisher_rows
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.planner import TensorTask
+from ram_trl.sizes import parse_size
 
 
 @dataclass
 class RawChunk:
-    """The stored values of one row range of one tensor: the base's and each agent's (``None``: rows it lacks).
-
-    Args:
-        task: The tensor.
-        start: First row.
-        stop: One past the last row.
-        base: The base's rows in their stored dtype (``None`` for rows past the base's: a resized vocabulary).
-        agents: Each agent's rows in their stored dtype; ``None`` where an agent stores none of these rows (a LoRA
-            adapter that does not save the tensor, or a shorter tensor), fewer rows than ``stop - start`` where its
-            tensor is shorter than the base's.
-        lora: Each agent's float32 LoRA delta of these rows, or ``None`` (full checkpoints, untouched tensors).
-        fishers: With Fisher inputs, the agents' float32 Fishers of these rows, shape ``(num_agents, n)``, checked
-            finite and non-negative (zero on rows a file lacks); else ``None``.
-    """
+    """The stored values of one row range of one tensor: the base's and each agent's (``None``: rows it lacks)."""
 
     task: TensorTask
     start: int
@@ -67,16 +56,7 @@ def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None =
     """Split a chunk of the base's rows into consecutive row blocks of about ``elements`` elements (views, no copy).
 
     Elementwise arithmetic gives the same values block by block as on the whole chunk, but its temporaries stay in
-    the CPU caches instead of streaming through memory once per operation. On an accelerator the chunk stays whole.
-
-    Args:
-        chunk: A chunk of the base's rows (not rows past them).
-        device: Where the arithmetic runs.
-        elements: Target elements per block (at least one row); default :data:`COMPUTE_BLOCK_ELEMENTS`.
-
-    Returns:
-        The blocks, in row order; ``[chunk]`` when it is small enough or the device is not the CPU.
-    """
+    the CPU caches instead of streaming through memory once per operation. On an accelerator the chunk stays whole."""
     rows = max(1, (elements or COMPUTE_BLOCK_ELEMENTS) // chunk.task.row_numel)
     if device.type != "cpu" or chunk.stop - chunk.start <= rows:
         return [chunk]
@@ -100,15 +80,7 @@ def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None =
 
 
 def statistics_blocks(chunk: RawChunk, device: torch.device) -> list[RawChunk]:
-    """:func:`compute_blocks` of :data:`STATISTICS_BLOCK_ELEMENTS` elements (the merge's statistics pass).
-
-    Args:
-        chunk: A chunk of the base's rows.
-        device: Where the arithmetic runs (the chunk stays whole off the CPU).
-
-    Returns:
-        The blocks, in row order.
-    """
+    """:func:`compute_blocks` of :data:`STATISTICS_BLOCK_ELEMENTS` elements (the merge's statistics pass)."""
     return compute_blocks(chunk, device, STATISTICS_BLOCK_ELEMENTS)
 
 
@@ -120,28 +92,13 @@ def _row_slice(rows: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | No
 
 
 def chunk_nbytes(chunk: RawChunk) -> int:
-    """Bytes held by a chunk's tensors (stored values, LoRA deltas, Fishers).
-
-    Args:
-        chunk: The chunk.
-
-    Returns:
-        The bytes.
-    """
+    """Bytes held by a chunk's tensors (stored values, LoRA deltas, Fishers)."""
     tensors = [chunk.base, *chunk.agents, *chunk.lora, chunk.fishers]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def to_device(chunk: RawChunk, device: torch.device) -> RawChunk:
-    """The chunk with every tensor on ``device``, in its stored dtype (the chunk itself on the CPU).
-
-    Args:
-        chunk: A chunk as read (host tensors).
-        device: Where the arithmetic runs.
-
-    Returns:
-        The chunk on ``device``.
-    """
+    """The chunk with every tensor on ``device``, in its stored dtype (the chunk itself on the CPU)."""
     if device.type == "cpu":
         return chunk
 
@@ -165,11 +122,7 @@ class InputCache:
     pass (RAM+, RAM+s) reads and copies to the device the kept part of its inputs once instead of twice.
 
     Chunks are kept in reading order until the next one would exceed the budget; the rest are read again as without
-    a cache. Thread-safe: the merge pass takes chunks on its reader threads.
-
-    Args:
-        budget: Bytes of chunks that may be kept.
-    """
+    a cache. Thread-safe: the merge pass takes chunks on its reader threads."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -181,14 +134,7 @@ class InputCache:
         self._lock = threading.Lock()
 
     def keep(self, chunk: RawChunk) -> bool:
-        """Keep a chunk for the merge pass if it fits the budget (and every chunk before it did).
-
-        Args:
-            chunk: A chunk the statistics pass read (its tensors must not be modified afterwards).
-
-        Returns:
-            Whether it was kept.
-        """
+        """Keep a chunk for the merge pass if it fits the budget (and every chunk before it did)."""
         size = chunk_nbytes(chunk)
         with self._lock:
             if self._full or self.kept_bytes + size > self.budget:
@@ -200,16 +146,7 @@ class InputCache:
             return True
 
     def take(self, task: TensorTask, start: int, stop: int) -> RawChunk | None:
-        """Remove and return the kept chunk of these rows, or ``None`` if none was kept.
-
-        Args:
-            task: The tensor.
-            start: First row.
-            stop: One past the last row.
-
-        Returns:
-            The chunk, or ``None``.
-        """
+        """Remove and return the kept chunk of these rows, or ``None`` if none was kept."""
         with self._lock:
             chunk = self._chunks.pop((task.name, start, stop), None)
             if chunk is not None:
@@ -222,11 +159,7 @@ class InputCache:
             self._chunks.clear()
 
     def summary(self) -> dict[str, int]:
-        """The cache's figures for the merge report.
-
-        Returns:
-            ``budget``, ``kept_bytes``, ``kept_chunks`` and ``taken_chunks``.
-        """
+        """The cache's figures for the merge report."""
         return {
             "budget": self.budget,
             "kept_bytes": self.kept_bytes,
@@ -236,18 +169,7 @@ class InputCache:
 
 
 def input_cache_budget(setting: int | None, device: torch.device) -> int:
-    """Bytes the :class:`InputCache` of a merge may keep.
-
-    Args:
-        setting: The checked ``input_cache`` option (:func:`~ram_trl.validation.check_input_cache`): bytes, or
-            ``None`` for ``auto``.
-        device: Where the arithmetic runs.
-
-    Returns:
-        The setting's bytes; for ``auto``, half the free memory of an accelerator (the merge's own buffers need
-        little: one chunk in flight), 0 on the CPU (its second read comes from the page cache, and keeping the
-        inputs would make the merge's memory grow with the model).
-    """
+    """Bytes the :class:`InputCache` of a merge may keep."""
     if setting is not None:
         return setting
     if device.type == "cuda":
@@ -264,15 +186,7 @@ class ReadCounter:
 
 
 def chunk_refs(tasks: list[TensorTask], floating_only: bool) -> Iterator[tuple[TensorTask, int, int]]:
-    """Every ``(task, start, stop)`` row range to process, in order.
-
-    Args:
-        tasks: The tensors (their ``chunks()`` fix the row ranges).
-        floating_only: Skip the tensors that are copied (not floating) and the rows past the base's.
-
-    Returns:
-        The row ranges, tensor by tensor.
-    """
+    """Every ``(task, start, stop)`` row range to process, in order."""
     for task in tasks:
         if floating_only and not task.floating:
             continue
@@ -295,21 +209,7 @@ def iter_chunks(
     readers: int = 1,
     cache: InputCache | None = None,
 ) -> Iterator[RawChunk]:
-    """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on background threads.
-
-    Args:
-        base: The base checkpoint.
-        agents: The agents, in order.
-        tasks: Tensors to read (their ``chunks()`` fix the row ranges).
-        reader: The positioned reader.
-        floating_only: Skip non-floating tensors and rows past the base's.
-        counter: Accumulates the bytes read.
-        read_ahead_depth: Chunks read ahead (0: synchronous).
-        fishers: Each agent's Fisher file, read in the same row ranges as its weights (floating tensors, base rows).
-        readers: Threads reading chunks at once (:attr:`ram_trl.parallel.ThreadPlan.readers`); the chunks and their
-            order are the same for any number.
-        cache: Chunks kept by an earlier pass: each is taken from it instead of being read (not counted as read).
-    """
+    """Read the row chunks of ``tasks`` in order, ``read_ahead_depth`` chunks ahead on background threads."""
     counter = counter if counter is not None else ReadCounter()
     counted = threading.Lock()  # several readers add to the counter
 
@@ -345,20 +245,7 @@ def iter_chunks(
 def read_agent_rows(
     agent: Checkpoint, task: TensorTask, index: int, reader: RowReader, start: int, stop: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """One agent's stored values and LoRA delta (either may be ``None``) for rows ``start:stop`` of a tensor.
-
-    Args:
-        agent: The agent's checkpoint.
-        task: The tensor.
-        index: The agent's index (its row count in ``task.agent_rows``).
-        reader: The positioned reader.
-        start: First row.
-        stop: One past the last row (cut to the agent's rows).
-
-    Returns:
-        The stored values (``None`` when the agent stores none of the tensor) and the float32 LoRA delta (``None``
-        without one); both ``None`` when the agent has no row in the range.
-    """
+    """One agent's stored values and LoRA delta (either may be ``None``) for rows ``start:stop`` of a tensor."""
     have = min(stop, task.agent_rows[index])
     if have <= start:
         return None, None
@@ -372,14 +259,7 @@ def fill_delta(
     """Write one agent's float32 task vector for a chunk into ``out`` (flat, the chunk's length).
 
     The stored values minus the base (where the agent stores values), plus the LoRA delta (where it has one); zero
-    where it has neither (rows or tensors the agent does not touch).
-
-    Args:
-        out: Float32, flat: receives the task vector.
-        values: The agent's stored values of the chunk, or ``None``.
-        lora: The agent's LoRA delta of the chunk, or ``None``.
-        base_values: The base's float32 values of the chunk, flat.
-    """
+    where it has neither (rows or tensors the agent does not touch)."""
     n = 0
     if values is not None:
         n = values.numel()
@@ -403,14 +283,7 @@ def fill_weights(
     merge weights rather than task vectors.
 
     The stored values where the agent stores them, the base's elsewhere (rows or tensors it does not touch), plus
-    its LoRA delta where it has one.
-
-    Args:
-        out: Float32, flat: receives the weights.
-        values: The agent's stored values of the chunk, or ``None``.
-        lora: The agent's LoRA delta of the chunk, or ``None``.
-        base_values: The base's float32 values of the chunk, flat.
-    """
+    its LoRA delta where it has one."""
     n = 0
     if values is not None:
         n = values.numel()
@@ -431,22 +304,7 @@ def to_deltas(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
 
-    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks.
-
-    Args:
-        chunk: A chunk of the base's rows.
-        device: Where the tensors are made.
-        base: The base checkpoint (read again to name a NaN/Inf input).
-        agents: The agents, in order (likewise).
-        reader: The positioned reader.
-        allow_nonfinite: Skip the NaN/Inf check (default ``False``).
-
-    Returns:
-        The task vectors and the base values, float32, on ``device``.
-
-    Raises:
-        NonFiniteError: naming the checkpoint and tensor, if an input holds NaN/Inf and ``allow_nonfinite`` is off.
-    """
+    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks."""
     assert chunk.base is not None
     base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
     deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
@@ -470,20 +328,7 @@ def raise_nonfinite(
 
     Checks the base's stored values, each agent's stored values and LoRA delta (its factors), and finally the task
     vectors themselves (finite inputs whose difference overflows float32). Returns when everything is finite (only
-    the sum used as a quick check overflowed).
-
-    Args:
-        task: The tensor.
-        base: The base checkpoint.
-        agents: The agents, in order.
-        reader: The positioned reader.
-        start: The chunk's first row.
-        stop: One past its last row.
-        deltas: The chunk's task vectors, checked last (default ``None``: not checked).
-
-    Raises:
-        NonFiniteError: naming the input, the tensor and the rows.
-    """
+    the sum used as a quick check overflowed)."""
     hint = "set allow_nonfinite: true in the config to merge anyway"
     base_values = base.read_rows(task.name, reader, start, stop).to(torch.float32)
     bad = int((~torch.isfinite(base_values)).sum())
@@ -510,3 +355,21 @@ def raise_nonfinite(
                     f"(|agent - base| > 3.4e38, rows {start}:{stop}); these weights are not a fine-tune of this "
                     "base, check the agent and the base"
                 )
+
+
+def check_input_cache(setting: Any) -> int | None:
+    """An ``input_cache`` setting: ``"auto"``, ``"off"`` or a size."""
+    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+        return None if setting.strip().lower() == "auto" else 0
+    size = None
+    if not isinstance(setting, bool):
+        try:
+            size = parse_size(setting)
+        except (ConfigError, TypeError, AttributeError):
+            size = None
+    if size is None or size < 0:
+        raise ConfigError(
+            f"--input-cache {setting!r}: use auto, off or a size such as 8GB (memory that may keep the inputs "
+            "the statistics pass read for the merge pass)"
+        )
+    return size

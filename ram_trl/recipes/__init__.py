@@ -8,9 +8,7 @@
 - :mod:`ram_trl.recipes.runner`: the pipeline (base, warm start, stages, analysis, merges, evaluation), from
   :mod:`~ram_trl.recipes.layout` (the run directory), :mod:`~ram_trl.recipes.prepare` (prompt files, base, warm
   start) and :mod:`~ram_trl.recipes.launch` (one process per stage).
-- :mod:`ram_trl.recipes.evaluate`: held-out scoring with each stage's rewards (re-exported from
-  :mod:`ram_trl.evaluation`, which the merge preview shares); ``EvalTask``, ``EvaluationSpec`` and
-  ``evaluate_model`` are also importable from here.
+- held-out scoring with each stage's rewards: :mod:`ram_trl.evaluation` (which the merge preview shares).
 - :mod:`ram_trl.recipes.results`: ``results.json``, ``results.md``, charts, the terminal table, from
   :mod:`~ram_trl.recipes.selection` (statistics, the choice on validation, the verdict),
   :mod:`~ram_trl.recipes.results_markdown`, :mod:`~ram_trl.recipes.results_plots` and
@@ -20,25 +18,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ram_trl.lazy import lazy_exports
-
-if TYPE_CHECKING:
-    from ram_trl.evaluation.scoring import EvalTask, evaluate_model
-    from ram_trl.evaluation.spec import EvaluationSpec
-
-#: The evaluation's public names, loaded on first access: name -> defining module.
-_LAZY = {
-    "EvalTask": "ram_trl.evaluation.scoring",
-    "EvaluationSpec": "ram_trl.evaluation.spec",
-    "evaluate_model": "ram_trl.evaluation.scoring",
-}
-
-__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "EvalTask", "EvaluationSpec", "evaluate_model", "seed_overrides"]
-
-
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
+__all__ = ["DEMO_RECIPE", "QUICK_OVERRIDES", "seed_overrides"]
 
 
 #: The embedded CPU demo recipe (package data; ``recipes/demo-cpu.yaml`` in the repository links to it).
@@ -80,14 +61,7 @@ def seed_overrides(seed: int) -> dict:
     """``ram-trl demo --seed S``: every seed of the demo recipe set to ``seed`` (the base's initialisation, the
     prompt splits and warm-start rows of every stage, the warm start's batches, abstentions and acceptance sampling,
     the GRPO trainers, the merges' random draws (DARE), the evaluation's sampling and bootstrap). The demo recipe
-    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is.
-
-    Args:
-        seed: The run's seed.
-
-    Returns:
-        Overrides for :func:`~ram_trl.recipes.schema.apply_overrides` (or ``RunOptions.overrides``).
-    """
+    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is."""
     return {
         "seed": seed,
         "base": {"build": {"seed": seed}},

@@ -53,15 +53,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 def chat_prompt(user: str, system: str | None = DEFAULT_SYSTEM) -> str:
     """``user`` rendered through a ChatML template with the generation prompt, as SmolLM2-Instruct's
-    ``apply_chat_template(..., add_generation_prompt=True)`` renders a one-message conversation.
-
-    Args:
-        user (`str`): The user message.
-        system (`str`, *optional*): The system message (``None``: none).
-
-    Returns:
-        `str`: ``<|im_start|>system ... <|im_end|>`` (if any), the user turn, and ``<|im_start|>assistant``.
-    """
+    ``apply_chat_template(..., add_generation_prompt=True)`` renders a one-message conversation."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -103,14 +95,7 @@ _WORDS = (
 
 def run_program(source: str) -> str:
     """Execute a generated program (no builtins beyond ``print``, ``len``, ``sum``, ``max``, ``min``, ``sorted``,
-    ``range``, ``str``) and return what it printed, without the trailing newline.
-
-    Args:
-        source (`str`): The program (one of :func:`program_output_prompts`' programs).
-
-    Returns:
-        `str`: Its standard output.
-    """
+    ``range``, ``str``) and return what it printed, without the trailing newline."""
     buffer = io.StringIO()
     allowed = {f.__name__: f for f in (len, sum, max, min, sorted, range, str)}
     allowed["print"] = functools.partial(print, file=buffer)  # no process-wide stdout redirection
@@ -150,18 +135,8 @@ def program_output_prompts(
     n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM, easy_share: float = 0.0
 ) -> list[dict[str, str]]:
     """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
-    print; the answer is the output of running the program.
-
-    Args:
-        n (`int`): Number of distinct prompts.
-        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
-        system (`str`, *optional*): The chat's system message.
-        easy_share (`float`, *optional*, defaults to `0.0`): Share of one-line programs (``print(17 * 4)``,
-            ``print(len("river"))``): an easier first rung, so that GRPO groups of a small model carry signal.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": OUTPUT}``.
-    """
+    print; the answer is the output of running the program; ``easy_share`` of them are one-line programs
+    (``print(17 * 4)``, ``print(len("river"))``), an easier first rung so that GRPO groups of a small model carry signal."""
 
     if not 0.0 <= easy_share <= 1.0:
         raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
@@ -176,16 +151,7 @@ def program_output_prompts(
 
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """1.0 for exactly the program's output on the completion's first line (code fences and backticks stripped),
-    0.5 when the output appears in the completion as a whole token, else 0.
-
-    Args:
-        completions (`Sequence[Any]`): The completions (strings or conversational messages).
-        answer (`Sequence[str]`): The programs' outputs.
-        **kwargs: TRL's other reward arguments, ignored.
-
-    Returns:
-        `list[float]`: One reward per completion.
-    """
+    0.5 when the output appears in the completion as a whole token, else 0."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         text = _completion(completion)
@@ -271,16 +237,7 @@ def json_tool_call_prompts(
     n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM
 ) -> list[dict[str, str]]:
     """A request that one of :data:`AGENT_TOOLS` answers, with the tools' JSON schemas in the prompt; the answer
-    is the call as compact JSON.
-
-    Args:
-        n (`int`): Number of distinct prompts.
-        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
-        system (`str`, *optional*): The chat's system message.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": '{"name":...,"arguments":{...}}'}``.
-    """
+    is the call as compact JSON."""
     tools = _tool_list()
 
     def make(rng: random.Random) -> dict[str, str]:
@@ -314,15 +271,7 @@ def _json_object(text: str) -> Any:
 
 def schema_valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
     """Whether ``arguments`` satisfies a tool's (flat) JSON schema: required keys present, no other keys, each value
-    of its type (a bool is not an integer) and in its enum.
-
-    Args:
-        arguments (`dict[str, Any]`): The call's arguments.
-        schema (`dict[str, Any]`): An ``{"type": "object", "properties", "required"}`` schema.
-
-    Returns:
-        `bool`: Whether they validate.
-    """
+    of its type (a bool is not an integer) and in its enum."""
     properties = schema["properties"]
     if set(schema["required"]) - set(arguments) or set(arguments) - set(properties):
         return False
@@ -338,16 +287,7 @@ def schema_valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
 
 def json_tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """0.25 each for: a JSON call object, the right tool, arguments valid under its schema, exactly the expected
-    arguments (see the module docstring).
-
-    Args:
-        completions (`Sequence[Any]`): The completions (strings or conversational messages).
-        answer (`Sequence[str]`): The expected calls (compact JSON).
-        **kwargs: TRL's other reward arguments, ignored.
-
-    Returns:
-        `list[float]`: One reward per completion.
-    """
+    arguments (see the module docstring)."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         expected = json.loads(want)
@@ -383,20 +323,7 @@ _ATTRIBUTES = ("locker code", "room number", "badge number", "parking spot")
 def fact_recall_prompts(
     n: int, seed: int = 0, num_facts: int = 8, system: str | None = DEFAULT_SYSTEM
 ) -> list[dict[str, str]]:
-    """A context of ``num_facts`` records about distinct people, then a question about one of them.
-
-    Args:
-        n (`int`): Number of distinct prompts.
-        seed (`int`, *optional*, defaults to `0`): Seed of the draw.
-        num_facts (`int`, *optional*, defaults to `8`): Records in the context (at most 16).
-        system (`str`, *optional*): The chat's system message.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": "4821"}``.
-
-    Raises:
-        ValueError: when ``num_facts`` is not between 1 and 16.
-    """
+    """A context of ``num_facts`` records about distinct people, then a question about one of them."""
     if not 1 <= num_facts <= len(_NAMES):
         raise ValueError(f"num_facts={num_facts} must be between 1 and {len(_NAMES)}")
 
@@ -414,16 +341,7 @@ def fact_recall_prompts(
 
 def fact_recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """1.0 when the completion's first number is the asked value, 0.5 when the value is another of its numbers,
-    else 0.
-
-    Args:
-        completions (`Sequence[Any]`): The completions (strings or conversational messages).
-        answer (`Sequence[str]`): The asked values.
-        **kwargs: TRL's other reward arguments, ignored.
-
-    Returns:
-        `list[float]`: One reward per completion.
-    """
+    else 0."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         numbers = re.findall(r"\d+", _completion(completion))

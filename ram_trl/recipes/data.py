@@ -17,18 +17,7 @@ __all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "split_ch
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
-    """Rows of a JSON Lines file; each must be an object with a string ``prompt``.
-
-    Args:
-        path (`str` or `os.PathLike`): The file.
-        what (`str`, *optional*, defaults to `"prompts file"`): What names it in errors.
-
-    Returns:
-        `list[dict[str, Any]]`: The rows.
-
-    Raises:
-        ConfigError: naming the file and line of a bad row.
-    """
+    """Rows of a JSON Lines file; each must be an object with a string ``prompt``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} {path} does not exist")
@@ -54,20 +43,7 @@ RESERVED_COLUMNS = frozenset(
 
 def check_rows(rows: Any, where: str, what: str, expected: int | None = None) -> list[dict[str, Any]]:
     """Validate prompt rows (from a generator or a file): a list of objects with a non-empty string ``prompt``,
-    values JSON can write, no column TRL reserves, and (``expected``) as many rows as asked for.
-
-    Args:
-        rows: What the generator returned (or the rows read).
-        where: The stage, e.g. ``"stage 'coding'"``.
-        what: The source, e.g. ``"prompt generator 'pkg:fn'"`` or ``"train_file data/train.jsonl"``.
-        expected: The number of rows asked for.
-
-    Returns:
-        The rows as a list.
-
-    Raises:
-        ConfigError: naming the stage, the source, the row and what to change.
-    """
+    values JSON can write, no column TRL reserves, and (``expected``) as many rows as asked for."""
     if isinstance(rows, dict | str | bytes) or rows is None or not hasattr(rows, "__iter__"):
         raise ConfigError(f"{where}: {what} must return a list of rows, got {type(rows).__name__}")
     rows = list(rows)
@@ -92,15 +68,7 @@ def check_rows(rows: Any, where: str, what: str, expected: int | None = None) ->
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> Path:
-    """Write rows as JSON Lines atomically (temporary sibling, then rename).
-
-    Args:
-        rows (`list[dict[str, Any]]`): The rows.
-        path (`str` or `os.PathLike`): The file.
-
-    Returns:
-        `Path`: The file written.
-    """
+    """Write rows as JSON Lines atomically (temporary sibling, then rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path, "prompts file") as tmp, open(tmp, "w", encoding="utf-8") as handle:
@@ -116,15 +84,7 @@ def _resolve(path: str, root: Path) -> Path:
 
 def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and held-out (test) rows of a stage (see :func:`draw_splits`, which also gives the validation
-    rows).
-
-    Args:
-        stage (`StageSpec`): The stage.
-        root (`Path`): Where relative prompt files resolve.
-
-    Returns:
-        `tuple[list[dict], list[dict]]`: ``(train, test)``.
-    """
+    rows)."""
     train, held, _ = draw_splits(stage, root)
     return train, held
 
@@ -141,19 +101,7 @@ def draw_splits(
     (for generators whose first rows do not depend on ``n``, like the demo's).
 
     With files, ``train_file``, ``eval_file`` and ``val_file`` are read as given; validation rows whose prompt is a
-    training or test prompt are refused.
-
-    Args:
-        stage (`StageSpec`): The stage.
-        root (`Path`): Where relative prompt files resolve.
-
-    Returns:
-        `tuple[list[dict], list[dict], list[dict]]`: ``(train, test, val)``.
-
-    Raises:
-        ConfigError: naming the stage when the generator fails, returns bad rows or too few distinct prompts for
-            the validation split, or when a ``val_file`` prompt is also a training or test prompt.
-    """
+    training or test prompt are refused."""
     spec = stage.prompts
     if spec is None:
         return [], [], []
@@ -216,18 +164,7 @@ def draw_splits(
 def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The stage's warm-start rows: ``prompts.warm_size`` rows from its generator (seed ``seed + 2``), none of
     them a prompt of ``held`` (pass the test and validation rows; ``[]`` without a generator or with
-    ``warm_size: 0``).
-
-    Args:
-        stage (`StageSpec`): The stage.
-        held (`list[dict[str, Any]]`): Rows whose prompts the warm start must not see.
-
-    Returns:
-        `list[dict[str, Any]]`: The warm-start rows.
-
-    Raises:
-        ConfigError: naming the stage when the generator fails.
-    """
+    ``warm_size: 0``)."""
     spec = stage.prompts
     if spec is None or spec.generator is None or spec.warm_size == 0:
         return []
@@ -249,16 +186,7 @@ def split_check_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Hold the warm start's check rows out of its rows: the first ``size`` warm-start rows whose prompt is not a
     training prompt (the warm rows never hold a test or validation prompt), so no stage ever sees a check row and
-    the warm start does not train on one.
-
-    Args:
-        warm (`list[dict[str, Any]]`): The stage's warm-start rows (:func:`draw_warm_rows`).
-        train (`list[dict[str, Any]]`): The stage's training rows.
-        size (`int`): Check rows wanted (fewer when fewer qualify).
-
-    Returns:
-        `tuple`: ``(warm rows left to train on, check rows)``, both in their drawn order.
-    """
+    the warm start does not train on one."""
     training = {row["prompt"] for row in train}
     check: list[dict[str, Any]] = []
     for row in warm:

@@ -61,16 +61,7 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
     """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
     (no reporting integrations, no intermediate checkpoints, the recipe's seed). Without a GPU, ``bf16`` defaults to
     off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
-    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU.
-
-    Args:
-        stage (`StageSpec`): The stage.
-        seed (`int`): The run's seed (the stage's ``config.seed`` wins).
-        validate_only (`bool`, *optional*, defaults to `False`): Settings for validation, not training.
-
-    Returns:
-        `dict[str, Any]`: Keyword arguments of ``GRPOConfig`` / ``RLOOConfig`` (without ``output_dir``).
-    """
+    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
     settings: dict[str, Any] = {"report_to": [], "save_strategy": "no", "seed": seed, **stage.config}
     if not _cuda():
         if validate_only:
@@ -97,7 +88,7 @@ def _new_checkpointing_names(cls: type, settings: dict[str, Any]) -> dict[str, A
     return settings
 
 
-#: Ranges of common trainer-config numbers (:func:`ram_trl.validation.check_number` bounds) that the trainers
+#: Ranges of common trainer-config numbers (:func:`ram_trl.sizes.check_number` bounds) that the trainers
 #: check only when training starts, or never (a NaN learning rate trains a NaN model).
 TRAINER_BOUNDS: dict[str, dict[str, Any]] = {
     "learning_rate": {"above": 0},
@@ -142,15 +133,7 @@ def _field_kinds(cls: type) -> dict[str, type]:
 
 
 def check_finite(value: Any, where: str) -> None:
-    """Refuse NaN and Inf anywhere in a nested value (``config:``, ``peft:``, generator ``kwargs:``).
-
-    Args:
-        value (`Any`): The value (mappings and lists are walked).
-        where (`str`): What names it in the error.
-
-    Raises:
-        ConfigError: naming ``where`` and the key path.
-    """
+    """Refuse NaN and Inf anywhere in a nested value (``config:``, ``peft:``, generator ``kwargs:``)."""
     import math
 
     if isinstance(value, float) and not math.isfinite(value):
@@ -166,18 +149,11 @@ def check_finite(value: Any, where: str) -> None:
 def check_trainer_config(stage: StageSpec) -> None:
     """Validate the stage's ``GRPOConfig``/``RLOOConfig`` keys and values: known fields, numbers where the config
     takes numbers (finite, whole where it takes integers, within :data:`TRAINER_BOUNDS`), then build it in a
-    scratch directory for the trainer's own checks.
-
-    Args:
-        stage (`StageSpec`): The stage.
-
-    Raises:
-        ConfigError: naming the stage, the field and what to change.
-    """
+    scratch directory for the trainer's own checks."""
     import dataclasses
     import tempfile
 
-    from ram_trl.validation import check_number
+    from ram_trl.sizes import check_number
 
     cls = _trainer_config_class(stage.trainer)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -208,24 +184,10 @@ def check_trainer_config(stage: StageSpec) -> None:
 def validate_recipe(
     recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe"
 ) -> list[str]:
-    """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths.
-
-    Args:
-        recipe: The recipe.
-        root: Directory relative paths resolve against.
-        check_paths: Check that model checkpoints and prompt files exist (turn off to validate a recipe for
-            another machine, before downloading the models).
-        where: How messages name the recipe (``"recipe PATH"``).
-
-    Returns:
-        Notes for the user (e.g. what was not checked).
-
-    Raises:
-        ConfigError: listing every problem found, each naming the stage/merge and what to change.
-    """
+    """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths."""
     from ram_trl.merging.config.settings import check_parameter
     from ram_trl.methods import resolve_method
-    from ram_trl.validation import check_number
+    from ram_trl.sizes import check_number
 
     source = where
     problems: list[str] = []
@@ -326,7 +288,7 @@ def validate_recipe(
                 try:
                     from peft import LoraConfig
 
-                    from ram_trl.validation import check_lora_config
+                    from ram_trl.io.lora import check_lora_config
 
                     check_finite(stage.peft, f"{where}: peft")
                     check_lora_config(stage.peft, Path("recipe"), f"{where}: peft")
@@ -488,13 +450,5 @@ def _check_preview_launch(
 
 
 def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:
-    """Import each path of ``paths`` (see :func:`import_object`).
-
-    Args:
-        paths (`list[str]`): Import paths.
-        what (`str`): What they are, for error messages.
-
-    Returns:
-        `list[Callable]`: The imported objects.
-    """
+    """Import each path of ``paths`` (see :func:`import_object`)."""
     return [import_object(p, what) for p in paths]

@@ -45,11 +45,7 @@ class StageLauncher:
 
     def train_stages(self) -> None:
         """Train every stage without a given checkpoint (only ``options.only`` when set; complete stages skipped
-        with ``options.resume``).
-
-        Raises:
-            ConfigError: when the one stage asked for has a checkpoint already.
-        """
+        with ``options.resume``)."""
         stages = [s for s in self.layout.recipe.stages if s.trained]
         if self.layout.options.only is not None:
             self.layout.recipe.stage(self.layout.options.only)
@@ -79,15 +75,7 @@ class StageLauncher:
         return prior
 
     def stage_command(self, stage: StageSpec, work: Path | None = None) -> list[str]:
-        """The stage process's command line; it writes into ``work`` (default: the stage directory).
-
-        Args:
-            stage (`StageSpec`): The stage.
-            work (`Path`, *optional*, defaults to `None`): The directory the process writes into.
-
-        Returns:
-            `list[str]`: The command (``python -m ram_trl.recipes.stage ...``, or under ``accelerate launch``).
-        """
+        """The stage process's command line; it writes into ``work`` (default: the stage directory)."""
         args = [
             "--recipe",
             str(self.layout.dir / "recipe.yaml"),
@@ -124,14 +112,7 @@ class StageLauncher:
         """The output-commit protocol of a stage directory: the stage process writes into a temporary sibling,
         committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
         the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
-        another stage's agent or a prompt file.
-
-        Args:
-            stage (`StageSpec`): The stage.
-
-        Returns:
-            `OutputDir`: The stage directory's output protocol.
-        """
+        another stage's agent or a prompt file."""
         from ram_trl.stage.manifest import MANIFEST_NAME
 
         reads = [("base model", self.layout.base)] + [
@@ -149,25 +130,11 @@ class StageLauncher:
         )
 
     def stage_record(self, stage: StageSpec) -> dict[str, Any]:
-        """What a stage was trained with (kept in ``STAGE/ram_recipe_stage.json``): its spec and the run's seed.
-
-        Args:
-            stage (`StageSpec`): The stage.
-
-        Returns:
-            `dict[str, Any]`: The record (JSON).
-        """
+        """What a stage was trained with (kept in ``STAGE/ram_recipe_stage.json``): its spec and the run's seed."""
         return {"stage": stage.model_dump(mode="json"), "seed": self.layout.recipe.seed}
 
     def check_recorded_stage(self, stage: StageSpec) -> None:
-        """Refuse to ``--resume`` over a finished stage trained with another config than the recipe's.
-
-        Args:
-            stage (`StageSpec`): The stage about to be skipped.
-
-        Raises:
-            ConfigError: naming the stage, its directory and the first field that differs.
-        """
+        """Refuse to ``--resume`` over a finished stage trained with another config than the recipe's."""
         file = self.layout.stage_dir(stage) / STAGE_RECORD
         if not file.is_file():
             return  # a stage finished before records were kept
@@ -184,14 +151,7 @@ class StageLauncher:
             )
 
     def train_stage(self, stage: StageSpec) -> None:
-        """Train one stage in its own process and commit its directory when it finished with a manifest.
-
-        Args:
-            stage (`StageSpec`): The stage.
-
-        Raises:
-            StageError: when the process fails or leaves no complete stage, naming the stage and its log.
-        """
+        """Train one stage in its own process and commit its directory when it finished with a manifest."""
         out = self.layout.stage_dir(stage)
         output = self.stage_output(stage)
         work = output.begin()  # removes a killed run's leftovers of this stage
@@ -280,14 +240,7 @@ class StageLauncher:
 def die_with_parent(parent: int) -> Callable[[], None] | None:
     """What a child process runs before its program (``Popen(preexec_fn=...)``) so that it is terminated with its
     parent: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, so a runner killed even by ``kill -9`` takes its stage
-    process down with it (and the stage's temporary directory is then removed by the next run).
-
-    Args:
-        parent (`int`): The parent's process id (a child whose parent is already gone exits at once).
-
-    Returns:
-        The function, or ``None`` where the operating system has no such request.
-    """
+    process down with it (and the stage's temporary directory is then removed by the next run)."""
     if not sys.platform.startswith("linux"):
         return None
 

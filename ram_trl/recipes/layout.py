@@ -36,39 +36,20 @@ __all__ = ["RunLayout", "RunOptions", "resolve_path", "safe_name", "stage_comple
 
 
 def stderr_console():
-    """The console the run reports on (rich, on standard error).
-
-    Returns:
-        `rich.console.Console`: A console writing to standard error.
-    """
+    """The console the run reports on (rich, on standard error)."""
     from rich.console import Console
 
     return Console(stderr=True)
 
 
 def resolve_path(path: str, root: Path) -> Path:
-    """A recipe's path, made absolute: relative paths are resolved against ``root`` (the recipe file's directory).
-
-    Args:
-        path (`str`): The path as the recipe writes it (``~`` expanded).
-        root (`Path`): The directory relative paths are resolved against.
-
-    Returns:
-        `Path`: The absolute path.
-    """
+    """A recipe's path, made absolute: relative paths are resolved against ``root`` (the recipe file's directory)."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else (root / p).resolve()
 
 
 def stage_complete(stage_dir: Path) -> bool:
-    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage).
-
-    Args:
-        stage_dir (`Path`): The stage's output directory.
-
-    Returns:
-        `bool`: ``True`` for a finished stage (the runner skips it).
-    """
+    """Whether ``stage_dir`` holds a readable manifest whose checkpoint exists (a finished stage)."""
     from ram_trl.stage.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
 
     try:
@@ -117,14 +98,7 @@ class RunOptions:
 
 class RunLayout:
     """Where one run's files are, and the state its phases share: the recipe, the run directory, the options, the
-    console, the timings and the notes (the base class of :class:`~ram_trl.recipes.runner.Run`).
-
-    Args:
-        recipe (`Recipe`): The validated recipe.
-        root (`Path`): The directory the recipe's relative paths are resolved against (the recipe file's).
-        run_dir (`Path`): The run directory everything is written into.
-        options (`RunOptions`): The run's options (seed, resume, only one stage, ...).
-    """
+    console, the timings and the notes (the base class of :class:`~ram_trl.recipes.runner.Run`)."""
 
     def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
         self.recipe, self.root, self.dir, self.options = recipe, root, run_dir, options
@@ -134,25 +108,11 @@ class RunLayout:
 
     # -- paths -----------------------------------------------------------------------------------------------
     def stage_dir(self, stage: StageSpec) -> Path:
-        """Where a stage's trained agent and manifest go.
-
-        Args:
-            stage (`StageSpec`): The stage.
-
-        Returns:
-            `Path`: ``RUN/stages/NAME``.
-        """
+        """Where a stage's trained agent and manifest go."""
         return self.dir / "stages" / stage.name
 
     def agent_path(self, stage: StageSpec) -> Path:
-        """The stage's agent checkpoint: its given ``checkpoint`` (resolved), else the stage directory.
-
-        Args:
-            stage (`StageSpec`): The stage.
-
-        Returns:
-            `Path`: The agent's directory.
-        """
+        """The stage's agent checkpoint: its given ``checkpoint`` (resolved), else the stage directory."""
         return resolve_path(stage.checkpoint, self.root) if stage.checkpoint else self.stage_dir(stage)
 
     @property
@@ -180,11 +140,7 @@ class RunLayout:
 
     def resolved_recipe(self) -> dict[str, Any]:
         """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
-        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere.
-
-        Returns:
-            `dict[str, Any]`: The recipe as JSON-ready data.
-        """
+        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere."""
         data = self.recipe.model_dump(mode="json", exclude_none=True)
         for key in ("path", "gguf"):
             if key in data["base"]:
@@ -204,14 +160,7 @@ class RunLayout:
 
     def check_dir(self, recipe_file: Path | None) -> None:
         """Refuse a run directory that is or holds an input of the run (the recipe, the base, an agent, a prompt
-        file, an accelerate config), or that exists and is not a previous run (it would be written into).
-
-        Args:
-            recipe_file (`Path`, *optional*): The recipe file read, if any.
-
-        Raises:
-            OutputError: naming the input or the foreign directory.
-        """
+        file, an accelerate config), or that exists and is not a previous run (it would be written into)."""
         data = self.resolved_recipe()
         reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
         if "path" in data["base"]:
@@ -235,12 +184,8 @@ class RunLayout:
         OutputDir(self.dir, reads=reads, markers=markers, replace_previous=True, what="run directory").check()
 
     def eval_tasks(self) -> list[Any]:
-        """Every stage's test and validation prompts with its rewards (stages without rows are left out).
-
-        Returns:
-            `list[EvalTask]`: The tasks, stage by stage.
-        """
-        from ram_trl.recipes.evaluate import EvalTask
+        """Every stage's test and validation prompts with its rewards (stages without rows are left out)."""
+        from ram_trl.evaluation.scoring import EvalTask
 
         tasks = []
         for split, file in (("test", "eval.jsonl"), ("val", "val.jsonl")):
@@ -252,12 +197,8 @@ class RunLayout:
         return tasks
 
     def check_tasks(self) -> list[Any]:
-        """Every stage's warm-start check rows (``data/STAGE/check.jsonl``) with its rewards.
-
-        Returns:
-            `list[EvalTask]`: The stages that have check rows, in order.
-        """
-        from ram_trl.recipes.evaluate import EvalTask
+        """Every stage's warm-start check rows (``data/STAGE/check.jsonl``) with its rewards."""
+        from ram_trl.evaluation.scoring import EvalTask
 
         tasks = []
         for stage in self.recipe.stages:

@@ -28,16 +28,7 @@ class RunPreparation:
 
     def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
         """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
-        called once on them: the checks of user code that run before anything is written.
-
-        Returns:
-            `dict[str, tuple]`: Per stage, ``(train, test, val, warm, check)`` rows (``warm`` is ``None`` without a
-            warm start, ``check`` without ``warm_start.accept``: the rows its criterion is measured on, held out of
-            the warm-start rows, never a training prompt).
-
-        Raises:
-            ConfigError: with ``warm_start.accept`` when no stage has a check row (none draws warm-start rows).
-        """
+        called once on them: the checks of user code that run before anything is written."""
         from ram_trl.recipes.stage import preflight_rewards
 
         drawn = {}
@@ -59,12 +50,7 @@ class RunPreparation:
 
     def prepare(self, recipe_file: Path | None = None) -> None:
         """Check the run directory, draw and check every stage's rows, write ``recipe.yaml`` and the prompt files,
-        then build the base and run the warm start when the recipe asks for them.
-
-        Args:
-            recipe_file (`Path`, *optional*, defaults to `None`): The recipe file read (an input the run directory
-                must not hold).
-        """
+        then build the base and run the warm start when the recipe asks for them."""
         self.layout.check_dir(recipe_file)
         start = time.perf_counter()
         drawn = self.draw()
@@ -206,19 +192,8 @@ class RunPreparation:
 
     def abstain_reply(self, reply: str | None) -> str:
         """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
-        :data:`~ram_trl.recipes.schema.ABSTAIN_REPLIES` that earns no reward on any stage's validation or test rows.
-
-        Raises:
-            ConfigError: when ``reply`` earns a reward on some stage (it would no longer be an abstention: RL could
-                keep it), naming the stage and the mean reward; or when every default reply does.
-
-        Args:
-            reply (`str`, *optional*): The recipe's reply; ``None`` chooses one.
-
-        Returns:
-            `str`: The reply.
-        """
-        from ram_trl.recipes.evaluate import score_completions
+        :data:`~ram_trl.recipes.schema.ABSTAIN_REPLIES` that earns no reward on any stage's validation or test rows."""
+        from ram_trl.evaluation.scoring import score_completions
         from ram_trl.recipes.schema import ABSTAIN_REPLIES
 
         def earning(candidate: str) -> tuple[str, str, float] | None:
@@ -245,11 +220,7 @@ class RunPreparation:
         )
 
     def warm_start_record(self) -> dict[str, Any] | None:
-        """The warm start's record (``RUN/base/ram_warm_start.json``) when it measured an acceptance criterion.
-
-        Returns:
-            `dict[str, Any]` or `None`: The record's ``acceptance`` with its ``steps``; ``None`` otherwise.
-        """
+        """The warm start's record (``RUN/base/ram_warm_start.json``) when it measured an acceptance criterion."""
         import json
 
         from ram_trl.recipes.warm_start import WARM_START_RECORD

@@ -11,7 +11,7 @@ read them.
 
 The work is done in :mod:`ram_trl.recipes.selection` (statistics, selection, verdict),
 :mod:`ram_trl.recipes.results_markdown` (``results.md``, the terminal table) and :mod:`ram_trl.recipes.results_plots`
-(charts); this module writes the files, and keeps every public name importable from here.
+(charts); this module writes the files.
 """
 
 from __future__ import annotations
@@ -21,34 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.output import atomic_file
-from ram_trl.recipes.results_markdown import markdown, print_table
+from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.results_plots import plot_preview, plot_retention, plot_scores, plot_training
 from ram_trl.recipes.selection import (
-    SELECTION_RULE,
     add_statistics,
-    aggregate_seeds,
-    best_merged,
-    regime_from_analysis,
-    row_average,
-    select_merges,
-    verdict,
 )
 
-__all__ = [
-    "SELECTION_RULE",
-    "add_statistics",
-    "aggregate_seeds",
-    "best_merged",
-    "markdown",
-    "plot_retention",
-    "plot_scores",
-    "print_table",
-    "regime_from_analysis",
-    "row_average",
-    "select_merges",
-    "verdict",
-    "write_results",
-]
+__all__ = ["write_results"]
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -58,16 +37,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) -> list[Path]:
     """Add the statistics (:func:`add_statistics`) and write ``results.json``, ``scores.png`` and
-    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-        out_dir (`Path`): The directory written to (created if needed).
-        figures (`bool`, *optional*, defaults to `True`): Also draw the figures.
-
-    Returns:
-        `list[Path]`: The files written.
-    """
+    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     add_statistics(results)
     written = []

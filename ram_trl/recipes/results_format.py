@@ -10,29 +10,13 @@ __all__ = ["ci", "fmt3", "fmt_rho", "pct", "pct_ci", "value_range"]
 
 
 def fmt3(value: float | None) -> str:
-    """A score with three decimals, ``-`` when there is none.
-
-    Args:
-        value (`float`, *optional*): The score.
-
-    Returns:
-        `str`: The text.
-    """
+    """A score with three decimals, ``-`` when there is none."""
     return "-" if value is None else f"{value:.3f}"
 
 
 def ci(value: float | None, interval: Any, spec: str = ".3f") -> str:
     """A value and its interval: ``0.500 [0.400, 0.600]``; ``-`` when there is no value, the value alone when there
-    is no interval.
-
-    Args:
-        value (`float`, *optional*): The value.
-        interval (`Any`): ``[low, high]``, or anything false for none.
-        spec (`str`, *optional*, defaults to `".3f"`): The format of each number.
-
-    Returns:
-        `str`: The text.
-    """
+    is no interval."""
     if value is None:
         return "-"
     text = format(value, spec)
@@ -42,15 +26,7 @@ def ci(value: float | None, interval: Any, spec: str = ".3f") -> str:
 
 
 def pct_ci(value: float | None, interval: Any) -> str:
-    """A share as a whole percentage with its interval: ``50% [40%, 60%]``; ``undefined`` when there is none.
-
-    Args:
-        value (`float`, *optional*): The share (1 = 100%).
-        interval (`Any`): ``[low, high]``, or anything false for none.
-
-    Returns:
-        `str`: The text.
-    """
+    """A share as a whole percentage with its interval: ``50% [40%, 60%]``; ``undefined`` when there is none."""
     if value is None:
         return "undefined"
     text = f"{100 * value:.0f}%"
@@ -62,17 +38,7 @@ def pct_ci(value: float | None, interval: Any) -> str:
 def value_range(
     values: list[float | None], scale: float = 1.0, spec: str = ".0f", unit: str = ""
 ) -> str | None:
-    """The range of the defined, finite values, scaled: ``5-15%``, or one value when both ends print the same.
-
-    Args:
-        values (`list[float | None]`): The values (``None`` and infinities left out).
-        scale (`float`, *optional*, defaults to `1.0`): Multiplies each value (100 for percentages).
-        spec (`str`, *optional*, defaults to `".0f"`): The format of each end.
-        unit (`str`, *optional*, defaults to `""`): Written after the range.
-
-    Returns:
-        `str` or `None`: The text; ``None`` when no value is defined and finite.
-    """
+    """The range of the defined, finite values, scaled: ``5-15%``, or one value when both ends print the same."""
     present = [scale * v for v in values if v is not None and not math.isinf(v)]
     if not present:
         return None
@@ -83,26 +49,12 @@ def value_range(
 
 
 def pct(value: float | None) -> str:
-    """A share as a percentage with one decimal, ``-`` when there is none.
-
-    Args:
-        value (`float`, *optional*): The share (1 = 100%).
-
-    Returns:
-        `str`: The text.
-    """
+    """A share as a percentage with one decimal, ``-`` when there is none."""
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def fmt_rho(value: float | str | None) -> str:
-    """RAM+'s rho with three significant digits, ``inf`` for an agent without unique elements, ``-`` for none.
-
-    Args:
-        value (`float`, `str` or `None`): The value (``"inf"`` as written in JSON).
-
-    Returns:
-        `str`: The text.
-    """
+    """RAM+'s rho with three significant digits, ``inf`` for an agent without unique elements, ``-`` for none."""
     if value is None:
         return "-"
     value = float(value)

@@ -69,15 +69,7 @@ def _retention_table(results: dict[str, Any]) -> list[str]:
 
 def markdown(results: dict[str, Any]) -> str:
     """``results.md``: the test table (95% intervals, mean retention, the agents' regime), the validation table,
-    retention per vertical, the selection and the verdict. Bold marks the merge chosen on validation per column.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...); the statistics
-            are added first (:func:`add_statistics`) when missing.
-
-    Returns:
-        `str`: The Markdown text.
-    """
+    retention per vertical, the selection and the verdict. Bold marks the merge chosen on validation per column."""
     if "selection" not in results:
         add_statistics(results)
     config = results.get("statistics") or {}
@@ -222,11 +214,7 @@ def _preview_section(results: dict[str, Any]) -> list[str]:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    """The test table in the terminal (rich; bold green: chosen on validation), then the verdict.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-    """
+    """The test table in the terminal (rich; bold green: chosen on validation), then the verdict."""
     from rich.console import Console
     from rich.table import Table
 

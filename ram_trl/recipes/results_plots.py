@@ -18,25 +18,13 @@ __all__ = ["plot_preview", "plot_retention", "plot_scores", "plot_training", "sc
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
     """Grouped bars of the test scores with their 95% intervals as error bars: one group per stage (and the
-    average), one bar per model.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-        path (`Path`): The PNG file written.
-    """
+    average), one bar per model."""
     _save_figure(scores_figure(results), path)
 
 
 def scores_figure(results: dict[str, Any]) -> Any:
     """The figure of :func:`plot_scores`: the shipped merge's bars outlined in black and marked "ship" above its
-    average; a zero score drawn as a short line on the axis (a bar of height 0 is invisible).
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run.
-
-    Returns:
-        The matplotlib ``Figure``.
-    """
+    average; a zero score drawn as a short line on the axis (a bar of height 0 is invisible)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -97,15 +85,7 @@ def _save_figure(figure: Any, path: Path) -> None:
 
 def plot_retention(results: dict[str, Any], path: Path) -> bool:
     """Heat map of retention on test: one row per merge, one column per vertical and the mean; undefined cells
-    grey and marked ``n/a``.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-        path (`Path`): The PNG file written.
-
-    Returns:
-        `bool`: Whether there was anything to draw (no file is written otherwise).
-    """
+    grey and marked ``n/a``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -147,13 +127,7 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
 
 def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
     """One stage's merge preview over training: the merged validation average and the agent's own validation score
-    per previewed step, beside the agent's training reward (right axis), the kept step marked.
-
-    Args:
-        stage (`str`): The stage's name.
-        record (`dict[str, Any]`): The stage's preview record (its ``history`` of previewed steps).
-        path (`Path`): The PNG file written.
-    """
+    per previewed step, beside the agent's training reward (right axis), the kept step marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -188,13 +162,7 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
 
 def plot_training(training: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """The task vector's density at every telemetry measurement of each stage (left; the saved dtype's view solid
-    where measured, ``|tau| > eps`` in the training dtype dashed) and the batch reward logged with it (right).
-
-    Args:
-        training (`dict[str, list[dict[str, Any]]]`): Per stage its curve (:func:`~ram_trl.recipes.training.
-            training_curve`).
-        path (`Path`): The PNG file written.
-    """
+    where measured, ``|tau| > eps`` in the training dtype dashed) and the batch reward logged with it (right)."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

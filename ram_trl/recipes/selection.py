@@ -36,28 +36,13 @@ SELECTION_RULE = (
 
 
 def row_average(row: dict[str, Any], stages: list[str]) -> float | None:
-    """Mean of a row's scores over ``stages`` it has a score for (``None`` if none).
-
-    Args:
-        row (`dict[str, Any]`): A results row, or its ``val`` block (anything with ``scores``).
-        stages (`list[str]`): The stages averaged.
-
-    Returns:
-        `float | None`: The mean of the defined scores.
-    """
+    """Mean of a row's scores over ``stages`` it has a score for (``None`` if none)."""
     values = [row["scores"][s] for s in stages if row["scores"].get(s) is not None]
     return sum(values) / len(values) if values else None
 
 
 def val_block(row: dict[str, Any]) -> dict[str, Any]:
-    """A results row's validation block (``{"scores": {}}`` when it has none).
-
-    Args:
-        row (`dict[str, Any]`): A results row.
-
-    Returns:
-        `dict[str, Any]`: Its ``val`` block.
-    """
+    """A results row's validation block (``{"scores": {}}`` when it has none)."""
     return row.get("val") or {"scores": {}}
 
 
@@ -65,15 +50,7 @@ def select_merges(results: dict[str, Any]) -> dict[str, Any]:
     """Choose on the validation split only: the merge to ship, each sweep's value and each column's best merge.
 
     Reads each merge row's ``val`` block (``scores``, and ``retention`` when present) and nothing else: test scores
-    cannot change the choice.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-
-    Returns:
-        ``{"rule", "split": "val", "ship": name | None, "columns": {stage or "average": name}, "sweeps": [{"label",
-        "parameters", "rows", "pick"}]}``; ``ship`` is ``None`` when no merge has validation scores.
-    """
+    cannot change the choice."""
     stages = results["stages"]
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     averages = {r["name"]: row_average(val_block(r), stages) for r in merges}
@@ -101,27 +78,13 @@ def select_merges(results: dict[str, Any]) -> dict[str, Any]:
 
 def best_merged(results: dict[str, Any]) -> dict[str, str]:
     """Per column (each stage, and ``"average"``), the merge marked best: the one chosen on validation
-    (:func:`select_merges`), never the best test score.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-
-    Returns:
-        `dict[str, str]`: Column -> merge name.
-    """
+    (:func:`select_merges`), never the best test score."""
     return select_merges(results)["columns"]
 
 
 def regime_from_analysis(analysis: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     """Per agent name, the task vector's regime from ``analysis.json``: density, unique share of its active
-    elements, rho_t and RAM+'s lambda_t.
-
-    Args:
-        analysis (`dict[str, Any]`): The contents of ``analysis.json`` (:func:`ram_trl.analyze`).
-
-    Returns:
-        `dict[str, dict[str, float | None]]`: Per agent, ``density``, ``unique_share``, ``rho`` and ``lambda``.
-    """
+    elements, rho_t and RAM+'s lambda_t."""
     regime = {}
     for agent in analysis.get("agents", []):
         active = agent.get("active") or 0
@@ -137,30 +100,13 @@ def regime_from_analysis(analysis: dict[str, Any]) -> dict[str, dict[str, float 
 
 def split_block(row: dict[str, Any], split: str) -> dict[str, Any]:
     """The scores of ``row`` on ``split``: the row itself for ``"test"``, its ``val`` block for ``"val"`` (added
-    when missing).
-
-    Args:
-        row (`dict[str, Any]`): A results row.
-        split (`str`): ``"test"`` or ``"val"``.
-
-    Returns:
-        `dict[str, Any]`: The block holding the split's ``scores``.
-    """
+    when missing)."""
     return row if split == "test" else row.setdefault("val", {"scores": {}})
 
 
 def score_samples(results: dict[str, Any], split: str, kind: str) -> dict[str, dict[str, np.ndarray]]:
     """Per row name, per stage and ``"average"``: the bootstrap means (paired over rows: the same resamples of the
-    prompts for every model) or the per-seed values; differences of two rows' samples give paired intervals.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``).
-        split (`str`): ``"test"`` or ``"val"``.
-        kind (`str`): ``"bootstrap"`` (one run) or ``"seeds"`` (runs over seeds).
-
-    Returns:
-        `dict[str, dict[str, np.ndarray]]`: The samples.
-    """
+    prompts for every model) or the per-seed values; differences of two rows' samples give paired intervals."""
     stages = results["stages"]
     config = results.get("statistics") or {}
     rows = results["rows"]
@@ -189,14 +135,7 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
     stage and ``"average"``: ``[low, high]`` or ``None``), and for merges ``retention`` (``per_stage``, ``mean``,
     ``interval``, ``verticals`` it averages). Then ``selection`` (:func:`select_merges`, validation only) and
     ``verdict`` (:func:`verdict`). Intervals come from ``statistics.intervals``: ``"bootstrap"`` over each row's
-    per-prompt ``rewards`` or ``"seeds"`` over its ``per_seed`` scores.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-
-    Returns:
-        `dict[str, Any]`: ``results`` itself.
-    """
+    per-prompt ``rewards`` or ``"seeds"`` over its ``per_seed`` scores."""
     stages = results["stages"]
     config = results.setdefault("statistics", {})
     kind = config.setdefault("intervals", "bootstrap")
@@ -281,18 +220,7 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
 
     Each row's ``scores`` (test) and ``val.scores`` are the means over the seeds, with the per-seed values in
     ``per_seed`` (what the Student t intervals come from); per-prompt rewards are left in the seed runs. The regime
-    is the mean over the seeds of each agent's density, unique share, rho and lambda.
-
-    Args:
-        runs: The results of each seed's run (same recipe, so the same rows and stages in the same order).
-        seeds: The seed of each run.
-
-    Returns:
-        `dict[str, Any]`: The combined results (``seeds`` and ``statistics.intervals = "seeds"`` recorded).
-
-    Raises:
-        ValueError: when the runs do not have the same rows and stages.
-    """
+    is the mean over the seeds of each agent's density, unique share, rho and lambda."""
     first = runs[0]
     stages = first["stages"]
     for run in runs[1:]:
@@ -395,14 +323,7 @@ AVERAGING_UNIQUE = 0.05
 
 def verdict(results: dict[str, Any]) -> str:
     """One plain paragraph: the merge to ship (chosen on validation), its test average with its interval, its
-    retention, how it compares with the runner-up and the base on test, and the agents' regime.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``results.json``: ``stages``, ``rows``, ...).
-
-    Returns:
-        `str`: The paragraph.
-    """
+    retention, how it compares with the runner-up and the base on test, and the agents' regime."""
     selection = results.get("selection") or select_merges(results)
     ship = selection["ship"]
     stages = results["stages"]

@@ -40,16 +40,7 @@ def preflight_rewards(stage: StageSpec, rows: list[dict[str, Any]], count: int =
     """Call each reward function of ``stage`` once on its first ``count`` rows, before any training: with an empty
     completion and the row's ``answer`` as completions, as training and evaluation call them. A function that
     cannot be called, raises or returns something other than one finite float (or ``None``) per completion is
-    reported now instead of after the base was built and warm-started.
-
-    Args:
-        stage (`StageSpec`): The stage (its reward functions, by import path).
-        rows (`list[dict]`): The stage's training rows (``prompt`` and the columns handed to the rewards).
-        count (`int`, *optional*, defaults to `2`): Rows the functions are called on.
-
-    Raises:
-        StageFailure: naming the stage and the function.
-    """
+    reported now instead of after the base was built and warm-started."""
     sample = rows[:count]
     if not sample or not stage.rewards:
         return
@@ -76,18 +67,7 @@ def _trainer_classes(trainer: str) -> tuple[type, type]:
 
 
 def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out: Path, seed: int) -> Any:
-    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA.
-
-    Args:
-        stage (`StageSpec`): The stage (trainer, config, rewards, ``peft``).
-        base (`Path`): The checkpoint the stage starts from (model and tokenizer).
-        rows (`list[dict]`): The training rows.
-        out (`Path`): The trainer's ``output_dir`` (the stage directory).
-        seed (`int`): The stage's seed.
-
-    Returns:
-        `GRPOTrainer` or `RLOOTrainer`: The trainer, not yet trained.
-    """
+    """The stage's TRL trainer on ``base`` (loaded in float32) with its prompts, rewards and optional LoRA."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,23 +109,7 @@ def attach_telemetry(
 
     With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.callbacks.preview.MergePreviewCallback`),
     which needs the ``recipe`` (rewards, evaluation, seed) and every merged stage's validation file (``val_files``:
-    stage name to ``val.jsonl``).
-
-    Args:
-        trainer (`Trainer`): The stage's trainer (:func:`build_trainer`).
-        base (`Path`): The base the stage starts from (the task vectors' reference).
-        stage (`StageSpec`): The stage.
-        prior (`Sequence[Path]`): The earlier stages' manifests (files or their directories).
-        recipe (`Recipe`, *optional*): The recipe; needed with ``preview:``.
-        val_files (`dict[str, Path]`, *optional*): Each merged stage's validation prompts, by stage name (a stage
-            without a file is previewed on no prompts).
-
-    Returns:
-        The callback, added to the trainer and bound to it.
-
-    Raises:
-        ConfigError: with ``preview:`` and no ``recipe``.
-    """
+    stage name to ``val.jsonl``)."""
     common = {
         "trainer": trainer,
         "base_model": str(base),
@@ -198,20 +162,7 @@ def run_stage(
     prior: Sequence[Path],
     val_files: dict[str, Path] | None = None,
 ) -> None:
-    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring).
-
-    Args:
-        recipe_path (`Path`): The recipe file.
-        stage_name (`str`): The stage trained.
-        base (`Path`): The checkpoint it starts from.
-        train_file (`Path`): Its training prompts (JSON Lines).
-        out (`Path`): The stage directory (agent and ``ram_stage.json``; a stale manifest is removed first).
-        prior (`Sequence[Path]`): The earlier stages' manifests.
-        val_files (`dict[str, Path]`, *optional*): The merged stages' validation prompts, for ``preview:``.
-
-    Raises:
-        ConfigError: for a stage with an existing checkpoint (nothing to train).
-    """
+    """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
     from ram_trl.recipes.data import read_jsonl
     from ram_trl.stage.manifest import MANIFEST_NAME
 

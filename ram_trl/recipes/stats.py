@@ -60,17 +60,7 @@ _Z975 = 1.959963984540054
 
 def t_quantile(df: int) -> float:
     """The 97.5th percentile of Student's t with ``df`` degrees of freedom (exact to 6 decimals up to 30, then a
-    Cornish-Fisher expansion, within 1e-5).
-
-    Args:
-        df (`int`): Degrees of freedom, at least 1.
-
-    Returns:
-        `float`: The quantile, e.g. ``12.706205`` for ``df=1``.
-
-    Raises:
-        ValueError: when ``df < 1``.
-    """
+    Cornish-Fisher expansion, within 1e-5)."""
     if df < 1:
         raise ValueError(f"t_quantile: degrees of freedom {df} < 1")
     if df <= len(_T975):
@@ -85,18 +75,7 @@ def t_quantile(df: int) -> float:
 
 
 def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
-    """Mean and 95% Student t interval of ``values`` (e.g. one score per seed).
-
-    Args:
-        values (`Sequence[float]`): The values, at least one.
-
-    Returns:
-        `tuple[float, float | None, float | None]`: ``(mean, low, high)``; the bounds are ``None`` with fewer than
-        two values.
-
-    Raises:
-        ValueError: when ``values`` is empty.
-    """
+    """Mean and 95% Student t interval of ``values`` (e.g. one score per seed)."""
     n = len(values)
     if n == 0:
         raise ValueError("t_interval: no values")
@@ -110,45 +89,19 @@ def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | No
 
 def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0, stream: int = 0) -> np.ndarray:
     """Bootstrap indices: ``resamples`` rows of ``n`` indices drawn with replacement from ``range(n)``, from
-    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages).
-
-    Args:
-        n (`int`): The number of values resampled.
-        resamples (`int`, *optional*, defaults to `RESAMPLES`): The number of resamples.
-        seed (`int`, *optional*, defaults to `0`): The bootstrap seed.
-        stream (`int`, *optional*, defaults to `0`): A second seed word (e.g. a stage's ``zlib.crc32``).
-
-    Returns:
-        `np.ndarray`: int64 indices of shape ``(resamples, n)``.
-    """
+    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages)."""
     rng = np.random.default_rng([seed, stream])
     return rng.integers(0, n, size=(resamples, n))
 
 
 def bootstrap_means(values: Sequence[float], indices: np.ndarray) -> np.ndarray:
-    """The mean of ``values`` under each row of ``indices`` (one bootstrap mean per resample).
-
-    Args:
-        values (`Sequence[float]`): The values resampled.
-        indices (`np.ndarray`): Indices into ``values``, one row per resample (:func:`resample_indices`).
-
-    Returns:
-        `np.ndarray`: float64, one mean per row of ``indices``.
-    """
+    """The mean of ``values`` under each row of ``indices`` (one bootstrap mean per resample)."""
     return np.asarray(values, dtype=np.float64)[indices].mean(axis=1)
 
 
 def percentile_interval(samples: Sequence[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float]:
     """The percentile interval of bootstrap ``samples``: their ``(1 - level) / 2`` and ``(1 + level) / 2``
-    quantiles (``numpy.quantile``, linear interpolation).
-
-    Args:
-        samples (`Sequence[float]` or `np.ndarray`): The bootstrap samples.
-        level (`float`, *optional*, defaults to `LEVEL`): The interval's coverage, e.g. ``0.95``.
-
-    Returns:
-        `tuple[float, float]`: ``(low, high)``.
-    """
+    quantiles (``numpy.quantile``, linear interpolation)."""
     array = np.asarray(samples, dtype=np.float64)
     low, high = np.quantile(array, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
@@ -161,20 +114,7 @@ def bootstrap_scores(
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Paired bootstrap means of every model on every stage, and of its average over stages.
-
-    Args:
-        rewards: Per model, per stage, the per-prompt rewards (every model scored on the same prompts of a stage).
-        stages: The stages (each resamples with the stream ``zlib.crc32`` of its name).
-        resamples: Bootstrap resamples.
-        seed: Bootstrap seed.
-
-    Returns:
-        Per model, per stage it has rewards for and ``"average"`` (over those stages), the ``resamples`` means.
-
-    Raises:
-        ValueError: when two models have a different number of prompts on a stage.
-    """
+    """Paired bootstrap means of every model on every stage, and of its average over stages."""
     indices: dict[str, np.ndarray] = {}
     for stage in stages:
         sizes = {len(r[stage]) for r in rewards.values() if r.get(stage)}
@@ -200,17 +140,7 @@ def retention_samples(
     verticals: Sequence[str],
 ) -> np.ndarray:
     """Per sample (bootstrap resample or seed), the mean retention over ``verticals``; ``NaN`` in a sample where
-    some vertical's specialist gain ``specialist - base`` is not positive.
-
-    Args:
-        merge: The merge's samples per vertical.
-        base: The base's samples per vertical.
-        specialists: Per vertical, the samples of the agent trained on it (per vertical).
-        verticals: The verticals averaged (those where the point retention is defined).
-
-    Returns:
-        `np.ndarray`: One mean retention per sample.
-    """
+    some vertical's specialist gain ``specialist - base`` is not positive."""
     ratios = []
     for v in verticals:
         gain = np.asarray(specialists[v][v]) - np.asarray(base[v])
@@ -225,20 +155,7 @@ def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[f
 
     ``NaN`` samples are undefined values (e.g. retention where a specialist did not gain): with the bootstrap, more
     than ``(1 - level) / 2`` of them gives ``None`` (not resolved) and fewer are left out; over seeds any gives
-    ``None``. ``None`` also for fewer than two seeds.
-
-    Args:
-        samples (`np.ndarray`): Bootstrap resamples or per-seed values; ``NaN`` marks an undefined value.
-        kind (`str`): ``"bootstrap"`` or ``"seeds"``.
-        level (`float`, *optional*, defaults to `LEVEL`): The coverage of a bootstrap interval (the seeds' t
-            interval is always 95%).
-
-    Returns:
-        `tuple[float, float] | None`: ``(low, high)``, or ``None`` when not resolved.
-
-    Raises:
-        ValueError: for another ``kind``.
-    """
+    ``None``. ``None`` also for fewer than two seeds."""
     array = np.asarray(samples, dtype=np.float64)
     missing = np.isnan(array)
     if kind == "bootstrap":
@@ -255,14 +172,7 @@ def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[f
 
 def select_best(candidates: Mapping[str, float | None]) -> str | None:
     """The key with the highest value (first in order among equal values); ``None``-valued keys are never picked
-    (``None`` when no key has a value).
-
-    Args:
-        candidates (`Mapping[str, float | None]`): Values by key; ``None`` and ``NaN`` values are skipped.
-
-    Returns:
-        `str | None`: The best key.
-    """
+    (``None`` when no key has a value)."""
     best: str | None = None
     for key, value in candidates.items():
         if value is None or (isinstance(value, float) and math.isnan(value)):

@@ -44,34 +44,14 @@ __all__ = [
 
 def completion_text(completion: Any) -> str:
     """The text of a completion as TRL passes it (a string, or a conversational list of messages), up to the first
-    newline, stripped of surrounding spaces.
-
-    Args:
-        completion (`Any`): A string, or a list of ``{"role": ..., "content": ...}`` messages (their contents are
-            joined).
-
-    Returns:
-        `str`: The first line, stripped.
-    """
+    newline, stripped of surrounding spaces."""
     if isinstance(completion, list):
         completion = "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion).split("\n", 1)[0].strip()
 
 
 def unique_rows(make: Callable[[random.Random], dict[str, str]], n: int, seed: int) -> list[dict[str, str]]:
-    """``n`` rows with distinct prompts drawn by ``make`` from one seeded ``random.Random``.
-
-    Args:
-        make: Draws one row (a dict with at least ``prompt``) from the generator it is given.
-        n: How many rows.
-        seed: Seeds the generator.
-
-    Returns:
-        The rows, in the order their prompts were first drawn.
-
-    Raises:
-        ValueError: when ``make`` cannot produce ``n`` distinct prompts.
-    """
+    """``n`` rows with distinct prompts drawn by ``make`` from one seeded ``random.Random``."""
     rng = random.Random(seed)
     rows: dict[str, dict[str, str]] = {}
     attempts = 0
@@ -89,17 +69,7 @@ def unique_rows(make: Callable[[random.Random], dict[str, str]], n: int, seed: i
 
 
 def arithmetic_prompts(n: int, seed: int = 0, max_operand: int = 49, ops: str = "+-") -> list[dict[str, str]]:
-    """Prompts ``"a+b="`` / ``"a-b="`` with operands in ``[0, max_operand]`` (``a >= b`` for subtraction).
-
-    Args:
-        n: Number of distinct prompts.
-        seed: Seed of the draw.
-        max_operand: Largest operand.
-        ops: Operators to draw from (``+``, ``-``, ``*``).
-
-    Returns:
-        Rows ``{"prompt": "37+45=", "answer": "82"}``.
-    """
+    """Prompts ``"a+b="`` / ``"a-b="`` with operands in ``[0, max_operand]`` (``a >= b`` for subtraction)."""
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"ops={ops!r}: use a non-empty combination of '+', '-', '*'")
 
@@ -124,17 +94,7 @@ def _prefix_share(text: str, answer: str) -> float:
 
 
 def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for the exact result, else 0.5 x (share of the result's characters right from the left).
-
-    Args:
-        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
-            only their first line counts (:func:`completion_text`).
-        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
-        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
-
-    Returns:
-        `list[float]`: One reward in ``[0, 1]`` per completion.
-    """
+    """1.0 for the exact result, else 0.5 x (share of the result's characters right from the left)."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         text = completion_text(completion)
@@ -157,19 +117,7 @@ PROGRAMS: dict[str, Callable[[str], str]] = {
 def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, str]]:
     """Predict a one-line program's output (CRUXEval-style, at toy scale): ``'rev("kqfzb")='`` -> ``"bzfqk"``.
 
-    The programs (:data:`PROGRAMS`) reverse, sort, upper-case or shift each letter of a random lowercase word.
-
-    Args:
-        n: Number of distinct prompts.
-        seed: Seed of the draw.
-        length: Letters of the word.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": 'rev("kqfzb")=', "answer": "bzfqk"}``.
-
-    Raises:
-        ValueError: when ``length < 1``.
-    """
+    The programs (:data:`PROGRAMS`) reverse, sort, upper-case or shift each letter of a random lowercase word."""
     if length < 1:
         raise ValueError(f"length={length} must be at least 1")
 
@@ -182,17 +130,7 @@ def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, st
 
 
 def program_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for exactly the program's output, else 0.5 x (share of its characters right from the left).
-
-    Args:
-        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
-            only their first line counts (:func:`completion_text`).
-        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
-        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
-
-    Returns:
-        `list[float]`: One reward in ``[0, 1]`` per completion.
-    """
+    """1.0 for exactly the program's output, else 0.5 x (share of its characters right from the left)."""
     return arithmetic_reward(completions, answer)
 
 
@@ -275,16 +213,7 @@ _CALL = re.compile(r"^([A-Za-z_]\w*)\((\s*\w+\s*=\s*[^,()=]+\s*(?:,\s*\w+\s*=\s*
 
 def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
     """Questions that one tool answers; the answer is the call, e.g. ``"weather in Oslo on mon? "`` ->
-    ``"weather(city=Oslo,day=mon)"``.
-
-    Args:
-        n: Number of distinct prompts (at most the number of question/argument combinations, 1,588).
-        seed: Seed of the draw.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": "weather in Oslo on mon? ",
-        "answer": "weather(city=Oslo,day=mon)"}``.
-    """
+    ``"weather(city=Oslo,day=mon)"``."""
 
     def make(rng: random.Random) -> dict[str, str]:
         tool = rng.choice(sorted(TOOLS))
@@ -299,14 +228,7 @@ def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
-    """``"name(k=v,...)"`` -> ``("name", {"k": "v"})``; ``None`` if the text is not a well-formed call.
-
-    Args:
-        text (`str`): The text, e.g. a completion's first line.
-
-    Returns:
-        `tuple[str, dict[str, str]] | None`: The tool and its arguments; ``None`` also when an argument repeats.
-    """
+    """``"name(k=v,...)"`` -> ``("name", {"k": "v"})``; ``None`` if the text is not a well-formed call."""
     match = _CALL.match(text)
     if match is None:
         return None
@@ -323,17 +245,7 @@ def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
 def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
     """0.2 for a well-formed call of the wrong tool; with the right tool, 0.5 plus 0.5 x the share of arguments given
     exactly (matched arguments over the larger of the expected and the given argument counts, so 1.0 only for exactly
-    the right call); 0 for anything that is not a well-formed call.
-
-    Args:
-        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
-            only their first line counts (:func:`completion_text`).
-        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
-        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
-
-    Returns:
-        `list[float]`: One reward in ``[0, 1]`` per completion.
-    """
+    the right call); 0 for anything that is not a well-formed call."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         got = parse_call(completion_text(completion))
@@ -356,20 +268,7 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
 def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 2) -> list[dict[str, str]]:
     """A context of ``num_pairs`` ``key=digit`` pairs, then a question for one key: ``"ka=3;qb=7;...;qb?"`` -> ``"7"``.
 
-    Keys are two distinct lowercase letters; values are digits.
-
-    Args:
-        n: Number of distinct prompts.
-        seed: Seed of the draw.
-        num_pairs: Pairs in the context (the context is ``(key_length + 3) * num_pairs`` characters long).
-        key_length: Letters per key.
-
-    Returns:
-        `list[dict[str, str]]`: Rows ``{"prompt": "ka=3;qb=7;...;qb?", "answer": "7"}``.
-
-    Raises:
-        ValueError: when ``num_pairs`` is below 1 or above the number of distinct keys.
-    """
+    Keys are two distinct lowercase letters; values are digits."""
     if num_pairs < 1 or num_pairs > 26**key_length:
         raise ValueError(f"num_pairs={num_pairs} must be between 1 and 26**key_length")
 
@@ -388,30 +287,12 @@ def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 
 
 
 def recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for exactly the key's value, else 0.
-
-    Args:
-        completions (`Sequence[Any]`): The completions as TRL passes them (strings or conversational messages);
-            only their first line counts (:func:`completion_text`).
-        answer (`Sequence[str]`): The dataset's ``answer`` column, one per completion.
-        **kwargs: TRL's other reward arguments (prompts, other columns), ignored.
-
-    Returns:
-        `list[float]`: One reward in ``[0, 1]`` per completion.
-    """
+    """1.0 for exactly the key's value, else 0."""
     return [1.0 if completion_text(c) == want else 0.0 for c, want in zip(completions, answer, strict=True)]
 
 
 def mixture(parts: Sequence[Sequence[dict[str, str]]], seed: int = 0) -> list[dict[str, str]]:
-    """Interleave several tasks' rows (a seeded shuffle of their concatenation), e.g. for a supervised warm start.
-
-    Args:
-        parts (`Sequence[Sequence[dict[str, str]]]`): Each task's rows.
-        seed (`int`, *optional*, defaults to `0`): Seed of the ``random.Random`` shuffle.
-
-    Returns:
-        `list[dict[str, str]]`: All rows, shuffled.
-    """
+    """Interleave several tasks' rows (a seeded shuffle of their concatenation), e.g. for a supervised warm start."""
     rows = [row for part in parts for row in part]
     random.Random(seed).shuffle(rows)
     return rows

@@ -32,18 +32,8 @@ def _finite(value: Any) -> float | None:
 
 
 def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector/") -> list[dict[str, Any]]:
-    """The telemetry measurements of one training run, in step order.
-
-    Args:
-        log_history (`list[dict[str, Any]]`): A trainer's ``state.log_history``.
-        prefix (`str`, *optional*, defaults to `"task_vector/"`): The telemetry callback's metric prefix.
-
-    Returns:
-        `list[dict[str, Any]]`: One ``{"step", "reward", <TRAINING_KEYS short names>}`` per log entry that carries
-        ``PREFIX + "density"`` (values that are missing or not finite are ``None``). ``reward`` is the batch reward
-        the trainer logged last at or before the measurement's step (GRPO's and RLOO's ``log`` add the rewards
-        of the window to the telemetry's own entry when it is logged first; see docs/telemetry.md).
-    """
+    """The telemetry measurements of one training run, in step order (``reward``: the batch reward logged last at or
+    before the step; GRPO's and RLOO's ``log`` put it in the telemetry's own entry when that is logged first)."""
     rewards = sorted(
         (int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e
     )
@@ -62,14 +52,7 @@ def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector
 
 def read_training(stage_dirs: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
     """Per stage, the telemetry curve of its ``trainer_state.json`` (stages without one, or without a measurement,
-    are left out).
-
-    Args:
-        stage_dirs (`dict[str, Path]`): Stage name to its directory.
-
-    Returns:
-        `dict[str, list[dict[str, Any]]]`: Stage name to :func:`training_curve`.
-    """
+    are left out)."""
     out = {}
     for name, directory in stage_dirs.items():
         path = Path(directory) / TRAINER_STATE

@@ -41,18 +41,7 @@ WARM_START_RECORD = "ram_warm_start.json"
 
 
 def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
-    """Token ids and labels of each row: ``prompt + answer + eos``, labels ``-100`` on the prompt.
-
-    Args:
-        tokenizer: The base's tokenizer (no special tokens added; its ``eos_token_id`` ends each answer).
-        rows: Warm-start rows (``prompt``, ``answer``).
-
-    Returns:
-        Per row, its token ids and its labels.
-
-    Raises:
-        ConfigError: when a row has no string ``answer``.
-    """
+    """Token ids and labels of each row: ``prompt + answer + eos``, labels ``-100`` on the prompt."""
     encoded = []
     for index, row in enumerate(rows):
         if not isinstance(row.get("answer"), str):
@@ -67,17 +56,7 @@ def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[i
 
 def with_abstentions(rows: list[dict[str, Any]], share: float, reply: str, seed: int) -> list[dict[str, Any]]:
     """``rows`` with the answer of a seeded ``share`` of them replaced by ``reply`` (each row independently, so
-    every task abstains at about the same rate).
-
-    Args:
-        rows: Warm-start rows (``prompt``, ``answer``).
-        share: Probability that a row abstains, in ``[0, 1)``.
-        reply: The abstaining answer.
-        seed: Seed of the draw.
-
-    Returns:
-        New rows (the input rows are not modified).
-    """
+    every task abstains at about the same rate)."""
     rng = random.Random(f"abstain-{seed}")
     return [dict(row, answer=reply) if rng.random() < share else row for row in rows]
 
@@ -166,29 +145,13 @@ def _train(
 
 
 def pass_at_k(passed: list[list[bool]]) -> float:
-    """Share of rows with at least one passing sample (the empirical pass@k of ``k`` samples per row).
-
-    Args:
-        passed: Per row, whether each of its samples passed.
-
-    Returns:
-        The share, ``0.0`` for no rows.
-    """
+    """Share of rows with at least one passing sample (the empirical pass@k of ``k`` samples per row)."""
     return sum(any(row) for row in passed) / len(passed) if passed else 0.0
 
 
 def phase_met(measured: dict[str, float], target: float, how: str = "every") -> bool:
     """Whether per-stage measurements reach ``target``: every stage's (``how="every"``) or their mean
-    (``how="mean"``).
-
-    Args:
-        measured: Per stage, the measured value.
-        target: The value to reach (inclusive).
-        how: ``"every"`` or ``"mean"``.
-
-    Returns:
-        ``True`` when reached (``False`` for no measurement).
-    """
+    (``how="mean"``)."""
     if not measured:
         return False
     if how == "mean":
@@ -207,21 +170,7 @@ def train_until(
     on_check: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``first`` steps, then measure; while the measurement does not meet the criterion, train ``every`` more
-    steps (never past ``cap`` in all) and measure again.
-
-    Args:
-        train: Trains the given number of steps.
-        measure: The per-stage measurement.
-        met: Whether a measurement meets the criterion.
-        first: Steps before the first check (at most ``cap``).
-        every: Steps between checks.
-        cap: Most steps in all.
-        on_check: Called with the step and the measurement after each check (progress reports).
-
-    Returns:
-        ``{"steps", "cap", "met", "checks": [{"step", "values"}]}``; ``met`` is ``False`` when the cap was hit with
-        the criterion unmet.
-    """
+    steps (never past ``cap`` in all) and measure again."""
     steps, checks = 0, []
     todo = min(first, cap)
     while True:
@@ -245,7 +194,7 @@ class _Checker:
     def __init__(self, base_in: Path, checks: list[Any], spec: WarmStartSpec, progress: bool = False) -> None:
         from transformers import AutoTokenizer
 
-        from ram_trl.recipes.evaluate import generation_tokenizer
+        from ram_trl.evaluation.scoring import generation_tokenizer
 
         self.tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(str(base_in)))
         self.checks, self.spec, self.accept, self.progress = checks, spec, spec.accept, progress
@@ -267,7 +216,7 @@ class _Checker:
         return saved.eval()
 
     def _generate(self, model: Any, prompts: list[str], sample: bool) -> list[str]:
-        from ram_trl.recipes.evaluate import generate
+        from ram_trl.evaluation.scoring import generate
         from ram_trl.recipes.schema import EvaluationSpec
 
         decoding = EvaluationSpec(
@@ -281,15 +230,8 @@ class _Checker:
             return generate(model, self.tokenizer, prompts, decoding)
 
     def pass_rates(self, model: Any) -> dict[str, float]:
-        """Per stage, the sampled pass@k on its check rows.
-
-        Args:
-            model: The model being trained (not modified).
-
-        Returns:
-            Per stage, the share of check rows with a passing sample among ``pass_k``.
-        """
-        from ram_trl.recipes.evaluate import score_completions
+        """Per stage, the sampled pass@k on its check rows."""
+        from ram_trl.evaluation.scoring import score_completions
 
         copy, k, out = self._copy(model), self.accept.pass_k, {}
         for task in self._tasks("answers"):
@@ -302,14 +244,7 @@ class _Checker:
         return out
 
     def declines(self, model: Any) -> dict[str, float]:
-        """Per stage, the share of check rows on which greedy decoding answers ``abstain_reply``.
-
-        Args:
-            model: The model being trained (not modified).
-
-        Returns:
-            Per stage, the greedy decline share.
-        """
+        """Per stage, the share of check rows on which greedy decoding answers ``abstain_reply``."""
         from ram_trl.recipes.tasks import completion_text
 
         copy, out = self._copy(model), {}
@@ -321,14 +256,7 @@ class _Checker:
 
 
 def criterion(spec: WarmStartSpec) -> str:
-    """The acceptance criterion of ``spec`` in words (for ``ram_warm_start.json`` and results.md).
-
-    Args:
-        spec: A warm start with ``accept``.
-
-    Returns:
-        One sentence.
-    """
+    """The acceptance criterion of ``spec`` in words (for ``ram_warm_start.json`` and results.md)."""
     accept = spec.accept
     text = (
         f"every stage's sampled pass@{accept.pass_k} (temperature {accept.temperature:g}, summed reward >= "
@@ -344,14 +272,7 @@ def criterion(spec: WarmStartSpec) -> str:
 
 
 def decline_target(spec: WarmStartSpec) -> float:
-    """Phase two's target: the greedy decline share, mean over stages, at which it stops.
-
-    Args:
-        spec: A warm start with ``accept`` and ``abstain_share``.
-
-    Returns:
-        ``abstain_share - decline_tolerance`` (at least 0).
-    """
+    """Phase two's target: the greedy decline share, mean over stages, at which it stops."""
     return round(max(0.0, spec.abstain_share - spec.accept.decline_tolerance), 6)
 
 
@@ -362,14 +283,7 @@ def _values(values: dict[str, float]) -> str:
 
 def acceptance_summary(acceptance: dict[str, Any]) -> list[str]:
     """The acceptance record in words: per phase its steps and last measurement, then the final measurement; a
-    phase that hit its cap unmet is named loudly (``WARNING``).
-
-    Args:
-        acceptance: A record's ``acceptance`` (:func:`warm_start`).
-
-    Returns:
-        One line per phase and one for the final measurement.
-    """
+    phase that hit its cap unmet is named loudly (``WARNING``)."""
     names = {
         "answers": "phase one (answers): sampled pass@k",
         "abstain": "phase two (abstentions): greedy declines",
@@ -394,14 +308,7 @@ def acceptance_summary(acceptance: dict[str, Any]) -> list[str]:
 
 
 def acceptance_line(record: dict[str, Any]) -> str:
-    """The terminal's summary of a warm start's acceptance (rich markup: red when a cap was hit).
-
-    Args:
-        record: The warm start's record with ``acceptance``.
-
-    Returns:
-        One line (``; ``-joined :func:`acceptance_summary`).
-    """
+    """The terminal's summary of a warm start's acceptance (rich markup: red when a cap was hit)."""
     acceptance = record["acceptance"]
     colour = "green" if acceptance["accepted"] else "bold red"
     verdict = "accepted" if acceptance["accepted"] else "NOT ACCEPTED"
@@ -428,25 +335,9 @@ def warm_start(
     the output-commit protocol (:class:`~ram_trl.output.OutputDir`): written to a temporary sibling and renamed into
     place, replacing a previous warm start (a directory holding :data:`WARM_START_RECORD`) and nothing else.
 
-    Args:
-        base_in: The checkpoint to train.
-        base_out: The warm-started checkpoint's directory.
-        rows: ``prompt`` / ``answer`` rows.
-        spec: The recipe's ``warm_start`` section.
-        progress: Show a progress bar.
-        record_extra: More fields of the record (the runner's digest of the rows).
-        checks: With ``spec.accept``, each stage's check rows and rewards
-            (:class:`~ram_trl.recipes.evaluate.EvalTask`): rows held out of ``rows`` that no stage trains on.
-        on_check: Called with the phase (``"answers"`` or ``"abstain"``), the step and the measurement after each
-            check (the runner prints them).
-
     With ``spec.accept``, each phase trains until its criterion holds on ``checks`` or its cap is hit
     (:func:`train_until`); the record's ``acceptance`` holds the criterion, every check, the steps taken, the final
-    measurements and ``accepted``; a phase that hit its cap unmet is warned about.
-
-    Returns:
-        The record: steps, first and last losses, seconds (and ``acceptance``).
-    """
+    measurements and ``accepted``; a phase that hit its cap unmet is warned about."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     base_in, base_out = Path(base_in), Path(base_out)

@@ -30,10 +30,10 @@ from ram_trl.digest import file_digest, hasher
 from ram_trl.errors import ConfigError, OutputError
 from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
 from ram_trl.io.hub import HubReference, parse_reference, resolve_model
+from ram_trl.io.json_files import read_json_object
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.messages import validation_message
 from ram_trl.output import atomic_file
-from ram_trl.validation import read_json_object
 
 MANIFEST_NAME = "ram_stage.json"
 #: 2 added ``files`` (the weight files and their SHA-256), 3 ``base_revision``; older manifests are still read.
@@ -48,12 +48,7 @@ class BaseFingerprint(BaseModel):
     """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values.
 
     Values are hashed as float32 (exact for bf16, fp16 and fp32 storage), so a base loaded in float32 for training
-    and the same base saved in bf16 have the same fingerprint.
-
-    Args:
-        tensors: Names of the hashed tensors.
-        sha256: Hex digest.
-    """
+    and the same base saved in bf16 have the same fingerprint."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -62,30 +57,7 @@ class BaseFingerprint(BaseModel):
 
 
 class StageManifest(BaseModel):
-    """The manifest of one finished RL stage (``ram_stage.json``).
-
-    Args:
-        schema_version: Manifest schema version.
-        stage: Stage name (the agent's label in merges and reports).
-        domain: The vertical it specialises in (free text, e.g. ``"coding"``).
-        base_model: The base model's id or path as the run was given it.
-        base_fingerprint: Fingerprint of the base (see :func:`fingerprint`).
-        base_revision: The commit a Hub id ``base_model`` resolved to (``None`` for a local path).
-        checkpoint: The agent's checkpoint: a full model directory or a PEFT adapter directory. Relative paths are
-            relative to the manifest's directory.
-        kind: ``"full"`` or ``"lora"``.
-        files: The weight files of the checkpoint directory (:func:`weight_files`) and the SHA-256 of each, as
-            saved; ``{}`` when the run saved no agent (``save_agent=False``: such a stage is refused as a merge
-            input), ``None`` in manifests written before schema version 2 (only the kind is checked then).
-        trainer: Trainer class name (e.g. ``"GRPOTrainer"``).
-        steps: Optimizer steps trained.
-        save_dtype: The dtype the checkpoint was saved in (what the merge sees).
-        telemetry: The final task-vector telemetry (metric name to value).
-        rewards: The last logged reward metrics.
-        versions: Library versions (torch, transformers, trl, peft, ram_trl, ...).
-        created: ISO 8601 UTC timestamp.
-        extra: Anything else a recipe wants to keep (prompts file, config, ...).
-    """
+    """The manifest of one finished RL stage (``ram_stage.json``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -121,17 +93,7 @@ def is_stage(path: str | os.PathLike) -> bool:
 
 
 def read_manifest(path: str | os.PathLike) -> StageManifest:
-    """Read and validate a stage manifest.
-
-    Args:
-        path: The manifest file, or the directory holding ``ram_stage.json``.
-
-    Returns:
-        The :class:`StageManifest`.
-
-    Raises:
-        ConfigError: naming the file, if it is missing, not JSON, of a newer schema or invalid.
-    """
+    """Read and validate a stage manifest."""
     file = manifest_path(path)
     if not file.is_file():
         raise ConfigError(f"stage manifest {file} does not exist (a finished stage writes {MANIFEST_NAME})")
@@ -149,31 +111,15 @@ def read_manifest(path: str | os.PathLike) -> StageManifest:
 
 
 def checkpoint_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path:
-    """The agent checkpoint a manifest points to (relative paths resolved against the manifest's directory).
-
-    Args:
-        manifest (`StageManifest`): The manifest.
-        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
-
-    Returns:
-        `Path`: The agent's checkpoint directory.
-    """
+    """The agent checkpoint a manifest points to (relative paths resolved against the manifest's directory)."""
     path = Path(manifest.checkpoint).expanduser()
     return path if path.is_absolute() else manifest_path(manifest_file).parent / path
 
 
 def base_model_path(manifest: StageManifest, manifest_file: str | os.PathLike) -> Path | None:
     """The base model a manifest names, as a local path: a relative ``base_model`` is resolved against the manifest's
-    directory, never the current directory (a stage is read from anywhere).
-
-    Args:
-        manifest (`StageManifest`): The manifest.
-        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
-
-    Returns:
-        `Path` or `None`: The base's path (a Hub id's cache snapshot, at the recorded ``base_revision``), or ``None``
-        when no such file or directory exists (a Hub id that cannot be resolved, or a base that has moved).
-    """
+    directory, never the current directory (a stage is read from anywhere). A Hub id resolves to its cache
+    snapshot at the recorded ``base_revision``; ``None`` when nothing exists there."""
     path = Path(manifest.base_model).expanduser()
     if not path.is_absolute():
         path = (manifest_path(manifest_file).parent / path).resolve()
@@ -191,15 +137,7 @@ def base_model_path(manifest: StageManifest, manifest_file: str | os.PathLike) -
 
 
 def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Path:
-    """Write ``directory/ram_stage.json`` atomically (temporary sibling, then rename).
-
-    Args:
-        manifest (`StageManifest`): The manifest.
-        directory (`str` or `os.PathLike`): The stage's output directory (beside the agent).
-
-    Returns:
-        The manifest's path.
-    """
+    """Write ``directory/ram_stage.json`` atomically (temporary sibling, then rename)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / MANIFEST_NAME
@@ -209,15 +147,7 @@ def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Pat
 
 
 def fingerprint_names(names: Iterable[str], count: int = FINGERPRINT_TENSORS) -> list[str]:
-    """Choose the tensors of a fingerprint: ``count`` names spread evenly over the sorted ``names``.
-
-    Args:
-        names (`Iterable[str]`): The floating tensors of the base (duplicates ignored).
-        count (`int`, *optional*, defaults to `FINGERPRINT_TENSORS`): How many to choose.
-
-    Returns:
-        `list[str]`: The chosen names, sorted.
-    """
+    """Choose the tensors of a fingerprint: ``count`` names spread evenly over the sorted ``names``."""
     ordered = sorted(set(names))
     if len(ordered) <= count:
         return ordered
@@ -226,15 +156,7 @@ def fingerprint_names(names: Iterable[str], count: int = FINGERPRINT_TENSORS) ->
 
 
 def fingerprint(get_tensor: Callable[[str], torch.Tensor], names: Iterable[str]) -> BaseFingerprint:
-    """Fingerprint a base from a few tensors.
-
-    Args:
-        get_tensor: Returns the full tensor stored under a name (any floating dtype, any device).
-        names: The tensors to hash, e.g. from :func:`fingerprint_names`.
-
-    Returns:
-        The :class:`BaseFingerprint`.
-    """
+    """Fingerprint a base from a few tensors."""
 
     def head(name: str) -> tuple[tuple[int, ...], torch.Tensor]:
         tensor = get_tensor(name).detach()
@@ -249,15 +171,7 @@ def fingerprint_heads(
     """Fingerprint a base from each tensor's shape and leading elements, without the full tensors.
 
     For sources that hold tensors in pieces (a training run's parameters, a memory-mapped range): only the first
-    :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed.
-
-    Args:
-        get_head: Returns a tensor's full shape and its first ``min(numel, FINGERPRINT_ELEMENTS)`` flat elements.
-        names: The tensors to hash.
-
-    Returns:
-        The :class:`BaseFingerprint` (equal to :func:`fingerprint` of the full tensors).
-    """
+    :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed."""
     digest = hasher()
     chosen = list(names)
     for name in chosen:
@@ -277,31 +191,14 @@ def fingerprint_heads(
 def fingerprint_state(
     tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
 ) -> BaseFingerprint:
-    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle).
-
-    Args:
-        tensors (`Mapping[str, torch.Tensor]`): The base's tensors by name.
-        names (`Iterable[str]`, *optional*): The tensors to hash (default: :func:`fingerprint_names` of the
-            floating tensors).
-
-    Returns:
-        `BaseFingerprint`: The chosen tensors' names and the SHA-256 of their names, shapes and leading elements.
-    """
+    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
     if names is None:
         names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
     return fingerprint(lambda name: tensors[name], names)
 
 
 def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None = None) -> BaseFingerprint:
-    """Fingerprint a base checkpoint directory on disk (safetensors, single or sharded).
-
-    Args:
-        path: The base model directory.
-        names: The tensors to hash (default: :func:`fingerprint_names` of its floating tensors).
-
-    Raises:
-        ConfigError: if a named tensor is not in the checkpoint.
-    """
+    """Fingerprint a base checkpoint directory on disk (safetensors, single or sharded)."""
     checkpoint = open_checkpoint(path, "base model")
     if names is None:
         names = fingerprint_names(n for n, meta in checkpoint.tensors.items() if meta.dtype.is_floating_point)
@@ -316,16 +213,7 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
 def check_base(
     manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike
 ) -> None:
-    """Check that a stage was trained from ``base_path``.
-
-    Args:
-        manifest (`StageManifest`): The stage's manifest.
-        manifest_file (`str` or `os.PathLike`): Where it was read from (named in the error).
-        base_path (`str` or `os.PathLike`): The merge's base model.
-
-    Raises:
-        ConfigError: naming the manifest, its base and the merge's base, when the fingerprints differ.
-    """
+    """Check that a stage was trained from ``base_path``."""
     if manifest.base_fingerprint is None:
         return
     try:
@@ -351,15 +239,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_mo
 
 
 def is_weight_file(name: str) -> bool:
-    """Whether a file name is one a reader of a checkpoint directory may load weights (or LoRA settings) from.
-
-    Args:
-        name (`str`): A file name (no directory).
-
-    Returns:
-        `bool`: ``True`` for ``*.safetensors`` (but the Fisher file), safetensors / pickle index files,
-        ``pytorch_model*.bin`` and the PEFT adapter files.
-    """
+    """Whether a file name is one a reader of a checkpoint directory may load weights (or LoRA settings) from."""
     if name in ADAPTER_FILES:
         return True
     if name.endswith(".safetensors"):
@@ -370,14 +250,7 @@ def is_weight_file(name: str) -> bool:
 
 
 def weight_files(directory: str | os.PathLike) -> list[str]:
-    """The weight files (:func:`is_weight_file`) directly inside a checkpoint directory, sorted.
-
-    Args:
-        directory (`str` or `os.PathLike`): The checkpoint directory.
-
-    Returns:
-        `list[str]`: Their names (none if the directory does not exist).
-    """
+    """The weight files (:func:`is_weight_file`) directly inside a checkpoint directory, sorted."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -385,14 +258,7 @@ def weight_files(directory: str | os.PathLike) -> list[str]:
 
 
 def describe_files(directory: str | os.PathLike) -> dict[str, str]:
-    """The ``files`` of a manifest: every weight file of ``directory`` with its SHA-256.
-
-    Args:
-        directory (`str` or `os.PathLike`): The saved agent's directory.
-
-    Returns:
-        `dict[str, str]`: File name to hex digest, sorted by name.
-    """
+    """The ``files`` of a manifest: every weight file of ``directory`` with its SHA-256."""
     names = weight_files(directory)
     workers = min(len(names), os.cpu_count() or 1, 8)
     if workers <= 1:
@@ -426,22 +292,7 @@ def _check_kind(manifest: StageManifest, directory: Path, where: str) -> None:
 def verify_stage(
     manifest: StageManifest, manifest_file: str | os.PathLike, *, allow_external: bool = False
 ) -> Path:
-    """Check that a stage's checkpoint directory holds exactly what its manifest describes; return the directory.
-
-    Args:
-        manifest (`StageManifest`): The stage's manifest.
-        manifest_file (`str` or `os.PathLike`): Where it was read from (the file or its directory).
-        allow_external (`bool`, *optional*, defaults to `False`): Accept a ``checkpoint`` outside the manifest's
-            directory (an absolute path or ``..``), as ``allow_external_shards`` does for index files.
-
-    Returns:
-        `Path`: The checkpoint directory.
-
-    Raises:
-        ConfigError: in one line naming the manifest and the file, for a checkpoint outside the manifest's
-            directory, a manifest of a run that saved no agent, a weight file missing, added or changed since
-            the save, or a kind the files contradict.
-    """
+    """Check that a stage's checkpoint directory holds exactly what its manifest describes; return the directory."""
     file = manifest_path(manifest_file)
     where = f"stage {manifest.stage!r} ({file})"
     directory = checkpoint_path(manifest, manifest_file)
@@ -484,14 +335,7 @@ def verify_stage(
 
 def previous_save(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
     """The weight files an agent save into ``directory`` finds: those a previous save owns (named by the
-    ``ram_stage.json`` there; every weight file for a manifest older than schema version 2) and the others.
-
-    Args:
-        directory (`str` or `os.PathLike`): The agent directory about to receive a save.
-
-    Returns:
-        `tuple[list[str], list[str]]`: ``(owned, foreign)`` file names, sorted.
-    """
+    ``ram_stage.json`` there; every weight file for a manifest older than schema version 2) and the others."""
     directory = Path(directory)
     present = weight_files(directory)
     try:
@@ -507,19 +351,7 @@ def previous_save(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
 
 def check_save_target(directory: str | os.PathLike, writes: Iterable[str] | None = None) -> list[str]:
     """Refuse an agent save that would leave weight files it does not own beside the new agent; return the
-    previous save's files to remove.
-
-    Args:
-        directory (`str` or `os.PathLike`): The agent directory.
-        writes (`Iterable[str]`, *optional*): The files the new save writes (``None``: not known yet, before
-            training; then any weight file that no previous save owns is refused).
-
-    Returns:
-        `list[str]`: The previous save's weight files that the new save does not replace (remove them with it).
-
-    Raises:
-        OutputError: naming the first file that is neither the previous save's nor replaced by the new one.
-    """
+    previous save's files to remove."""
     owned, foreign = previous_save(directory)
     written = None if writes is None else set(writes)
     left = [n for n in foreign if written is None or n not in written]

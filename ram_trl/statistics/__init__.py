@@ -13,13 +13,11 @@ from ram_trl.statistics.magnitude import (
     MagnitudeStatistics,
     MagnitudeWorkspace,
     excess_kurtosis,
-    gini_coefficient,
     histogram_gini,
     histogram_top_mass,
     magnitude_bin,
     magnitude_bin_edges,
     sum_of_squares,
-    top_mass_share,
 )
 from ram_trl.statistics.overlap import MAX_SUBSET_AGENTS, OverlapStatistics, TensorAnalysis, subset_counts
 
@@ -32,12 +30,10 @@ __all__ = [
     "OverlapStatistics",
     "TensorAnalysis",
     "excess_kurtosis",
-    "gini_coefficient",
     "histogram_gini",
     "histogram_top_mass",
     "magnitude_bin",
     "magnitude_bin_edges",
     "subset_counts",
     "sum_of_squares",
-    "top_mass_share",
 ]

@@ -68,12 +68,7 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass(frozen=True)
 class TensorPlace:
-    """Where a tensor sits in the architecture.
-
-    Args:
-        module: Module type (a key of :data:`MODULE_FAMILIES`).
-        layer: Decoder layer index, or ``None`` outside the layers (embeddings, final norm, lm_head).
-    """
+    """Where a tensor sits in the architecture."""
 
     module: str
     layer: int | None
@@ -108,16 +103,7 @@ def classify(name: str) -> TensorPlace:
 def aggregate(
     items: Iterable[tuple[str, T]], key: Callable[[str], K], add: Callable[[T, T], T]
 ) -> dict[K, T]:
-    """Combine per-tensor values by bucket.
-
-    Args:
-        items: ``(tensor name, value)`` pairs; summed in the order given.
-        key: The bucket of a tensor name (e.g. ``lambda n: classify(n).module``); ``None`` buckets are skipped.
-        add: Combines two values into a new one (must not modify its arguments).
-
-    Returns:
-        Bucket to combined value, buckets in order of first appearance.
-    """
+    """Combine per-tensor values by bucket."""
     buckets: dict[K, T] = {}
     for name, value in items:
         bucket = key(name)
@@ -140,17 +126,7 @@ def _bucket(record: TensorAnalysis, num_agents: int) -> dict[str, Any]:
 
 
 def summarize(records: dict[str, TensorAnalysis], num_agents: int) -> dict[str, Any]:
-    """Densities per module type, per family and per decoder layer, from per-tensor statistics.
-
-    Args:
-        records: Tensor name to its statistics.
-        num_agents: Number of agents.
-
-    Returns:
-        ``{"modules": [...], "families": [...], "layers": [...]}``: per bucket its tensors, elements and per-agent
-        densities (at eps, exact, bf16 view) and the share of elements any agent updates; per layer also the
-        per-agent density of each of its module types.
-    """
+    """Densities per module type, per family and per decoder layer, from per-tensor statistics."""
     items = list(records.items())
     modules = aggregate(items, lambda n: classify(n).module, operator.add)
     families = aggregate(items, lambda n: classify(n).family, operator.add)

@@ -40,15 +40,7 @@ def float32_threshold(eps: float) -> float:
 
 
 def active_mask(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Mask of active task-vector elements, ``|tau| > eps`` (strict; NaN is inactive).
-
-    Args:
-        deltas: Float32 task vectors, any shape (usually ``(num_agents, n)``).
-        eps: Threshold; an element equal to ``eps`` in magnitude is inactive.
-
-    Returns:
-        A bool tensor of the same shape.
-    """
+    """Mask of active task-vector elements, ``|tau| > eps`` (strict; NaN is inactive)."""
     threshold = float32_threshold(eps)
     return (deltas > threshold) | (deltas < -threshold)
 
@@ -57,45 +49,21 @@ def active_flags(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor
     """:func:`active_mask` as float32 ``1.0`` / ``0.0`` (``|tau| > eps``, strict; NaN is inactive).
 
     Comparisons that write floats run several times faster on the CPU than comparisons that write bools; the flags
-    feed :func:`subset_codes` directly.
-
-    Args:
-        deltas: Float32 task vectors, any shape (usually ``(num_agents, n)``).
-        eps: Threshold; an element equal to ``eps`` in magnitude is inactive.
-
-    Returns:
-        A float32 tensor of the same shape.
-    """
+    feed :func:`subset_codes` directly."""
     return deltas.abs().gt_(float32_threshold(eps))
 
 
 def masked_deltas(
     deltas: torch.Tensor, eps: float = DEFAULT_EPS, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``).
-
-    Args:
-        deltas: Float32 task vectors, any shape.
-        eps: Threshold (default :data:`DEFAULT_EPS`); an element equal to ``eps`` in magnitude is inactive.
-        out: A float32 tensor of the same shape the result is written into (default ``None``: a new one).
-
-    Returns:
-        The masked task vectors (``out`` when given).
-    """
+    """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``)."""
     if out is not None:
         return torch.hardshrink(deltas, float32_threshold(eps), out=out)
     return F.hardshrink(deltas, float32_threshold(eps))
 
 
 def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Number of active agents per element, ``c = sum_t m_t``.
-
-    Args:
-        mask: Bool tensor of shape ``(num_agents, n)``.
-
-    Returns:
-        An integer tensor of shape ``(n,)`` (uint8 for up to 255 agents, int32 beyond).
-    """
+    """Number of active agents per element, ``c = sum_t m_t``."""
     dtype = torch.uint8 if mask.shape[0] < 256 else torch.int32
     rows = mask.view(torch.uint8) if dtype == torch.uint8 else mask.to(dtype)
     counts = rows[0].to(dtype, copy=True)
@@ -108,58 +76,25 @@ def overlap_unique_ratio(shared: int, unique: int) -> float:
     """The Overlap-Unique Ratio ``rho_t = shared_t / unique_t`` (eq. 2).
 
     An agent with shared but no unique elements gets ``inf``; an agent with no active element at all gets 0 (it has
-    no unique element for the factor to act on, so its value does not matter).
-
-    Args:
-        shared: The agent's active elements that another agent also updates.
-        unique: Its active elements no other agent updates.
-
-    Returns:
-        ``rho_t``.
-    """
+    no unique element for the factor to act on, so its value does not matter)."""
     if unique > 0:
         return shared / unique
     return math.inf if shared > 0 else 0.0
 
 
 def rescale_factor(rho: float, r: float, alpha: float) -> float:
-    """RAM+ rescale factor ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` (eq. 6); RAM is ``r = 0``.
-
-    Args:
-        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
-        r: The rescale strength.
-        alpha: The upper clip of ``rho``.
-
-    Returns:
-        ``lambda_t``.
-    """
+    """RAM+ rescale factor ``lambda_t = 1 + r * clip(rho_t, 0, alpha)`` (eq. 6); RAM is ``r = 0``."""
     return 1.0 + r * min(max(rho, 0.0), alpha)
 
 
 def soft_rescale_factor(rho: float, r: float) -> float:
-    """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``.
-
-    Args:
-        rho: The agent's Overlap-Unique Ratio (:func:`overlap_unique_ratio`).
-        r: The rescale strength.
-
-    Returns:
-        ``lambda_t``.
-    """
+    """RAM+s rescale factor ``lambda_t = 1 + r * rho_t / (1 + rho_t)`` (appendix E, eq. 8); ``rho = inf`` gives ``1 + r``."""
     saturation = 1.0 if math.isinf(rho) else rho / (1.0 + rho)
     return 1.0 + r * saturation
 
 
 def subset_codes(mask: torch.Tensor) -> torch.Tensor:
-    """Per element, the set of active agents as a bit field (bit ``t`` set when agent ``t`` is active).
-
-    Args:
-        mask: Bool tensor, or float tensor of ``0`` / ``1`` flags (:func:`active_flags`), of shape
-            ``(num_agents, n)``, at most 31 agents.
-
-    Returns:
-        Shape ``(n,)``; uint8 for up to 8 agents, int32 beyond.
-    """
+    """Per element, the set of active agents as a bit field (bit ``t`` set when agent ``t`` is active)."""
     num_agents = mask.shape[0]
     dtype = torch.uint8 if num_agents <= 8 else torch.int32
     # sum_t 2**t * m_t: whole numbers below 2**24 (2**53), so the float32 (float64) dot product is exact
@@ -173,16 +108,7 @@ def _code_weights(num_agents: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 def keep_count(numel: int, density: float) -> int:
-    """Number of elements kept by magnitude trimming at ``density``.
-
-    Args:
-        numel: Elements in the tensor.
-        density: Fraction to keep; ``>= 1`` keeps all, ``<= 0`` keeps none.
-
-    Returns:
-        ``max(1, floor(density * numel))`` for ``0 < density < 1``, computed in exact decimal arithmetic on the
-        shortest decimal form of ``density`` (so ``0.29`` of 100 elements keeps 29, not 28).
-    """
+    """Number of elements kept by magnitude trimming at ``density``."""
     if density >= 1:
         return numel
     if density <= 0 or numel == 0:

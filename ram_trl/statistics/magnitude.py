@@ -37,30 +37,13 @@ def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_
 
     Bins are ordered like the magnitudes they hold. A normal float32 magnitude in ``[2**e, 2**(e + 1))`` falls in one
     of ``2**mantissa_bits`` bins of equal width ``2**(e - mantissa_bits)``, so every bin ``[lo, hi)`` of normal
-    values has ``hi / lo <= 1 + 2**-mantissa_bits``. (Subnormal magnitudes, below ``2**-126``, share wider bins.)
-
-    Args:
-        values: Float32 values, any shape.
-        mantissa_bits: Mantissa bits kept, 0 to 23.
-
-    Returns:
-        int32 bin indices in ``[0, 2**(8 + mantissa_bits))``, same shape as ``values``.
-    """
+    values has ``hi / lo <= 1 + 2**-mantissa_bits``. (Subnormal magnitudes, below ``2**-126``, share wider bins.)"""
     bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
     return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
 
 def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
-    """Lower edges of bins ``first .. stop`` (inclusive: ``stop`` gives the upper edge of bin ``stop - 1``), float64.
-
-    Args:
-        first: First bin index.
-        stop: One past the last bin index; at most ``255 * 2**mantissa_bits`` (whose edge is ``inf``).
-        mantissa_bits: As in :func:`magnitude_bin`.
-
-    Returns:
-        ``stop - first + 1`` edges.
-    """
+    """Lower edges of bins ``first .. stop`` (inclusive: ``stop`` gives the upper edge of bin ``stop - 1``), float64."""
     shift = _FLOAT32_MANTISSA_BITS - mantissa_bits
     bits = (torch.arange(first, stop + 1, dtype=torch.int64) << shift).to(torch.int32)  # host
     return bits.view(torch.float32).to(torch.float64)
@@ -68,12 +51,7 @@ def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MA
 
 class MagnitudeWorkspace:
     """Buffers that :func:`sum_of_squares` and :meth:`MagnitudeStatistics.add_values` reuse from chunk to chunk (no
-    allocation, hence no page faults, per chunk). One per thread.
-
-    Args:
-        numel: Most values a call uses them for (longer inputs allocate their own buffers).
-        device: Where the values live.
-    """
+    allocation, hence no page faults, per chunk). One per thread."""
 
     def __init__(self, numel: int, device: torch.device | str = "cpu") -> None:
         self.wide = torch.empty(2, numel, dtype=torch.int64, device=device)
@@ -88,15 +66,7 @@ class MagnitudeWorkspace:
         return sum(t.numel() * t.element_size() for t in (self.wide, self.narrow))
 
     def buffers(self, numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(wide, narrow)``: int64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit).
-
-        Args:
-            numel: Elements each row of the buffers holds.
-            device: Where the buffers live (new ones when the workspace is elsewhere or too small).
-
-        Returns:
-            The int64 and the int32 buffer.
-        """
+        """``(wide, narrow)``: int64 and int32 ``(2, numel)`` buffers (views of this workspace when they fit)."""
         if numel <= self.numel and self.wide.device == device:
             return self.wide[:, :numel], self.narrow[:, :numel]
         return _new_buffers(numel, device)
@@ -110,15 +80,7 @@ def _new_buffers(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.
 
 
 def sum_of_squares(values: torch.Tensor, workspace: MagnitudeWorkspace | None = None) -> torch.Tensor:
-    """``sum x**2`` of float32 values, in float64 (every square is exact in float64).
-
-    Args:
-        values: Float32 values, any shape.
-        workspace: Buffers to compute in (else allocated).
-
-    Returns:
-        A 0-dim float64 tensor.
-    """
+    """``sum x**2`` of float32 values, in float64 (every square is exact in float64)."""
     values = values.reshape(-1)
     if workspace is None:
         wide, _ = _new_buffers(values.numel(), values.device)
@@ -129,57 +91,8 @@ def sum_of_squares(values: torch.Tensor, workspace: MagnitudeWorkspace | None = 
     return torch.dot(x, x)
 
 
-def gini_coefficient(values: torch.Tensor) -> float:
-    """Exact Gini coefficient of ``|values|``.
-
-    ``G = sum_i (2 i - n - 1) x_(i) / (n sum_i x_i)`` with ``x_(1) <= ... <= x_(n)`` the sorted magnitudes: 0 when
-    all magnitudes are equal, ``1 - 1/n`` for one nonzero among ``n`` (it tends to 1 as ``n`` grows).
-
-    Args:
-        values: Any shape; sorted in float64 in memory (use :class:`MagnitudeStatistics` for a whole model).
-
-    Returns:
-        The coefficient, or NaN when ``values`` is empty or all zero.
-    """
-    x = values.reshape(-1).to(torch.float64).abs().sort().values
-    n = x.numel()
-    total = float(x.sum())
-    if n == 0 or total == 0.0:
-        return math.nan
-    ranks = torch.arange(1, n + 1, dtype=torch.float64, device=x.device)
-    return float(((2 * ranks - n - 1) * x).sum()) / (n * total)
-
-
-def top_mass_share(values: torch.Tensor, fraction: float) -> float:
-    """Exact share of the L1 mass of ``values`` held by its ``k`` largest magnitudes.
-
-    Args:
-        values: Any shape.
-        fraction: Share of the elements; ``k = max(1, floor(fraction * n))`` (:func:`ram_trl.statistics.counting.keep_count`,
-            the same rule as TIES trimming).
-
-    Returns:
-        ``sum of the k largest |values| / sum |values|``, or NaN when empty or all zero.
-    """
-    x = values.reshape(-1).to(torch.float64).abs()
-    total = float(x.sum())
-    if x.numel() == 0 or total == 0.0:
-        return math.nan
-    k = keep_count(x.numel(), fraction)
-    return float(x.topk(k).values.sum()) / total
-
-
 def excess_kurtosis(count: int, power_sums: Sequence[float]) -> float:
-    """Excess kurtosis ``m4 / m2**2 - 3`` from the power sums of a sample (population moments).
-
-    Args:
-        count: Number of values ``n``.
-        power_sums: ``(sum x, sum x**2, sum x**3, sum x**4)``.
-
-    Returns:
-        The excess kurtosis (-2 for values +-1 in equal numbers, 0 for a normal, 3 for a Laplace distribution), or
-        NaN when ``n == 0`` or all values are equal.
-    """
+    """Excess kurtosis ``m4 / m2**2 - 3`` from the power sums of a sample (population moments)."""
     if count == 0:
         return math.nan
     s1, s2, s3, s4 = (float(s) / count for s in power_sums)
@@ -197,16 +110,7 @@ def histogram_gini(counts: torch.Tensor, sums: torch.Tensor, zeros: int = 0) -> 
     and gives the smallest Gini consistent with the bins' contents: for bins ``[lo, hi)`` with ``hi / lo <= 1 + d``
     the true coefficient ``G`` satisfies ``G - d / 4 <= estimate <= G`` (within a bin of ``c`` elements the rank
     weighted sum can exceed the equal-values value by at most ``(hi - lo) c**2 / 8 <= d * sum_bin * c / 8``; summed
-    over bins and divided by ``n * sum / 2`` that is at most ``d / 4``).
-
-    Args:
-        counts: Elements per bin (bins in ascending order of magnitude), int64.
-        sums: Sum of the magnitudes per bin, float64.
-        zeros: Extra elements of magnitude 0 (e.g. the inactive elements of a masked task vector).
-
-    Returns:
-        The estimate, or NaN when there is no nonzero mass.
-    """
+    over bins and divided by ``n * sum / 2`` that is at most ``d / 4``)."""
     counts = counts.to(torch.float64)
     sums = sums.to(torch.float64)
     total = float(sums.sum())
@@ -223,16 +127,7 @@ def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float
     Whole bins are taken from the top down; from the bin that holds the ``k``-th largest element, the missing
     ``m`` elements are taken at the bin's mean. Those ``m`` elements truly sum to between ``m lo`` and ``m hi``, as
     does the estimate, so for bins with ``hi / lo <= 1 + d`` the relative error is at most ``d``:
-    ``|estimate - exact| <= d * exact``.
-
-    Args:
-        counts: Elements per bin (ascending order of magnitude), int64.
-        sums: Sum of the magnitudes per bin, float64.
-        fraction: Share of the elements, ``k = max(1, floor(fraction * n))`` (as :func:`top_mass_share`).
-
-    Returns:
-        The estimate, or NaN when there is no nonzero mass.
-    """
+    ``|estimate - exact| <= d * exact``."""
     total = float(sums.sum())
     n = int(counts.sum())
     if n == 0 or total == 0.0:
@@ -331,12 +226,7 @@ class MagnitudeStatistics:
 
     NaN values are left out; infinite ones count (and make the sums infinite).
 
-    Memory: ``num_agents * 2**(9 + mantissa_bits) * 24`` bytes (1.5 MB per agent by default), whatever the model.
-
-    Args:
-        num_agents: Number of agents.
-        mantissa_bits: Histogram resolution (see above), 0 to 23.
-    """
+    Memory: ``num_agents * 2**(9 + mantissa_bits) * 24`` bytes (1.5 MB per agent by default), whatever the model."""
 
     def __init__(self, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> None:
         if not 0 <= mantissa_bits <= _FLOAT32_MANTISSA_BITS:
@@ -353,15 +243,7 @@ class MagnitudeStatistics:
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
-        """Empty statistics of ``num_agents`` agents.
-
-        Args:
-            num_agents: Agents counted.
-            mantissa_bits: Mantissa bits a histogram bin keeps (default :data:`MAGNITUDE_MANTISSA_BITS`).
-
-        Returns:
-            The statistics, all zero.
-        """
+        """Empty statistics of ``num_agents`` agents."""
         return cls(num_agents, mantissa_bits)
 
     @property
@@ -424,24 +306,7 @@ class MagnitudeStatistics:
         finite: bool = False,
         workspace: MagnitudeWorkspace | None = None,
     ) -> int:
-        """Add float32 values of agent ``t`` to its histogram (not to :attr:`square_sums`).
-
-        Args:
-            t: Agent index.
-            values: Active task-vector values, any shape (on any device; the histogram moves to it). NaN values are
-                left out.
-            zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
-                :func:`~ram_trl.statistics.counting.masked_deltas`): zeros are left out, which saves the caller a gather of
-                the active elements. Requires every active magnitude to be at least the lower edge of bin 1
-                (``2**-133`` by default; true for any threshold ``eps >= 2**-133``): the smaller ones share the bin
-                of 0.
-            finite: The caller knows that ``values`` holds no NaN or inf (e.g. their sum of squares is finite),
-                which saves the check.
-            workspace: Buffers to compute in (else allocated).
-
-        Returns:
-            The number of elements added.
-        """
+        """Add float32 values of agent ``t`` to its histogram (not to :attr:`square_sums`)."""
         values = values.reshape(-1).contiguous()
         layout = _packing(self.mantissa_bits)
         if self._packed.device != values.device:
@@ -498,18 +363,7 @@ class MagnitudeStatistics:
         zero_filled: bool = False,
         workspace: MagnitudeWorkspace | None = None,
     ) -> int:
-        """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`.
-
-        Args:
-            t: Agent index.
-            values: Active task-vector values, any shape; NaN values are left out.
-            zero_filled: ``values`` is a whole chunk whose inactive elements are 0 (see :meth:`add_histogram`;
-                default ``False``).
-            workspace: Buffers to compute in (else allocated).
-
-        Returns:
-            The number of elements added.
-        """
+        """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`."""
         squares = sum_of_squares(values, workspace)
         finite = math.isfinite(float(squares))
         if not finite:  # NaN left out; inf counts
@@ -519,12 +373,7 @@ class MagnitudeStatistics:
         return self.add_histogram(t, values, zero_filled=zero_filled, finite=finite, workspace=workspace)
 
     def update(self, deltas: torch.Tensor, mask: torch.Tensor) -> None:
-        """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape).
-
-        Args:
-            deltas: The chunk's task vectors, one row per agent.
-            mask: Which elements are active (boolean, same shape): only those are added.
-        """
+        """Add one chunk: float32 task vectors ``(num_agents, n)`` and their activity mask (same shape)."""
         for t in range(self.num_agents):
             values = deltas[t][mask[t]]
             if values.numel():
@@ -534,16 +383,7 @@ class MagnitudeStatistics:
     def of_values(
         cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
     ) -> MagnitudeStatistics:
-        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total.
-
-        Args:
-            values: Active task-vector values, float32, any shape.
-            mantissa_bits: Mantissa bits a histogram bin keeps (default :data:`MAGNITUDE_MANTISSA_BITS`).
-            zero_filled: ``values`` is a whole chunk whose inactive elements are 0 (default ``False``).
-
-        Returns:
-            Statistics of one agent.
-        """
+        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total."""
         stats = cls(1, mantissa_bits)
         stats.add_values(0, values, zero_filled=zero_filled)
         return stats
@@ -587,17 +427,7 @@ class MagnitudeStatistics:
         return int(self._counts[t].sum())
 
     def summary(self, t: int, numel: int | None = None) -> dict[str, float | int]:
-        """Agent ``t``'s statistics (NaN where undefined, e.g. for an agent without active elements).
-
-        Args:
-            t: Agent index.
-            numel: Elements of the whole task vector. When given, the Gini coefficient and excess kurtosis of the
-                masked task vector (inactive elements counted as 0, as RAM treats them) are added too.
-
-        Returns:
-            ``count``, ``mean_abs``, ``mean``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``,
-            ``top_5pct_mass`` (over the active elements) [, ``gini_masked``, ``excess_kurtosis_masked``].
-        """
+        """Agent ``t``'s statistics (NaN where undefined, e.g. for an agent without active elements)."""
         signed = self._signed_sums()
         counts, magnitude_sums = self.counts[t], _fold_signs(signed)[t]
         n = int(counts.sum())
@@ -621,12 +451,7 @@ class MagnitudeStatistics:
 
     def coarse_histogram(self, bins_per_octave: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``|tau|`` histogram merged to ``bins_per_octave`` (a power of two) bins per octave, over the range of
-        nonempty bins of any agent, for plots.
-
-        Returns:
-            ``(edges, counts)``: float64 edges ``(m + 1,)`` and int64 counts ``(num_agents, m)``; empty when no
-            agent has an active element.
-        """
+        nonempty bins of any agent, for plots."""
         bits = int(math.log2(bins_per_octave))
         if 2**bits != bins_per_octave or bits > self.mantissa_bits:
             raise ValueError(

@@ -34,16 +34,7 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def subset_counts(mask: torch.Tensor) -> torch.Tensor:
     """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
-    ``code`` (:func:`~ram_trl.statistics.counting.subset_codes`).
-
-    Args:
-        mask: Bool tensor, or float ``0`` / ``1`` flags, of shape ``(num_agents, n)``, at most
-            :data:`MAX_SUBSET_AGENTS` agents.
-
-    Returns:
-        An int64 tensor of shape ``(2**num_agents,)`` on the mask's device; sums of them over chunks feed
-        :meth:`OverlapStatistics.add_subset_counts`.
-    """
+    ``code`` (:func:`~ram_trl.statistics.counting.subset_codes`)."""
     num_agents = mask.shape[0]
     if num_agents > MAX_SUBSET_AGENTS:
         raise ValueError(f"subset counts take at most {MAX_SUBSET_AGENTS} agents, got {num_agents}")
@@ -58,12 +49,6 @@ class OverlapStatistics:
     ``histogram[t, k]`` counts the elements active in agent ``t`` that exactly ``k`` agents (``t`` included) update,
     for ``k = 1 .. num_agents``; column 0 is always 0. Unique elements are ``k == 1``, shared ``k >= 2``.
     ``pairwise[s, t]`` counts the elements active in both ``s`` and ``t`` (its diagonal is each agent's active count).
-
-    Args:
-        num_agents: Number of agents.
-        histogram: int64 tensor of shape ``(num_agents, num_agents + 1)``.
-        pairwise: int64 tensor of shape ``(num_agents, num_agents)``.
-        numel: Elements counted (the model's size, or the tensor's for per-tensor statistics).
     """
 
     num_agents: int
@@ -107,12 +92,7 @@ class OverlapStatistics:
         """Add the elements counted per subset of active agents (:func:`subset_counts`) over ``numel`` elements.
 
         Counting subsets chunk by chunk and converting once (e.g. per tensor) costs less than :meth:`update` on
-        every small chunk.
-
-        Args:
-            subsets: Elements per subset of active agents, indexed by the subset's bit mask (:func:`subset_counts`).
-            numel: Elements the counts cover (the empty subset included).
-        """
+        every small chunk."""
         members, sizes = _subset_tables(self.num_agents)
         weighted = members * subsets.cpu().to(torch.int64).unsqueeze(1)
         self.histogram += weighted.T @ sizes
@@ -150,29 +130,12 @@ class OverlapStatistics:
         return counting.overlap_unique_ratio(self.shared(t), self.unique(t))
 
     def jaccard(self, s: int, t: int) -> float:
-        """Jaccard index of the active sets of agents ``s`` and ``t``.
-
-        Args:
-            s: One agent's index.
-            t: The other's.
-
-        Returns:
-            ``|A_s & A_t| / |A_s | A_t|``, 0 when neither has an active element.
-        """
+        """Jaccard index of the active sets of agents ``s`` and ``t``."""
         union = int(self.pairwise[s, s] + self.pairwise[t, t] - self.pairwise[s, t])
         return int(self.pairwise[s, t]) / union if union else 0.0
 
     def lambdas(self, r: float, alpha: float | None, soft: bool = False) -> list[float]:
-        """Rescale factors ``lambda_t`` for RAM+ (``soft=False``, clipped at ``alpha``) or RAM+s (``soft=True``).
-
-        Args:
-            r: The rescale strength.
-            alpha: RAM+'s upper clip of ``rho_t`` (unused, may be ``None``, with ``soft``).
-            soft: RAM+s's unclipped factors instead (default ``False``).
-
-        Returns:
-            One factor per agent, from its ``rho`` (:meth:`rho`).
-        """
+        """Rescale factors ``lambda_t`` for RAM+ (``soft=False``, clipped at ``alpha``) or RAM+s (``soft=True``)."""
         if soft:
             return [counting.soft_rescale_factor(self.rho(t), r) for t in range(self.num_agents)]
         assert alpha is not None
@@ -222,15 +185,7 @@ class OverlapStatistics:
 
 @dataclass
 class TensorAnalysis:
-    """Overlap statistics of one tensor (or of a bucket of tensors) in the three views of the analysis.
-
-    Args:
-        eps: Activity ``|tau| > eps`` (the merge's mask).
-        exact: Activity ``tau != 0``: the stored values differ.
-        bf16: Activity ``|tau| > eps`` with base and agents rounded to bfloat16 first, or ``None`` when no input is
-            stored wider than bf16.
-        tensors: Tensors counted.
-    """
+    """Overlap statistics of one tensor (or of a bucket of tensors) in the three views of the analysis."""
 
     eps: OverlapStatistics
     exact: OverlapStatistics
@@ -239,15 +194,7 @@ class TensorAnalysis:
 
     @classmethod
     def zeros(cls, num_agents: int, bf16: bool) -> TensorAnalysis:
-        """Empty statistics of ``num_agents`` agents in every view.
-
-        Args:
-            num_agents: Agents counted.
-            bf16: Whether the bf16 view is counted (else ``bf16`` is ``None``).
-
-        Returns:
-            The statistics, all zero, of one tensor.
-        """
+        """Empty statistics of ``num_agents`` agents in every view."""
         return cls(
             OverlapStatistics.zeros(num_agents),
             OverlapStatistics.zeros(num_agents),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ram_trl.errors import RamTrlError
-from ram_trl.evaluation.rewards import StageFailure, wrap_reward
+from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.evaluation.rewards import StageFailure, check_reward_values, wrap_reward
 
 
 def length_reward(completions, **kwargs):
@@ -54,3 +54,13 @@ def test_malformed_outputs_become_stage_failures(returned, message):
         reward(completions=["a", "b"])
     assert message in str(info.value)
     assert info.value.__cause__ is None
+
+
+def test_reward_values():
+    assert check_reward_values((1, None, 0.5), 3, "f") == [1.0, None, 0.5]
+    with pytest.raises(ConfigError, match="^f returned str; return a list"):
+        check_reward_values("0.5", 1, "f")
+    with pytest.raises(ConfigError, match="^f returned 2 values for 3 completions"):
+        check_reward_values([1.0, 2.0], 3, "f")
+    with pytest.raises(ConfigError, match="^f"):
+        check_reward_values([float("inf")], 1, "f")

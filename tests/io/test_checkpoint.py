@@ -7,13 +7,14 @@ its bias [24], a matrix [8, 24]; 2144 bytes of tensors).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError
-from ram_trl.io.checkpoint import FISHER_FILE, SAFE_INDEX, open_checkpoint, write_chat_template
+from ram_trl.io.checkpoint import FISHER_FILE, SAFE_INDEX, confine, open_checkpoint, write_chat_template
 from ram_trl.io.safetensors_io import RowReader
 from tests.helpers import BIAS, DOWN, EMBED, UP, base_tensors, save_checkpoint
 
@@ -151,3 +152,20 @@ def test_write_chat_template_replaces_every_copy_of_the_old_one(tmp_path):
     assert (tmp_path / "chat_template.jinja").read_text() == "{{ messages }}"
     assert not (tmp_path / "chat_template.json").exists()
     assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}
+
+
+def test_confine(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    inside = root / "model-00001.safetensors"
+    assert confine(inside, root, "index") == inside
+    outside = tmp_path / "elsewhere.safetensors"
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        confine(outside, root, "index")
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        confine(root / ".." / "elsewhere.safetensors", root, "index")
+    assert confine(outside, root, "index", allow_external=True) == outside
+    link = root / "link.safetensors"
+    os.symlink(outside, link)
+    with pytest.raises(CheckpointError, match=f"which resolves to {outside}"):
+        confine(link, root, "index")

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import RowReader
-from ram_trl.io.vocabulary import UnionRows, pad_vocabularies
+from ram_trl.io.vocabulary import UnionRows, is_vocabulary_tensor, pad_vocabularies
 
 HIDDEN = 2
 
@@ -103,3 +103,20 @@ def test_padding_rows_are_the_mean_of_each_models_union_rows(tmp_path):
         assert rows == [[0, 1, 12, third, third], [10, 11, 12, 11, 11]]
         assert padded[0].read_rows("model.embed_tokens.weight", reader, 1, 4)[:, 0].tolist() == [1, 12, third]
     assert padded[1].tensors["model.embed_tokens.weight"].shape == (5, HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("name", "vocabulary"),
+    [
+        ("model.embed_tokens.weight", True),
+        ("lm_head.weight", True),
+        ("transformer.wte.weight", True),
+        ("shared.weight", True),
+        ("base_model.model.lm_head.lora_B.weight", True),
+        ("model.embed_positions.weight", False),
+        ("model.layers.0.mlp.up_proj.weight", False),
+        ("model.norm.weight", False),
+    ],
+)
+def test_vocabulary_tensors(name, vocabulary):
+    assert is_vocabulary_tensor(name) is vocabulary

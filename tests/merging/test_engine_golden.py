@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 import ram_trl.merging.engine
+from ram_trl.errors import ConfigError
 from ram_trl.merging.config.resolve import resolve_config
 from ram_trl.merging.config.schema import load_config
 from ram_trl.merging.context import MergeOptions
-from ram_trl.merging.engine import run_merge
+from ram_trl.merging.engine import check_device, check_weight_sums, run_merge
 from ram_trl.merging.report import print_summary
 from tests.helpers import BASE, TAUS, config_for, make_checkpoints, random_fisher, write_golden
 
@@ -208,3 +209,22 @@ def test_a_merge_leaves_the_validated_config_as_it_was(golden, monkeypatch):
     checked.clear()
     ram_trl.merge(_config(golden, "ram_plus"), golden / "ram", progress=False)
     assert checked == ["cpu"]
+
+
+def test_weight_sums():
+    check_weight_sums({"a": 1.0, "b": -2.0, "c": 1e-8}, "m.yaml", "linear")
+    for bad in (0.0, 5e-9, float("nan"), float("inf")):
+        with pytest.raises(
+            ConfigError, match=r"^m.yaml: linear with normalize: the agents' weights for tensor 'b'"
+        ):
+            check_weight_sums({"a": 1.0, "b": bad}, "m.yaml", "linear")
+
+
+def test_devices():
+    assert check_device("cpu") == torch.device("cpu")
+    for bad in ("tpu", "gpu", "", None):
+        with pytest.raises(ConfigError, match="unknown device; use cpu, cuda or cuda:N"):
+            check_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device is available"):
+            check_device("cuda")

@@ -2,7 +2,7 @@
 and the field, stage or function, before anything is written (no run directory) and without a traceback.
 
 The checks live in the validation layer (:mod:`ram_trl.recipes.schema`, :mod:`ram_trl.recipes.environment`, :func:`ram_trl.recipes.data.check_rows`,
-:func:`ram_trl.validation.check_reward_values`, :class:`ram_trl.output.OutputDir`), not in these cases.
+:func:`ram_trl.evaluation.rewards.check_reward_values`, :class:`ram_trl.output.OutputDir`), not in these cases.
 """
 
 from __future__ import annotations

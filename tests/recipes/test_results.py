@@ -38,28 +38,3 @@ def test_nothing_scored_still_states_the_regime(tmp_path):
     assert results["selection"]["ship"] is None
     assert results["verdict"].startswith("Nothing was scored (evaluation is off")
     assert "density 62-71%" in (tmp_path / "results.md").read_text()
-
-
-def test_the_split_modules_names_still_import_from_results():
-    """Every public name the results module had before its split (into selection, results_markdown and
-    results_plots) still imports from ``ram_trl.recipes.results``, as the same object."""
-    from ram_trl.recipes import results, results_markdown, results_plots, selection
-
-    assert set(results.__all__) == {
-        "SELECTION_RULE",
-        "add_statistics",
-        "aggregate_seeds",
-        "best_merged",
-        "markdown",
-        "plot_retention",
-        "plot_scores",
-        "print_table",
-        "regime_from_analysis",
-        "row_average",
-        "select_merges",
-        "verdict",
-        "write_results",
-    }
-    for name in results.__all__:
-        home = next((m for m in (selection, results_markdown, results_plots) if name in m.__all__), results)
-        assert getattr(results, name) is getattr(home, name), name

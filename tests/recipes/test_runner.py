@@ -18,7 +18,8 @@ from safetensors import safe_open
 from ram_trl.cli import main
 from ram_trl.errors import ConfigError
 from ram_trl.output import LOCK_FILE
-from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
+from ram_trl.recipes.layout import stage_complete
+from ram_trl.recipes.runner import RunOptions, StageError, run_recipe
 from ram_trl.stage.manifest import fingerprint_checkpoint, read_manifest
 from tests.helpers import dead_pid, leftovers
 
@@ -426,14 +427,3 @@ def test_fisher_rows_estimate_fisher_whatever_the_method_is_called(tmp_path, met
     run.fisher([row for row in rows if row.method == "ties"])  # nothing to estimate
     with pytest.raises(ConfigError, match=f"the fisher merge needs {agent}/fisher.safetensors"):
         run.fisher(rows)
-
-
-def test_the_split_modules_names_still_import_from_the_runner():
-    """The runner's public names stay importable from ``ram_trl.recipes.runner`` after its split into layout,
-    prepare and launch: user code and scripts written against the old path keep working."""
-    from ram_trl.recipes import launch, layout, runner
-
-    assert runner.STAGE_RECORD == launch.STAGE_RECORD == "ram_recipe_stage.json"
-    assert runner.StageError is launch.StageError and runner.die_with_parent is launch.die_with_parent
-    assert runner.stage_complete is layout.stage_complete and runner.safe_name is layout.safe_name
-    assert {"RunOptions", "run_recipe", "run_seeds", "StageError", "stage_complete"} <= set(runner.__all__)

@@ -128,7 +128,7 @@ def test_acceptance_fields_are_validated():
 def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path, capsys):
     import torch
 
-    from ram_trl.recipes.evaluate import EvalTask
+    from ram_trl.evaluation.scoring import EvalTask
     from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
     from ram_trl.synthetic import make_base_checkpoint
 

@@ -42,17 +42,12 @@ from ram_trl.callbacks.preview.state import (
     restore_state,
     save_state,
 )
-from ram_trl.callbacks.sparsity import (
-    TaskVectorSparsityCallback,
-    agent_output,
-    last_reward_metrics,
-    policy_of,
-    save_agent,
-)
+from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback, last_reward_metrics
 from ram_trl.callbacks.telemetry.priors import read_prior_stages
 from ram_trl.callbacks.telemetry.shards import training_context
 from ram_trl.errors import ConfigError
 from ram_trl.stage.manifest import StageManifest
+from ram_trl.stage.save import agent_output, policy_of, save_agent
 
 #: Prefix of the preview's metric names.
 PREVIEW_PREFIX = "merge_preview/"

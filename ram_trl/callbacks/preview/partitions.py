@@ -22,9 +22,10 @@ import torch
 
 from ram_trl.callbacks import deepspeed_adapter
 from ram_trl.callbacks.preview.scores import training_rng_kept
-from ram_trl.callbacks.sparsity import library_versions, policy_of
+from ram_trl.callbacks.sparsity import library_versions
 from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
+from ram_trl.stage.save import policy_of
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,7 @@ __all__ = [
 
 @dataclass
 class PartitionPreview:
-    """What one partition-local preview takes from its callback (so this module never holds the callback).
-
-    Args:
-        trainer (`Trainer`): The trainer (its model, the DeepSpeed engine, the accelerator).
-        save_dtype (`torch.dtype`): The dtype the policy is saved in.
-        merge_config (`dict[str, Any]`): The preview's merge config, naming the saved policy as the last agent.
-        history (`list[dict[str, Any]]`): The previews so far (scores of unchanged weights are reused).
-        tasks (`dict[str, EvalTask]`): Every stage's validation task, by stage name.
-        stage_name (`str`): This stage.
-        merged_stages (`list[str]`): The stages in the merge, in merge order.
-        tokenizer (`Callable[[], Any]`): The base's tokenizer set up for generation (loaded on first call).
-        evaluation (`EvaluationSpec`): How the stages are scored.
-        share (`Callable[[Any], Any]`): The main rank's value, on every rank.
-    """
+    """What one partition-local preview takes from its callback (so this module never holds the callback)."""
 
     trainer: Any
     save_dtype: torch.dtype
@@ -69,18 +57,7 @@ class PartitionPreview:
 def check_partitioned(
     resolved_method: Any, deepspeed_config: dict[str, Any], policy: Any, evaluation_dtype: str
 ) -> None:
-    """Refuse, at train begin, what a partition-local preview cannot do (before any training step).
-
-    Args:
-        resolved_method (`Any`): The preview's resolved merge method.
-        deepspeed_config (`dict[str, Any]`): The run's DeepSpeed config.
-        policy (`PreTrainedModel`): The policy.
-        evaluation_dtype (`str`): The evaluation's dtype (a warning when the policy trains in another one).
-
-    Raises:
-        ConfigError: for a method that needs whole tensors, a DeepSpeed config that does not save 16-bit weights, or
-            a PEFT policy.
-    """
+    """Refuse, at train begin, what a partition-local preview cannot do (before any training step)."""
     from ram_trl.merging.range_merge import check_range_method
 
     check_range_method(resolved_method)
@@ -111,17 +88,7 @@ def check_partitioned(
 def preview_partitions(preview: PartitionPreview, checkpoint: Path, step: int) -> dict[str, Any]:
     """One preview's record under DeepSpeed ZeRO-3 (every rank calls it): each rank merges its own partition of
     every parameter with the global statistics (no parameter gathered); the merged values then replace the
-    partitions while the model is scored, and the policy's partitions are restored afterwards.
-
-    Args:
-        preview (`PartitionPreview`): The trainer, settings and history of this preview.
-        checkpoint (`Path`): The policy saved at this step (the merge config names it; the values come from the
-            partitions).
-        step (`int`): The step.
-
-    Returns:
-        `dict[str, Any]`: The main rank's record (scores, digests, timings), on every rank.
-    """
+    partitions while the model is scored, and the policy's partitions are restored afterwards."""
     from ram_trl.callbacks.telemetry.base_weights import base_name
     from ram_trl.callbacks.telemetry.shards import iter_local_shards, training_context
     from ram_trl.merging.config.resolve import resolve_config
@@ -173,15 +140,7 @@ def score_gathered(preview: PartitionPreview, tasks: list[Any]) -> dict[str, flo
     """Scores of the model as its partitions now hold it (every rank calls it): the parameters are gathered the
     way TRL gathers them for its training generation, and every rank generates the same completions in step with
     the others (ZeRO-3's forward hooks and ``generate``'s ``synced_gpus`` are collectives); the main rank's scores
-    are shared.
-
-    Args:
-        preview (`PartitionPreview`): The trainer, tokenizer and evaluation settings.
-        tasks (`list[EvalTask]`): The stages to score.
-
-    Returns:
-        `dict[str, float]`: The validation score per stage.
-    """
+    are shared."""
     from trl.models.utils import unwrap_model_for_generation
 
     from ram_trl.evaluation.scoring import evaluate_loaded
@@ -210,12 +169,7 @@ def swapped_partitions(engine: Any, shards: list[Any]):
     :func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`) into the partitions. Before each write every gathered
     parameter is released (ZeRO-3 re-gathers from the partitions at the next use); on exit the saved partitions are
     written back and the persistent parameters re-gathered, as DeepSpeed does after an optimizer step. The saved
-    copy is one partition per parameter, on the CPU.
-
-    Args:
-        engine (`deepspeed.DeepSpeedEngine`): The wrapped model (``trainer.model_wrapped``).
-        shards (`list[LocalShard]`): Its local shards.
-    """
+    copy is one partition per parameter, on the CPU."""
     release = deepspeed_adapter.release_gathered(engine)
     if release is None:
         raise ConfigError(

@@ -34,16 +34,7 @@ __all__ = [
 
 def preview_prompt_indices(total: int, prompts: int | None, seed: int) -> list[int]:
     """Which validation prompts of a stage a preview scores: all when ``prompts`` is ``None`` or at least
-    ``total``, else ``prompts`` of them drawn without replacement with ``random.Random(seed)``, in file order.
-
-    Args:
-        total: The stage's validation prompts.
-        prompts: How many to score (``None``: all).
-        seed: Seed of the draw (the callback's ``seed``).
-
-    Returns:
-        The sorted row indices.
-    """
+    ``total``, else ``prompts`` of them drawn without replacement with ``random.Random(seed)``, in file order."""
     if prompts is None or prompts >= total:
         return list(range(total))
     return sorted(random.Random(seed).sample(range(total), prompts))
@@ -53,23 +44,7 @@ def validation_tasks(
     tasks: Sequence[Any], stages: Sequence[str], prompts: int | None, seed: int
 ) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, int]]:
     """The validation prompts a preview scores, per merged stage (a seeded subset, :func:`preview_prompt_indices`),
-    with every stage's reward functions imported now (errors before any training).
-
-    Args:
-        tasks (`Sequence[EvalTask]`): Validation prompts and reward functions of every merged stage (their ``split``
-            is ignored).
-        stages (`Sequence[str]`): The merged stages, in merge order.
-        prompts (`int`, *optional*): Prompts scored per stage (``None``: all).
-        seed (`int`): Seed of the subsets.
-
-    Returns:
-        ``(tasks, indices, sizes)``: per stage the scored :class:`~ram_trl.evaluation.scoring.EvalTask` (split
-        ``"val"``), the indices of its scored rows and its number of validation prompts.
-
-    Raises:
-        ConfigError: for a task that is not an ``EvalTask``, a stage given twice, or a merged stage without validation
-            prompts or reward functions.
-    """
+    with every stage's reward functions imported now (errors before any training)."""
     from ram_trl.evaluation.scoring import EvalTask
 
     by_stage: dict[str, Any] = {}
@@ -105,18 +80,7 @@ def reference_scores(
     evaluation: Any,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The base's validation score on every merged stage and each prior agent's on its own stage (retention's
-    reference points; this stage's specialist is the current policy).
-
-    Args:
-        base_model (`str` or `os.PathLike`): The base checkpoint.
-        tasks (`dict[str, EvalTask]`): The scored validation prompts per stage (:func:`validation_tasks`).
-        stages (`Sequence[str]`): The merged stages, in merge order.
-        priors (`Sequence[PriorStage]`): The prior stages (their ``name`` and ``checkpoint``).
-        evaluation (`EvaluationSpec`): Decoding settings.
-
-    Returns:
-        ``(base, specialists)``: stage name to score.
-    """
+    reference points; this stage's specialist is the current policy)."""
     from ram_trl.evaluation.scoring import evaluate_model
 
     scored = [tasks[name] for name in stages]
@@ -142,21 +106,7 @@ def score_preview(
 ) -> dict[str, Any]:
     """The merged model's validation scores on every merged stage and the policy's on its own stage. Weights
     scored at an earlier preview (equal digests: bit-for-bit the same model) are not generated again: the
-    evaluation is seeded, so their scores are the earlier ones.
-
-    Args:
-        merged (`Path`): The merged model's directory.
-        checkpoint (`Path`): The policy's checkpoint.
-        step (`int`): The step.
-        tasks (`dict[str, EvalTask]`): The scored validation prompts per stage (:func:`validation_tasks`).
-        stages (`Sequence[str]`): The merged stages, in merge order (the last is this stage, the policy's).
-        evaluation (`EvaluationSpec`): Decoding settings.
-        base_model (`str` or `os.PathLike`): The base checkpoint (for adapters).
-        history (`list[dict[str, Any]]`): The earlier previews' records.
-
-    Returns:
-        `dict[str, Any]`: The record: ``step``, ``scores``, ``average``, ``agent_score`` and both digests.
-    """
+    evaluation is seeded, so their scores are the earlier ones."""
     from ram_trl.evaluation.scoring import evaluate_model
 
     merged_digest, agent_digest = weights_digest(merged), weights_digest(checkpoint)
@@ -192,19 +142,7 @@ def record_retention(
     min_gain: float,
 ) -> dict[str, float | None]:
     """Per merged stage, the retention of a preview (:func:`ram_trl.evaluation.retention.retention`); this stage's
-    specialist is the policy (the record's ``agent_score``).
-
-    Args:
-        record (`dict[str, Any]`): One preview's record (its ``scores`` per stage and ``agent_score``).
-        base_scores (`dict[str, float]`): The base's score per stage.
-        specialist_scores (`dict[str, float]`): Each prior agent's score on its own stage.
-        stages (`Sequence[str]`): The merged stages, in merge order (the last is this stage).
-        min_gain (`float`): The smallest specialist gain retention is defined for.
-
-    Returns:
-        `dict[str, float | None]`: Stage name to retention, ``None`` where the specialist did not gain enough
-        over the base.
-    """
+    specialist is the policy (the record's ``agent_score``)."""
     from ram_trl.evaluation.retention import retention
 
     specialists = {**specialist_scores, stages[-1]: record["agent_score"]}
@@ -215,10 +153,6 @@ def record_retention(
 
 
 def training_rng_kept() -> contextlib.AbstractContextManager:
-    """Save torch's CPU and CUDA random states and restore them on exit (the evaluation seeds torch).
-
-    Returns:
-        `contextlib.AbstractContextManager`: The context.
-    """
+    """Save torch's CPU and CUDA random states and restore them on exit (the evaluation seeds torch)."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     return torch.random.fork_rng(devices=devices)

@@ -58,25 +58,14 @@ __all__ = [
 @dataclass
 class KeptCheckpoints:
     """The previewed checkpoints kept on disk: the best (highest merged validation average, the earliest of equal
-    averages) and the last.
-
-    Args:
-        best: The best checkpoint's directory.
-        best_average: Its merged validation average.
-        last: The last previewed checkpoint's directory.
-    """
+    averages) and the last."""
 
     best: Path | None = None
     best_average: float = -math.inf
     last: Path | None = None
 
     def add(self, checkpoint: Path, average: float) -> None:
-        """Keep ``checkpoint`` while it is the best or the last; delete the earlier ones that are neither.
-
-        Args:
-            checkpoint (`Path`): The checkpoint just previewed.
-            average (`float`): Its merged validation average.
-        """
+        """Keep ``checkpoint`` while it is the best or the last; delete the earlier ones that are neither."""
         previous_best, previous_last = self.best, self.last
         if previous_best is None or average > self.best_average:
             self.best, self.best_average = checkpoint, average
@@ -91,30 +80,14 @@ class KeptCheckpoints:
 
 def kept_step(history: list[dict[str, Any]], keep: str) -> int:
     """The step whose checkpoint the stage leaves: the highest merged average's (the earliest of equal averages)
-    with ``keep="best"``, the last preview's with ``keep="last"``.
-
-    Args:
-        history (`list[dict[str, Any]]`): The preview records, in step order (at least one).
-        keep (`str`): ``"best"`` or ``"last"``.
-
-    Returns:
-        `int`: The step.
-    """
+    with ``keep="best"``, the last preview's with ``keep="last"``."""
     best = max(history, key=lambda r: r["average"])  # max keeps the earliest of equal averages
     return best["step"] if keep == "best" else history[-1]["step"]
 
 
 def check_work_dir(work_dir: str | os.PathLike) -> None:
     """Refuse, before training, a scratch directory the preview did not create: it removes its scratch directory at
-    train begin and end.
-
-    Args:
-        work_dir (`str` or `os.PathLike`): ``OUTPUT/.ram_preview``.
-
-    Raises:
-        ConfigError: naming the directory when it exists, is not empty and has no :data:`WORK_MARKER` (or is not a
-            directory).
-    """
+    train begin and end."""
     work_dir = Path(work_dir)
     if not (work_dir.exists() or work_dir.is_symlink()):
         return
@@ -129,14 +102,7 @@ def check_work_dir(work_dir: str | os.PathLike) -> None:
 
 def open_work_dir(work_dir: str | os.PathLike) -> Path:
     """Start a fresh scratch directory (main process, after :func:`check_work_dir`): an earlier preview's is
-    removed, the new one marked as the preview's.
-
-    Args:
-        work_dir (`str` or `os.PathLike`): ``OUTPUT/.ram_preview``.
-
-    Returns:
-        `Path`: The directory, empty but for its marker.
-    """
+    removed, the new one marked as the preview's."""
     work_dir = Path(work_dir)
     check_work_dir(work_dir)
     remove_work_dir(work_dir)
@@ -149,11 +115,7 @@ def open_work_dir(work_dir: str | os.PathLike) -> Path:
 
 def remove_work_dir(work_dir: str | os.PathLike) -> None:
     """Remove the scratch directory if the preview created it (it holds :data:`WORK_MARKER`); anything else is
-    left as it is.
-
-    Args:
-        work_dir (`str` or `os.PathLike`): ``OUTPUT/.ram_preview``.
-    """
+    left as it is."""
     work_dir = Path(work_dir)
     if work_dir.is_dir() and not work_dir.is_symlink() and (work_dir / WORK_MARKER).is_file():
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -161,17 +123,7 @@ def remove_work_dir(work_dir: str | os.PathLike) -> None:
 
 def check_last_dir(output_dir: str | os.PathLike) -> bool:
     """Whether ``OUTPUT/last`` exists as an earlier preview's (its ``ram_stage.json`` says so); refuse one that
-    does not, before training: the preview would replace it.
-
-    Args:
-        output_dir (`str` or `os.PathLike`): The trainer's output directory.
-
-    Returns:
-        `bool`: ``True`` when ``OUTPUT/last`` is an earlier preview's, ``False`` when there is none.
-
-    Raises:
-        ConfigError: naming ``OUTPUT/last`` when it exists and no preview manifest there claims it.
-    """
+    does not, before training: the preview would replace it."""
     from ram_trl.stage.manifest import MANIFEST_NAME, read_manifest
 
     last = Path(output_dir) / LAST_DIR
@@ -191,12 +143,7 @@ def check_last_dir(output_dir: str | os.PathLike) -> bool:
 
 def link_tree(source: Path, target: Path) -> None:
     """Hard-link the files of the flat directory ``source`` into ``target`` (created); copies where the file system
-    cannot link.
-
-    Args:
-        source (`Path`): A directory of files.
-        target (`Path`): The directory to create.
-    """
+    cannot link."""
     target.mkdir(parents=True)
     for file in source.iterdir():
         try:
@@ -207,14 +154,7 @@ def link_tree(source: Path, target: Path) -> None:
 
 def save_state(checkpoint: Path, kept: KeptCheckpoints, saved: dict[str, Any]) -> None:
     """Keep the preview's state in a trainer checkpoint (``checkpoint-N/ram_preview``): ``saved`` as
-    :data:`STATE_FILE` and hard links to the kept checkpoints.
-
-    Args:
-        checkpoint (`Path`): The trainer checkpoint's directory.
-        kept (`KeptCheckpoints`): The kept previewed checkpoints.
-        saved (`dict[str, Any]`): The state (settings, history, reference scores; the kept checkpoints' names are
-            added).
-    """
+    :data:`STATE_FILE` and hard links to the kept checkpoints."""
     target = checkpoint / CHECKPOINT_DIR
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()
@@ -231,19 +171,7 @@ def save_state(checkpoint: Path, kept: KeptCheckpoints, saved: dict[str, Any]) -
 
 
 def read_state(checkpoint: Path, step: int, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The preview state of the trainer checkpoint a run resumes from (``None``, with a warning, when it has none).
-
-    Args:
-        checkpoint (`Path`): The trainer checkpoint's directory (``OUTPUT/checkpoint-N``).
-        step (`int`): The step the run resumes at.
-        settings (`dict[str, Any]`): This run's preview settings, which must equal the saved ones.
-
-    Returns:
-        `dict[str, Any] | None`: The saved state, with its ``folder``.
-
-    Raises:
-        ConfigError: naming the checkpoint when it was previewed with other settings.
-    """
+    """The preview state of the trainer checkpoint a run resumes from (``None``, with a warning, when it has none)."""
     folder = checkpoint / CHECKPOINT_DIR
     file = folder / STATE_FILE
     if not file.is_file():
@@ -266,17 +194,7 @@ def read_state(checkpoint: Path, step: int, settings: dict[str, Any]) -> dict[st
 
 
 def restore_state(saved: dict[str, Any], work_dir: Path, link: bool) -> KeptCheckpoints:
-    """The kept checkpoints of a saved state, in the scratch directory.
-
-    Args:
-        saved (`dict[str, Any]`): The state (:func:`read_state`).
-        work_dir (`Path`): The scratch directory.
-        link (`bool`): Link the saved checkpoints back into ``work_dir`` (the main process; the others only name
-            them).
-
-    Returns:
-        `KeptCheckpoints`: The best and the last previewed checkpoints.
-    """
+    """The kept checkpoints of a saved state, in the scratch directory."""
     folder = Path(saved["folder"])
     if link:
         for name in {saved["best"], saved["last"]} - {None}:

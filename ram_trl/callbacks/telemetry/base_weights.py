@@ -76,19 +76,7 @@ class BaseSource(Protocol):
     description: str
 
     def read(self, name: str, offset: int, numel: int) -> torch.Tensor:
-        """Elements ``[offset, offset + numel)`` of the flattened base tensor ``name`` (1-D, stored dtype).
-
-        Args:
-            name: The base tensor's name.
-            offset: Flat index of the first element.
-            numel: Elements read.
-
-        Returns:
-            The elements, 1-D, in the dtype the source stores them in.
-
-        Raises:
-            CheckpointError: for a tensor the source lacks or a range it does not hold.
-        """
+        """Elements ``[offset, offset + numel)`` of the flattened base tensor ``name`` (1-D, stored dtype)."""
         ...
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -107,12 +95,7 @@ class BaseSource(Protocol):
 
 def source_fingerprint(source: BaseSource, names: Iterable[str] | None = None) -> BaseFingerprint:
     """Fingerprint the base a source serves (equal to :func:`ram_trl.stage.manifest.fingerprint_checkpoint` of the same
-    weights saved to disk).
-
-    Args:
-        source: The base source.
-        names: The tensors to hash (default: :func:`ram_trl.stage.manifest.fingerprint_names` of the source's tensors).
-    """
+    weights saved to disk)."""
     chosen = fingerprint_names(source.names()) if names is None else list(names)
 
     def head(name: str) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -137,12 +120,7 @@ def _slice(shard: LocalShard, name: str, offset: int, numel: int, role: str) -> 
 
 
 class ModelBase:
-    """Base weights held by a model in memory (a reference model, or a PEFT model's frozen weights).
-
-    Args:
-        shards: The local shards of the model's base-valued parameters, by base tensor name.
-        description: How reports name this source.
-    """
+    """Base weights held by a model in memory (a reference model, or a PEFT model's frozen weights)."""
 
     def __init__(self, shards: dict[str, LocalShard], description: str) -> None:
         self._shards = shards
@@ -150,15 +128,7 @@ class ModelBase:
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, description: str = "reference model") -> ModelBase:
-        """All floating parameters of ``model``, through :func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`.
-
-        Args:
-            model: The model holding the base weights (this process's shards of them, when partitioned).
-            description: How reports name this source (default ``"reference model"``).
-
-        Returns:
-            The source, keyed by base tensor name (:func:`base_name` of each parameter's name).
-        """
+        """All floating parameters of ``model``, through :func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`."""
         shards = {base_name(s.name): s for s in iter_local_shards(model) if torch.is_floating_point(s.values)}
         return cls(shards, description)
 
@@ -174,15 +144,7 @@ class ModelBase:
         A partitioned parameter's head may lie on several processes (ZeRO-3 partitions or FSDP2 row blocks smaller
         than ``numel``): every process contributes the elements it holds and the float64 buffer is all-reduced
         (exact: every element is added to zeros once). Every process must call this for the same tensors in the
-        same order.
-
-        Args:
-            name: The base tensor's name.
-            numel: Elements wanted from its start.
-
-        Returns:
-            The elements, 1-D: in the stored dtype, or float64 when summed over the processes of a partitioned run.
-        """
+        same order."""
         shard = self._shards.get(name)
         if shard is None:
             raise CheckpointError(f"{self.description}: has no parameter {name!r}")
@@ -207,11 +169,7 @@ class ModelBase:
 
 
 class SnapshotBase(ModelBase):
-    """A copy of a model's local parameters (on the CPU), taken when no other base exists (e.g. at train begin).
-
-    Args:
-        shards: The shards to copy, by base tensor name.
-    """
+    """A copy of a model's local parameters (on the CPU), taken when no other base exists (e.g. at train begin)."""
 
     def __init__(self, shards: dict[str, LocalShard]) -> None:
         copies = {
@@ -228,13 +186,7 @@ class SnapshotBase(ModelBase):
 class DeviceBase(ModelBase):
     """The base ranges a model measures, copied once onto its accelerator (in the stored dtype, e.g. bf16).
 
-    Each measurement then reads the base where it counts: no copy of the whole base from the host per measurement.
-
-    Args:
-        source: Where the base comes from (a checkpoint on disk, a snapshot on the host).
-        ranges: Per base tensor name, the ``(offset, numel)`` of the one flat range this process measures.
-        device: The accelerator.
-    """
+    Each measurement then reads the base where it counts: no copy of the whole base from the host per measurement."""
 
     def __init__(self, source: BaseSource, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
         shards = {
@@ -255,15 +207,7 @@ class DeviceBase(ModelBase):
 
 
 def resident_bytes(source: BaseSource, ranges: dict[str, tuple[int, int]]) -> int:
-    """Bytes a :class:`DeviceBase` of these ranges would hold (stored dtypes).
-
-    Args:
-        source: The base source.
-        ranges: Per base tensor name, the ``(offset, numel)`` measured.
-
-    Returns:
-        The bytes.
-    """
+    """Bytes a :class:`DeviceBase` of these ranges would hold (stored dtypes)."""
     return sum(
         source.read(name, offset, 1).element_size() * numel for name, (offset, numel) in ranges.items()
     )
@@ -273,15 +217,7 @@ class MappedCheckpointBase:
     """A base checkpoint on disk (safetensors, single file or sharded), read through read-only memory maps.
 
     Opening reads the headers only. A read returns a view into the mapped file: the kernel pages the bytes in on
-    demand and may drop them again, so the process holds no copy of the base.
-
-    Args:
-        path: The base model directory (or ``.safetensors`` file).
-
-    Raises:
-        CheckpointError: naming the path, if it is not a safetensors checkpoint (pickle checkpoints cannot be
-            memory-mapped safely; convert them) or is corrupt.
-    """
+    demand and may drop them again, so the process holds no copy of the base."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         checkpoint = open_checkpoint(path, "base model", allow_pickle=True)

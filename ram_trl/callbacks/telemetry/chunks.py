@@ -15,16 +15,7 @@ from ram_trl.statistics import MagnitudeStatistics, MagnitudeWorkspace, OverlapS
 
 
 def lora_chunks(region: Region, size: int) -> Iterator[tuple[int, int, int, int]]:
-    """The pieces of a LoRA region, each on whole rows of the delta (which is computed a row range at a time).
-
-    Args:
-        region: A ``lora`` region (its local range may start and end inside a row).
-        size: Elements of delta per piece at most (at least one row).
-
-    Returns:
-        ``(start, count, row_start, row_stop)`` per piece: its first element relative to the region's local range,
-        its number of elements, and the rows of the delta that hold it.
-    """
+    """The pieces of a LoRA region, each on whole rows of the delta (which is computed a row range at a time)."""
     shape = region.shard.shape
     row = math.prod(shape[1:]) if len(shape) > 1 else 1
     rows_per = max(1, size // row)
@@ -39,13 +30,7 @@ def lora_chunks(region: Region, size: int) -> Iterator[tuple[int, int, int, int]
 
 
 class Workspace:
-    """Buffers reused by every chunk a thread measures (no allocation, no page faults in the hot loop).
-
-    Args:
-        numel: Elements of the largest chunk.
-        save_dtype: The dtype the agent is saved in (the buffer that rounds to it).
-        device: Where the chunks compute.
-    """
+    """Buffers reused by every chunk a thread measures (no allocation, no page faults in the hot loop)."""
 
     def __init__(self, numel: int, save_dtype: torch.dtype, device: torch.device) -> None:
         def f32() -> torch.Tensor:
@@ -96,16 +81,7 @@ class Workspace:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Elements ``[start, start + count)`` of a region's local range, measured at once.
-
-    Args:
-        region: The region.
-        row: Index of the region's base tensor in the per-tensor counts.
-        start: First element, relative to the region's local range.
-        count: Elements.
-        rows: ``lora`` regions: the rows ``(start, stop)`` of the delta that hold the chunk.
-        sampled: Whether the magnitude statistics include the chunk.
-    """
+    """Elements ``[start, start + count)`` of a region's local range, measured at once."""
 
     region: Region
     row: int

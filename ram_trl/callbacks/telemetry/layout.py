@@ -32,16 +32,7 @@ class LoraFactorsRef:
     layout: Literal["linear", "transposed"]
 
     def delta_rows(self, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first.
-
-        Args:
-            start: First row of the delta.
-            stop: One past its last row.
-            dtype: Round the factors to this dtype before the product (default ``None``: as they are).
-
-        Returns:
-            A new float32 tensor on the CPU (:func:`~ram_trl.io.lora.lora_delta_rows`).
-        """
+        """Rows ``start:stop`` of the float32 delta; with ``dtype``, of the factors rounded to ``dtype`` first."""
         a, b = self.a.detach(), self.b.detach()
         if dtype is not None:
             a, b = a.to(dtype), b.to(dtype)
@@ -52,14 +43,7 @@ class LoraFactorsRef:
 
 @dataclass(frozen=True)
 class Region:
-    """One flat range of one base tensor that this process measures.
-
-    Args:
-        name: The base tensor's name.
-        shard: The local values: the trained parameter (``dense``) or the frozen base weight (``lora``, ``frozen``).
-        kind: ``dense``: ``tau = trained - base``; ``lora``: ``tau`` = the LoRA delta; ``frozen``: ``tau = 0``.
-        lora: The factors of a ``lora`` region.
-    """
+    """One flat range of one base tensor that this process measures."""
 
     name: str
     shard: LocalShard
@@ -69,13 +53,7 @@ class Region:
 
 @dataclass
 class ModelLayout:
-    """The regions of a model and where its base comes from.
-
-    Args:
-        regions: Every floating parameter's local range, as a region.
-        peft: Whether the model is a PEFT LoRA model.
-        frozen_base: For PEFT models, the frozen base weights (the adapter-disabled model).
-    """
+    """The regions of a model and where its base comes from."""
 
     regions: list[Region]
     peft: bool
@@ -92,12 +70,7 @@ def _peft_classes() -> tuple[type, type] | None:
 
 
 def _lora_ref(name: str, module: torch.nn.Module) -> LoraFactorsRef | None:
-    """The factors of a PEFT LoRA layer's active adapter (``None`` when no adapter is active on it).
-
-    Raises:
-        ConfigError: for LoRA variants whose delta is not ``B @ A * scaling`` (DoRA, lora_bias, merged adapters,
-            several active adapters, conv layers).
-    """
+    """The factors of a PEFT LoRA layer's active adapter (``None`` when no adapter is active on it)."""
     active = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
     if not active:
         return None
@@ -135,12 +108,7 @@ def model_layout(model: torch.nn.Module) -> ModelLayout:
 
     A PEFT LoRA model contributes ``lora`` regions (its targets' base weights, with the live factors),
     ``dense`` regions for ``modules_to_save`` copies (measured against their ``original_module``) and ``frozen``
-    regions for everything else; any other model contributes ``dense`` regions only.
-
-    Raises:
-        ConfigError: for a PEFT method other than LoRA, an unsupported LoRA variant, or trainable parameters of a
-            PEFT model outside its adapters and modules_to_save.
-    """
+    regions for everything else; any other model contributes ``dense`` regions only."""
     classes = _peft_classes()
     lora_refs: dict[str, LoraFactorsRef] = {}
     peft = False
@@ -202,16 +170,7 @@ def model_layout(model: torch.nn.Module) -> ModelLayout:
 
 def check_layout(source: BaseSource, layout: ModelLayout) -> None:
     """Check a model's layout against its base: every ``dense`` region names a base tensor of its shape, every
-    ``lora`` region's factors give a delta of its base weight's shape.
-
-    Args:
-        source: Where the base weights come from.
-        layout: The model's layout.
-
-    Raises:
-        CheckpointError: for a trained parameter the base lacks, or of another shape.
-        ConfigError: for LoRA factors whose delta does not fit their base weight.
-    """
+    ``lora`` region's factors give a delta of its base weight's shape."""
     available = set(source.names())
     for region in layout.regions:
         if region.kind == "dense":
@@ -239,15 +198,7 @@ def check_layout(source: BaseSource, layout: ModelLayout) -> None:
 
 
 def local_regions(layout: ModelLayout, ctx: DistContext) -> list[Region]:
-    """The regions this process measures: all partitioned ones, and its share of the replicated ones.
-
-    Args:
-        layout: The model's layout.
-        ctx: This process's place in the run (the replicated regions are dealt out round-robin over the ranks).
-
-    Returns:
-        The regions, in layout order.
-    """
+    """The regions this process measures: all partitioned ones, and its share of the replicated ones."""
     regions: list[Region] = []
     replicated = 0
     for region in layout.regions:

@@ -26,11 +26,7 @@ KEPT_WARNING = 0.5
 
 
 def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype | None:
-    """The torch dtype of a ``save_dtype`` argument; ``None`` for ``"auto"`` (the training dtype, known at setup).
-
-    Raises:
-        ConfigError: for anything but ``"auto"``, bfloat16, float16 and float32.
-    """
+    """The torch dtype of a ``save_dtype`` argument; ``None`` for ``"auto"`` (the training dtype, known at setup)."""
     if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
         return save_dtype
     if str(save_dtype) == AUTO:
@@ -49,14 +45,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def training_dtypes(regions: Iterable[Any]) -> list[torch.dtype]:
-    """The dtypes of the trained values among a layout's regions (dense parameters, LoRA factors), sorted by name.
-
-    Args:
-        regions (`Iterable[Region]`): :class:`~ram_trl.callbacks.telemetry.layout.Region` objects.
-
-    Returns:
-        `list[torch.dtype]`: Each dtype once; empty when nothing is trained.
-    """
+    """The dtypes of the trained values among a layout's regions (dense parameters, LoRA factors), sorted by name."""
     found = set()
     for region in regions:
         if region.kind == "dense":
@@ -68,14 +57,7 @@ def training_dtypes(regions: Iterable[Any]) -> list[torch.dtype]:
 
 def auto_save_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     """The save dtype ``"auto"`` resolves to: the training dtype when it is one of :data:`SAVE_DTYPES`, else
-    float32 (several dtypes, float64, nothing trained).
-
-    Args:
-        dtypes (`list[torch.dtype]`): :func:`training_dtypes` of the model.
-
-    Returns:
-        `torch.dtype`: bfloat16, float16 or float32.
-    """
+    float32 (several dtypes, float64, nothing trained)."""
     if len(dtypes) == 1 and dtypes[0] in SAVE_DTYPES.values():
         return dtypes[0]
     return torch.float32
@@ -84,18 +66,7 @@ def auto_save_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
 def precision_record(
     training: list[torch.dtype], saved: torch.dtype, metrics: dict[str, float], prefix: str
 ) -> dict[str, Any]:
-    """The densities of a measurement with the dtype each was counted in, for the stage manifest.
-
-    Args:
-        training (`list[torch.dtype]`): The trained values' dtypes (:func:`training_dtypes`).
-        saved (`torch.dtype`): The save dtype.
-        metrics (`dict[str, float]`): The measurement (metric names under ``prefix``).
-        prefix (`str`): The metric prefix.
-
-    Returns:
-        `dict`: ``{"training_dtype": ..., "save_dtype": ..., "densities": {"training": {"dtype", "density",
-        "active"}, "saved": {...}}}``; ``densities`` is empty before the first measurement.
-    """
+    """The densities of a measurement with the dtype each was counted in, for the stage manifest."""
     out: dict[str, Any] = {
         "training_dtype": "+".join(dtype_name(d) for d in training) or None,
         "save_dtype": dtype_name(saved),
@@ -115,14 +86,7 @@ def precision_record(
 
 
 def rounding_warning(record: dict[str, Any]) -> str | None:
-    """One line when the save keeps under :data:`KEPT_WARNING` of the elements training moved above eps.
-
-    Args:
-        record (`dict`): :func:`precision_record` of the last measurement.
-
-    Returns:
-        `str` or `None`: The warning, or ``None`` when the save keeps enough (or nothing was measured).
-    """
+    """One line when the save keeps under :data:`KEPT_WARNING` of the elements training moved above eps."""
     densities = record["densities"]
     if not densities or not densities["training"]["active"]:
         return None

@@ -26,14 +26,7 @@ from ram_trl.statistics.counting import active_mask
 
 @dataclass(frozen=True)
 class PriorStage:
-    """A prior stage, read from its manifest.
-
-    Args:
-        name: The stage's name.
-        manifest_file: Its ``ram_stage.json``.
-        manifest: The manifest.
-        checkpoint: The agent checkpoint it points to.
-    """
+    """A prior stage, read from its manifest."""
 
     name: str
     manifest_file: Path
@@ -42,11 +35,7 @@ class PriorStage:
 
 
 def read_prior_stages(paths: Sequence[str | os.PathLike]) -> list[PriorStage]:
-    """Read the manifests of prior stages.
-
-    Raises:
-        ConfigError: naming the manifest, if it is missing or invalid or its checkpoint does not exist.
-    """
+    """Read the manifests of prior stages."""
     priors = []
     for path in paths:
         file = manifest_path(path)
@@ -69,13 +58,7 @@ def read_prior_stages(paths: Sequence[str | os.PathLike]) -> list[PriorStage]:
 
 @dataclass
 class PriorMasks:
-    """The priors' activity masks on the flat ranges this process measures, one bit per element.
-
-    Args:
-        stages: The prior stages, in order (mask row ``p`` is stage ``p``).
-        packed: ``(tensor name, offset)`` to a ``(num_priors, ceil(numel / 8))`` uint8 array (``numpy.packbits``
-            along the elements; bit 0 of a range is its element ``offset``).
-    """
+    """The priors' activity masks on the flat ranges this process measures, one bit per element."""
 
     stages: list[PriorStage]
     packed: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
@@ -89,17 +72,7 @@ class PriorMasks:
         return sum(a.nbytes for a in self.packed.values())
 
     def rows(self, name: str, offset: int, start: int, numel: int) -> torch.Tensor:
-        """The priors' masks of elements ``[start, start + numel)`` of the range at ``offset`` of ``name``.
-
-        Args:
-            name: Base tensor name.
-            offset: The range's first flat element (as passed to :func:`compute_prior_masks`).
-            start: First element relative to the range; a multiple of 8.
-            numel: Elements wanted.
-
-        Returns:
-            Bool tensor ``(num_priors, numel)``.
-        """
+        """The priors' masks of elements ``[start, start + numel)`` of the range at ``offset`` of ``name``."""
         assert start % 8 == 0
         packed = self.packed[(name, offset)][:, start // 8 : (start + numel + 7) // 8]
         return torch.from_numpy(np.unpackbits(packed, axis=1, count=numel)).view(torch.bool)
@@ -111,21 +84,7 @@ def compute_prior_masks(
     ranges: dict[str, list[tuple[int, int]]],
     eps: float,
 ) -> PriorMasks:
-    """Compute each prior's mask ``|tau| > eps`` against the base on the given flat ranges.
-
-    Args:
-        stages: The prior stages.
-        base_path: The base checkpoint on disk (the one the priors were trained from).
-        ranges: Base tensor name to its ``(offset, numel)`` flat ranges to keep.
-        eps: Activity threshold (strict).
-
-    Returns:
-        The packed masks.
-
-    Raises:
-        CheckpointError: naming the prior stage and tensor, if a prior does not fit the base (missing, extra or
-            differently shaped tensors) or holds NaN/Inf.
-    """
+    """Compute each prior's mask ``|tau| > eps`` against the base on the given flat ranges."""
     # The merge's planner and reader, imported here: a run without prior stages (and ``import ram_trl.callbacks.sparsity``)
     # never loads them. Neither imports the telemetry, so this is no cycle.
     from ram_trl.merging.planner import build_plan

@@ -40,16 +40,7 @@ class ShardError(RamTrlError):
 
 @dataclass(frozen=True)
 class LocalShard:
-    """The locally held elements of one parameter.
-
-    Args:
-        name: The parameter's name in ``model.named_parameters()`` (of the unwrapped model).
-        values: 1-D tensor of the local elements (the parameter's dtype and device; a view where possible).
-        shape: The full parameter's shape.
-        offset: Flat index of ``values[0]`` in the full flattened parameter.
-        partitioned: ``True`` when other processes hold other elements of this parameter, so per-process counts
-            must be summed over the processes; ``False`` when every process holds the whole parameter.
-    """
+    """The locally held elements of one parameter."""
 
     name: str
     values: torch.Tensor
@@ -70,14 +61,7 @@ class LocalShard:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / DeepSpeed engine / ``torch.compile`` wrappers (whose parameters carry a prefix).
-
-    Args:
-        model: A module, possibly wrapped (several times).
-
-    Returns:
-        The innermost module.
-    """
+    """The module inside DDP / DeepSpeed engine / ``torch.compile`` wrappers (whose parameters carry a prefix)."""
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) or deepspeed_adapter.is_engine(model):
             model = model.module
@@ -100,19 +84,7 @@ def _world_size() -> int:
 
 
 def zero3_shard(name: str, param: torch.Tensor) -> LocalShard:
-    """The local partition of a DeepSpeed ZeRO-3 parameter, without its padding.
-
-    Args:
-        name: The parameter's name.
-        param: A parameter converted by ``deepspeed.zero.Init`` (read through :mod:`ram_trl.callbacks.deepspeed_adapter`).
-
-    Returns:
-        The shard: ``ds_tensor[: ds_numel - offset]`` at ``offset = rank * partition_size``.
-
-    Raises:
-        ShardError: if the partition is offloaded to NVMe (not in memory) or the partition group is not the whole
-            job (MiCS / hierarchical partitioning, where a sum over all processes would count elements twice).
-    """
+    """The local partition of a DeepSpeed ZeRO-3 parameter, without its padding."""
     partition = deepspeed_adapter.partition_of(param)
     group = partition.group
     rank = dist.get_rank(group=group)
@@ -145,19 +117,7 @@ def dtensor_shard(name: str, param: torch.Tensor) -> LocalShard:
     Mesh dimensions placed ``Shard(0)`` split the rows (``torch.chunk`` sizes: uneven and empty last shards are
     possible, padding is not part of the local tensor); on mesh dimensions placed ``Replicate()`` only the first
     replica reports the rows, the others yield an empty shard, so that a sum over all processes counts every element
-    once.
-
-    Args:
-        name: The parameter's name.
-        param: A ``torch.distributed.tensor.DTensor``.
-
-    Returns:
-        The shard (``partitioned`` when the mesh has more than one process).
-
-    Raises:
-        ShardError: for placements whose local elements are not one flat range (``Shard(d)`` with ``d > 0``,
-            strided shards of tensor parallelism), for ``Partial`` placements, and for meshes smaller than the job.
-    """
+    once."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -197,18 +157,7 @@ def dtensor_shard(name: str, param: torch.Tensor) -> LocalShard:
 
 
 def iter_local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
-    """Yield the locally held elements of every parameter of ``model`` (each parameter once).
-
-    Args:
-        model: The model, plain or wrapped (DDP, DeepSpeed engine) or partitioned (ZeRO-3, FSDP2).
-
-    Yields:
-        One :class:`LocalShard` per parameter, named as in the unwrapped model.
-
-    Raises:
-        ShardError: for a distribution whose local elements are not one flat range (see :func:`zero3_shard` and
-            :func:`dtensor_shard`).
-    """
+    """Yield the locally held elements of every parameter of ``model`` (each parameter once)."""
     for name, param in unwrap_model(model).named_parameters():
         if deepspeed_adapter.is_partitioned(param):
             yield zero3_shard(name, param)
@@ -220,11 +169,7 @@ def iter_local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
 
 
 def training_context() -> DistContext:
-    """The running job's process group as a :class:`~ram_trl.distributed.DistContext` (never initialises one).
-
-    Returns:
-        The context of the initialised default group, or a single-process context.
-    """
+    """The running job's process group as a :class:`~ram_trl.distributed.DistContext` (never initialises one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return DistContext()
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), owns_group=False)

@@ -84,20 +84,7 @@ _REFUSED_METHODS = {
 def resolve_config(
     config: MergeConfig, config_path: Path | None = None, *, allow_external_shards: bool = False
 ) -> ResolvedConfig:
-    """Check a config against the method registry and the file system (paths only; tensors come later).
-
-    Args:
-        config: The parsed config.
-        config_path: The YAML file it came from; relative paths that do not exist from the working directory are
-            looked up beside it.
-        allow_external_shards: Accept a stage manifest whose ``checkpoint`` lies outside its directory.
-
-    Returns:
-        The :class:`ResolvedConfig`.
-
-    Raises:
-        ConfigError: for an unknown method, unknown or out-of-range parameters, or missing paths.
-    """
+    """Check a config against the method registry and the file system (paths only; tensors come later)."""
     where = str(config_path) if config_path else "merge config"
     try:
         method, alias_defaults = resolve_method(config.merge_method)

@@ -216,18 +216,7 @@ class MergeConfig(BaseModel):
 
 
 def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tuple[MergeConfig, Path | None]:
-    """Parse a config from a YAML path, a dict, or a :class:`MergeConfig`.
-
-    Args:
-        source (`str`, `os.PathLike`, `dict` or `MergeConfig`): The YAML file, its parsed mapping, or a config.
-
-    Returns:
-        `tuple[MergeConfig, Path | None]`: ``(config, yaml_path)``; ``yaml_path`` is ``None`` unless the config
-        came from a file.
-
-    Raises:
-        ConfigError: naming the file and the field to change.
-    """
+    """Parse a config from a YAML path, a dict, or a :class:`MergeConfig`."""
     if isinstance(source, MergeConfig):
         return source, None
     path: Path | None = None

@@ -17,8 +17,8 @@ from ram_trl.io.fisher_files import default_fisher_path
 from ram_trl.io.vocabulary import UnionRows
 from ram_trl.merging.config.schema import resolve_path
 from ram_trl.methods import MergeMethod, Parameter
+from ram_trl.sizes import check_number
 from ram_trl.statistics.anatomy import classify, layer_index
-from ram_trl.validation import check_number
 
 
 @dataclass
@@ -36,14 +36,7 @@ class AgentSpec:
 
 @dataclass(frozen=True)
 class LayerSegment:
-    """One of several consecutive mergekit output slices: the decoder layers it covers and its settings.
-
-    Args:
-        start: Its first decoder layer.
-        stop: One past its last decoder layer.
-        params: Its global parameter values (the slice's parameters over the module's and the top-level ones).
-        agent_parameters: Each agent's parameter values in this slice, by agent index.
-    """
+    """One of several consecutive mergekit output slices: the decoder layers it covers and its settings."""
 
     start: int
     stop: int
@@ -53,29 +46,7 @@ class LayerSegment:
 
 @dataclass
 class ResolvedConfig:
-    """A validated merge config, ready to plan.
-
-    Args:
-        method: The merge method.
-        method_alias: The name the config used.
-        params: Global parameter values, defaults filled in.
-        agents: The agents, in config order.
-        base_path: Base checkpoint path.
-        out_dtype: Output dtype for floating tensors, or ``None`` for the base's dtype per tensor.
-        tokenizer_source: Directory whose tokenizer files are copied.
-        raw: The config as given (for the model card and report).
-        source: The YAML file the config came from (an input the output must never replace).
-        num_layers: The base's decoder layer count, the span of mergekit gradients (``None`` when no parameter
-            is a gradient).
-        chat_template: The chat template written into the output tokenizer (``None``: the source's own).
-        segments: With several consecutive output slices, each slice's layers and settings (``None``: one set of
-            settings, :attr:`params` and each agent's ``parameters``, for every tensor). Tensors before the decoder
-            layers (embeddings) take the first slice's settings, those after them (final norm, ``lm_head``) the
-            last slice's, as mergekit plans them.
-        union_rows: With ``tokenizer_source: union``, the rows every model gets before the merge where some model
-            lacks a token the union holds (:func:`ram_trl.io.vocabulary.pad_vocabularies`); ``None`` otherwise.
-        base_reference: ``base_model`` as the config wrote it (a path or a Hub id).
-    """
+    """A validated merge config, ready to plan."""
 
     method: MergeMethod
     method_alias: str
@@ -99,11 +70,7 @@ class ResolvedConfig:
     def inputs(self) -> list[tuple[str, Path]]:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
         config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
-        inside) one of them (:class:`ram_trl.output.OutputDir`).
-
-        Returns:
-            `list[tuple[str, Path]]`: ``(label, path)`` pairs, the base first.
-        """
+        inside) one of them (:class:`ram_trl.output.OutputDir`)."""
         reads: list[tuple[str, Path]] = [
             ("base model", self.base_path),
             ("tokenizer_source", self.tokenizer_source),
@@ -127,14 +94,7 @@ class ResolvedConfig:
     def layer_position(self, tensor_name: str) -> float:
         """mergekit's gradient position ``t`` of a tensor: ``i / (N - 1)`` for a tensor of decoder layer ``i`` of
         ``N`` (``1`` when ``N == 1``), ``0`` for every tensor outside the decoder layers (embeddings, final norm,
-        ``lm_head``).
-
-        Args:
-            tensor_name (`str`): The tensor's name.
-
-        Returns:
-            `float`: ``t`` in ``[0, 1]``.
-        """
+        ``lm_head``)."""
         index = layer_index(tensor_name)
         segment = self.segment(tensor_name)
         if index is not None and segment is not None:
@@ -146,14 +106,7 @@ class ResolvedConfig:
         return index / (self.num_layers - 1) if self.num_layers > 1 else 1.0
 
     def segment(self, tensor_name: str) -> LayerSegment | None:
-        """The output slice whose settings a tensor takes (:attr:`segments`).
-
-        Args:
-            tensor_name (`str`): The tensor's name.
-
-        Returns:
-            `LayerSegment | None`: The slice, ``None`` without :attr:`segments`.
-        """
+        """The output slice whose settings a tensor takes (:attr:`segments`)."""
         if not self.segments:
             return None
         index = layer_index(tensor_name)
@@ -163,14 +116,7 @@ class ResolvedConfig:
 
     def params_for(self, tensor_name: str) -> dict[str, Any]:
         """The global parameters for one tensor: mergekit filter rules and gradients (``per_tensor`` parameters)
-        resolved.
-
-        Args:
-            tensor_name (`str`): The tensor's name (filters match substrings of it, gradients its layer).
-
-        Returns:
-            `dict[str, Any]`: Parameter name to value; :attr:`params` itself when no parameter is a list.
-        """
+        resolved."""
         segment = self.segment(tensor_name)
         params = self.params if segment is None else segment.params
         if not any(isinstance(value, list) for value in params.values()):
@@ -189,19 +135,7 @@ class ResolvedConfig:
         Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
         or absent) gives the value; a rule list of a model that matches no rule falls through to the global
         setting, then to the default. Gradients are interpolated over the decoder layers
-        (:meth:`layer_position`).
-
-        Args:
-            agent (`AgentSpec`): The agent.
-            name (`str`): The parameter's canonical name.
-            tensor_name (`str`): The tensor's name.
-
-        Returns:
-            `float`: The value.
-
-        Raises:
-            ConfigError: No rule of a filter list matches the tensor.
-        """
+        (:meth:`layer_position`)."""
         segment = self.segment(tensor_name)
         value = (agent.parameters if segment is None else segment.agent_parameters[agent.index])[name]
         if isinstance(value, list):
@@ -216,15 +150,7 @@ class ResolvedConfig:
 
 def interpolate(values: list[float], t: float) -> float:
     """mergekit's gradient: the piecewise-linear interpolation of ``values`` (evenly spaced over ``[0, 1]``) at
-    ``t``, in the same float64 operations and order as mergekit 0.1.5.
-
-    Args:
-        values (`list[float]`): The gradient's anchor values (at least one).
-        t (`float`): The position in ``[0, 1]`` (:meth:`ResolvedConfig.layer_position`).
-
-    Returns:
-        `float`: The value at ``t``.
-    """
+    ``t``, in the same float64 operations and order as mergekit 0.1.5."""
     scaled = t * (len(values) - 1)
     low = int(scaled)
     high = min(len(values) - 1, low + 1)
@@ -234,20 +160,7 @@ def interpolate(values: list[float], t: float) -> float:
 
 def evaluate_setting(setting: Any, tensor_name: str, t: float, what: str) -> float:
     """The value of a numeric setting for one tensor: a number, a gradient (list of numbers, :func:`interpolate`
-    at ``t``), or mergekit filter rules (the first rule matching ``tensor_name``; its value a number or gradient).
-
-    Args:
-        setting (`Any`): The checked setting.
-        tensor_name (`str`): The tensor's name.
-        t (`float`): The tensor's gradient position.
-        what (`str`): Names the setting in errors.
-
-    Returns:
-        `float`: The value.
-
-    Raises:
-        ConfigError: No rule matches the tensor.
-    """
+    at ``t``), or mergekit filter rules (the first rule matching ``tensor_name``; its value a number or gradient)."""
     if not isinstance(setting, list):
         return float(setting)
     if not setting or not isinstance(setting[0], dict):
@@ -281,14 +194,7 @@ def _fall_through(first: Any, then: Any) -> Any:
 
 def num_layers(path: Path) -> int | None:
     """The decoder layer count a checkpoint's ``config.json`` declares (``num_hidden_layers``, ``n_layer`` or
-    ``num_layers``, also under ``text_config``), as mergekit reads it for gradients and slices.
-
-    Args:
-        path (`Path`): The checkpoint directory (or a weights file beside its ``config.json``).
-
-    Returns:
-        `int | None`: The count, or ``None`` without a config or key.
-    """
+    ``num_layers``, also under ``text_config``), as mergekit reads it for gradients and slices."""
     directory = path if path.is_dir() else path.parent
     try:
         config = json.loads((directory / "config.json").read_text())
@@ -403,17 +309,6 @@ def per_tensor(parameter: Parameter) -> bool:
 def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     """Check one value of a method parameter (global or per-agent, filter rules included) as a merge does: type,
     finite, in range. Used by :func:`~ram_trl.merging.config.resolve.resolve_config` and by recipes before any training.
-
-    Args:
-        parameter (`Parameter`): The method's declaration of the parameter.
-        value (`Any`): The value as the config gives it (a scalar, or a list of mergekit filter rules).
-        where (`str`): What names the value in errors (the config file and the entry).
-
-    Returns:
-        `Any`: The value converted to the parameter's type (filter rules with their values checked).
-
-    Raises:
-        ConfigError: naming ``where`` and the parameter.
     """
     if parameter.scope == "global" and not parameter.per_tensor:
         return _check_value(parameter, value, where)

@@ -33,20 +33,7 @@ def _model_chat_template(path: Path) -> str | None:
 def resolve_chat_template(value: str, models: list[Path], where: str) -> str | None:
     """The template text of a config's ``chat_template``, as mergekit 0.1.5 picks it: ``auto`` (the most common
     template among the input models), one of mergekit's named templates (read from the installed mergekit
-    package), or literal Jinja.
-
-    Args:
-        value (`str`): The config's ``chat_template``.
-        models (`list[Path]`): The base and the agents, in config order (for ``auto``).
-        where (`str`): Names the field in errors.
-
-    Returns:
-        `str`: The template.
-
-    Raises:
-        ConfigError: ``auto`` without any template among the models, an unknown name, or text that is no
-            template.
-    """
+    package), or literal Jinja."""
     from ram_trl.io.chat_template import check_chat_template
 
     if value == "auto":

@@ -115,30 +115,7 @@ def export_lora(
     allow_pickle: bool = False,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Write the difference between a merged full model and its base as a PEFT LoRA adapter directory.
-
-    Args:
-        base_dir: The base checkpoint (with ``config.json``).
-        merged_dir: The merged full model (float32 keeps the deltas exact), same tensor names as the base.
-        output_dir: The adapter directory to create (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer
-            files from ``merged_dir``, ``README.md``, ``ram_merge_report.json``).
-        rank: Fixed LoRA rank of every module; or ``max_rank`` and ``energy`` (see :class:`LoraExportOptions`).
-        max_rank: Largest rank in energy mode (with ``energy``).
-        energy: Energy mode: per tensor, the smallest rank whose cumulative share of ``sigma**2`` reaches it, in
-            ``(0, 1]`` (with ``max_rank``).
-        report: The merge report to extend (default: ``merged_dir/ram_merge_report.json`` when present).
-        overwrite: Replace an existing ``output_dir`` (once the new one is complete).
-        allow_pickle: Accept a pickle base checkpoint.
-        progress: Show a progress bar.
-
-    Returns:
-        The report, with a ``lora_export`` section: per LoRA tensor its rank, share of ``sigma**2`` kept and relative
-        reconstruction error; the Linear biases and ``modules_to_save`` stored in full; the tensors not exported
-        and why.
-
-    Raises:
-        ConfigError: for invalid rank options. CheckpointError: for unreadable or mismatched inputs.
-    """
+    """Write the difference between a merged full model and its base as a PEFT LoRA adapter directory."""
     options = lora_options("lora", rank, max_rank, energy)
     assert options is not None
     base_dir, merged_dir, output_dir = (

@@ -104,16 +104,7 @@ class AdapterPlan:
 
 
 def classify(name: str, architecture: Architecture) -> tuple[str, str]:
-    """Where a changed tensor of the merged model goes in the adapter.
-
-    Args:
-        name: The tensor's name in the checkpoint.
-        architecture: The base's module tree (built from its ``config.json``).
-
-    Returns:
-        ``("lora", module)`` (the weight of a linear layer), ``("bias", module)`` (its bias), ``("save", module)``
-        (a leaf module PEFT can save whole) or ``("skip", reason)``.
-    """
+    """Where a changed tensor of the merged model goes in the adapter."""
     names = architecture.aliases.get(name)
     if names is None:
         return (
@@ -146,15 +137,7 @@ def classify(name: str, architecture: Architecture) -> tuple[str, str]:
 
 
 def peft_wrapped(modules_to_save: list[str], architecture: Architecture) -> set[str]:
-    """The modules PEFT wraps for ``modules_to_save`` (its rule: the module name ends with an entry).
-
-    Args:
-        modules_to_save: The entries of the adapter config's ``modules_to_save``.
-        architecture: The base's module tree.
-
-    Returns:
-        The wrapped module names (with the tied output embedding when the input embedding is wrapped).
-    """
+    """The modules PEFT wraps for ``modules_to_save`` (its rule: the module name ends with an entry)."""
     wrapped = {key for key in architecture.modules if any(key.endswith(m) for m in modules_to_save)}
     if (
         architecture.input_embedding in wrapped
@@ -166,16 +149,7 @@ def peft_wrapped(modules_to_save: list[str], architecture: Architecture) -> set[
 
 
 def save_conflict(module: str, targets: set[str], architecture: Architecture) -> str | None:
-    """Why PEFT would not restore ``module`` as a modules_to_save entry beside these LoRA targets, if it would not.
-
-    Args:
-        module: The candidate ``modules_to_save`` entry.
-        targets: The LoRA target modules.
-        architecture: The base's module tree.
-
-    Returns:
-        The reason, or ``None`` when the entry is safe.
-    """
+    """Why PEFT would not restore ``module`` as a modules_to_save entry beside these LoRA targets, if it would not."""
     for key in peft_wrapped([module], architecture):
         if key in targets or any(t.startswith(f"{key}.") for t in targets):
             return f"PEFT's modules_to_save entry {module!r} would also wrap {key!r}, which holds LoRA layers"
@@ -188,15 +162,7 @@ def save_conflict(module: str, targets: set[str], architecture: Architecture) ->
 
 
 def exact_list(names: list[str], candidates: list[str]) -> bool:
-    """Whether PEFT's list rule for ``target_modules`` (equal, or ends with ``.name``) selects exactly ``names``.
-
-    Args:
-        names: The module names the list would hold.
-        candidates: Every module name of the model, each tested against the rule.
-
-    Returns:
-        ``True`` when the rule selects ``names`` and nothing else.
-    """
+    """Whether PEFT's list rule for ``target_modules`` (equal, or ends with ``.name``) selects exactly ``names``."""
     chosen = set(names)
     for key in candidates:
         parts = key.split(".")
@@ -208,15 +174,7 @@ def exact_list(names: list[str], candidates: list[str]) -> bool:
 
 def pattern_keys(pattern: dict[str, int], targets: list[str]) -> dict[str, int]:
     """``rank_pattern``/``alpha_pattern`` keyed by module name, escaped and anchored if PEFT's regex rule (first key
-    matching the end of the module name) would give a module another module's value.
-
-    Args:
-        pattern: Each module name's rank (or alpha).
-        targets: The LoRA target modules.
-
-    Returns:
-        ``pattern`` itself when PEFT's rule reads it right, else its keys as ``^``-anchored escaped regexes.
-    """
+    matching the end of the module name) would give a module another module's value."""
     compiled = [(key, re.compile(rf"(.*\.)?({key})$")) for key in pattern]
 
     def first(module: str) -> str | None:
@@ -235,20 +193,7 @@ def adapter_layout(
     base_dir: Path,
     staged: dict[str, TensorInfo],
 ) -> tuple[dict[str, Any], dict[str, TensorInfo | str]]:
-    """The adapter config and every tensor of the adapter file: a staged factor, or a merged tensor's name.
-
-    Args:
-        plan: What goes into the adapter (its ``modules_to_save`` entries PEFT could not restore are moved to
-            ``not_exported``).
-        architecture: The base architecture.
-        merged: The merged model (headers).
-        options: The rank options.
-        base_dir: The base checkpoint directory (``base_model_name_or_path``).
-        staged: The LoRA factors already computed, by adapter key.
-
-    Returns:
-        The content of ``adapter_config.json``, and per adapter key a staged factor or the merged tensor's name.
-    """
+    """The adapter config and every tensor of the adapter file: a staged factor, or a merged tensor's name."""
     targets = {item["module"] for item in plan.lora}
     # a modules_to_save entry PEFT would resolve to other modules too is left out (rare: suffix-sharing names)
     for module in sorted(plan.to_save):

@@ -26,13 +26,7 @@ ERROR_BLOCK_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class LoraExportOptions:
-    """How the rank of each LoRA factorisation is chosen.
-
-    Args:
-        rank: Fixed rank ``r`` of every LoRA module (capped by the weight's smaller dimension).
-        max_rank: Largest rank in energy mode.
-        energy: Energy mode: per tensor, the smallest rank whose cumulative share of ``sigma**2`` reaches it.
-    """
+    """How the rank of each LoRA factorisation is chosen."""
 
     rank: int | None = None
     max_rank: int | None = None
@@ -65,22 +59,7 @@ def lora_options(
     max_rank: int | None = None,
     energy: float | None = None,
 ) -> LoraExportOptions | None:
-    """Validate the output options of :func:`ram_trl.merge` before any work starts.
-
-    Args:
-        output_format (`str`, *optional*, defaults to `"full"`): ``"full"`` (a merged model) or ``"lora"`` (a PEFT
-            adapter over the base).
-        rank (`int`, *optional*): With ``"lora"``: one rank for every module.
-        max_rank (`int`, *optional*): With ``"lora"`` and ``energy``: the largest rank a module may get.
-        energy (`float`, *optional*): With ``"lora"`` and ``max_rank``: the share of each delta's squared singular
-            values the chosen rank keeps, in (0, 1].
-
-    Returns:
-        The LoRA export options, or ``None`` for a full-model output.
-
-    Raises:
-        ConfigError: naming the option to change.
-    """
+    """Validate the output options of :func:`ram_trl.merge` before any work starts."""
     if output_format not in OUTPUT_FORMATS:
         raise ConfigError(f"--output-format must be one of {list(OUTPUT_FORMATS)}, got {output_format!r}")
     given = {"--rank": rank, "--max-rank": max_rank, "--energy": energy}
@@ -122,15 +101,7 @@ def choose_rank(singular_values: torch.Tensor, options: LoraExportOptions) -> in
     """The rank kept for a delta with these singular values (descending).
 
     Fixed mode: ``min(rank, len(S))``. Energy mode: the smallest ``k`` with ``sum(S[:k]**2) >= energy * sum(S**2)``,
-    at most ``max_rank`` and ``len(S)``, at least 1.
-
-    Args:
-        singular_values (`torch.Tensor`): The delta's singular values, descending.
-        options (`LoraExportOptions`): The rank options (fixed ``rank``, or ``max_rank`` with ``energy``).
-
-    Returns:
-        `int`: The rank.
-    """
+    at most ``max_rank`` and ``len(S)``, at least 1."""
     n = singular_values.numel()
     if options.rank is not None:
         return max(1, min(options.rank, n))
@@ -161,16 +132,7 @@ def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
     The SVD runs as a Householder QR of the delta (of its transpose when wide) followed by the SVD of the small
     triangular factor, which is how LAPACK itself reduces tall matrices but several times faster than
     ``torch.linalg.svd`` of the whole delta; only the ``k`` kept singular vectors are formed. The relative error
-    ``||delta - b @ a||_F / ||delta||_F`` is measured with the float32 factors as stored.
-
-    Args:
-        delta (`torch.Tensor`): The 2-D delta, any floating dtype (computed in float64).
-        options (`LoraExportOptions`): The rank options (:func:`choose_rank`).
-
-    Returns:
-        `Factorization`: ``b`` (``out x k``) and ``a`` (``k x in``), the square roots of the singular values split
-        between them, with the rank, the energy kept and the relative error.
-    """
+    ``||delta - b @ a||_F / ||delta||_F`` is measured with the float32 factors as stored."""
     d = delta.to(torch.float64)
     wide = d.shape[0] < d.shape[1]
     q, r = torch.linalg.qr(d.T if wide else d)  # tall = q @ r, r square
@@ -191,16 +153,7 @@ def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
 
 
 def relative_error(delta: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> float:
-    """``||delta - b @ a||_F / ||delta||_F`` in float64, a block of rows at a time.
-
-    Args:
-        delta (`torch.Tensor`): The 2-D delta.
-        b (`torch.Tensor`): The left factor (``out x k``).
-        a (`torch.Tensor`): The right factor (``k x in``).
-
-    Returns:
-        `float`: The relative error (0 for a zero delta).
-    """
+    """``||delta - b @ a||_F / ||delta||_F`` in float64, a block of rows at a time."""
     a64 = a.to(torch.float64)
     rows, cols = delta.shape
     block = max(1, ERROR_BLOCK_BYTES // max(1, cols * 8))

@@ -24,21 +24,7 @@ def kernel_output(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the method's kernel on one block and return the merged weights in ``out_dtype``: the merged task vector
-    added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds.
-
-    Args:
-        resolved: The merge config (its method and ``allow_nonfinite``).
-        inputs: The block's kernel inputs.
-        out_dtype: The output tensor's dtype.
-        rows: The block's rows ``(start, stop)`` (or flat elements, for a flat range), for error messages.
-        out: A flat tensor of ``out_dtype`` the values are written into (and returned) instead of a new one.
-
-    Returns:
-        The merged weights of the block, flat.
-
-    Raises:
-        NonFiniteError: if the merged values overflow float32 (or float16 for a float16 output).
-    """
+    added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds."""
     method = resolved.method
     merged = method.merge(inputs)
     if not method.merges_weights:
@@ -56,12 +42,7 @@ def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
     """Give merged elements that are zero where the base is zero the base's own zero (``-0.0`` stays ``-0.0``).
 
     ``base + 0.0`` turns a base ``-0.0`` into ``+0.0``; every other sum is already the base's bits where nothing
-    changed. One integer reduction per block; the fix-up runs only in blocks whose base holds a ``-0.0``.
-
-    Args:
-        merged: The block's merged weights, modified in place.
-        base_values: The block's base values (only float32 blocks are fixed up).
-    """
+    changed. One integer reduction per block; the fix-up runs only in blocks whose base holds a ``-0.0``."""
     if base_values.dtype != torch.float32 or int(base_values.view(torch.int32).min()) != _NEGATIVE_ZERO_BITS:
         return  # -0.0 is the smallest int32 bit pattern: no -0.0 in this block
     zero = (merged == 0) & (base_values == 0)
@@ -71,18 +52,7 @@ def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
 def check_finite_output(merged: torch.Tensor, name: str, start: int, stop: int, where: str = "") -> None:
     """Refuse merged values that overflowed (every input was finite: the parameters scaled them too far).
 
-    One sum per block decides; the values are counted only when it is not finite.
-
-    Args:
-        merged: The block's merged values.
-        name: The tensor's name, for the message.
-        start: The block's first row (or flat element), for the message.
-        stop: One past its last, for the message.
-        where: Says in what the values overflow (default ``""``: float32).
-
-    Raises:
-        NonFiniteError: if a merged value is NaN or infinite.
-    """
+    One sum per block decides; the values are counted only when it is not finite."""
     if math.isfinite(float(merged.sum(dtype=torch.float32))):
         return
     bad = int((~torch.isfinite(merged)).sum())

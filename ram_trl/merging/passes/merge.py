@@ -37,16 +37,7 @@ def planned_tensors(shard: ShardPlan) -> list[PlannedTensor]:
 
 def write_tensors(run: RunContext, out_dir: Path) -> None:
     """Merge this process's tensors (``run.tasks``) and write them into the output files already created in
-    ``out_dir``; adds the bytes written (and the inline overlap counts) to ``run.state``.
-
-    Args:
-        run: The run (its plan fixes which shard file each tensor goes to).
-        out_dir: The temporary output directory holding the shard files.
-
-    Raises:
-        NonFiniteError: for NaN/Inf inputs or merged values that overflow (unless ``allow_nonfinite``); the shard
-            files are aborted on any error.
-    """
+    ``out_dir``; adds the bytes written (and the inline overlap counts) to ``run.state``."""
     state, plan = run.state, run.plan
     shard_of = {t.name: shard for shard in plan.shards for t in shard.tasks}
     files: dict[str, ShardFile] = {}
@@ -125,18 +116,7 @@ def start_chunk(
 
     Blocks of methods without a ``scan`` hook are queued on ``pool`` and return at once, so that the caller can
     start the next chunk before this one is done; the returned function adds the chunk's overlap counts to
-    ``context``, so call it in chunk order. Everything else is computed before returning.
-
-    Args:
-        run: The run.
-        chunk: The chunk (rows of one tensor, as read).
-        context: Its tensor's context (:func:`tensor_context`).
-        pool: The compute pool the chunk's blocks run on (default ``None``: this thread).
-
-    Returns:
-        A function that waits for the chunk and returns its output values (shape of its rows, output dtype, CPU):
-        non-floating tensors copied, rows past the base's averaged (:func:`extra_rows`), the rest merged.
-    """
+    ``context``, so call it in chunk order. Everything else is computed before returning."""
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:
@@ -219,20 +199,7 @@ def merge_block(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, OverlapStatistics | None]:
     """The flat output values of a block of the base's rows, in the output dtype, on ``run.device``, and its overlap
-    counts (methods without a statistics pass count them while merging).
-
-    Args:
-        run: The run.
-        chunk: The block.
-        context: Its tensor's context.
-        ready: The block's task vectors and base values if they are already computed.
-        seen: The method's scan counts of the tensor's blocks before this one (default: the tensor's running
-            count, which the kernel updates).
-        out: A flat tensor of the output dtype the values are written into (and returned) instead of a new one.
-
-    Returns:
-        The merged values (flat) and the block's overlap counts (``None`` unless ``context`` counts while merging).
-    """
+    counts (methods without a statistics pass count them while merging)."""
     resolved = run.resolved
     task = chunk.task
     if ready is None:
@@ -264,20 +231,7 @@ def merge_block(
 def extra_rows(
     chunk: RawChunk, shape: tuple[int, ...], agents: list[Checkpoint], allow_nonfinite: bool
 ) -> torch.Tensor:
-    """Rows past the base's (a resized vocabulary): the mean of the agents that have each row.
-
-    Args:
-        chunk: A chunk of rows past the base's.
-        shape: The chunk's output shape.
-        agents: The agents (their roles name an agent in the error).
-        allow_nonfinite: Merge NaN/Inf values instead of refusing them.
-
-    Returns:
-        The rows in the output dtype.
-
-    Raises:
-        NonFiniteError: if an agent's rows hold NaN/Inf and ``allow_nonfinite`` is off.
-    """
+    """Rows past the base's (a resized vocabulary): the mean of the agents that have each row."""
     total = torch.zeros(shape, dtype=torch.float32)  # host
     count = torch.zeros((shape[0],) + (1,) * (len(shape) - 1), dtype=torch.float32)  # host
     for raw, lora, agent in zip(chunk.agents, chunk.lora, agents, strict=True):

@@ -21,16 +21,7 @@ from ram_trl.statistics import MAX_SUBSET_AGENTS, OverlapStatistics, counting, s
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
-    """A tqdm bar over ``total`` tensors for a pass (shared by both passes), or ``None`` when ``enabled`` is off.
-
-    Args:
-        total: Tensors the pass handles.
-        desc: The bar's label.
-        enabled: Whether to show a bar.
-
-    Returns:
-        The bar, or ``None``.
-    """
+    """A tqdm bar over ``total`` tensors for a pass (shared by both passes), or ``None`` when ``enabled`` is off."""
     if not enabled:
         return None
     from tqdm.auto import tqdm
@@ -39,15 +30,7 @@ def progress_bar(total: int, desc: str, enabled: bool):
 
 
 def method_factors(run: RunContext, stats: OverlapStatistics) -> list[float]:
-    """The method's per-agent factors from overlap statistics (its ``factors`` hook).
-
-    Args:
-        run: The run (its method and parameters).
-        stats: The overlap counts the factors are computed from (global, or one tensor's).
-
-    Returns:
-        One factor per agent (RAM+'s ``lambda_t``).
-    """
+    """The method's per-agent factors from overlap statistics (its ``factors`` hook)."""
     method = run.resolved.method
     assert method.factors is not None
     return method.factors(stats, run.resolved.params)

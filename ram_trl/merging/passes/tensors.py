@@ -23,14 +23,7 @@ from ram_trl.statistics import OverlapStatistics, counting
 
 class TensorInputs:
     """One whole tensor of the inputs, for a method's ``prepare_tensor`` hook (a
-    :class:`~ram_trl.methods.base.TensorView`, which documents its methods).
-
-    Args:
-        run: The run.
-        task: The tensor.
-        params: The method's parameters for this tensor.
-        pool: The compute pool (``None``: compute on this thread).
-    """
+    :class:`~ram_trl.methods.base.TensorView`, which documents its methods)."""
 
     def __init__(
         self, run: RunContext, task: TensorTask, params: dict[str, Any], pool: ThreadPoolExecutor | None
@@ -83,18 +76,7 @@ def fill_magnitudes(
     pool: ThreadPoolExecutor | None,
 ) -> int:
     """``|tau|`` of one agent's whole tensor into ``out`` (flat), in blocks on ``pool`` when there is one (the
-    blocks of the TIES histograms, :data:`ram_trl.statistics.counting.HISTOGRAM_BLOCK`).
-
-    Args:
-        out: Float32, flat, the tensor's length: receives the magnitudes.
-        values: The agent's stored values of the tensor (``None`` where it stores none, e.g. a LoRA agent).
-        lora: The agent's LoRA delta of the tensor, or ``None``.
-        base_values: The base's float32 values, flat.
-        pool: The compute pool (``None``: one block on this thread).
-
-    Returns:
-        The number of nonzero magnitudes (NaN counts as nonzero).
-    """
+    blocks of the TIES histograms, :data:`ram_trl.statistics.counting.HISTOGRAM_BLOCK`)."""
     numel = out.numel()
     flat_values = None if values is None else values.reshape(-1)
     flat_lora = None if lora is None else lora.reshape(-1)
@@ -136,15 +118,7 @@ class TensorContext:
 
 
 def tensor_factors(run: RunContext, task: TensorTask) -> list[float] | None:
-    """The method's per-agent factors for one tensor: global, tensor-local, or none.
-
-    Args:
-        run: The run (its method, parameters and the statistics gathered in ``run.state``).
-        task: The tensor.
-
-    Returns:
-        One factor per agent, or ``None`` for a method without statistics.
-    """
+    """The method's per-agent factors for one tensor: global, tensor-local, or none."""
     method = run.resolved.method
     if not method.needs_statistics:
         return None
@@ -156,16 +130,7 @@ def tensor_factors(run: RunContext, task: TensorTask) -> list[float] | None:
 def tensor_context(
     run: RunContext, task: TensorTask, pool: ThreadPoolExecutor | None = None
 ) -> TensorContext:
-    """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``).
-
-    Args:
-        run: The run.
-        task: The tensor.
-        pool: The compute pool the method's ``prepare_tensor`` hook may use (default ``None``: this thread).
-
-    Returns:
-        The tensor's context; it counts overlaps while merging (``stats``) when the method has no statistics pass.
-    """
+    """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``)."""
     resolved = run.resolved
     method = resolved.method
     agent_params = agent_parameter_values(resolved, task.name, run.device)
@@ -191,16 +156,7 @@ def agent_parameter_values(
     resolved: ResolvedConfig, tensor_name: str, device: torch.device
 ) -> dict[str, torch.Tensor]:
     """The per-agent numbers of the method for one tensor (:attr:`ChunkInputs.agent_params`): each a float32
-    tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved.
-
-    Args:
-        resolved: The merge config (its method and agents).
-        tensor_name: The tensor the filter rules are matched against.
-        device: Where the tensors are put.
-
-    Returns:
-        Each per-agent float parameter of the method by name.
-    """
+    tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved."""
     return {
         p.name: torch.tensor(
             [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents],
