@@ -95,14 +95,8 @@ def file_digest(file: str | os.PathLike) -> str:
 
 
 def update_tensor(digest: Any, header: str, tensor: torch.Tensor) -> None:
-    """Add ``header`` (UTF-8) and then the raw bytes of ``tensor`` (on the CPU, in its own dtype, row-major) to a
-    :func:`hasher`.
-
-    Args:
-        digest: The hash object.
-        header (`str`): What identifies the tensor (name, dtype, shape or offset).
-        tensor (`torch.Tensor`): A CPU tensor.
-    """
+    """Add ``header`` (UTF-8: name, dtype, shape or offset) and then the raw bytes of a CPU ``tensor`` (in its own
+    dtype, row-major) to a :func:`hasher`."""
     digest.update(header.encode())
     digest.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
 

@@ -16,12 +16,7 @@ def raising_signals(signals: Iterable[int], error: Callable[[int], BaseException
     A Python handler the caller installed is called first; a signal the caller ignores (``SIG_IGN``, e.g. SIGHUP
     under ``nohup``) stays ignored, and one handled outside Python is left alone. On exit every handler this
     installed is put back exactly as it was (unless the body replaced it). Off the main thread, where Python
-    cannot install handlers, nothing is changed.
-
-    Args:
-        signals: The signal numbers (e.g. ``signal.SIGTERM``).
-        error: Builds the exception raised for a signal number.
-    """
+    cannot install handlers, nothing is changed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

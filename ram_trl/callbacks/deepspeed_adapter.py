@@ -24,16 +24,9 @@ TESTED_VERSIONS = ("0.19",)
 
 @dataclass(frozen=True)
 class Partition:
-    """One process's partition of a ZeRO-3 parameter, as DeepSpeed holds it.
-
-    Args:
-        values: The flat local partition (padded past the parameter's end on the last ranks).
-        size: Elements of every rank's partition (``values.numel()`` unless offloaded).
-        numel: Elements of the full parameter.
-        shape: The full parameter's shape.
-        group: The process group it is partitioned over (``None``: the whole job).
-        quantized: Whether the partition holds quantized values.
-    """
+    """One process's partition of a ZeRO-3 parameter: the flat local ``values`` (padded past the parameter's end on
+    the last ranks), every rank's partition ``size``, the full parameter's ``numel`` and ``shape``, its process
+    ``group`` (``None``: the whole job), and whether it is ``quantized``."""
 
     values: torch.Tensor
     size: int
@@ -90,15 +83,8 @@ def zero3_loading_off(owners: Sequence[Any]) -> Iterator[None]:
 
     Through transformers' public functions only: its DeepSpeed config is unset, and on exit the same
     ``HfDeepSpeedConfig`` object is set again (found among ``owners``' ``hf_deepspeed_config`` / ``dschf``, where
-    ``TrainingArguments`` and accelerate's ``DeepSpeedPlugin`` keep it alive), never a new one.
-
-    Args:
-        owners (`Sequence[Any]`): Objects that may hold the run's config object (the trainer's ``args``, the
-            accelerator's DeepSpeed plugin).
-
-    Raises:
-        RuntimeError: when a config is set that none of ``owners`` holds (it could not be put back as it was).
-    """
+    ``TrainingArguments`` and accelerate's ``DeepSpeedPlugin`` keep it alive), never a new one; a config none of
+    them holds is refused (RuntimeError) before anything changes."""
     try:
         from transformers.integrations.deepspeed import (
             deepspeed_config,
