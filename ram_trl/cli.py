@@ -381,8 +381,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from ram_trl.io.quiet import progress_bars_off
 
                 quiet = progress_bars_off()
+        from ram_trl.parallel import owned_process
+
         try:
-            with quiet:
+            with (
+                quiet,
+                owned_process(),
+            ):  # this process is ours: the compute pools may set torch's thread counts
                 return handlers[args.command](args)
         except RamTrlError as exc:
             print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ram_trl.errors import RamTrlError
+from ram_trl.signals import raising_signals
 
 T = TypeVar("T")
 
@@ -41,6 +42,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     owns_group: bool = False
+    _signals: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -73,10 +75,11 @@ class DistContext:
                 timeout=datetime.timedelta(minutes=timeout_minutes),
             )
             owns = True
-        _raise_on_sigterm()
-        return cls(
+        ctx = cls(
             rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=owns
         )
+        ctx._signals.enter_context(raising_signals((signal.SIGTERM,), _terminated))  # until close()
+        return ctx
 
     def device(self, device: str) -> torch.device:
         if device.startswith("cuda") and device == "cuda" and self.enabled:
@@ -147,8 +150,12 @@ class DistContext:
         return result  # type: ignore[return-value]
 
     def close(self) -> None:
-        if self.owns_group:
-            shutdown_distributed(barrier=False)
+        """Leave the process group if this context initialised it; put back the caller's SIGTERM handler."""
+        try:
+            if self.owns_group:
+                shutdown_distributed(barrier=False)
+        finally:
+            self._signals.close()
 
 
 #: Name prefixes of torch.distributed's native threads (Linux thread names) that run collectives and release their
@@ -245,11 +252,7 @@ def partition_by_bytes(weights: list[int], world_size: int) -> list[list[int]]:
     return [sorted(items) for items in owners]
 
 
-def _raise_on_sigterm() -> None:
-    # torchrun / accelerate terminate the other workers with SIGTERM when one fails: turn it into an exception so
-    # that cleanup (removing the temporary output directory) runs.
-    def handler(signum: int, frame: Any) -> None:
-        raise RankFailedError(f"terminated by signal {signum} (another rank failed)")
-
-    with contextlib.suppress(ValueError):  # not the main thread: leave the handler alone
-        signal.signal(signal.SIGTERM, handler)
+def _terminated(signum: int) -> RankFailedError:
+    # torchrun / accelerate terminate the other workers with SIGTERM when one fails: an exception lets the cleanup
+    # (removing the temporary output directory) run
+    return RankFailedError(f"terminated by signal {signum} (another rank failed)")

@@ -24,7 +24,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
 import warnings
@@ -41,7 +39,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ram_trl.digest import text_digest
 from ram_trl.errors import OutputError
+from ram_trl.signals import raising_signals
 
 logger = logging.getLogger(__name__)
 
@@ -120,31 +120,10 @@ def _rename_reserved(source: Path, target: Path) -> None:
 # Signals
 
 
-@contextlib.contextmanager
-def catch_signals() -> Iterator[None]:
+def catch_signals() -> contextlib.AbstractContextManager[None]:
     """Turn SIGTERM and SIGHUP into :class:`Interrupted` (SIGINT already raises ``KeyboardInterrupt``), so that
-    ``finally`` blocks and ``except BaseException`` cleanups run. A handler installed before (e.g. by the
-    distributed launcher support) is called instead when it is a Python function. No-op outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Any] = {}
-
-    def handler(signum: int, frame: Any) -> None:
-        before = previous.get(signum)
-        if callable(before):
-            before(signum, frame)
-        raise Interrupted(signum)
-
-    for signum in _CAUGHT_SIGNALS:
-        with contextlib.suppress(ValueError, OSError):
-            previous[signum] = signal.signal(signum, handler)
-    try:
-        yield
-    finally:
-        for signum, before in previous.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(signum, before if before is not None else signal.SIG_DFL)
+    ``finally`` blocks and ``except BaseException`` cleanups run; see :func:`~ram_trl.signals.raising_signals`."""
+    return raising_signals(_CAUGHT_SIGNALS, Interrupted)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -281,7 +260,7 @@ def _temp_stem(name: str) -> str:
     so that an output name of up to 255 bytes still has a temporary sibling."""
     if len(name.encode()) <= _STEM_BYTES:
         return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    digest = text_digest(name)[:12]
     return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 

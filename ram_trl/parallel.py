@@ -2,6 +2,12 @@
 
 torch releases the GIL inside its kernels, so Python threads that each run single-threaded torch operations on
 their own block use every core without the barrier of a multi-threaded operation after each step.
+
+Making a thread single-threaded (``torch.set_num_threads``) is a process-wide knob: it also writes the default that
+new threads start from, resizes torch's shared thread pool and clears oneDNN's cache. So the pools run only in a
+process the library owns (the ``ram-trl`` command line, a recipe's stage process: :func:`owned_process`); called
+from a user's process (the Python API, a callback in a trainer) every block runs on the calling thread, with
+torch's threads as the caller set them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +26,20 @@ import torch
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+_OWNED: ContextVar[bool] = ContextVar("ram_trl_owned_process", default=False)
+
+
+@contextmanager
+def owned_process() -> Iterator[None]:
+    """Mark the work inside as running in a process the library owns (the ``ram-trl`` command line, a recipe's stage
+    process): its compute pools may then set the torch thread count of their worker threads, a process-wide knob.
+    Outside (the default) they run nothing on threads of their own."""
+    token = _OWNED.set(True)
+    try:
+        yield
+    finally:
+        _OWNED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -91,12 +112,12 @@ def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[T
     """Threads that run blocks of work (e.g. :func:`~ram_trl.merging.streaming.compute_blocks`) in parallel on the CPU.
 
     Each worker runs single-threaded torch operations, so each block stays on one core and no operation waits for a
-    barrier of all cores. The calling thread's and every other thread's torch thread count are left as they are (a
-    training loop beside the pool keeps its own): the workers set their own count when they start, and the process
-    default that new threads start from is put back before any work runs."""
+    barrier of all cores. Only inside :func:`owned_process` (setting a worker's thread count is process-wide); the
+    calling thread's count and the default that new threads start from are put back before any work runs. Yields
+    ``None`` (run blocks in order on the calling thread) on an accelerator, with one worker, or outside it."""
     previous = torch.get_num_threads()
     workers = plan_threads().compute if workers is None else workers
-    if device.type != "cpu" or workers <= 1:
+    if device.type != "cpu" or workers <= 1 or not _OWNED.get():
         yield None
         return
     with _started_pool(workers, previous) as pool:
@@ -123,18 +144,22 @@ def _started_pool(workers: int, default: int) -> Iterator[ThreadPoolExecutor]:
         yield pool
 
 
-def single_threaded_worker() -> ThreadPoolExecutor:
+def single_threaded_worker() -> ThreadPoolExecutor | None:
     """One started worker thread that runs single-threaded torch operations, for :func:`single_threaded_call` (keep it
-    to reuse the thread; it ends when the executor is shut down or collected)."""
-    return _start_pool(1, torch.get_num_threads())
+    to reuse the thread; it ends when the executor is shut down or collected); ``None`` outside :func:`owned_process`."""
+    return _start_pool(1, torch.get_num_threads()) if _OWNED.get() else None
 
 
 def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | None = None) -> Result:
-    """``fn()`` on a worker thread that runs single-threaded torch operations; the caller's settings stay as they are.
+    """``fn()`` on a worker thread that runs single-threaded torch operations; on the calling thread outside
+    :func:`owned_process`.
 
     For host work done beside a training loop (e.g. the telemetry's summary of its histograms): on a CPU shared with
     training, torch's multi-threaded operations on small tensors wait at barriers for busy cores (measured on 2 busy
-    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here)."""
+    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here); on the calling
+    thread outside :func:`owned_process`."""
+    if not _OWNED.get():
+        return fn()
     if worker is not None:
         return worker.submit(fn).result()
     with _started_pool(1, torch.get_num_threads()) as pool:

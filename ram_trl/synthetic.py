@@ -29,7 +29,6 @@ paths = generate_example("/tmp/ram_example")  # base, three agents and a merge.y
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -51,6 +50,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from ram_trl.digest import text_digest
 from ram_trl.io.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from ram_trl.sizes import parse_size
 
@@ -97,8 +97,8 @@ _PERTURBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 
 def _derive_seed(*parts: object) -> int:
-    """A 63-bit seed from a stable hash (sha256) of ``parts``; independent of Python's hash randomisation."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).digest()
+    """A 63-bit seed from a stable digest of ``parts``; independent of Python's hash randomisation."""
+    digest = bytes.fromhex(text_digest("\x1f".join(str(p) for p in parts)))
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 

@@ -194,19 +194,24 @@ def test_a_kill_9_run_is_cleaned_up_by_the_next_run(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_catchable_signals_remove_the_temporary_directory(tmp_path, signum):
     target = tmp_path / "x" / "out"
-    before = signal.getsignal(signum)
-    out = OutputDir(target)
-    with pytest.raises(Interrupted) as info:
-        try:
-            out.begin()
-            os.kill(os.getpid(), signum)
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise
-    assert info.value.signum == signum
-    assert not (tmp_path / "x").exists()
-    assert signal.getsignal(signum) == before  # the handler is restored
+    ignored = signal.signal(
+        signum, signal.SIG_DFL
+    )  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
+    try:
+        out = OutputDir(target)
+        with pytest.raises(Interrupted) as info:
+            try:
+                out.begin()
+                os.kill(os.getpid(), signum)
+                out.commit()
+            except BaseException:
+                out.abort()
+                raise
+        assert info.value.signum == signum
+        assert not (tmp_path / "x").exists()
+        assert signal.getsignal(signum) == signal.SIG_DFL  # the handler is restored
+    finally:
+        signal.signal(signum, ignored)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
@@ -224,7 +229,13 @@ def test_a_signalled_cli_merge_leaves_nothing(tmp_path, monkeypatch, capsys, sig
         os.kill(os.getpid(), signum)  # delivered to the main thread, whichever thread writes
 
     monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
-    assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
+    ignored = signal.signal(
+        signum, signal.SIG_DFL
+    )  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
+    try:
+        assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
+    finally:
+        signal.signal(signum, ignored)
     assert "interrupted" in capsys.readouterr().err
     assert not (tmp_path / "deep").exists()
 

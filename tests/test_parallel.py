@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -14,12 +18,70 @@ from ram_trl.parallel import (
     compute_pool,
     imap_blocks,
     map_blocks,
+    owned_process,
     plan_threads,
     process_cores,
     submit_blocks,
 )
 
 
+@pytest.fixture
+def owned():
+    """The pools of a process the library owns (the command line's): the tests below exercise the threads."""
+    with owned_process():
+        yield
+
+
+def test_a_guest_runs_no_pool():
+    with compute_pool(torch.device("cpu"), workers=2) as pool:
+        assert pool is None
+    assert parallel.single_threaded_worker() is None
+    assert parallel.single_threaded_call(threading.current_thread) is threading.current_thread()
+
+
+GUEST = """
+import threading
+
+import torch
+
+import ram_trl
+from ram_trl import parallel
+from ram_trl.synthetic import make_agent_set, make_base_checkpoint
+from ram_trl.callbacks.telemetry import TaskVectorTracker
+from tests.callbacks.telemetry.helpers import tiny_model, train, write_base
+
+parallel.available_cores = lambda: 4  # the thread plan of a 4-core machine: pools of several workers
+torch.set_num_threads(3)
+calls = []
+setter = torch.set_num_threads
+torch.set_num_threads = lambda n: calls.append(n) or setter(n)
+base = make_base_checkpoint(ROOT + "/base", hidden_size=16, num_layers=1, intermediate_size=32)
+agents = make_agent_set(base, ROOT, densities=(0.1, 0.2), seed=1)
+ram_trl.merge({"merge_method": "ram", "base_model": str(base), "models": [{"model": str(a)} for a in agents]},
+              ROOT + "/out", progress=False)
+tracker = TaskVectorTracker(base_model=write_base(__import__("pathlib").Path(ROOT) / "tiny"))
+tracker.measure(train(tiny_model()))
+fresh = []
+thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+thread.start()
+thread.join()
+print(torch.get_num_threads(), fresh[0], calls)
+"""
+
+
+def test_a_merge_and_a_measurement_in_a_users_process_leave_torch_threads_alone(tmp_path):
+    """No ``torch.set_num_threads`` (a process-wide knob: in this torch a worker's call changes every thread's
+    count) from the Python API or a tracker: the caller's count and that of threads started later stay 3."""
+    script = f"ROOT = {str(tmp_path)!r}\n" + textwrap.dedent(GUEST)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-2] == "3 3 []"
+
+
+@pytest.mark.usefixtures("owned")
 def test_compute_pool_workers_run_single_threaded_and_the_caller_keeps_its_setting():
     before = torch.get_num_threads()
     with compute_pool(torch.device("cpu"), workers=2) as pool:
@@ -38,6 +100,7 @@ def test_compute_pool_workers_run_single_threaded_and_the_caller_keeps_its_setti
         assert pool is None
 
 
+@pytest.mark.usefixtures("owned")
 @pytest.mark.parametrize("workers", [1, 3])
 def test_imap_blocks_keeps_order_and_bounds_work_in_flight(workers):
     started: list[int] = []
@@ -64,6 +127,7 @@ def test_imap_blocks_keeps_order_and_bounds_work_in_flight(workers):
     assert seen == [i * 10 for i in range(40)]
 
 
+@pytest.mark.usefixtures("owned")
 def test_imap_blocks_raises_errors_in_order_and_cancels_the_rest():
     ran: list[int] = []
 
@@ -82,6 +146,7 @@ def test_imap_blocks_raises_errors_in_order_and_cancels_the_rest():
     assert len(ran) < 10
 
 
+@pytest.mark.usefixtures("owned")
 @pytest.mark.parametrize("workers", [1, 2])
 def test_submit_blocks_runs_ahead_and_returns_results_in_order(workers):
     gate = threading.Event()
@@ -106,6 +171,7 @@ def test_submit_blocks_runs_ahead_and_returns_results_in_order(workers):
         assert second() == [4, 9]
 
 
+@pytest.mark.usefixtures("owned")
 def test_submit_blocks_raises_the_first_error_in_order():
     def work(i: int) -> int:
         if i in (1, 2):
@@ -165,6 +231,7 @@ def test_process_cores_are_shared_by_a_nodes_processes_and_capped_by_openmp(core
     assert plan_threads().cores == 1
 
 
+@pytest.mark.usefixtures("owned")
 @pytest.mark.parametrize(("simulated", "workers"), [(1, None), (2, 2), (3, 3), (8, 7)])
 def test_the_compute_pool_follows_the_thread_plan(cores, simulated, workers):
     cores(simulated)

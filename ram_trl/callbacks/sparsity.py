@@ -282,31 +282,21 @@ class TaskVectorSparsityCallback(TrainerCallback):
         return control
 
     def emit(self, metrics: dict[str, float]) -> None:
-        """Log ``metrics`` now, as an entry of their own at this step, through the trainer's public logging path.
+        """Log ``metrics`` now, as an entry of this step, through the trainer's public ``log``.
 
         ``transformers.Trainer.log`` appends the entry to ``state.log_history`` and calls every callback's ``on_log``
-        (the reporting integrations: TensorBoard, W&B, ...). TRL's GRPO and RLOO trainers override ``log`` to add,
-        average and clear their own metric store (the rewards) in whatever entry is logged next, so the callback
-        calls the base class's ``log``: the trainer's own entries stay exactly what they are without the callback
-        (the same steps and the same values), whatever ``every_n_steps`` and ``logging_steps`` are; the trainer's
-        ``control.should_log`` for the step is left as the trainer set it. A trainer that is not a
-        ``transformers.Trainer`` gets its own ``log``.
+        (the reporting integrations: TensorBoard, W&B, ...). TRL's GRPO and RLOO trainers override ``log``: they add
+        the average of the metrics they stored since their last entry (rewards, completion lengths, ...) to it and
+        clear their store, so those land in this entry (docs/telemetry.md). The trainer's ``control.should_log``
+        for the step is kept as the trainer set it, so it still logs its own entry on a logging step.
 
         Args:
             metrics (`dict[str, float]`): Metric name (with the prefix) to value.
         """
-        from transformers import Trainer  # loaded already by the trainer that runs this callback
-
-        logs = dict(metrics)
         control = getattr(self.trainer, "control", None)
         should_log = getattr(control, "should_log", False)
-        if isinstance(self.trainer, Trainer):
-            Trainer.log(self.trainer, logs)
-        else:
-            self.trainer.log(logs)
-        if control is not None:
-            # a log clears ``should_log`` (transformers' CallbackHandler.on_log): keep the trainer's own decision for
-            # this step, so that it still logs its step when this is a logging step (and only then)
+        self.trainer.log(dict(metrics))
+        if control is not None:  # a log clears it (transformers' CallbackHandler.on_log)
             self.trainer.control.should_log = should_log
 
     def on_train_end(

@@ -25,7 +25,6 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -34,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ram_trl.digest import file_digest, stream_digest
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.messages import canonical_dtype, did_you_mean
 from ram_trl.output import OutputDir
@@ -94,18 +94,12 @@ class GgufSource:
             shutil.copyfileobj(src, dst, 1 << 22)
         return target
 
-    def sha256(self) -> str:
+    def digest(self) -> str:
         """The SHA-256 of the GGUF bytes (of the member, for an archive)."""
-        digest = hashlib.sha256()
         if self.member is None:
-            with open(self.path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
-        else:
-            with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as handle:
-                for block in iter(lambda: handle.read(1 << 22), b""):
-                    digest.update(block)
-        return digest.hexdigest()
+            return file_digest(self.path)
+        with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as handle:
+            return stream_digest(handle)
 
 
 def open_gguf_source(source: str | Path, member: str | None = None) -> GgufSource:
@@ -338,7 +332,7 @@ def _convert_quietly(
         "source": str(found.path.resolve()),
         "member": found.member,
         "gguf_file": found.name,
-        "sha256": found.sha256(),
+        "sha256": found.digest(),
         **info,
         "model_type": model.config.model_type,
         "parameters": sum(p.numel() for p in model.parameters()),

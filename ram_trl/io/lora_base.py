@@ -4,12 +4,12 @@ merged into the model as mergekit 0.1.5 does it (transformers loads the model, P
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ram_trl.digest import hasher
 from ram_trl.errors import ConfigError
 from ram_trl.io.hub import METADATA_PATTERNS
 
@@ -26,7 +26,7 @@ _TRAVEL = [
 
 def _fingerprint(model: Path, adapter: Path) -> str:
     """The key of a merged model: the model's files (name, size, modification time) and the adapter's bytes."""
-    digest = hashlib.sha256()
+    digest = hasher()
     for file in sorted(p for p in model.iterdir() if p.is_file()):
         stat = file.stat()
         digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())

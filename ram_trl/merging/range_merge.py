@@ -17,13 +17,13 @@ blocks, or Fishers) cannot merge ranges: :func:`check_range_method` says so befo
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ram_trl.digest import hasher, update_tensor
 from ram_trl.distributed import DistContext
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.io.checkpoint import Checkpoint
@@ -132,7 +132,7 @@ def merge_ranges(
             factors = method.factors(stats, resolved.params)
             tensor_factors = {n: method.factors(s, resolved.params) for n, s in per_tensor.items()}
         values = [_merge_range(inputs, r, factors, tensor_factors, block_elements) for r in ranges]
-    digest = hashlib.sha256()
+    digest = hasher()
     for part in ctx.gather_objects(_range_digest(ranges, values)):
         digest.update(part.encode())
     return RangeMerge(values, factors, stats, digest.hexdigest(), tensor_factors)
@@ -303,8 +303,7 @@ def _merge_range(
 
 
 def _range_digest(ranges: Sequence[FlatRange], values: list[torch.Tensor]) -> str:
-    digest = hashlib.sha256()
+    digest = hasher()
     for r, merged in zip(ranges, values, strict=True):
-        digest.update(f"{r.name}|{r.offset}|{str(merged.dtype).removeprefix('torch.')}|".encode())
-        digest.update(merged.contiguous().view(torch.uint8).numpy().tobytes())
+        update_tensor(digest, f"{r.name}|{r.offset}|{str(merged.dtype).removeprefix('torch.')}|", merged)
     return digest.hexdigest()

@@ -7,10 +7,9 @@ in, on how they are chunked, or on how many processes run the merge.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from ram_trl.digest import key_bytes
 from ram_trl.methods import linear, ties
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod
 from ram_trl.methods.parameters import sparsified_parameters
@@ -29,8 +28,7 @@ def dare_key(seed: int, tensor_name: str, agent_index: int) -> tuple[int, int]:
     Returns:
         The keys (the low and high halves of a BLAKE2b digest of the three).
     """
-    digest = hashlib.blake2b(f"{seed}\0{tensor_name}\0{agent_index}".encode(), digest_size=8).digest()
-    value = int.from_bytes(digest, "little")
+    value = int.from_bytes(key_bytes(f"{seed}\0{tensor_name}\0{agent_index}"), "little")
     return value & _MASK32, value >> 32
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -21,6 +20,8 @@ import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
+
+from ram_trl.digest import text_digest
 
 __all__ = ["UnsoundKey", "library_versions", "reward_digest"]
 
@@ -147,9 +148,7 @@ def _closure(modules: set[str]) -> dict[str, str]:
             tree = ast.parse(source, filename=str(file))
         except (OSError, SyntaxError, ValueError) as exc:
             raise UnsoundKey(f"module {name!r}: cannot read {file} ({exc})") from None
-        digests[name] = hashlib.sha256(
-            source
-        ).hexdigest()  # one file's SHA-256 (for ram_trl.digest to take over)
+        digests[name] = text_digest(source)
         pending.extend(_imported_names(tree, name, file.name == "__init__.py") - seen)
     return digests
 
@@ -206,4 +205,4 @@ def reward_digest(path: str, obj: Any) -> str:
     _roots_of(obj, modules, arguments)
     sources = _closure(modules)
     text = repr((sorted(sources.items()), arguments))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return text_digest(text)

@@ -120,7 +120,7 @@ class RunPreparation:
                 done = None
             if (
                 isinstance(done, dict)
-                and done.get("sha256") == source.sha256()
+                and done.get("sha256") == source.digest()
                 and done.get("dtype") == spec.gguf_dtype
             ):
                 return
@@ -248,9 +248,9 @@ class RunPreparation:
         ]
 
     def _rows_digest(self) -> str:
-        import hashlib
+        from ram_trl.digest import hasher
 
-        digest = hashlib.sha256()
+        digest = hasher()
         for file in self._warm_files():
             digest.update(file.read_bytes())
         for stage in self.layout.recipe.stages:

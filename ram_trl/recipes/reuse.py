@@ -8,10 +8,11 @@ keyed soundly, every model is scored again and the log says why.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+from ram_trl.digest import file_digest, hasher, text_digest, weights_digest
 
 __all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation", "reward_digests"]
 
@@ -20,31 +21,21 @@ EVALUATION_KEY = "inputs_sha256"
 
 #: Files of a model directory that no loader reads: ram_trl's own records (they hold times) and model cards.
 _NOT_READ = ("ram_*.json", "*.md", ".*")
-#: Weight files, keyed by their tensors (:func:`~ram_trl.callbacks.preview.scores.weights_digest`), whatever the sharding.
+#: Weight files, keyed by their tensors (:func:`~ram_trl.digest.weights_digest`), whatever the sharding.
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
-
-
-def _file_sha256(path: Path) -> str:
-    """The SHA-256 of one file's bytes (for ``ram_trl.digest`` to take over)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_digest(path: str | Path) -> str:
     """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of every other
     file in it that a loader may read (configuration, every tokenizer file, chat templates, generation
     configuration, pickled weights), by name; ram_trl's own records and model cards are left out."""
-    from ram_trl.callbacks.preview.scores import weights_digest
-
     directory = Path(path)
-    digest = hashlib.sha256(weights_digest(directory).encode())
+    digest = hasher()
+    digest.update(weights_digest(directory).encode())
     for file in sorted(directory.iterdir()):
         if not file.is_file() or any(file.match(p) for p in _NOT_READ + _WEIGHTS):
             continue
-        digest.update(f"|{file.name}|{_file_sha256(file)}".encode())
+        digest.update(f"|{file.name}|{file_digest(file)}".encode())
     return digest.hexdigest()
 
 
@@ -96,7 +87,7 @@ def evaluation_key(
         ],
     }
     text = json.dumps(described, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return text_digest(text)
 
 
 def reusable_evaluation(file: Path, key: str | None) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ import torch
 
 from ram_trl.errors import ConfigError
 from ram_trl.evaluation.rewards import StageFailure, wrap_reward
+from ram_trl.parallel import owned_process
 from ram_trl.recipes.environment import import_object, trainer_settings
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 
@@ -211,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     owned_process_filters()  # this process is ram_trl's: no third-party notice the user cannot act on
     try:
-        run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)
+        with owned_process():  # the stage process is the library's: its compute pools may set thread counts
+            run_stage(args.recipe, args.stage, args.base, args.train_file, args.out, args.prior, val_files)
     except Exception as exc:  # noqa: BLE001 - the runner reports it with the stage's log
         traceback.print_exc()
         cause = exc

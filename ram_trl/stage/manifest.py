@@ -15,19 +15,18 @@ manifest's directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ram_trl.digest import file_digest, hasher
 from ram_trl.errors import ConfigError, OutputError
 from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
 from ram_trl.io.hub import HubReference, parse_reference, resolve_model
@@ -173,7 +172,7 @@ def fingerprint_heads(
 
     For sources that hold tensors in pieces (a training run's parameters, a memory-mapped range): only the first
     :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed."""
-    digest = hashlib.sha256()
+    digest = hasher()
     chosen = list(names)
     for name in chosen:
         shape, head = get_head(name)
@@ -237,9 +236,6 @@ def check_base(
 
 #: The adapter files of a PEFT LoRA checkpoint.
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-_DIGEST_BLOCK = 1 << 20
-_digest_memo: dict[tuple[str, int, int, int], str] = {}
-_digest_lock = threading.Lock()
 
 
 def is_weight_file(name: str) -> bool:
@@ -259,34 +255,6 @@ def weight_files(directory: str | os.PathLike) -> list[str]:
     if not directory.is_dir():
         return []
     return sorted(p.name for p in directory.iterdir() if is_weight_file(p.name) and p.is_file())
-
-
-def _sha256(handle: BinaryIO) -> str:
-    """The SHA-256 of an open file's bytes, read into one reused buffer (no new block per read; the GIL is released
-    while each block hashes). Not a memory map: a file truncated by another process meanwhile would kill this one
-    with SIGBUS instead of giving a short read."""
-    digest = hashlib.sha256()
-    buffer = bytearray(_DIGEST_BLOCK)
-    view = memoryview(buffer)
-    while count := handle.readinto(buffer):
-        digest.update(view[:count])
-    return digest.hexdigest()
-
-
-def file_digest(file: str | os.PathLike) -> str:
-    """The SHA-256 of a file's bytes, streamed (remembered per path, inode, size and modification time)."""
-    file = Path(file)
-    stat = file.stat()
-    key = (str(file.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    with _digest_lock:
-        known = _digest_memo.get(key)
-    if known is not None:
-        return known
-    with file.open("rb", buffering=0) as handle:
-        value = _sha256(handle)
-    with _digest_lock:
-        _digest_memo[key] = value
-    return value
 
 
 def describe_files(directory: str | os.PathLike) -> dict[str, str]:

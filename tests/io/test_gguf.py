@@ -97,7 +97,7 @@ def test_archives_need_exactly_one_gguf_member(tmp_path):
     _one_line(exc, "several .gguf files", "a/x.gguf", "a/y.gguf")
     chosen = open_gguf_source(two, member="a/y.gguf")
     assert (chosen.member, chosen.name, chosen.label) == ("a/y.gguf", "y.gguf", f"{two}!a/y.gguf")
-    assert chosen.sha256() == hashlib.sha256(good).hexdigest()
+    assert chosen.digest() == hashlib.sha256(good).hexdigest()
     with pytest.raises(ConfigError) as exc:
         open_gguf_source(two, member="a/z.gguf")
     _one_line(exc, "has no member 'a/z.gguf'")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,7 +17,6 @@ from ram_trl.stage.manifest import (
     StageManifest,
     check_base,
     describe_files,
-    file_digest,
     fingerprint_checkpoint,
     fingerprint_names,
     fingerprint_state,
@@ -255,12 +253,3 @@ def test_names_for_an_agent_that_is_the_base_say_why_it_was_left_out(tmp_path):
     ckpts = make_checkpoints(tmp_path)
     with pytest.raises(ConfigError, match=r"2 names given for 1 agents \(models\[0\] is the base model"):
         ram_trl.analyze(ckpts.base, [ckpts.base, ckpts.agents[0]], None, names=["b", "a"], progress=False)
-
-
-@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 24) + 3])
-def test_file_digest_is_the_sha256_of_the_bytes_on_disk(tmp_path, size):
-    file = tmp_path / "model.safetensors"
-    file.write_bytes(
-        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).byte().numpy()
-    )
-    assert file_digest(file) == hashlib.sha256(file.read_bytes()).hexdigest()

@@ -48,8 +48,9 @@ from ram_trl.callbacks.preview.callback import (
     default_preview_every,
     preview_merge_config,
 )
-from ram_trl.callbacks.preview.scores import preview_prompt_indices, weights_digest
+from ram_trl.callbacks.preview.scores import preview_prompt_indices
 from ram_trl.callbacks.preview.state import CHECKPOINT_DIR, LAST_DIR, STATE_FILE, WORK_DIR, check_last_dir
+from ram_trl.digest import weights_digest
 
 __all__ = [
     "CHECKPOINT_DIR",

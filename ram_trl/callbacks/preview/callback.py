@@ -16,11 +16,11 @@ from typing import Any, Literal
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from ram_trl import defaults
+from ram_trl.callbacks.deepspeed_adapter import zero3_loading_off
 from ram_trl.callbacks.preview.partitions import (
     PartitionPreview,
     check_partitioned,
     preview_partitions,
-    without_zero3_init,
 )
 from ram_trl.callbacks.preview.scores import (
     record_retention,
@@ -208,8 +208,6 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             except Exception as exc:  # noqa: BLE001 - pydantic's message, with the argument named
                 raise ConfigError(f"MergePreviewCallback evaluation={evaluation!r}: {exc}") from None
         self.priors = read_prior_stages(prior_stages)
-        # transformers' DeepSpeed config, set again after the reference scores (see ram_trl.callbacks.preview.partitions.without_zero3_init)
-        self.hf_deepspeed_config: Any = None
         self.prior_files = [p.manifest_file for p in self.priors]
         self.method = method
         self.parameters = dict(parameters or {})
@@ -277,7 +275,12 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if accelerator.is_main_process:
             start = time.perf_counter()
-            with training_rng_kept(), without_zero3_init(self):
+            plugins = (
+                getattr(args, "deepspeed_plugin", None),
+                getattr(accelerator.state, "deepspeed_plugin", None),
+            )
+            owners = (args, *plugins)
+            with training_rng_kept(), zero3_loading_off(owners):
                 references = reference_scores(
                     self.base_model, self.tasks, self.merged_stages, self.priors, self.evaluation
                 )

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from ram_trl.callbacks.preview.scores import training_rng_kept, weights_digest
+from ram_trl.callbacks import deepspeed_adapter
+from ram_trl.callbacks.preview.scores import training_rng_kept
 from ram_trl.callbacks.sparsity import library_versions
+from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 from ram_trl.stage.save import policy_of
 
@@ -33,7 +35,6 @@ __all__ = [
     "preview_partitions",
     "score_gathered",
     "swapped_partitions",
-    "without_zero3_init",
 ]
 
 
@@ -169,14 +170,12 @@ def swapped_partitions(engine: Any, shards: list[Any]):
     parameter is released (ZeRO-3 re-gathers from the partitions at the next use); on exit the saved partitions are
     written back and the persistent parameters re-gathered, as DeepSpeed does after an optimizer step. The saved
     copy is one partition per parameter, on the CPU."""
-    optimizer = engine.optimizer
-    # DeepSpeed's ZeRO-3 optimizer releases every gathered parameter through its offload manager's public method
-    release = getattr(getattr(optimizer, "parameter_offload", None), "partition_all_parameters", None)
+    release = deepspeed_adapter.release_gathered(engine)
     if release is None:
         raise ConfigError(
             f"the merge preview under DeepSpeed ZeRO-3 needs the ZeRO-3 optimizer's "
-            f"parameter_offload.partition_all_parameters() (DeepSpeed >= 0.10); {type(optimizer).__name__} of "
-            f"DeepSpeed {library_versions().get('deepspeed', '(not installed)')} has none"
+            f"parameter_offload.partition_all_parameters() (DeepSpeed >= 0.10); {type(engine.optimizer).__name__} "
+            f"of DeepSpeed {library_versions().get('deepspeed', '(not installed)')} has none"
         )
     backup = [s.values.detach().to("cpu", copy=True) for s in shards]
 
@@ -190,35 +189,4 @@ def swapped_partitions(engine: Any, shards: list[Any]):
         yield write
     finally:
         write(backup)
-        persistent = getattr(optimizer, "persistent_parameters", [])
-        if persistent:
-            persistent[0].all_gather(persistent)
-
-
-@contextlib.contextmanager
-def without_zero3_init(owner: Any):
-    """Let one process of a DeepSpeed ZeRO-3 run load and generate on its own: without it transformers'
-    ``from_pretrained`` partitions the model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the
-    other processes (``synced_gpus``), collectives the other processes never join.
-
-    Only transformers' public functions: the run's DeepSpeed config (``deepspeed_config()``) is unset, and set again
-    on exit as a new ``HfDeepSpeedConfig`` of the same config, which ``owner`` keeps alive (transformers holds it by a
-    weak reference)."""
-    try:
-        from transformers.integrations.deepspeed import (
-            HfDeepSpeedConfig,
-            deepspeed_config,
-            unset_hf_deepspeed_config,
-        )
-    except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration
-        yield
-        return
-    config = deepspeed_config()
-    if config is None:  # not a DeepSpeed run
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        owner.hf_deepspeed_config = HfDeepSpeedConfig(config)
+        deepspeed_adapter.regather_persistent(engine)

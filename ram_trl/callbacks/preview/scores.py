@@ -3,7 +3,8 @@ agents), the scores of one preview (the merged model on every merged stage, the 
 
 Every score comes from the evaluation the recipes use (:mod:`ram_trl.evaluation.scoring`: ``ram-trl eval`` of the
 same model gives the same numbers), run with the training's RNG state kept (:func:`training_rng_kept`). Weights
-scored at an earlier preview (equal :func:`weights_digest`: bit-for-bit the same model) are not generated again.
+scored at an earlier preview (equal :func:`~ram_trl.digest.weights_digest`: bit-for-bit the same model) are not
+generated again.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 
 __all__ = [
@@ -27,7 +29,6 @@ __all__ = [
     "score_preview",
     "training_rng_kept",
     "validation_tasks",
-    "weights_digest",
 ]
 
 
@@ -149,25 +150,6 @@ def record_retention(
         name: retention(record["scores"][name], base_scores[name], specialists[name], min_gain)
         for name in stages
     }
-
-
-def weights_digest(model_dir: str | os.PathLike) -> str:
-    """SHA-256 of a model directory's weights: every tensor of its safetensors files, in name order, as its name,
-    dtype, shape and raw bytes. Equal digests mean bit-for-bit equal weights, whatever the sharding."""
-    import hashlib
-
-    from safetensors import safe_open
-
-    handles = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        handle = safe_open(str(file), framework="pt")
-        handles.update({name: handle for name in handle.keys()})  # noqa: SIM118 - safe_open has no __iter__
-    digest = hashlib.sha256()
-    for name in sorted(handles):
-        tensor = handles[name].get_tensor(name)
-        digest.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def training_rng_kept() -> contextlib.AbstractContextManager:

@@ -9,8 +9,9 @@ Where the local range comes from:
 
 - plain modules, DDP (``module.`` wrappers are unwrapped) and DeepSpeed ZeRO-1/2: every process holds the whole
   parameter (``partitioned=False``);
-- DeepSpeed ZeRO-3: ``param.ds_tensor`` is the local flat partition of ``ds_tensor.ds_numel`` elements starting at
-  ``rank * ds_tensor.ds_numel``; the last partitions are padded past ``param.ds_numel``, the padding is cut off;
+- DeepSpeed ZeRO-3 (read through :mod:`ram_trl.callbacks.deepspeed_adapter`): a process holds a flat partition of the same
+  size on every rank, starting at ``rank * size``; the last partitions are padded past the parameter's end, the
+  padding is cut off;
 - FSDP2 (``fully_shard``): parameters are DTensors; with ``Shard(0)`` placements a process holds a block of rows,
   a contiguous flat range, found from the device mesh coordinate (uneven and empty last shards included). Mesh
   dimensions that replicate (HSDP) are counted by their first replica only, so a sum over all processes is exact.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ram_trl.callbacks import deepspeed_adapter
 from ram_trl.distributed import DistContext
 from ram_trl.errors import RamTrlError
 
@@ -61,22 +63,12 @@ class LocalShard:
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP / DeepSpeed engine / ``torch.compile`` wrappers (whose parameters carry a prefix)."""
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or _is_deepspeed_engine(model):
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or deepspeed_adapter.is_engine(model):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
             model = model._orig_mod
         else:
             return model
-
-
-def _is_deepspeed_engine(model: torch.nn.Module) -> bool:
-    return type(model).__name__ == "DeepSpeedEngine" and isinstance(
-        getattr(model, "module", None), torch.nn.Module
-    )
-
-
-def _is_zero3(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_tensor") and hasattr(param, "ds_numel")
 
 
 def _is_dtensor(param: torch.Tensor) -> bool:
@@ -93,8 +85,8 @@ def _world_size() -> int:
 
 def zero3_shard(name: str, param: torch.Tensor) -> LocalShard:
     """The local partition of a DeepSpeed ZeRO-3 parameter, without its padding."""
-    partition = param.ds_tensor
-    group = getattr(param, "ds_process_group", None)
+    partition = deepspeed_adapter.partition_of(param)
+    group = partition.group
     rank = dist.get_rank(group=group)
     group_size = dist.get_world_size(group=group)
     if group_size != _world_size():
@@ -102,22 +94,21 @@ def zero3_shard(name: str, param: torch.Tensor) -> LocalShard:
             f"parameter {name!r}: its ZeRO-3 partition group has {group_size} of the job's {_world_size()} "
             "processes (MiCS or hierarchical partitioning); telemetry supports partitioning over the whole job"
         )
-    if hasattr(partition, "ds_quant_scale"):
+    if partition.quantized:
         raise ShardError(
             f"parameter {name!r}: its ZeRO-3 partition is quantized (zero_quantized_nontrainable_weights); "
             "telemetry needs the partition's values"
         )
-    partition_size = int(getattr(partition, "ds_numel", partition.numel()))
-    if partition.numel() != partition_size:
+    held = partition.values.numel()
+    if held != partition.size:
         raise ShardError(
-            f"parameter {name!r}: its ZeRO-3 partition holds {partition.numel()} of {partition_size} elements in "
+            f"parameter {name!r}: its ZeRO-3 partition holds {held} of {partition.size} elements in "
             "memory (offloaded to NVMe?); telemetry needs the partition in CPU or GPU memory"
         )
-    full_numel = int(param.ds_numel)
-    offset = min(rank * partition_size, full_numel)
-    numel = max(0, min(partition_size, full_numel - offset))
-    values = partition.detach().reshape(-1)[:numel]
-    return LocalShard(name, values, tuple(param.ds_shape), offset, partitioned=group_size > 1)
+    offset = min(rank * partition.size, partition.numel)
+    numel = max(0, min(partition.size, partition.numel - offset))
+    values = partition.values.detach().reshape(-1)[:numel]
+    return LocalShard(name, values, partition.shape, offset, partitioned=group_size > 1)
 
 
 def dtensor_shard(name: str, param: torch.Tensor) -> LocalShard:
@@ -168,7 +159,7 @@ def dtensor_shard(name: str, param: torch.Tensor) -> LocalShard:
 def iter_local_shards(model: torch.nn.Module) -> Iterator[LocalShard]:
     """Yield the locally held elements of every parameter of ``model`` (each parameter once)."""
     for name, param in unwrap_model(model).named_parameters():
-        if _is_zero3(param):
+        if deepspeed_adapter.is_partitioned(param):
             yield zero3_shard(name, param)
         elif _is_dtensor(param):
             yield dtensor_shard(name, param)

@@ -359,8 +359,9 @@ class TaskVectorTracker:
         started = time.perf_counter()
         if not self._ready:
             self.setup(model)
-        # worker threads run single-threaded torch operations (:func:`~ram_trl.parallel.compute_pool`); the calling
-        # thread's torch settings and the garbage collector are left alone (a guest in the training process)
+        # worker threads of a process the library owns run single-threaded torch operations
+        # (:func:`~ram_trl.parallel.compute_pool`); in a user's process everything runs on the calling thread, and
+        # torch's thread settings and the garbage collector are left alone (a guest in the training process)
         out = self._measure(model, self.threads or plan_threads().telemetry)
         out[f"{self.prefix}measure_seconds"] = time.perf_counter() - started
         self.last = out
@@ -410,8 +411,8 @@ class TaskVectorTracker:
                     squares += part.square_sum
                 if part.overlap is not None:
                     overlap.add(part.overlap)
-        # the host work after the counting runs single-threaded off the calling thread (a guest: the training
-        # thread's settings are its own; multi-threaded operations on these small tensors stall on busy cores)
+        # the host work after the counting runs single-threaded off the calling thread in a process the library owns
+        # (multi-threaded operations on these small tensors stall on busy cores); in a user's process, on it
 
         def reduce_locally() -> tuple[MagnitudeStatistics, torch.Tensor]:
             # the histograms hold integers: their sum does not depend on which worker counted which chunk

@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from ram_trl.callbacks.preview import MergePreviewCallback
-from ram_trl.callbacks.preview.scores import weights_digest
 from ram_trl.callbacks.preview.state import (
     CHECKPOINT_DIR,
     STATE_FILE,
@@ -25,6 +24,7 @@ from ram_trl.callbacks.preview.state import (
     restore_state,
     save_state,
 )
+from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 from ram_trl.evaluation.spec import EvaluationSpec
 from ram_trl.stage.manifest import StageManifest, read_manifest, write_manifest

@@ -135,7 +135,8 @@ def test_default_workers_follow_the_thread_plan_and_change_no_value(tmp_path, mo
 
     monkeypatch.setattr(tracker_module, "compute_pool", spy)
     before = torch.get_num_threads()
-    planned = TaskVectorTracker(base_model=tmp_path, chunk_elements=64).measure(model)
+    with parallel.owned_process():  # the pools of a stage process (a guest measures on the calling thread)
+        planned = TaskVectorTracker(base_model=tmp_path, chunk_elements=64).measure(model)
     assert pools == [parallel.plan_threads().telemetry] == [simulated]
     assert torch.get_num_threads() == before
 

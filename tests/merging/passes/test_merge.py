@@ -12,6 +12,7 @@ from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.passes.merge import extra_rows, planned_tensors, start_chunk
 from ram_trl.merging.passes.tensors import tensor_context
 from ram_trl.merging.streaming import iter_chunks
+from ram_trl.parallel import owned_process
 from tests.helpers import UP, config_for, make_checkpoints, open_ckpts, plan_for, run_context
 
 
@@ -98,7 +99,8 @@ def test_the_thread_plan_changes_no_output_byte(tmp_path, monkeypatch, method):
         plan = parallel.plan_threads()
         used.clear()
         out = tmp_path / f"out{simulated}"
-        report = ram_trl.merge(config, out, chunk_budget=4096, progress=False)
+        with owned_process():  # the command line's pools (a guest's merge runs on the calling thread)
+            report = ram_trl.merge(config, out, chunk_budget=4096, progress=False)
         assert torch.get_num_threads() == before
         passes = ["ram_trl.merging.passes.merge"] + (
             ["ram_trl.merging.passes.statistics"] if method == "ram_plus" else []

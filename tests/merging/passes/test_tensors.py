@@ -14,7 +14,7 @@ from ram_trl.merging.passes.tensors import (
     tensor_context,
     tensor_factors,
 )
-from ram_trl.parallel import compute_pool
+from ram_trl.parallel import compute_pool, owned_process
 from tests.helpers import DOWN, UP, make_checkpoints, run_context
 
 
@@ -66,7 +66,7 @@ def test_fill_magnitudes_is_the_absolute_task_vector_in_any_pool(tmp_path, monke
     ckpts = make_checkpoints(tmp_path, num_agents=1, fraction=0.5)
     base, agent = ckpts.base_tensors[UP], ckpts.agent_tensors[0][UP]
     out = torch.empty(base.numel())
-    with compute_pool(torch.device("cpu"), workers) as pool:
+    with owned_process(), compute_pool(torch.device("cpu"), workers) as pool:
         nonzero = fill_magnitudes(out, agent, None, base.reshape(-1), pool)
     expected = (agent - base).abs().reshape(-1)
     assert torch.equal(out, expected)
