@@ -23,6 +23,7 @@ from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 from ram_trl.io.vocabulary import pad_vocabularies
 from ram_trl.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
 from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics.effect import MergeEffect
 from ram_trl.streaming import InputCache, ReadCounter
 from ram_trl.validation import check_model_config
 
@@ -76,6 +77,7 @@ class MergeState:
     read: ReadCounter = field(default_factory=ReadCounter)
     bytes_written: int = 0
     cache: InputCache | None = None
+    effect: MergeEffect = field(default_factory=MergeEffect)
 
 
 @dataclass

@@ -203,6 +203,9 @@ def prepare(
     """
     check_device(options.device)
     check_input_cache(options.input_cache)
+    if resolved.method.check is not None:
+        where = str(resolved.source or "merge config")
+        resolved.method.check(resolved.params, [a.name for a in resolved.agents], where)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
     base, agents = open_inputs(resolved, options.allow_pickle, options.allow_external_shards)
@@ -342,6 +345,7 @@ def _run_merge(
             ctx.guarded(lambda: _create_shards(plan, temp_dir) if ctx.is_main else None)
             tick = time.perf_counter()
             ctx.guarded(lambda: write_tensors(run, temp_dir))
+            state.effect.all_reduce(ctx)
             if state.cache is not None:
                 state.cache.clear()
             written = ctx.all_reduce_int(state.bytes_written)

@@ -22,6 +22,7 @@ import ram_trl
 from ram_trl import defaults
 from ram_trl.methods import resolve_method
 from ram_trl.planner import MergePlan, format_bytes
+from ram_trl.statistics.effect import effect_line, effect_report
 
 if TYPE_CHECKING:
     from ram_trl.config import ResolvedConfig
@@ -112,6 +113,7 @@ def build_report(
         entry.update(_lambda_summary(resolved, state, t))
         agents.append(entry)
     params = dict(resolved.params)
+    effect = effect_report(state.effect, resolved.method, [t.out_dtype for t in plan.tasks if t.floating])
     return {
         "ram_trl_version": ram_trl.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -137,7 +139,10 @@ def build_report(
         "timings": timings,
         "bytes_read": state.read.bytes,
         "input_cache": None if state.cache is None else state.cache.summary(),
-        "warnings": list(state.warnings) + list(resolved.notes),
+        "effect": effect,
+        "warnings": list(state.warnings)
+        + list(resolved.notes)
+        + ([effect["warning"]] if effect["warning"] else []),
         "config": resolved.raw,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
     }
@@ -422,5 +427,7 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
         f"in {seconds:.1f} s"
     )
+    if report.get("effect"):
+        console.print(effect_line(report["effect"]))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")

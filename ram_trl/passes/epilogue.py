@@ -12,6 +12,7 @@ import torch
 from ram_trl.config import ResolvedConfig
 from ram_trl.errors import NonFiniteError
 from ram_trl.methods import ChunkInputs
+from ram_trl.statistics.effect import MergeEffect, block_effect, unstepped_inputs
 
 _NEGATIVE_ZERO_BITS = -(2**31)  # float32 -0.0 viewed as int32
 
@@ -22,6 +23,7 @@ def kernel_output(
     out_dtype: torch.dtype,
     rows: tuple[int, int],
     out: torch.Tensor | None = None,
+    effect: MergeEffect | None = None,
 ) -> torch.Tensor:
     """Run the method's kernel on one block and return the merged weights in ``out_dtype``: the merged task vector
     added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds.
@@ -32,6 +34,8 @@ def kernel_output(
         out_dtype: The output tensor's dtype.
         rows: The block's rows ``(start, stop)`` (or flat elements, for a flat range), for error messages.
         out: A flat tensor of ``out_dtype`` the values are written into (and returned) instead of a new one.
+        effect: Counts how much of the merge survives ``out_dtype`` (:mod:`ram_trl.statistics.effect`); the written
+            values are the same with or without it.
 
     Returns:
         The merged weights of the block, flat.
@@ -40,6 +44,11 @@ def kernel_output(
         NonFiniteError: if the merged values overflow float32 (or float16 for a float16 output).
     """
     method = resolved.method
+    unstepped = None
+    if effect is not None and method.unstepped is not None:
+        unstepped = method.unstepped(unstepped_inputs(inputs))
+        if unstepped is not None:
+            unstepped.add_(inputs.base)
     merged = method.merge(inputs)
     if not method.merges_weights:
         merged.add_(inputs.base)
@@ -49,6 +58,8 @@ def kernel_output(
     result = merged.to(out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
     if out_dtype == torch.float16 and not resolved.allow_nonfinite:  # the one narrower range than float32
         check_finite_output(result, inputs.name, *rows, " in float16 (|x| > 65504)")
+    if effect is not None:
+        effect.add(block_effect(merged, result, inputs.base, unstepped, out_dtype))
     return result
 
 
