@@ -376,12 +376,14 @@ class MergeSpec(_Strict):
         fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
             (:func:`ram_trl.fisher_estimation.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
             ``seed``); written as ``fisher.safetensors`` beside each trained agent.
+        out_dtype: The dtype this merge is written and scored in (default: the recipe's ``merge_dtype``).
     """
 
     method: str
     parameters: dict[str, Any] = Field(default_factory=dict)
     name: str | None = Field(default=None, pattern=_NAME_PATTERN)
     fisher: dict[str, Any] = Field(default_factory=dict)
+    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -403,6 +405,7 @@ class MergeRow(BaseModel):
     method: str
     parameters: dict[str, Any]
     fisher: dict[str, Any] = Field(default_factory=dict)
+    out_dtype: str = "float32"
 
 
 class AnalysisSpec(_Strict):
@@ -429,6 +432,8 @@ class Recipe(_Strict):
         warm_start: Optional supervised warm start of the base.
         stages: The verticals.
         merges: The merge methods to compare (strings or mappings); default :data:`DEFAULT_METHODS`.
+        merge_dtype: The dtype the merges are written and scored in (default float32, so that no step of a method
+            rounds away below one step of the agents' saved dtype); a merge's ``out_dtype`` overrides it.
         analysis: Parameters of the sparsity analysis.
         evaluation: How held-out prompts are scored.
     """
@@ -442,6 +447,7 @@ class Recipe(_Strict):
     warm_start: WarmStartSpec | None = None
     stages: list[StageSpec]
     merges: list[MergeSpec] = Field(default_factory=lambda: [MergeSpec(method=m) for m in DEFAULT_METHODS])
+    merge_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
 
@@ -649,7 +655,13 @@ def expand_merges(recipe: Recipe) -> list[MergeRow]:
             suffix = ",".join(f"{k}={_fmt(v)}" for k, v in point.items())
             name = f"{label}({suffix})" if suffix else label
             rows.append(
-                MergeRow(name=name, method=spec.method, parameters={**fixed, **point}, fisher=spec.fisher)
+                MergeRow(
+                    name=name,
+                    method=spec.method,
+                    parameters={**fixed, **point},
+                    fisher=spec.fisher,
+                    out_dtype=spec.out_dtype or recipe.merge_dtype,
+                )
             )
     names = [r.name for r in rows]
     for name in names:
