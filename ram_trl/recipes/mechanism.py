@@ -46,7 +46,7 @@ def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
         recipe has no such row.
     """
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
-    n = len(results["stages"])
+    n = max(len(results["stages"]), 1)
     found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None}
     ram = [
         r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) == 1.0
@@ -106,6 +106,8 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
         (the YAML ``merges:`` entries a recipe needs for the comparisons it lacks).
     """
     found = mechanism_rows(results)
+    if not any(r["kind"] == "merge" for r in results["rows"]):
+        return {**found, "comparisons": [], "missing": []}
     n = found["n"]
     comparisons = [
         _comparison(results, "unique region at full strength vs at 1/N", found["ram"], found["ram_1n"]),

@@ -85,3 +85,9 @@ def test_missing_rows_are_named_as_yaml_entries():
     assert "- {method: ram_unique, name: unique_b, parameters: {agent: b}}" in missing
     assert all(c["difference"] is None for c in results["mechanism"]["comparisons"])
     assert "add to the recipe's `merges:`" in markdown(results)
+
+
+def test_a_run_without_merges_or_stages_has_no_mechanism_section():
+    results = add_statistics({"recipe": "t", "stages": [], "rows": []})
+    assert results["mechanism"]["comparisons"] == [] and results["mechanism"]["missing"] == []
+    assert "Mechanism" not in markdown(results)
