@@ -118,9 +118,7 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
     if found["ram"] is None:
         missing.append("- ram")
     if found["ram_1n"] is None:
-        missing.append(
-            f"- {{method: ram, name: ram_unique_1_over_n, parameters: {{unique_scale: {1 / n:.6g}}}}}"
-        )
+        missing.append(f"- {{method: ram, name: ram_1_over_n, parameters: {{unique_scale: {1 / n:.6g}}}}}")
     if found["ta_val"] is None:
         grid = sorted({round(1 / n, 3), 0.5, 0.75, 1.0, 1.25, 1.5})
         missing.append(f"- {{method: task_arithmetic, parameters: {{lambda: {grid}}}}}")

@@ -80,7 +80,7 @@ def test_missing_rows_are_named_as_yaml_entries():
     results = add_statistics(hand_made())  # merges m1, m2 only: no mechanism rows
     missing = results["mechanism"]["missing"]
     assert "- ram" in missing
-    assert "- {method: ram, name: ram_unique_1_over_n, parameters: {unique_scale: 0.5}}" in missing
+    assert "- {method: ram, name: ram_1_over_n, parameters: {unique_scale: 0.5}}" in missing
     assert "- {method: task_arithmetic, parameters: {lambda: [0.5, 0.75, 1.0, 1.25, 1.5]}}" in missing
     assert "- {method: ram_unique, name: unique_b, parameters: {agent: b}}" in missing
     assert all(c["difference"] is None for c in results["mechanism"]["comparisons"])
