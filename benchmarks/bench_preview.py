@@ -70,8 +70,8 @@ def main() -> None:
     sys.path.insert(0, str(REPO))  # the training reward's module
     from ram_trl import defaults
     from ram_trl.callbacks import TaskVectorSparsityCallback
+    from ram_trl.callbacks.preview import MergePreviewCallback, default_preview_every
     from ram_trl.evaluation import EvalTask
-    from ram_trl.preview import MergePreviewCallback, default_preview_every
     from ram_trl.recipes.data import draw_splits
     from ram_trl.recipes.schema import load_recipe
     from ram_trl.recipes.stage import build_trainer

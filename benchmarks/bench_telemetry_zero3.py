@@ -55,7 +55,7 @@ def timed_measurements(tracker, model, repeats: int) -> tuple[dict[str, float], 
 def single(base: Path, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ram_trl.telemetry.tracker import TaskVectorTracker
+    from ram_trl.callbacks.telemetry.tracker import TaskVectorTracker
 
     torch.set_num_threads(1)  # as each ZeRO-3 rank (OMP_NUM_THREADS=1): the same work per core
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
@@ -74,8 +74,8 @@ def rank_main(base: Path, out: Path, repeats: int) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ram_trl.telemetry.shards import iter_local_shards
-    from ram_trl.telemetry.tracker import TaskVectorTracker
+    from ram_trl.callbacks.telemetry.shards import iter_local_shards
+    from ram_trl.callbacks.telemetry.tracker import TaskVectorTracker
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}

@@ -293,7 +293,7 @@ def telemetry_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[s
 def preview_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[str, Any]]:
     """GRPO with MergePreviewCallback and one prior stage."""
     from ram_trl.callbacks import TaskVectorSparsityCallback
-    from ram_trl.preview import MergePreviewCallback, weights_digest
+    from ram_trl.callbacks.preview import MergePreviewCallback, weights_digest
     from ram_trl.recipes.evaluate import EvalTask
     from ram_trl.recipes.schema import EvaluationSpec
 

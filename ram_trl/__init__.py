@@ -19,11 +19,15 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ram_trl.analysis import analyze
-    from ram_trl.config import MergeConfig
-    from ram_trl.engine import merge
+    from ram_trl.merging.config.schema import MergeConfig
+    from ram_trl.merging.engine import merge
 
 #: Public names loaded on first access: name -> defining module.
-_LAZY = {"analyze": "ram_trl.analysis", "MergeConfig": "ram_trl.config", "merge": "ram_trl.engine"}
+_LAZY = {
+    "analyze": "ram_trl.analysis",
+    "MergeConfig": "ram_trl.merging.config.schema",
+    "merge": "ram_trl.merging.engine",
+}
 
 __all__ = [
     "CheckpointError",

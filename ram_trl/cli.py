@@ -18,14 +18,14 @@ from ram_trl.runtime import gc_paused
 
 #: The module each command's handler imports, imported up front with the garbage collector paused.
 _COMMAND_MODULES = {
-    "merge": "ram_trl.engine",
+    "merge": "ram_trl.merging.engine",
     "example": "ram_trl.synthetic",
     "methods": "ram_trl.methods",
     "analyze": "ram_trl.analysis",
     "run": "ram_trl.recipes.runner",
     "eval": "ram_trl.recipes.evaluate",
     "demo": "ram_trl.recipes.runner",
-    "fisher": "ram_trl.fisher_estimation",
+    "fisher": "ram_trl.evaluation.fisher",
     "convert-gguf": "ram_trl.io.gguf",
 }
 
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from ram_trl.engine import merge
+    from ram_trl.merging.engine import merge
     from ram_trl.runtime import tune_for_streaming
 
     tune_for_streaming()
@@ -588,7 +588,7 @@ def _run_fisher(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ram_trl.fisher_estimation import run_fisher
+    from ram_trl.evaluation.fisher import run_fisher
 
     try:
         summary = run_fisher(

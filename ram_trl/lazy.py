@@ -25,7 +25,7 @@ def lazy_exports(
     Example:
 
     ```python
-    >>> __getattr__, __dir__ = lazy_exports(__name__, globals(), {"merge": "ram_trl.engine"})
+    >>> __getattr__, __dir__ = lazy_exports(__name__, globals(), {"merge": "ram_trl.merging.engine"})
     ```
     """
 

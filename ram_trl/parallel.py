@@ -28,7 +28,7 @@ class ThreadPlan:
     Args:
         cores: The cores the plan is for.
         compute: Workers of a merge's compute pool (:func:`compute_pool`).
-        readers: Threads reading input tensors ahead of the compute (:func:`ram_trl.streaming.iter_chunks`).
+        readers: Threads reading input tensors ahead of the compute (:func:`ram_trl.merging.streaming.iter_chunks`).
         telemetry: Workers of a telemetry measurement on the CPU (the training step waits for the measurement, so
             it has the step's cores).
     """
@@ -114,7 +114,7 @@ def _single_threaded_worker() -> None:
 
 @contextmanager
 def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[ThreadPoolExecutor | None]:
-    """Threads that run blocks of work (e.g. :func:`~ram_trl.streaming.compute_blocks`) in parallel on the CPU.
+    """Threads that run blocks of work (e.g. :func:`~ram_trl.merging.streaming.compute_blocks`) in parallel on the CPU.
 
     Each worker runs single-threaded torch operations, so each block stays on one core and no operation waits for a
     barrier of all cores. The calling thread's and every other thread's torch thread count are left as they are (a

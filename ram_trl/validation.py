@@ -5,7 +5,7 @@ Each check raises a :class:`~ram_trl.errors.RamTrlError` subclass whose message 
 tensor, and what to change, so the command line can print it as one ``error:`` line and exit 2. The checks depend
 only on :mod:`ram_trl.errors` and torch: the config, the checkpoint readers, the analysis and the Fisher tools all
 call them, and none of them is called from inside the chunk loops (the data-dependent checks, NaN/Inf values,
-stream with the data in :mod:`ram_trl.streaming`).
+stream with the data in :mod:`ram_trl.merging.streaming`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One rank of a real TRL GRPO run under DDP on 2 CPU processes (gloo), with MergePreviewCallback.
 
-Run by tests/preview/test_callback_distributed.py through torchrun:
+Run by tests/callbacks/preview/test_callback_distributed.py through torchrun:
 ``torchrun --nproc_per_node 2 _grpo_preview_worker.py BASE PRIOR OUT``. The preview merges the policy with the prior
 stage ``PRIOR`` every 2 steps; writes ``OUT/preview_rank{R}.json``: the distributed type, the preview records and the
 step kept as this rank sees them.
@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from accelerate import PartialState  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from ram_trl.callbacks.preview import MergePreviewCallback  # noqa: E402
 from ram_trl.distributed import exit_distributed  # noqa: E402
-from ram_trl.preview import MergePreviewCallback  # noqa: E402
 from tests.helpers import distinct_chars, preview_tasks, rl_config, rl_prompts, train_rl  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """One rank of a real TRL GRPO run under DeepSpeed ZeRO-3 on 2 CPU processes (gloo), with MergePreviewCallback.
 
-Run by tests/preview/test_partitions.py through the DeepSpeed launcher:
+Run by tests/callbacks/preview/test_partitions.py through the DeepSpeed launcher:
 ``python -m deepspeed.launcher.runner --num_gpus 2 _grpo_preview_zero3_worker.py BASE PRIOR OUT [MODE]``
 (``MODE``: the method, default ``ram_plus``, or ``no-16bit-save`` for a DeepSpeed config that cannot save the policy;
 what the preview refuses is refused at train begin and written to ``OUT/refused_rank{R}.txt``). The preview merges
@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-import ram_trl.range_merge  # noqa: E402
+import ram_trl.merging.range_merge  # noqa: E402
+from ram_trl.callbacks.preview import MergePreviewCallback  # noqa: E402
+from ram_trl.callbacks.telemetry.shards import iter_local_shards  # noqa: E402
 from ram_trl.distributed import exit_distributed  # noqa: E402
 from ram_trl.errors import ConfigError  # noqa: E402
-from ram_trl.preview import MergePreviewCallback  # noqa: E402
-from ram_trl.telemetry.shards import iter_local_shards  # noqa: E402
+from tests.callbacks.telemetry._dist_worker import no_gathers  # noqa: E402
 from tests.helpers import distinct_chars, preview_tasks, rl_prompts, train_rl, zero3_rl_config  # noqa: E402
-from tests.telemetry._dist_worker import no_gathers  # noqa: E402
 
 EVALUATION = {"max_new_tokens": 8, "batch_size": 8}
 
@@ -42,7 +42,7 @@ def main() -> None:
     mode = args[3] if len(args) > 3 else "ram_plus"
     method = "ram_plus" if mode == "no-16bit-save" else mode
     calls = {"all_reduce": 0, "all_reduce_bytes": 0, "merges": 0, "partitioned": 0}
-    merge_ranges = ram_trl.range_merge.merge_ranges
+    merge_ranges = ram_trl.merging.range_merge.merge_ranges
     holder: dict = {}
 
     def guarded(resolved, current, ranges, ctx, **kwargs):
@@ -58,7 +58,7 @@ def main() -> None:
         save_file(tensors, str(folder / f"rank{ctx.rank}-step{step}.safetensors"))
         return result
 
-    ram_trl.range_merge.merge_ranges = guarded
+    ram_trl.merging.range_merge.merge_ranges = guarded
     preview = MergePreviewCallback.preview
     restored: list[bool] = []
 

@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
+from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback  # noqa: E402
+from ram_trl.callbacks.telemetry.tracker import TaskVectorTracker  # noqa: E402
 from ram_trl.distributed import exit_distributed  # noqa: E402
-from ram_trl.telemetry.tracker import TaskVectorTracker  # noqa: E402
+from tests.callbacks.telemetry._dist_worker import no_gathers  # noqa: E402
 from tests.helpers import distinct_char_count, rl_prompts, train_rl, zero3_rl_config  # noqa: E402
-from tests.telemetry._dist_worker import no_gathers  # noqa: E402
 
 
 def main() -> None:

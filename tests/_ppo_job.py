@@ -20,7 +20,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402
 
-from ram_trl.callbacks import TaskVectorSparsityCallback  # noqa: E402
+from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback  # noqa: E402
 
 STEPS = 3
 BATCH = 4

@@ -166,9 +166,9 @@ def open_ckpts(ckpts: Checkpoints) -> tuple[Any, list[Any]]:
 
 
 def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
-    """:func:`ram_trl.planner.build_plan` with a plain merge's settings unless ``settings`` change them: no output
+    """:func:`ram_trl.merging.planner.build_plan` with a plain merge's settings unless ``settings`` change them: no output
     dtype, shapes must match, no global statistics, no magnitude trim."""
-    from ram_trl.planner import build_plan
+    from ram_trl.merging.planner import build_plan
 
     plain = {
         "out_dtype": None,
@@ -182,13 +182,14 @@ def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
 def run_context(
     ckpts: Checkpoints, method: str = "ram_plus", *, chunk_budget: int | None = None, **config: Any
 ) -> Any:
-    """The :class:`~ram_trl.context.RunContext` the engine builds for a single-process CPU merge of ``ckpts`` (no
+    """The :class:`~ram_trl.merging.context.RunContext` the engine builds for a single-process CPU merge of ``ckpts`` (no
     progress bars; set ``run.reader`` to a :class:`~ram_trl.io.safetensors_io.RowReader` before running a pass).
     ``chunk_budget`` (bytes) cuts the tensors into more chunks; ``config`` goes into :func:`config_for`."""
-    from ram_trl.config import load_config, resolve_config
-    from ram_trl.context import MergeOptions, MergeState, RunContext
     from ram_trl.distributed import DistContext
-    from ram_trl.engine import prepare, run_copy
+    from ram_trl.merging.config.resolve import resolve_config
+    from ram_trl.merging.config.schema import load_config
+    from ram_trl.merging.context import MergeOptions, MergeState, RunContext
+    from ram_trl.merging.engine import prepare, run_copy
     from ram_trl.statistics import OverlapStatistics
 
     resolved = run_copy(resolve_config(load_config(config_for(ckpts, method, **config))[0]))
@@ -619,7 +620,7 @@ def assert_stage_manifest(
     agent: Path, base: Path, measured: dict[str, float], log_history: list[dict], kind: str, steps: int
 ):
     """Check the stage manifest a run left beside its agent: kind, steps, bf16 save, the base's fingerprint (and
-    :func:`~ram_trl.manifest.check_base`), the saved density, the last reward metrics and the measured step.
+    :func:`~ram_trl.stage.manifest.check_base`), the saved density, the last reward metrics and the measured step.
 
     Args:
         agent (`Path`): The agent directory holding ``ram_stage.json``.
@@ -630,10 +631,10 @@ def assert_stage_manifest(
         steps (`int`): The run's steps (the last measured one).
 
     Returns:
-        `ram_trl.manifest.StageManifest`: The manifest.
+        `ram_trl.stage.manifest.StageManifest`: The manifest.
     """
-    from ram_trl.callbacks import last_reward_metrics
-    from ram_trl.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
+    from ram_trl.callbacks.sparsity import last_reward_metrics
+    from ram_trl.stage.manifest import MANIFEST_NAME, check_base, fingerprint_checkpoint, read_manifest
 
     assert (agent / MANIFEST_NAME).is_file()
     manifest = read_manifest(agent)

@@ -21,7 +21,7 @@ from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests._launch import free_port, run_job
 from tests.helpers import BASE, GOLDEN_CONFIG, save_checkpoint, write_golden
 
-# The seven elements of tests/test_engine_golden.py (dyadic, so base + tau is exact in float32), in two tensors:
+# The seven elements of tests/merging/test_engine_golden.py (dyadic, so base + tau is exact in float32), in two tensors:
 # A = e0..e3, B = e4..e6. e0: no agent; e1: agent 0; e2: agents 0, 1; e3: all three; e4: agent 0 at exactly eps
 # (inactive, but the stored value differs); e5: agent 1 (2e-5); e6: agent 0.
 F = torch.float32

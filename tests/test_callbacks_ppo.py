@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from ram_trl.manifest import read_manifest
+from ram_trl.stage.manifest import read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 from tests.helpers import assert_stage_manifest, assert_telemetry_is_the_analysis, assert_telemetry_logged
 

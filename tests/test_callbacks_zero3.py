@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
 
-from ram_trl.manifest import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
+from ram_trl.stage.manifest import check_base, fingerprint_checkpoint, read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
 from tests.helpers import assert_telemetry_is_the_analysis, telemetry_entries  # noqa: E402

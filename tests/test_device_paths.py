@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ram_trl.lora_svd import LoraExportOptions, choose_rank
+from ram_trl.merging.lora.svd import LoraExportOptions, choose_rank
 from ram_trl.recipes.evaluate import generate
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.statistics import OverlapStatistics
@@ -108,7 +108,7 @@ def test_generate_moves_inputs_to_the_model(device):
 
 
 def test_fisher_sampling_restores_the_cuda_rng(fake_cuda):
-    from ram_trl.fisher_estimation import generate_completions
+    from ram_trl.evaluation.fisher import generate_completions
 
     class Tokenizer(_StubTokenizer):
         def __call__(self, prompt, return_tensors="pt"):

@@ -16,13 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "ram_trl"
 MODULES = sorted(
     [
-        *ROOT.glob("telemetry/*.py"),
+        *ROOT.glob("callbacks/telemetry/*.py"),
         *ROOT.glob("statistics/*.py"),
         *ROOT.glob("methods/*.py"),
-        *ROOT.glob("preview/*.py"),
-        *ROOT.glob("passes/*.py"),
-        *(ROOT / name for name in ("engine.py", "range_merge.py", "streaming.py")),
-        *(ROOT / name for name in ("lora_svd.py", "lora_export.py", "fisher_estimation.py")),
+        *ROOT.glob("callbacks/preview/*.py"),
+        *ROOT.glob("merging/passes/*.py"),
+        *(ROOT / "merging" / name for name in ("engine.py", "range_merge.py", "streaming.py")),
+        *(ROOT / "merging" / "lora" / name for name in ("svd.py", "export.py")),
+        ROOT / "evaluation" / "fisher.py",
     ]
 )
 FACTORIES = {

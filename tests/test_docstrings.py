@@ -1,5 +1,6 @@
-"""The package's docstrings: every public function and method with two or more parameters documents each of them in
-an ``Args:`` section (Hugging Face style, docs/development.md). Read from the modules' syntax trees; nothing is
+"""The package's docstrings: every function and method of the public API (``ram_trl.__all__``, the merge methods, the
+callbacks) with two or more parameters documents each of them in an ``Args:`` section (Hugging Face style,
+docs/development.md); private helpers carry a short docstring only. Read from the modules' syntax trees; nothing is
 imported."""
 
 from __future__ import annotations
@@ -12,14 +13,29 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ram_trl"
 
+#: The public API, as ``module path pattern: [qualified name patterns]``: what users call and subclass.
+PUBLIC_API = {
+    "ram_trl/methods/*.py": ["*"],
+    "ram_trl/errors.py": ["*"],
+    "ram_trl/callbacks/sparsity.py": ["TaskVectorSparsityCallback.*", "save_agent"],
+    "ram_trl/callbacks/preview/callback.py": [
+        "MergePreviewCallback.*",
+        "default_preview_every",
+        "preview_merge_config",
+    ],
+    "ram_trl/callbacks/telemetry/tracker.py": ["TaskVectorTracker.*"],
+    "ram_trl/merging/engine.py": ["merge"],
+    "ram_trl/analysis/__init__.py": ["analyze"],
+    "ram_trl/merging/config/schema.py": ["MergeConfig.*"],
+    "ram_trl/recipes/runner.py": ["run_recipe"],
+}
+
 #: Functions whose parameters are documented elsewhere, as ``module path:qualified name`` patterns, with the reason.
 EXEMPT = {
-    "ram_trl/callbacks.py:TaskVectorSparsityCallback.on_*": "TrainerCallback events: transformers documents "
+    "ram_trl/callbacks/sparsity.py:TaskVectorSparsityCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
+    "ram_trl/callbacks/preview/callback.py:MergePreviewCallback.on_*": "TrainerCallback events: transformers documents "
     "(args, state, control, **kwargs)",
-    "ram_trl/passes/tensors.py:TensorInputs.[!_]*": "implements the protocol ram_trl.methods.base.TensorView, documented there",
-    "ram_trl/telemetry/base_weights.py:*Base.read": "implements the protocol BaseSource.read, documented there",
 }
 
 #: An entry of an ``Args:`` section: ``name:``, ``name (`type`, *optional*):``, ``*args:``, ``**kwargs:``.
@@ -80,8 +96,15 @@ def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -
     return names
 
 
+def _public(module: str, name: str) -> bool:
+    return any(
+        fnmatchcase(module, path) and any(fnmatchcase(name, n) for n in names)
+        for path, names in PUBLIC_API.items()
+    )
+
+
 def public_functions() -> list[tuple[str, str, list[str], set[str] | None]]:
-    """Every public function and method of the public modules with two or more parameters.
+    """Every function and method of the public API (:data:`PUBLIC_API`) with two or more parameters.
 
     A module is public when no part of its path starts with ``_`` (``__init__.py`` is its package); a function when
     its name does not (``__init__`` and ``__call__`` count: a class's constructor is documented in the class
@@ -98,6 +121,8 @@ def public_functions() -> list[tuple[str, str, list[str], set[str] | None]]:
         if any(part.startswith("_") and part != "__init__.py" for part in module.parts):
             continue
         for name, node, owner in _definitions(ast.parse(path.read_text(encoding="utf-8")).body, None, ""):
+            if not _public(module.as_posix(), name):
+                continue
             names = parameters(node, owner is not None)
             if len(names) < 2:
                 continue

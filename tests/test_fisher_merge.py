@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import ram_trl
-import ram_trl.streaming
+import ram_trl.merging.streaming
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError
 from ram_trl.io.fisher_files import FISHER_FILE
-from ram_trl.planner import bytes_per_element
+from ram_trl.merging.planner import bytes_per_element
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
 from tests.helpers import random_fisher
@@ -95,8 +95,8 @@ def test_streaming_equals_reference(inputs, tmp_path, params, weights, floor):
 
 def test_blocks_on_threads_equal_reference(inputs, tmp_path, monkeypatch):
     """Chunks split into compute blocks of a few rows merged on two threads: each block gets its own Fisher rows."""
-    monkeypatch.setattr(ram_trl.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
-    monkeypatch.setattr(ram_trl.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(ram_trl.merging.streaming, "COMPUTE_BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(ram_trl.merging.streaming, "STATISTICS_BLOCK_ELEMENTS", 100)
     _, base, agents, state = inputs
     weights = [1.0, 0.5, 2.0]
     config = _config(base, agents, {"lambda": 0.7}, [{"weight": w} for w in weights])

@@ -19,10 +19,10 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 import ram_trl
-from ram_trl import engine
 from ram_trl.cli import main
 from ram_trl.errors import OutputError
 from ram_trl.io import safetensors_io
+from ram_trl.merging import engine
 from tests.helpers import (
     BIAS,
     DOWN,
@@ -480,7 +480,7 @@ def test_fisher_refuses_pickle_only_agents(ckpts, tmp_path, capsys):
 
 
 def test_a_failed_analysis_leaves_nothing(ckpts, tmp_path, capsys, monkeypatch):
-    from ram_trl import plots
+    from ram_trl.analysis import plots
 
     def broken(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

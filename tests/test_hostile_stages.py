@@ -81,7 +81,7 @@ def test_eval_refuses_zero_new_tokens(eval_inputs, capsys):
     ],
 )
 def test_callback_arguments_are_refused_at_construction(kwargs, needle):
-    from ram_trl.callbacks import TaskVectorSparsityCallback
+    from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
     from ram_trl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="TaskVectorSparsityCallback") as exc:

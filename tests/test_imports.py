@@ -13,14 +13,14 @@ import pytest
 
 #: Modules a training script that only adds the telemetry callback must not load.
 MERGE_STACK = (
-    "ram_trl.engine",
-    "ram_trl.planner",
-    "ram_trl.streaming",
+    "ram_trl.merging.engine",
+    "ram_trl.merging.planner",
+    "ram_trl.merging.streaming",
     "ram_trl.analysis",
-    "ram_trl.config",
-    "ram_trl.report",
-    "ram_trl.lora_export",
-    "ram_trl.plots",
+    "ram_trl.merging.config",
+    "ram_trl.merging.report",
+    "ram_trl.merging.lora.export",
+    "ram_trl.analysis.plots",
     "matplotlib",
 )
 
@@ -37,12 +37,12 @@ def _loaded_after(statement: str) -> set[str]:
     [
         "import ram_trl.callbacks",
         "from ram_trl.callbacks import TaskVectorSparsityCallback",
-        "from ram_trl.telemetry import TaskVectorTracker",
+        "from ram_trl.callbacks.telemetry import TaskVectorTracker",
     ],
 )
 def test_telemetry_does_not_load_the_merge_stack(statement):
     loaded = _loaded_after(statement)
-    assert "ram_trl.telemetry.tracker" in loaded
+    assert "ram_trl.callbacks.telemetry.tracker" in loaded
     assert not loaded & set(MERGE_STACK), sorted(loaded & set(MERGE_STACK))
 
 
@@ -58,20 +58,26 @@ def test_importing_the_package_loads_neither_torch_nor_the_merger():
 
 def test_public_names_load_on_first_use():
     loaded = _loaded_after("import ram_trl\nassert callable(ram_trl.merge)")
-    assert "ram_trl.engine" in loaded
+    assert "ram_trl.merging.engine" in loaded
     import ram_trl
 
     assert {"merge", "analyze", "MergeConfig"} <= set(dir(ram_trl))
-    assert ram_trl.merge.__module__ == "ram_trl.engine"
+    assert ram_trl.merge.__module__ == "ram_trl.merging.engine"
     assert ram_trl.analyze.__module__ == "ram_trl.analysis"
-    assert ram_trl.MergeConfig.__module__ == "ram_trl.config"
+    assert ram_trl.MergeConfig.__module__ == "ram_trl.merging.config.schema"
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         ram_trl.nothing  # noqa: B018
 
 
 @pytest.mark.parametrize(
     "module",
-    ["ram_trl.callbacks", "ram_trl.engine", "ram_trl.analysis", "ram_trl.cli", "ram_trl.recipes.runner"],
+    [
+        "ram_trl.callbacks",
+        "ram_trl.merging.engine",
+        "ram_trl.analysis",
+        "ram_trl.cli",
+        "ram_trl.recipes.runner",
+    ],
 )
 def test_importing_changes_no_global_state(module):
     """Importing a module leaves the garbage collector (on, thresholds, nothing frozen) and torch's thread count as
@@ -89,8 +95,7 @@ for name in ("rich", "matplotlib"):
     sys.modules[name] = None  # as if not installed: importing them raises ImportError
 from pathlib import Path
 import ram_trl
-from ram_trl.callbacks import TaskVectorSparsityCallback
-from ram_trl.preview import MergePreviewCallback
+from ram_trl.callbacks import MergePreviewCallback, TaskVectorSparsityCallback
 from ram_trl.cli import main
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 
@@ -172,13 +177,16 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(name: str, path: Path, modules: set[str]) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of a module, at any depth (functions included), except under ``TYPE_CHECKING``."""
+def _imports(
+    name: str, path: Path, modules: set[str], type_only: bool = False
+) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, at any depth (functions included); those under ``TYPE_CHECKING`` only
+    with ``type_only``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
+            if isinstance(child, ast.If) and _type_checking(child) and not type_only:
                 for other in child.orelse:
                     visit_statement(other)
                 continue
@@ -209,14 +217,15 @@ def _owner(target: str, modules: set[str]) -> str | None:
     return target or None
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports (``from pkg import submodule`` counts as the submodule)."""
+def _import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from pkg import submodule`` counts as the submodule); imports
+    under ``TYPE_CHECKING`` count with ``type_only``."""
     files = _module_files()
     modules = set(files)
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         edges: set[str] = set()
-        for node in _imports(name, path, modules):
+        for node in _imports(name, path, modules, type_only):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -271,17 +280,22 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_finds_known_edges():
     graph = _import_graph()
-    assert "ram_trl.passes" in graph["ram_trl.engine"]
-    assert "ram_trl.context" in graph["ram_trl.passes.statistics"]
-    assert "ram_trl.engine" in graph["ram_trl.cli"]  # an import inside a function counts
-    assert "ram_trl.engine" not in graph["ram_trl.report"]  # one under TYPE_CHECKING does not
+    assert "ram_trl.merging.passes" in graph["ram_trl.merging.engine"]
+    assert "ram_trl.merging.context" in graph["ram_trl.merging.passes.statistics"]
+    assert "ram_trl.merging.engine" in graph["ram_trl.cli"]  # an import inside a function counts
+    assert (
+        "ram_trl.merging.context" not in graph["ram_trl.merging.report"]
+    )  # one under TYPE_CHECKING does not
+    assert (
+        "ram_trl.merging.context" in _import_graph(type_only=True)["ram_trl.merging.report"]
+    )  # unless asked
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_the_package_has_no_import_cycles():
-    """No module imports (directly or through others) one that imports it back, not even from inside a function:
-    a cycle kept alive by a deferred import is still a cycle."""
-    cycles = _cycles(_import_graph())
+    """No module imports (directly or through others) one that imports it back, not even from inside a function or
+    for type hints only: a cycle kept alive by a deferred or a ``TYPE_CHECKING`` import is still a cycle."""
+    cycles = _cycles(_import_graph(type_only=True))
     assert cycles == [], cycles
 
 
@@ -307,12 +321,16 @@ def test_layers_point_one_way():
     """The counting maths lies below the statistics and the methods: the statistics reach no method; the engine
     and its passes name no method (they reach them through the registry)."""
     graph = _import_graph()
-    for module in ("ram_trl.counting", "ram_trl.statistics.overlap", "ram_trl.statistics.magnitude"):
+    for module in (
+        "ram_trl.statistics.counting",
+        "ram_trl.statistics.overlap",
+        "ram_trl.statistics.magnitude",
+    ):
         reached = {m for m in _reachable(graph, module) if m.startswith("ram_trl.methods")}
         assert not reached, (module, sorted(reached))
-    passes = [m for m in graph if m == "ram_trl.passes" or m.startswith("ram_trl.passes.")]
+    passes = [m for m in graph if m == "ram_trl.merging.passes" or m.startswith("ram_trl.merging.passes.")]
     assert len(passes) > 1, passes
-    for module in (*passes, "ram_trl.engine"):
+    for module in (*passes, "ram_trl.merging.engine"):
         assert not graph[module] & METHOD_MODULES, (module, sorted(graph[module] & METHOD_MODULES))
 
 
@@ -320,9 +338,11 @@ def test_the_preview_and_the_evaluation_reach_no_recipe_module():
     """The merge preview scores through the evaluation the recipes also use (``ram_trl.evaluation``), which lies
     below both: neither reaches ``ram_trl.recipes`` (which imports the preview for a stage's ``preview:``)."""
     graph = _import_graph()
-    assert "ram_trl.preview" in _reachable(graph, "ram_trl.recipes.stage")
-    assert "ram_trl.evaluation.scoring" in _reachable(graph, "ram_trl.preview")
-    preview = [m for m in graph if m == "ram_trl.preview" or m.startswith("ram_trl.preview.")]
+    assert "ram_trl.callbacks.preview" in _reachable(graph, "ram_trl.recipes.stage")
+    assert "ram_trl.evaluation.scoring" in _reachable(graph, "ram_trl.callbacks.preview")
+    preview = [
+        m for m in graph if m == "ram_trl.callbacks.preview" or m.startswith("ram_trl.callbacks.preview.")
+    ]
     evaluation = [m for m in graph if m == "ram_trl.evaluation" or m.startswith("ram_trl.evaluation.")]
     for module in preview + evaluation:
         reached = {
@@ -373,7 +393,14 @@ TESTS = Path(__file__).resolve().parent
 MIRROR_EXCEPTIONS = {
     "ram_trl/statistics/overlap.py": "test_statistics_overlap.py",
     "ram_trl/statistics/magnitude.py": "test_statistics_magnitude.py",
-    "ram_trl/engine.py": "test_engine_golden.py",
+    "ram_trl/statistics/counting.py": "test_statistics_counting.py",
+    "ram_trl/statistics/anatomy.py": "test_statistics_anatomy.py",
+    "ram_trl/merging/engine.py": "merging/test_engine_golden.py",
+    # the configuration is tested through its resolution, as a whole
+    **{
+        f"ram_trl/merging/config/{name}.py": "merging/test_config.py"
+        for name in ("schema", "settings", "slices", "tokens", "resolve")
+    },
     "ram_trl/recipes/stage.py": "recipes/test_runner.py",
 }
 

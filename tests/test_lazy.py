@@ -26,7 +26,7 @@ def test_a_name_is_loaded_on_first_access_and_kept():
 @pytest.mark.parametrize(
     ("package", "name", "module"),
     [
-        (ram_trl, "merge", "ram_trl.engine"),
+        (ram_trl, "merge", "ram_trl.merging.engine"),
         (ram_trl.recipes, "evaluate_model", "ram_trl.evaluation.scoring"),
         (ram_trl.evaluation, "EvaluationSpec", "ram_trl.evaluation.spec"),
     ],

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
+import ram_trl.merging.streaming
 import ram_trl.parallel
-import ram_trl.streaming
 from ram_trl.io.fisher_files import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
-from ram_trl.planner import bytes_per_element, chunk_elements
+from ram_trl.merging.planner import bytes_per_element, chunk_elements
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests.helpers import random_fisher
 
@@ -60,7 +60,9 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
             save_file(random_fisher(base_state, seed=i), str(agent / FISHER_FILE))
     # read in this thread so that the dispatch mode (thread-local) sees the reader's buffers too
     monkeypatch.setattr(
-        ram_trl.streaming, "read_ahead", lambda items, read, depth=1, readers=1: read_ahead(items, read, 0)
+        ram_trl.merging.streaming,
+        "read_ahead",
+        lambda items, read, depth=1, readers=1: read_ahead(items, read, 0),
     )
     config = {
         "merge_method": method,

@@ -40,7 +40,7 @@ with warnings.catch_warnings():
     from mergekit.options import MergeOptions
 
 import ram_trl  # noqa: E402
-from ram_trl.config import interpolate  # noqa: E402
+from ram_trl.merging.config.settings import interpolate  # noqa: E402
 from ram_trl.methods.ties import keep_count  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -594,7 +594,7 @@ def test_gradient_positions_equal_mergekits_evaluation(layered):
     anchor counts (the rounding of ``t`` and of the mix is mergekit's, bit for bit)."""
     from mergekit.config import evaluate_setting
 
-    from ram_trl.config import interpolate
+    from ram_trl.merging.config.settings import interpolate
 
     anchors = [0.1, 0.9, 0.35, 0.7, 0.05, 1.0, 0.3]
     for count in (1, 2, 3, 5, 7):

@@ -24,10 +24,10 @@ SETTING = {"MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1"}
 #: Tests whose expected bits must not depend on the BLAS, the thread count or the row blocking.
 NUMERICS_TESTS = [
     "tests/io/test_lora_product.py",
-    "tests/test_range_merge.py::test_a_lora_prior_and_a_scalar_tensor",
-    "tests/test_engine_golden.py",
-    "tests/test_engine_reference.py::test_same_result_for_any_chunk_budget_and_shard_size",
-    "tests/test_engine_reference.py::test_float32_output_matches_reference_exactly",
+    "tests/merging/test_range_merge.py::test_a_lora_prior_and_a_scalar_tensor",
+    "tests/merging/test_engine_golden.py",
+    "tests/merging/test_engine_reference.py::test_same_result_for_any_chunk_budget_and_shard_size",
+    "tests/merging/test_engine_reference.py::test_float32_output_matches_reference_exactly",
 ]
 
 

@@ -27,7 +27,7 @@ def test_tune_for_streaming_freezes_objects_and_tunes_glibc():
 _FAULTS = """
 import resource, sys, torch
 if sys.argv[1] == "tuned":
-    import ram_trl.engine  # as in `ram-trl merge`: the merge stack is imported before the process is tuned
+    import ram_trl.merging.engine  # as in `ram-trl merge`: the merge stack is imported before the process is tuned
     from ram_trl.runtime import tune_for_streaming
 
     tune_for_streaming()

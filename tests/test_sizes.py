@@ -6,7 +6,7 @@ import pytest
 
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
-from ram_trl.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE
+from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE
 from ram_trl.sizes import format_bytes, parse_size
 
 

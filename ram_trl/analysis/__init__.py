@@ -1,21 +1,21 @@
 """Task-vector sparsity analysis: the numbers behind a choice of merge method, for a base and N agents.
 
-One streaming pass over the inputs (the merge's reader, :mod:`ram_trl.streaming`, and its plan,
-:func:`ram_trl.planner.build_plan`) measures, per agent and over the whole model:
+One streaming pass over the inputs (the merge's reader, :mod:`ram_trl.merging.streaming`, and its plan,
+:func:`ram_trl.merging.planner.build_plan`) measures, per agent and over the whole model:
 
 - density at ``eps`` (``|tau| > eps``, strict, as RAM masks) and at exact equality of the stored values, plus, when
   an input is stored wider than bfloat16, the density the agent would have if base and agent were both saved in
   bfloat16 (what a merge of bf16 checkpoints would see); the stored dtype of every input is recorded;
 - the overlap histogram, unique / shared / active counts, rho_t and the lambda_t it implies for RAM+ and RAM+s, and
   pairwise Jaccard indices, all from :class:`~ram_trl.statistics.OverlapStatistics` (the merge's counts);
-- the anatomy: density per module type and per decoder layer (:mod:`ram_trl.anatomy`);
+- the anatomy: density per module type and per decoder layer (:mod:`ram_trl.statistics.anatomy`);
 - magnitude statistics of the active deltas (:class:`~ram_trl.statistics.MagnitudeStatistics`).
 
 Task vectors are ``float32(agent) - float32(base)`` of the stored values, exactly as the merge computes them, so
 every number shared with the merge report (active, unique, shared, density, rho, lambda) is the same.
 Like the merge, the pass runs over several processes under ``accelerate launch`` / ``torchrun``: tensors are
 partitioned by bytes, the statistics are summed over ranks, and rank 0 writes ``analysis.json``, ``analysis.md``
-and the figures (:mod:`ram_trl.plots`).
+and the figures (:mod:`ram_trl.analysis.plots`).
 
 The package splits along the seams of that work: :mod:`~ram_trl.analysis.inputs` (what to measure, validated),
 :mod:`~ram_trl.analysis.measure` (the streaming pass), :mod:`~ram_trl.analysis.result` (the numbers of
@@ -44,14 +44,15 @@ from ram_trl.analysis.render import (
     write_outputs,
 )
 from ram_trl.analysis.result import build_result, clean, dtype_summary
-from ram_trl.config import MergeConfig, ResolvedConfig
-from ram_trl.context import open_inputs, task_input_bytes
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.merging.config.schema import MergeConfig
+from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.merging.context import open_inputs, task_input_bytes
+from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, MergePlan, build_plan, parse_size
+from ram_trl.merging.streaming import ReadCounter
 from ram_trl.output import OutputDir
-from ram_trl.planner import DEFAULT_CHUNK_BUDGET, MergePlan, build_plan, parse_size
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
-from ram_trl.streaming import ReadCounter
 
 
 def analyze(
@@ -86,7 +87,7 @@ def analyze(
         eps: Activity threshold, ``|tau| > eps`` (default: the config's, else 1e-5).
         r: Rescale strength for the lambda_t of RAM+ and RAM+s (default: the config's, else 0.1).
         alpha: RAM+ clip bound of rho_t (default: the config's, else 2.0).
-        config: A merge config (YAML path, dict or :class:`~ram_trl.config.MergeConfig`) instead of base/agents.
+        config: A merge config (YAML path, dict or :class:`~ram_trl.merging.config.schema.MergeConfig`) instead of base/agents.
         names: Agent labels for the reports (default: directory names).
         allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
         chunk_budget: Bytes for one chunk's buffers, e.g. ``"256MB"``.

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl import defaults
-from ram_trl.config import MergeConfig, ResolvedConfig, load_config, resolve_config
-from ram_trl.counting import DEFAULT_EPS
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import base_model_path, is_stage, manifest_path, read_manifest
+from ram_trl.merging.config.resolve import resolve_config
+from ram_trl.merging.config.schema import MergeConfig, load_config
+from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.stage.manifest import base_model_path, is_stage, manifest_path, read_manifest
+from ram_trl.statistics.counting import DEFAULT_EPS
 from ram_trl.validation import check_optional_number
 
 DEFAULT_R = defaults.R
@@ -56,7 +58,7 @@ def resolve_inputs(
         eps: Activity threshold (``None``: the config's, else the default).
         r: Rescale strength of RAM+ / RAM+s (``None``: the config's, else the default).
         alpha: RAM+ clip bound of rho_t (``None``: the config's, else the default).
-        config: A merge config (YAML path, dict or :class:`~ram_trl.config.MergeConfig`) instead of
+        config: A merge config (YAML path, dict or :class:`~ram_trl.merging.config.schema.MergeConfig`) instead of
             ``base`` / ``agents`` (default ``None``).
         names: Agent labels, one per agent (default ``None``: the config's names, else the directory names).
         allow_external_shards: Accept a stage manifest whose ``checkpoint`` lies outside its directory.
@@ -118,7 +120,7 @@ def resolve_inputs(
 
 
 def stage_base(path: str | os.PathLike) -> Path | None:
-    """The base model a stage manifest names (:func:`~ram_trl.manifest.base_model_path`: a relative path resolved
+    """The base model a stage manifest names (:func:`~ram_trl.stage.manifest.base_model_path`: a relative path resolved
     against the manifest's directory, not the current directory).
 
     Args:

@@ -2,7 +2,7 @@
 
 Per tensor: the overlap counts at ``eps`` and at exact equality, the bfloat16 view's counts for inputs stored wider,
 and (over the whole model) the magnitude statistics of the active deltas. The task vectors are the merge's
-(:func:`ram_trl.streaming.to_deltas`).
+(:func:`ram_trl.merging.streaming.to_deltas`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import torch
 
-from ram_trl.counting import active_mask
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
-from ram_trl.planner import TensorTask
+from ram_trl.merging.planner import TensorTask
+from ram_trl.merging.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
-from ram_trl.streaming import RawChunk, ReadCounter, iter_chunks, to_deltas
+from ram_trl.statistics.counting import active_mask
 
 #: Stored dtypes at most this wide (bytes per element) need no bfloat16 view: bf16 and fp16.
 BF16_ITEMSIZE = 2

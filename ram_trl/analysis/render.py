@@ -1,5 +1,5 @@
 """The analysis as files and tables: ``analysis.json``, ``analysis.md`` (Markdown tables), the PNG figures
-(:mod:`ram_trl.plots`), and the terminal summary."""
+(:mod:`ram_trl.analysis.plots`), and the terminal summary."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, figures: bool = True) -
     out_dir.mkdir(parents=True, exist_ok=True)
     result["figures"] = []
     if figures:
-        from ram_trl.plots import write_figures
+        from ram_trl.analysis.plots import write_figures
 
         result["figures"] = write_figures(result, out_dir)
     (out_dir / JSON_FILE).write_text(json.dumps(result, indent=2) + "\n")

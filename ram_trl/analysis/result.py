@@ -11,11 +11,11 @@ import torch
 
 import ram_trl
 from ram_trl.analysis.inputs import AnalysisInputs
-from ram_trl.anatomy import classify, summarize
-from ram_trl.context import MergeState, check_densities
 from ram_trl.io.checkpoint import Checkpoint
-from ram_trl.planner import TensorTask
+from ram_trl.merging.context import MergeState, check_densities
+from ram_trl.merging.planner import TensorTask
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
+from ram_trl.statistics.anatomy import classify, summarize
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -1,5 +1,5 @@
 """Scoring models on held-out prompts with each stage's reward functions: what the recipes (``ram-trl eval``,
-``ram-trl run``) and the merge preview (:mod:`ram_trl.preview`) share, below both.
+``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) share, below both.
 
 - :mod:`ram_trl.evaluation.spec`: :class:`~ram_trl.evaluation.spec.EvaluationSpec`, the decoding and reporting
   settings (the recipe's ``evaluation:``).

@@ -4,7 +4,7 @@ Greedy decoding by default, the seed set before each stage's generation, prompts
 completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
 stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
 on), scored the same way, each split's prompts generated on their own. The recipes' evaluation
-(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.preview`) both score through it;
+(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it;
 :mod:`ram_trl.recipes.evaluate` re-exports its names.
 """
 
@@ -51,7 +51,7 @@ class EvalTask:
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
-    """Load a causal LM for evaluation (:func:`ram_trl.fisher_estimation.load_agent`: a model directory, or a PEFT
+    """Load a causal LM for evaluation (:func:`ram_trl.evaluation.fisher.load_agent`: a model directory, or a PEFT
     adapter merged into its base), in eval mode with left padding for batched generation.
 
     Args:
@@ -66,7 +66,7 @@ def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None
     Raises:
         RamTrlError: naming the path when it is missing, or an adapter whose base cannot be found.
     """
-    from ram_trl.fisher_estimation import load_agent
+    from ram_trl.evaluation.fisher import load_agent
     from ram_trl.io.quiet import progress_bars_off
 
     with progress_bars_off():  # quiet while loading, then as the host had it

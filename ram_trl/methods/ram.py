@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ram_trl import defaults
-from ram_trl.counting import (  # noqa: F401 - re-exported: RAM's counting maths, importable from here as before
+from ram_trl.errors import ConfigError
+from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
+from ram_trl.statistics.counting import (  # noqa: F401 - re-exported: RAM's counting maths, importable from here as before
     DEFAULT_EPS,
     active_flags,
     active_mask,
@@ -30,8 +32,6 @@ from ram_trl.counting import (  # noqa: F401 - re-exported: RAM's counting maths
     soft_rescale_factor,
     subset_codes,
 )
-from ram_trl.errors import ConfigError
-from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
 
 if TYPE_CHECKING:
     from ram_trl.statistics import OverlapStatistics

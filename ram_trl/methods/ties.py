@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ram_trl.counting import HISTOGRAM_BLOCK, keep_count  # noqa: F401 - re-exported, as before
 from ram_trl.methods.base import ChunkInputs, MergeMethod, TensorView
 from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, density, normalize
+from ram_trl.statistics.counting import HISTOGRAM_BLOCK, keep_count  # noqa: F401 - re-exported, as before
 
 
 @dataclass(frozen=True)

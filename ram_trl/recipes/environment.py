@@ -204,7 +204,7 @@ def validate_recipe(
     Raises:
         ConfigError: listing every problem found, each naming the stage/merge and what to change.
     """
-    from ram_trl.config import check_parameter
+    from ram_trl.merging.config.settings import check_parameter
     from ram_trl.methods import resolve_method
     from ram_trl.validation import check_number
 
@@ -446,8 +446,8 @@ def _check_preview_launch(
         return
     if str(distributed_type).upper() != "DEEPSPEED" or str(zero_stage) != "3":
         return
+    from ram_trl.merging.range_merge import check_range_method
     from ram_trl.methods import resolve_method
-    from ram_trl.range_merge import check_range_method
 
     try:
         check_range_method(resolve_method(stage.preview.method)[0])

@@ -37,8 +37,11 @@ class StageError(RamTrlError):
     """A stage process failed; the message names the stage, its exit code, its last error line and its log."""
 
 
-class StageLauncher(RunLayout):
+class StageLauncher:
     """Training a run's stages, each in its own process (a part of :class:`~ram_trl.recipes.runner.Run`)."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
 
     def train_stages(self) -> None:
         """Train every stage without a given checkpoint (only ``options.only`` when set; complete stages skipped
@@ -47,30 +50,32 @@ class StageLauncher(RunLayout):
         Raises:
             ConfigError: when the one stage asked for has a checkpoint already.
         """
-        stages = [s for s in self.recipe.stages if s.trained]
-        if self.options.only is not None:
-            self.recipe.stage(self.options.only)
-            stages = [s for s in stages if s.name == self.options.only]
+        stages = [s for s in self.layout.recipe.stages if s.trained]
+        if self.layout.options.only is not None:
+            self.layout.recipe.stage(self.layout.options.only)
+            stages = [s for s in stages if s.name == self.layout.options.only]
             if not stages:
                 raise ConfigError(
-                    f"stage {self.options.only!r} has an existing checkpoint; there is nothing to train"
+                    f"stage {self.layout.options.only!r} has an existing checkpoint; there is nothing to train"
                 )
         for stage in stages:
-            if self.options.resume and stage_complete(self.stage_dir(stage)):
+            if self.layout.options.resume and stage_complete(self.layout.stage_dir(stage)):
                 self.check_recorded_stage(stage)
-                self.console.print(f"[cyan]skip[/] stage {stage.name}: complete ({self.stage_dir(stage)})")
+                self.layout.console.print(
+                    f"[cyan]skip[/] stage {stage.name}: complete ({self.layout.stage_dir(stage)})"
+                )
                 continue
             self.train_stage(stage)
 
     def _prior(self, stage: StageSpec) -> list[Path]:
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
         prior = []
-        for other in self.recipe.stages:
+        for other in self.layout.recipe.stages:
             if other.name == stage.name:
                 break
-            if other.trained and stage_complete(self.stage_dir(other)):
-                prior.append(self.stage_dir(other) / MANIFEST_NAME)
+            if other.trained and stage_complete(self.layout.stage_dir(other)):
+                prior.append(self.layout.stage_dir(other) / MANIFEST_NAME)
         return prior
 
     def stage_command(self, stage: StageSpec, work: Path | None = None) -> list[str]:
@@ -85,25 +90,25 @@ class StageLauncher(RunLayout):
         """
         args = [
             "--recipe",
-            str(self.dir / "recipe.yaml"),
+            str(self.layout.dir / "recipe.yaml"),
             "--stage",
             stage.name,
             "--base",
-            str(self.base),
+            str(self.layout.base),
             "--train-file",
-            str(self.dir / "data" / stage.name / "train.jsonl"),
+            str(self.layout.dir / "data" / stage.name / "train.jsonl"),
             "--out",
-            str(work or self.stage_dir(stage)),
+            str(work or self.layout.stage_dir(stage)),
         ]
         prior = self._prior(stage)
         if prior:
             args += ["--prior", *map(str, prior)]
         if stage.preview is not None:
             merged = [p.parent.name for p in prior] + [stage.name]
-            args += ["--val", *(f"{name}={self.dir / 'data' / name / 'val.jsonl'}" for name in merged)]
+            args += ["--val", *(f"{name}={self.layout.dir / 'data' / name / 'val.jsonl'}" for name in merged)]
         if stage.accelerate_config is None:
             return [sys.executable, "-m", "ram_trl.recipes.stage", *args]
-        config = resolve_path(stage.accelerate_config, self.root)
+        config = resolve_path(stage.accelerate_config, self.layout.root)
         return [
             sys.executable,
             "-m",
@@ -127,16 +132,16 @@ class StageLauncher(RunLayout):
         Returns:
             `OutputDir`: The stage directory's output protocol.
         """
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
-        reads = [("base model", self.base)] + [
-            (f"stage {other.name!r} agent", self.agent_path(other))
-            for other in self.recipe.stages
+        reads = [("base model", self.layout.base)] + [
+            (f"stage {other.name!r} agent", self.layout.agent_path(other))
+            for other in self.layout.recipe.stages
             if other.name != stage.name
         ]
-        reads += [(f"stage {stage.name!r} prompt files", self.dir / "data" / stage.name)]
+        reads += [(f"stage {stage.name!r} prompt files", self.layout.dir / "data" / stage.name)]
         return OutputDir(
-            self.stage_dir(stage),
+            self.layout.stage_dir(stage),
             markers=(MANIFEST_NAME,),
             replace_previous=True,
             reads=reads,
@@ -152,7 +157,7 @@ class StageLauncher(RunLayout):
         Returns:
             `dict[str, Any]`: The record (JSON).
         """
-        return {"stage": stage.model_dump(mode="json"), "seed": self.recipe.seed}
+        return {"stage": stage.model_dump(mode="json"), "seed": self.layout.recipe.seed}
 
     def check_recorded_stage(self, stage: StageSpec) -> None:
         """Refuse to ``--resume`` over a finished stage trained with another config than the recipe's.
@@ -163,7 +168,7 @@ class StageLauncher(RunLayout):
         Raises:
             ConfigError: naming the stage, its directory and the first field that differs.
         """
-        file = self.stage_dir(stage) / STAGE_RECORD
+        file = self.layout.stage_dir(stage) / STAGE_RECORD
         if not file.is_file():
             return  # a stage finished before records were kept
         try:
@@ -174,7 +179,7 @@ class StageLauncher(RunLayout):
         if recorded != wanted:
             field = _first_difference(recorded, wanted)
             raise ConfigError(
-                f"--resume: stage {stage.name!r} in {self.stage_dir(stage)} was trained with another config than the "
+                f"--resume: stage {stage.name!r} in {self.layout.stage_dir(stage)} was trained with another config than the "
                 f"recipe's ({field}); retrain it with --only {stage.name}, or restore the recipe"
             )
 
@@ -187,7 +192,7 @@ class StageLauncher(RunLayout):
         Raises:
             StageError: when the process fails or leaves no complete stage, naming the stage and its log.
         """
-        out = self.stage_dir(stage)
+        out = self.layout.stage_dir(stage)
         output = self.stage_output(stage)
         work = output.begin()  # removes a killed run's leftovers of this stage
         try:
@@ -203,14 +208,14 @@ class StageLauncher(RunLayout):
             raise
         if not complete:
             output.abort()  # a failed stage leaves nothing behind; a previous result, if any, is kept as it was
-        self._timed(f"stage:{stage.name}", started)
+        self.layout.timed(f"stage:{stage.name}", started)
         if not complete:
             errors = [t for t in tail if "error" in t.lower()]
             reason = errors[-1] if errors else (tail[-1] if tail else "no output")
             done = [
                 s.name
-                for s in self.recipe.stages
-                if s.trained and s.name != stage.name and stage_complete(self.stage_dir(s))
+                for s in self.layout.recipe.stages
+                if s.trained and s.name != stage.name and stage_complete(self.layout.stage_dir(s))
             ]
             raise StageError(
                 f"stage {stage.name!r} failed (exit code {code}): {reason}\n  log: {log}\n  "
@@ -222,27 +227,27 @@ class StageLauncher(RunLayout):
                     else f"fix it and rerun with --resume to continue from stage {stage.name!r}"
                 )
             )
-        self.console.print(
-            f"[green]stage[/] {stage.name}: done in {self.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+        self.layout.console.print(
+            f"[green]stage[/] {stage.name}: done in {self.layout.timings[f'stage:{stage.name}']:.0f}s -> {out}"
         )
 
     def _run_stage_process(self, stage: StageSpec, work: Path) -> tuple[int, Path, deque[str], float]:
         """Run the stage process writing into ``work``; returns its exit code, log, last lines and start time."""
-        log = self.dir / "logs" / f"{stage.name}.log"
+        log = self.layout.dir / "logs" / f"{stage.name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         command = self.stage_command(stage, work)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         # its output goes to a log file: no progress bars (each redraw would be a line of the log)
         env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        if self.recipe.torch_threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.recipe.torch_threads)
+        if self.layout.recipe.torch_threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.layout.recipe.torch_threads)
         if not _has_cuda():
             env.setdefault("ACCELERATE_USE_CPU", "1")
         start = time.perf_counter()
         tail: deque[str] = deque(maxlen=40)
         with (
             open(log, "w", encoding="utf-8") as handle,
-            self.console.status(f"stage {stage.name}: starting") as status,
+            self.layout.console.status(f"stage {stage.name}: starting") as status,
         ):
             handle.write("$ " + " ".join(command) + "\n")
             process = subprocess.Popen(
@@ -250,7 +255,7 @@ class StageLauncher(RunLayout):
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
-                cwd=str(self.root),
+                cwd=str(self.layout.root),
                 env=env,
                 bufsize=1,
                 preexec_fn=die_with_parent(os.getpid()),

@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.output import OutputDir
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.schema import Recipe, StageSpec
 
-if TYPE_CHECKING:
-    from ram_trl.recipes.runner import RunOptions
-
-__all__ = ["RunLayout", "resolve_path", "safe_name", "stage_complete", "stderr_console"]
+__all__ = ["RunLayout", "RunOptions", "resolve_path", "safe_name", "stage_complete", "stderr_console"]
 
 
 def stderr_console():
@@ -70,7 +68,7 @@ def stage_complete(stage_dir: Path) -> bool:
     Returns:
         `bool`: ``True`` for a finished stage (the runner skips it).
     """
-    from ram_trl.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
+    from ram_trl.stage.manifest import MANIFEST_NAME, checkpoint_path, read_manifest
 
     try:
         manifest = read_manifest(stage_dir / MANIFEST_NAME)
@@ -83,6 +81,37 @@ def stage_complete(stage_dir: Path) -> bool:
 def safe_name(name: str) -> str:
     """A directory name for a row label (``ram_plus(r=0.1)`` -> ``ram_plus_r=0.1_``)."""
     return re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
+
+
+@dataclass
+class RunOptions:
+    """Options of :func:`run_recipe` (see ``ram-trl run --help``).
+
+    Args:
+        out (`Path`, *optional*): The run directory (default: the recipe's ``output_dir``, else ``runs/NAME``).
+        only (`str`, *optional*): Train only this stage (no merges, no evaluation).
+        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete, and
+            reuse the evaluation of every model whose inputs are unchanged.
+        dry_run (`bool`, *optional*, defaults to `False`): Validate the recipe and print the plan; run nothing.
+        check_paths (`bool`, *optional*, defaults to `True`): With ``dry_run``, check that model checkpoints and
+            prompt files exist.
+        progress (`bool`, *optional*, defaults to `True`): Show progress bars.
+        figures (`bool`, *optional*, defaults to `True`): Draw the results' charts.
+        overrides (`dict[str, Any]`, *optional*, defaults to `{}`): Values merged into the recipe
+            (:func:`~ram_trl.recipes.schema.apply_overrides`).
+        seeds (`int`, *optional*, defaults to `1`): Run the pipeline this many times with consecutive seeds
+            (:func:`run_seeds`).
+    """
+
+    out: Path | None = None
+    only: str | None = None
+    resume: bool = False
+    dry_run: bool = False
+    check_paths: bool = True
+    progress: bool = True
+    figures: bool = True
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seeds: int = 1
 
 
 class RunLayout:
@@ -141,7 +170,8 @@ class RunLayout:
             return self.dir / "base_init"
         return resolve_path(self.recipe.base.path, self.root)
 
-    def _timed(self, key: str, start: float) -> None:
+    def timed(self, key: str, start: float) -> None:
+        """Add the seconds since ``start`` (``time.perf_counter()``) to the timing ``key``."""
         self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
 
     def resolved_recipe(self) -> dict[str, Any]:

@@ -20,8 +20,11 @@ from ram_trl.recipes.layout import RunLayout, resolve_path
 __all__ = ["RunPreparation"]
 
 
-class RunPreparation(RunLayout):
+class RunPreparation:
     """The base, the warm start and the prompt files of a run (a part of :class:`~ram_trl.recipes.runner.Run`)."""
+
+    def __init__(self, layout: RunLayout) -> None:
+        self.layout = layout
 
     def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
         """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
@@ -38,9 +41,9 @@ class RunPreparation(RunLayout):
         from ram_trl.recipes.stage import preflight_rewards
 
         drawn = {}
-        spec = self.recipe.warm_start
-        for stage in self.recipe.stages:
-            train, held, val = draw_splits(stage, self.root)
+        spec = self.layout.recipe.warm_start
+        for stage in self.layout.recipe.stages:
+            train, held, val = draw_splits(stage, self.layout.root)
             preflight_rewards(stage, train or held or val)
             warm = draw_warm_rows(stage, held + val) if spec is not None else None
             check = None
@@ -62,30 +65,30 @@ class RunPreparation(RunLayout):
             recipe_file (`Path`, *optional*, defaults to `None`): The recipe file read (an input the run directory
                 must not hold).
         """
-        self.check_dir(recipe_file)
+        self.layout.check_dir(recipe_file)
         start = time.perf_counter()
         drawn = self.draw()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.resolved_recipe(), sort_keys=False)
-        with atomic_file(self.dir / "recipe.yaml", "run recipe") as tmp:
+        self.layout.dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.layout.resolved_recipe(), sort_keys=False)
+        with atomic_file(self.layout.dir / "recipe.yaml", "run recipe") as tmp:
             tmp.write_text(text, encoding="utf-8")
-        for stage in self.recipe.stages:
+        for stage in self.layout.recipe.stages:
             train, held, val, warm, check = drawn[stage.name]
-            write_jsonl(train, self.dir / "data" / stage.name / "train.jsonl")
-            write_jsonl(held, self.dir / "data" / stage.name / "eval.jsonl")
-            write_jsonl(val, self.dir / "data" / stage.name / "val.jsonl")
+            write_jsonl(train, self.layout.dir / "data" / stage.name / "train.jsonl")
+            write_jsonl(held, self.layout.dir / "data" / stage.name / "eval.jsonl")
+            write_jsonl(val, self.layout.dir / "data" / stage.name / "val.jsonl")
             if warm is not None:
-                write_jsonl(warm, self.dir / "data" / stage.name / "warm.jsonl")
+                write_jsonl(warm, self.layout.dir / "data" / stage.name / "warm.jsonl")
             if check:
-                write_jsonl(check, self.dir / "data" / stage.name / "check.jsonl")
+                write_jsonl(check, self.layout.dir / "data" / stage.name / "check.jsonl")
             else:
-                (self.dir / "data" / stage.name / "check.jsonl").unlink(missing_ok=True)
-        self._timed("data", start)
-        if self.recipe.base.build is not None:
+                (self.layout.dir / "data" / stage.name / "check.jsonl").unlink(missing_ok=True)
+        self.layout.timed("data", start)
+        if self.layout.recipe.base.build is not None:
             self.build_base()
-        if self.recipe.base.gguf is not None:
+        if self.layout.recipe.base.gguf is not None:
             self.convert_base()
-        if self.recipe.warm_start is not None:
+        if self.layout.recipe.warm_start is not None:
             self.warm_start()
 
     def build_base(self) -> None:
@@ -93,15 +96,15 @@ class RunPreparation(RunLayout):
         already there."""
         from ram_trl.synthetic import make_base_checkpoint
 
-        target = self.dir / "base_init"
+        target = self.layout.dir / "base_init"
         record = target / "ram_build.json"
-        spec = yaml.safe_dump(self.recipe.base.build, sort_keys=True)
+        spec = yaml.safe_dump(self.layout.recipe.base.build, sort_keys=True)
         if record.is_file() and record.read_text(encoding="utf-8") == spec:
             return
         start = time.perf_counter()
         import torch
 
-        build = dict(self.recipe.base.build)
+        build = dict(self.layout.recipe.base.build)
         if isinstance(build.get("dtype"), str):
             build["dtype"] = getattr(torch, build["dtype"])
         output = OutputDir(
@@ -110,8 +113,8 @@ class RunPreparation(RunLayout):
         with output as tmp:
             make_base_checkpoint(tmp, **build)
             (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
-        self._timed("build_base", start)
-        self.console.print(f"[green]built[/] base model {target}")
+        self.layout.timed("build_base", start)
+        self.layout.console.print(f"[green]built[/] base model {target}")
 
     def convert_base(self) -> None:
         """Convert the recipe's GGUF base (``base.gguf``) into ``RUN/base_init``
@@ -120,9 +123,9 @@ class RunPreparation(RunLayout):
 
         from ram_trl.io.gguf import RECORD_NAME, convert_gguf, open_gguf_source
 
-        spec = self.recipe.base
-        target = self.dir / "base_init"
-        source = open_gguf_source(resolve_path(spec.gguf, self.root), spec.gguf_member)
+        spec = self.layout.recipe.base
+        target = self.layout.dir / "base_init"
+        source = open_gguf_source(resolve_path(spec.gguf, self.layout.root), spec.gguf_member)
         record = target / RECORD_NAME
         if record.is_file():
             try:
@@ -136,12 +139,12 @@ class RunPreparation(RunLayout):
             ):
                 return
         start = time.perf_counter()
-        self.console.print(f"converting the GGUF base {source.label} ...")
+        self.layout.console.print(f"converting the GGUF base {source.label} ...")
         result = convert_gguf(
             source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True
         )
-        self._timed("convert_base", start)
-        self.console.print(
+        self.layout.timed("convert_base", start)
+        self.layout.console.print(
             f"[green]converted[/] {result['gguf_file']} -> {target} ({result['parameters']:,} parameters, "
             f"{result['dtype']}; logits identical to the GGUF model's in {result['dtype']})"
         )
@@ -153,11 +156,11 @@ class RunPreparation(RunLayout):
 
         from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
 
-        spec = self.recipe.warm_start
-        source = self.initial_base
+        spec = self.layout.recipe.warm_start
+        source = self.layout.initial_base
         if spec.abstain_share:
             spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
-        record = self.base / WARM_START_RECORD
+        record = self.layout.base / WARM_START_RECORD
         if record.is_file():
             try:
                 done = json.loads(record.read_text(encoding="utf-8"))
@@ -177,29 +180,29 @@ class RunPreparation(RunLayout):
         steps = f"{spec.steps} + {spec.abstain_steps} abstaining" if spec.abstain_share else str(spec.steps)
         if spec.accept is not None:
             steps = f"until {criterion(spec)}: at least {spec.steps}"
-        self.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
+        self.layout.console.print(f"warm start: {steps} steps on {len(rows)} rows ...")
         result = warm_start(
             source,
-            self.base,
+            self.layout.base,
             rows,
             spec,
-            progress=self.options.progress,
+            progress=self.layout.options.progress,
             record_extra={"rows_digest": digest},
-            checks=self.check_tasks() if spec.accept is not None else None,
+            checks=self.layout.check_tasks() if spec.accept is not None else None,
             on_check=self._report_check,
         )
-        self._timed("warm_start", start)
-        self.console.print(
+        self.layout.timed("warm_start", start)
+        self.layout.console.print(
             f"[green]warm start[/] {result['steps']} steps: loss {result['loss_first']:.3f} -> "
             f"{result['loss_last']:.3f} ({result['seconds']:.0f}s)"
         )
         if "acceptance" in result:
-            self.console.print(acceptance_line(result))
+            self.layout.console.print(acceptance_line(result))
 
     def _report_check(self, phase: str, step: int, values: dict[str, float]) -> None:
         what = "sampled pass@k" if phase == "answers" else "greedy declines"
         shown = ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
-        self.console.print(f"warm start ({phase}) step {step}: {what} {shown}")
+        self.layout.console.print(f"warm start ({phase}) step {step}: {what} {shown}")
 
     def abstain_reply(self, reply: str | None) -> str:
         """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
@@ -219,7 +222,7 @@ class RunPreparation(RunLayout):
         from ram_trl.recipes.schema import ABSTAIN_REPLIES
 
         def earning(candidate: str) -> tuple[str, str, float] | None:
-            for task in self.eval_tasks():
+            for task in self.layout.eval_tasks():
                 earned = score_completions(task.functions(), task.rows, [candidate] * len(task.rows))
                 if any(value > 0 for value in earned):
                     return task.stage, task.split, sum(earned) / len(earned)
@@ -232,12 +235,12 @@ class RunPreparation(RunLayout):
             if reply is not None:
                 stage, split, mean = found
                 raise ConfigError(
-                    f"recipe {self.recipe.name!r}: warm_start.abstain_reply {reply!r} earns a reward on stage "
+                    f"recipe {self.layout.recipe.name!r}: warm_start.abstain_reply {reply!r} earns a reward on stage "
                     f"{stage!r} ({split} mean {mean:.3f}): choose a reply that no stage rewards (an abstention must "
                     "score 0)"
                 )
         raise ConfigError(
-            f"recipe {self.recipe.name!r}: every default warm_start.abstain_reply {list(ABSTAIN_REPLIES)} earns a "
+            f"recipe {self.layout.recipe.name!r}: every default warm_start.abstain_reply {list(ABSTAIN_REPLIES)} earns a "
             "reward on some stage: set warm_start.abstain_reply to a reply that no stage rewards"
         )
 
@@ -251,8 +254,12 @@ class RunPreparation(RunLayout):
 
         from ram_trl.recipes.warm_start import WARM_START_RECORD
 
-        path = self.base / WARM_START_RECORD
-        if self.recipe.warm_start is None or self.recipe.warm_start.accept is None or not path.is_file():
+        path = self.layout.base / WARM_START_RECORD
+        if (
+            self.layout.recipe.warm_start is None
+            or self.layout.recipe.warm_start.accept is None
+            or not path.is_file()
+        ):
             return None
         record = json.loads(path.read_text(encoding="utf-8"))
         if "acceptance" not in record:
@@ -262,10 +269,12 @@ class RunPreparation(RunLayout):
     def _warm_files(self) -> list[Path]:
         """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
         draws warm-start rows."""
-        warm = [self.dir / "data" / s.name / "warm.jsonl" for s in self.recipe.stages]
+        warm = [self.layout.dir / "data" / s.name / "warm.jsonl" for s in self.layout.recipe.stages]
         if any(f.is_file() and f.stat().st_size for f in warm):
             return [f for f in warm if f.is_file()]
-        return [self.dir / "data" / s.name / "train.jsonl" for s in self.recipe.stages if s.trained]
+        return [
+            self.layout.dir / "data" / s.name / "train.jsonl" for s in self.layout.recipe.stages if s.trained
+        ]
 
     def _rows_digest(self) -> str:
         import hashlib
@@ -273,8 +282,8 @@ class RunPreparation(RunLayout):
         digest = hashlib.sha256()
         for file in self._warm_files():
             digest.update(file.read_bytes())
-        for stage in self.recipe.stages:
-            check = self.dir / "data" / stage.name / "check.jsonl"
+        for stage in self.layout.recipe.stages:
+            check = self.layout.dir / "data" / stage.name / "check.jsonl"
             if check.is_file():
                 digest.update(check.read_bytes())
         return digest.hexdigest()

@@ -1,6 +1,6 @@
 """The charts of a recipe run's results (PNG, matplotlib's Agg renderer; no display and no global pyplot state):
 the test scores with their intervals, retention per merge and vertical, and each stage's merge preview over
-training. The charts of the sparsity analysis are :mod:`ram_trl.plots`.
+training. The charts of the sparsity analysis are :mod:`ram_trl.analysis.plots`.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def model_digest(path: str | Path) -> str:
     Returns:
         `str`: The hex digest.
     """
-    from ram_trl.preview.scores import weights_digest
+    from ram_trl.callbacks.preview.scores import weights_digest
 
     directory = Path(path)
     digest = hashlib.sha256(weights_digest(directory).encode())

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,16 @@ from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.launch import STAGE_RECORD, StageError, StageLauncher, die_with_parent
-from ram_trl.recipes.layout import resolve_path, safe_name, stage_complete, stderr_console
+from ram_trl.recipes.layout import (
+    RunLayout,
+    RunOptions,
+    resolve_path,
+    safe_name,
+    stage_complete,
+    stderr_console,
+)
 from ram_trl.recipes.prepare import RunPreparation
-from ram_trl.recipes.schema import MergeRow, StageSpec, apply_overrides, expand_merges, load_recipe
+from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
 from ram_trl.recipes.training import read_training
 
 __all__ = [
@@ -41,38 +47,7 @@ __all__ = [
 ]
 
 
-@dataclass
-class RunOptions:
-    """Options of :func:`run_recipe` (see ``ram-trl run --help``).
-
-    Args:
-        out (`Path`, *optional*): The run directory (default: the recipe's ``output_dir``, else ``runs/NAME``).
-        only (`str`, *optional*): Train only this stage (no merges, no evaluation).
-        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete, and
-            reuse the evaluation of every model whose inputs are unchanged.
-        dry_run (`bool`, *optional*, defaults to `False`): Validate the recipe and print the plan; run nothing.
-        check_paths (`bool`, *optional*, defaults to `True`): With ``dry_run``, check that model checkpoints and
-            prompt files exist.
-        progress (`bool`, *optional*, defaults to `True`): Show progress bars.
-        figures (`bool`, *optional*, defaults to `True`): Draw the results' charts.
-        overrides (`dict[str, Any]`, *optional*, defaults to `{}`): Values merged into the recipe
-            (:func:`~ram_trl.recipes.schema.apply_overrides`).
-        seeds (`int`, *optional*, defaults to `1`): Run the pipeline this many times with consecutive seeds
-            (:func:`run_seeds`).
-    """
-
-    out: Path | None = None
-    only: str | None = None
-    resume: bool = False
-    dry_run: bool = False
-    check_paths: bool = True
-    progress: bool = True
-    figures: bool = True
-    overrides: dict[str, Any] = field(default_factory=dict)
-    seeds: int = 1
-
-
-class Run(RunPreparation, StageLauncher):
+class Run:
     """One execution of a recipe (use :func:`run_recipe`): the run directory (:class:`~ram_trl.recipes.layout.RunLayout`),
     its preparation (:class:`~ram_trl.recipes.prepare.RunPreparation`), its stages
     (:class:`~ram_trl.recipes.launch.StageLauncher`), then the analysis, merges, evaluation and results.
@@ -84,38 +59,43 @@ class Run(RunPreparation, StageLauncher):
         options (`RunOptions`): The run's options (seed, resume, only one stage, ...).
     """
 
+    def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
+        self.layout = RunLayout(recipe, root, run_dir, options)
+        self.preparation = RunPreparation(self.layout)
+        self.launcher = StageLauncher(self.layout)
+
     def analyze(self) -> dict[str, Any] | None:
         """The task-vector analysis of the agents (``RUN/analysis``), when the recipe enables it.
 
         Returns:
             `dict[str, Any]` or `None`: The analysis (:func:`ram_trl.analyze`), ``None`` when disabled.
         """
-        if not self.recipe.analysis.enabled:
+        if not self.layout.recipe.analysis.enabled:
             return None
         from ram_trl.analysis import analyze
 
-        spec = self.recipe.analysis
+        spec = self.layout.recipe.analysis
         start = time.perf_counter()
         result = analyze(
-            self.base,
-            [self.agent_path(s) for s in self.recipe.stages],
-            self.dir / "analysis",
+            self.layout.base,
+            [self.layout.agent_path(s) for s in self.layout.recipe.stages],
+            self.layout.dir / "analysis",
             eps=spec.eps,
             r=spec.r,
             alpha=spec.alpha,
-            names=self.recipe.names,
-            figures=self.options.figures,
-            progress=self.options.progress,
+            names=self.layout.recipe.names,
+            figures=self.layout.options.figures,
+            progress=self.layout.options.progress,
         )
-        self._timed("analysis", start)
+        self.layout.timed("analysis", start)
         return result
 
     def _model_entry(self, stage: StageSpec) -> dict[str, Any]:
-        from ram_trl.manifest import MANIFEST_NAME
+        from ram_trl.stage.manifest import MANIFEST_NAME
 
         if stage.trained:
-            return {"stage": str(self.stage_dir(stage) / MANIFEST_NAME), "name": stage.name}
-        return {"model": str(self.agent_path(stage)), "name": stage.name}
+            return {"stage": str(self.layout.stage_dir(stage) / MANIFEST_NAME), "name": stage.name}
+        return {"model": str(self.layout.agent_path(stage)), "name": stage.name}
 
     def fisher(self, rows: list[MergeRow]) -> None:
         """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
@@ -134,12 +114,12 @@ class Run(RunPreparation, StageLauncher):
             return
         import torch
 
-        from ram_trl.fisher_estimation import estimate_fisher, load_agent, save_fisher
+        from ram_trl.evaluation.fisher import estimate_fisher, load_agent, save_fisher
 
         settings = dict(fisher_rows[0].fisher)
         start = time.perf_counter()
-        for stage in self.recipe.stages:
-            agent = self.agent_path(stage)
+        for stage in self.layout.recipe.stages:
+            agent = self.layout.agent_path(stage)
             if not stage.trained:
                 if not (agent / "fisher.safetensors").is_file():
                     raise ConfigError(
@@ -147,15 +127,15 @@ class Run(RunPreparation, StageLauncher):
                         f"write into an existing agent's checkpoint; estimate it first: ram-trl fisher {agent} ..."
                     )
                 continue
-            prompts = [r["prompt"] for r in read_jsonl(self.dir / "data" / stage.name / "train.jsonl")]
+            prompts = [r["prompt"] for r in read_jsonl(self.layout.dir / "data" / stage.name / "train.jsonl")]
             wanted = dict(settings)
             if not wanted.get("sample") and wanted.get("num_samples", len(prompts)) > len(prompts):
                 wanted["num_samples"] = len(prompts)
-            model, tokenizer = load_agent(agent, self.base, torch.float32)
-            with self.console.status(f"fisher {stage.name}"):
+            model, tokenizer = load_agent(agent, self.layout.base, torch.float32)
+            with self.layout.console.status(f"fisher {stage.name}"):
                 fisher = estimate_fisher(model, tokenizer, prompts, **wanted)
             save_fisher(fisher, agent, {"stage": stage.name, "settings": repr(wanted)})
-        self._timed("fisher", start)
+        self.layout.timed("fisher", start)
 
     def merges(self) -> list[tuple[MergeRow, Path]]:
         """Run every merge row of the recipe (sweeps expanded) into ``RUN/merges``.
@@ -165,24 +145,24 @@ class Run(RunPreparation, StageLauncher):
         """
         from tqdm.auto import tqdm
 
-        from ram_trl.engine import merge
-        from ram_trl.report import print_summary
+        from ram_trl.merging.engine import merge
+        from ram_trl.merging.report import print_summary
 
-        rows = expand_merges(self.recipe)
+        rows = expand_merges(self.layout.recipe)
         self.fisher(rows)
         done = []
         start = time.perf_counter()
-        (self.dir / "logs").mkdir(exist_ok=True)
-        log_path = self.dir / "logs" / "merges.log"
+        (self.layout.dir / "logs").mkdir(exist_ok=True)
+        log_path = self.layout.dir / "logs" / "merges.log"
         with open(log_path, "w", encoding="utf-8") as log:
-            for row in tqdm(rows, desc="merges", disable=not self.options.progress):
-                out = self.dir / "merges" / safe_name(row.name)
+            for row in tqdm(rows, desc="merges", disable=not self.layout.options.progress):
+                out = self.layout.dir / "merges" / safe_name(row.name)
                 config = {
                     "merge_method": row.method,
-                    "base_model": str(self.base),
-                    "models": [self._model_entry(s) for s in self.recipe.stages],
+                    "base_model": str(self.layout.base),
+                    "models": [self._model_entry(s) for s in self.layout.recipe.stages],
                     "parameters": row.parameters,
-                    "seed": self.recipe.seed,
+                    "seed": self.layout.recipe.seed,
                     "name": row.name,
                     "out_dtype": row.out_dtype,
                 }
@@ -193,9 +173,9 @@ class Run(RunPreparation, StageLauncher):
                 except RamTrlError as exc:
                     raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
                 done.append((row, out))
-        self._timed("merges", start)
-        self.console.print(
-            f"[green]merges[/]: {len(done)} in {self.timings['merges']:.0f}s (log: {log.name})"
+        self.layout.timed("merges", start)
+        self.layout.console.print(
+            f"[green]merges[/]: {len(done)} in {self.layout.timings['merges']:.0f}s (log: {log.name})"
         )
         return done
 
@@ -212,35 +192,37 @@ class Run(RunPreparation, StageLauncher):
 
         from ram_trl.recipes.evaluate import evaluate_model
 
-        if not self.recipe.evaluation.enabled:
+        if not self.layout.recipe.evaluation.enabled:
             return []
-        tasks = self.eval_tasks()
+        tasks = self.layout.eval_tasks()
         models: list[tuple[str, str, Path, str | None, dict[str, Any]]] = [
-            ("base", "base", self.base, None, {})
+            ("base", "base", self.layout.base, None, {})
         ]
-        models += [(s.name, "agent", self.agent_path(s), None, {}) for s in self.recipe.stages]
+        models += [(s.name, "agent", self.layout.agent_path(s), None, {}) for s in self.layout.recipe.stages]
         models += [(row.name, "merge", path, row.method, row.parameters) for row, path in merged]
         results = []
         start = time.perf_counter()
-        (self.dir / "eval").mkdir(exist_ok=True)
+        (self.layout.dir / "eval").mkdir(exist_ok=True)
         from tqdm.auto import tqdm
 
         from ram_trl.recipes.reuse import EVALUATION_KEY, evaluation_key, model_digest, reusable_evaluation
 
-        base_digest = model_digest(self.base)
-        settings = self.recipe.evaluation.model_dump(mode="json")
+        base_digest = model_digest(self.layout.base)
+        settings = self.layout.recipe.evaluation.model_dump(mode="json")
         reused = 0
         for name, kind, path, method, parameters in tqdm(
-            models, desc="evaluation", disable=not self.options.progress
+            models, desc="evaluation", disable=not self.layout.options.progress
         ):
-            file = self.dir / "eval" / f"{safe_name(name)}.json"
-            digest = base_digest if Path(path) == Path(self.base) else model_digest(path)
+            file = self.layout.dir / "eval" / f"{safe_name(name)}.json"
+            digest = base_digest if Path(path) == Path(self.layout.base) else model_digest(path)
             key = evaluation_key(digest, base_digest, tasks, settings)
-            scored = reusable_evaluation(file, key) if self.options.resume else None
+            scored = reusable_evaluation(file, key) if self.layout.options.resume else None
             if scored is not None:
                 reused += 1
             else:
-                scored = evaluate_model(path, tasks, self.recipe.evaluation, base=self.base, progress=False)
+                scored = evaluate_model(
+                    path, tasks, self.layout.recipe.evaluation, base=self.layout.base, progress=False
+                )
                 scored[EVALUATION_KEY] = key
                 with atomic_file(file, "evaluation file") as tmp:
                     tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
@@ -260,9 +242,9 @@ class Run(RunPreparation, StageLauncher):
                     "val": {"scores": val["scores"], "n": val["n"], "rewards": val["rewards"]},
                 }
             )
-        self._timed("evaluation", start)
+        self.layout.timed("evaluation", start)
         if reused:
-            self.console.print(
+            self.layout.console.print(
                 f"evaluation: reused {reused} of {len(models)} earlier scores (same weights, prompts, rewards and "
                 "settings; delete RUN/eval to score again)"
             )
@@ -280,21 +262,23 @@ class Run(RunPreparation, StageLauncher):
         """
         from ram_trl.recipes.results import print_table, regime_from_analysis, write_results
 
-        evaluation = self.recipe.evaluation
+        evaluation = self.layout.recipe.evaluation
         decoding = (
             "greedy decoding"
             if not evaluation.do_sample
             else f"sampling at temperature {evaluation.temperature:g}"
         )
         results: dict[str, Any] = {
-            "recipe": self.recipe.name,
-            "description": self.recipe.description,
+            "recipe": self.layout.recipe.name,
+            "description": self.layout.recipe.description,
             "stages": [
-                s.name for s in self.recipe.stages if read_jsonl(self.dir / "data" / s.name / "eval.jsonl")
+                s.name
+                for s in self.layout.recipe.stages
+                if read_jsonl(self.layout.dir / "data" / s.name / "eval.jsonl")
             ],
-            "specialists": {s.name: s.name for s in self.recipe.stages},
+            "specialists": {s.name: s.name for s in self.layout.recipe.stages},
             "decoding": f"{decoding}, max_new_tokens={evaluation.max_new_tokens}, seed {evaluation.seed}",
-            "eps": self.recipe.analysis.eps,
+            "eps": self.layout.recipe.analysis.eps,
             "statistics": {
                 "intervals": "bootstrap",
                 "level": 0.95,
@@ -305,35 +289,35 @@ class Run(RunPreparation, StageLauncher):
             "sweeps": self.sweeps(),
             "rows": rows,
             "regime": regime_from_analysis(analysis) if analysis else {},
-            "timings": self.timings,
-            "notes": self.notes,
+            "timings": self.layout.timings,
+            "notes": self.layout.notes,
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
             "previews": self.previews(),
             "training": read_training(
                 {
-                    s.name: self.stage_dir(s)
-                    for s in self.recipe.stages
-                    if s.trained and stage_complete(self.stage_dir(s))
+                    s.name: self.layout.stage_dir(s)
+                    for s in self.layout.recipe.stages
+                    if s.trained and stage_complete(self.layout.stage_dir(s))
                 }
             ),
         }
-        warm = self.warm_start_record()
+        warm = self.preparation.warm_start_record()
         if warm is not None:
             results["warm_start"] = warm
-        write_results(results, self.dir, figures=self.options.figures)
+        write_results(results, self.layout.dir, figures=self.layout.options.figures)
         print_table(results)
-        self.console.print(f"results: {self.dir / 'results.md'}")
+        self.layout.console.print(f"results: {self.layout.dir / 'results.md'}")
         return results
 
     def previews(self) -> dict[str, dict[str, Any]]:
         """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and
         every preview's merged validation scores), for results.md."""
-        from ram_trl.manifest import read_manifest
+        from ram_trl.stage.manifest import read_manifest
 
         out = {}
-        for stage in self.recipe.stages:
-            if stage.trained and stage.preview is not None and stage_complete(self.stage_dir(stage)):
-                record = read_manifest(self.stage_dir(stage)).extra.get("preview")
+        for stage in self.layout.recipe.stages:
+            if stage.trained and stage.preview is not None and stage_complete(self.layout.stage_dir(stage)):
+                record = read_manifest(self.layout.stage_dir(stage)).extra.get("preview")
                 if record:
                     out[stage.name] = record
         return out
@@ -345,9 +329,9 @@ class Run(RunPreparation, StageLauncher):
             `list[dict[str, Any]]`: ``{"label", "parameters", "rows"}`` per sweep.
         """
         out = []
-        for spec in self.recipe.merges:
+        for spec in self.layout.recipe.merges:
             swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]
-            names = [r.name for r in expand_merges(self.recipe.model_copy(update={"merges": [spec]}))]
+            names = [r.name for r in expand_merges(self.layout.recipe.model_copy(update={"merges": [spec]}))]
             if swept and len(names) > 1:
                 out.append({"label": spec.name or spec.method, "parameters": swept, "rows": names})
         return out
@@ -417,14 +401,14 @@ def run_recipe(
 
         torch.set_num_threads(recipe.torch_threads)
     run = Run(recipe, root, Path(out).resolve(), options)
-    run.notes.extend(notes)
+    run.layout.notes.extend(notes)
     from ram_trl.recipes.stage import StageFailure
 
     try:
-        run.prepare(recipe_file)
+        run.preparation.prepare(recipe_file)
     except (ConfigError, StageFailure) as exc:  # the prompt rows and reward functions: name the recipe
         raise ConfigError(f"{where}: {exc}") from exc
-    run.train_stages()
+    run.launcher.train_stages()
     if options.only is not None:
         console.print(
             f"stage {options.only} done; run without --only (with --resume) for the merges and evaluation"
@@ -433,7 +417,7 @@ def run_recipe(
     analysis = run.analyze()
     merged = run.merges()
     rows_scored = run.evaluate(merged)
-    run.timings["total"] = round(time.perf_counter() - total, 2)
+    run.layout.timings["total"] = round(time.perf_counter() - total, 2)
     return run.results(rows_scored, analysis)
 
 

@@ -62,7 +62,7 @@ __all__ = [
 #: Merge methods compared when a recipe gives no ``merges``.
 DEFAULT_METHODS: tuple[str, ...] = ("ram", "ram_plus", "task_arithmetic", "ties", "dare_linear", "dare_ties")
 
-#: Keyword arguments of :func:`ram_trl.fisher_estimation.estimate_fisher` a ``fisher`` merge entry may set.
+#: Keyword arguments of :func:`ram_trl.evaluation.fisher.estimate_fisher` a ``fisher`` merge entry may set.
 FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -279,14 +279,14 @@ class PromptSpec(_Strict):
 
 
 class PreviewSpec(_Strict):
-    """The merge preview of a trained stage (:class:`ram_trl.preview.MergePreviewCallback`): every ``every`` steps
+    """The merge preview of a trained stage (:class:`ram_trl.callbacks.preview.MergePreviewCallback`): every ``every`` steps
     and at the end, the merge of the policy with the earlier trained stages, scored on every merged stage's
     validation prompts with the recipe's ``evaluation``; ``keep: best`` leaves the step that merges best as the
     stage's agent.
 
     Args:
         every: Optimizer steps between previews (the final step is always previewed); default
-            ``ceil(max_steps / 4)`` (:func:`ram_trl.preview.default_preview_every`).
+            ``ceil(max_steps / 4)`` (:func:`ram_trl.callbacks.preview.default_preview_every`).
         prompts: Validation prompts scored per merged stage, a seeded subset of its validation split recorded in
             the manifest (default 24; ``null``: all of them).
         method: The merge method previewed (any registered method; default RAM+ at the paper's settings).
@@ -374,7 +374,7 @@ class MergeSpec(_Strict):
         parameters: The method's global parameters.
         name: Row label (default: the method, plus the swept values).
         fisher: For ``fisher``: how each agent's Fisher is estimated on its own stage's training prompts
-            (:func:`ram_trl.fisher_estimation.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
+            (:func:`ram_trl.evaluation.fisher.estimate_fisher` arguments ``num_samples``, ``max_new_tokens``, ``sample``,
             ``seed``); written as ``fisher.safetensors`` beside each trained agent.
         out_dtype: The dtype this merge is written and scored in (default: the recipe's ``merge_dtype``).
     """

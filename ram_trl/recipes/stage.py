@@ -126,7 +126,7 @@ def attach_telemetry(
     train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
     with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them).
 
-    With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.preview.MergePreviewCallback`),
+    With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.callbacks.preview.MergePreviewCallback`),
     which needs the ``recipe`` (rewards, evaluation, seed) and every merged stage's validation file (``val_files``:
     stage name to ``val.jsonl``).
 
@@ -154,14 +154,14 @@ def attach_telemetry(
         "domain": stage.domain,
     }
     if stage.preview is None:
-        from ram_trl.callbacks import TaskVectorSparsityCallback
+        from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
 
         callback = TaskVectorSparsityCallback(**common)
     else:
+        from ram_trl.callbacks.preview import MergePreviewCallback
         from ram_trl.evaluation.scoring import EvalTask
-        from ram_trl.manifest import read_manifest
-        from ram_trl.preview import MergePreviewCallback
         from ram_trl.recipes.data import read_jsonl
+        from ram_trl.stage.manifest import read_manifest
 
         if recipe is None:
             raise ConfigError(f"stage {stage.name!r}: the merge preview needs the recipe")
@@ -212,8 +212,8 @@ def run_stage(
     Raises:
         ConfigError: for a stage with an existing checkpoint (nothing to train).
     """
-    from ram_trl.manifest import MANIFEST_NAME
     from ram_trl.recipes.data import read_jsonl
+    from ram_trl.stage.manifest import MANIFEST_NAME
 
     recipe, _ = load_recipe(recipe_path)
     if recipe.torch_threads is not None:

@@ -14,7 +14,6 @@ The counts are summed over the model into :class:`MergeEffect`; :func:`effect_re
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,6 @@ import torch
 
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
-    from ram_trl.methods import ChunkInputs, MergeMethod
 
 #: Below this share of its elements the written value keeps the step, the report warns.
 STEP_SURVIVAL_WARNING = 0.01
@@ -58,11 +56,6 @@ class MergeEffect:
             setattr(self, key, ctx.all_reduce_int(getattr(self, key)))
         total = torch.tensor([self.delta_sq], dtype=torch.float64)  # host
         self.delta_sq = float(ctx.all_reduce_sum(total)[0])
-
-
-def unstepped_inputs(inputs: ChunkInputs) -> ChunkInputs:
-    """A copy of a block's kernel inputs the ``unstepped`` hook may modify (the kernel still sees the originals)."""
-    return dataclasses.replace(inputs, deltas=inputs.deltas.clone(), seen=list(inputs.seen))
 
 
 def block_effect(
@@ -108,12 +101,12 @@ def _share(part: int, whole: int) -> float | None:
     return part / whole if whole else None
 
 
-def effect_report(effect: MergeEffect, method: MergeMethod, out_dtypes: list[torch.dtype]) -> dict[str, Any]:
+def effect_report(effect: MergeEffect, method: Any, out_dtypes: list[torch.dtype]) -> dict[str, Any]:
     """The report's ``effect`` section, with ``warning`` (one line, or ``None``).
 
     Args:
         effect: The counts summed over the model.
-        method: The merge method (its ``step``).
+        method: The merge method (a :class:`~ram_trl.methods.MergeMethod`: its ``name``, ``unstepped`` and ``step``).
         out_dtypes: The output dtypes of the merged (floating) tensors.
 
     Returns:
@@ -184,5 +177,4 @@ __all__ = [
     "block_effect",
     "effect_line",
     "effect_report",
-    "unstepped_inputs",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ram_trl.counting import keep_count
+from ram_trl.statistics.counting import keep_count
 
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
@@ -155,7 +155,7 @@ def top_mass_share(values: torch.Tensor, fraction: float) -> float:
 
     Args:
         values: Any shape.
-        fraction: Share of the elements; ``k = max(1, floor(fraction * n))`` (:func:`ram_trl.counting.keep_count`,
+        fraction: Share of the elements; ``k = max(1, floor(fraction * n))`` (:func:`ram_trl.statistics.counting.keep_count`,
             the same rule as TIES trimming).
 
     Returns:
@@ -431,7 +431,7 @@ class MagnitudeStatistics:
             values: Active task-vector values, any shape (on any device; the histogram moves to it). NaN values are
                 left out.
             zero_filled: ``values`` is a whole chunk in which the inactive elements are 0 (e.g.
-                :func:`~ram_trl.counting.masked_deltas`): zeros are left out, which saves the caller a gather of
+                :func:`~ram_trl.statistics.counting.masked_deltas`): zeros are left out, which saves the caller a gather of
                 the active elements. Requires every active magnitude to be at least the lower edge of bin 1
                 (``2**-133`` by default; true for any threshold ``eps >= 2**-133``): the smaller ones share the bin
                 of 0.

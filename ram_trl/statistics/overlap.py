@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ram_trl import counting
+from ram_trl.statistics import counting
 
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
@@ -34,7 +34,7 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def subset_counts(mask: torch.Tensor) -> torch.Tensor:
     """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
-    ``code`` (:func:`~ram_trl.counting.subset_codes`).
+    ``code`` (:func:`~ram_trl.statistics.counting.subset_codes`).
 
     Args:
         mask: Bool tensor, or float ``0`` / ``1`` flags, of shape ``(num_agents, n)``, at most

@@ -7,8 +7,8 @@ import torch
 
 from ram_trl.analysis.measure import as_bf16, bf16_view_agents
 from ram_trl.io.checkpoint import open_checkpoint
-from ram_trl.planner import build_plan
-from ram_trl.streaming import RawChunk
+from ram_trl.merging.planner import build_plan
+from ram_trl.merging.streaming import RawChunk
 from tests.helpers import base_tensors, perturb, save_checkpoint
 
 

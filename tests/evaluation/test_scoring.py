@@ -1,5 +1,5 @@
 """ram_trl/evaluation/scoring.py: scoring completions with a stage's reward functions, by hand with the example tasks'
-rewards (generation and whole-model evaluation run with a real tiny model in tests/preview/)."""
+rewards (generation and whole-model evaluation run with a real tiny model in tests/callbacks/preview/)."""
 
 from __future__ import annotations
 

@@ -269,8 +269,8 @@ def test_two_grpo_steps_with_the_telemetry_callback_on_the_converted_model(conve
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from ram_trl.callbacks import TaskVectorSparsityCallback
-    from ram_trl.manifest import read_manifest
+    from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
+    from ram_trl.stage.manifest import read_manifest
 
     base, _ = converted
     out = tmp_path / "agent"

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from ram_trl.counting import active_mask, float32_threshold, overlap_counts
 from ram_trl.errors import ConfigError
 from ram_trl.methods.base import ChunkInputs
 from ram_trl.methods.ram import check_agent, merge_plain, merge_unique, merge_unscaled, ram_merge
 from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics.counting import active_mask, float32_threshold, overlap_counts
 
 F = torch.float32
 

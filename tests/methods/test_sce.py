@@ -9,9 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ram_trl
+from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, bytes_per_element
 from ram_trl.methods.base import ChunkInputs
 from ram_trl.methods.sce import SCE, SceTensor, merge, prepare, sce_weights, select_mask
-from ram_trl.planner import PROCESS_BASELINE_BYTES, bytes_per_element
 from tests.helpers import config_for, load_checkpoint, make_checkpoints
 
 

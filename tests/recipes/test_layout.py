@@ -46,7 +46,7 @@ def test_resolve_path_and_safe_name(tmp_path):
 
 
 def test_a_stage_is_complete_when_its_manifest_names_an_existing_checkpoint(tmp_path):
-    from ram_trl.manifest import MANIFEST_NAME, StageManifest, write_manifest
+    from ram_trl.stage.manifest import MANIFEST_NAME, StageManifest, write_manifest
 
     stage = tmp_path / "stage"
     assert not stage_complete(stage)

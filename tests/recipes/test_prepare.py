@@ -38,15 +38,15 @@ def test_gguf_base_is_converted_once_into_base_init(tmp_path, monkeypatch):
         return Run(recipe, root, tmp_path / "run", RunOptions())
 
     first = run("bfloat16")
-    assert first.base == first.initial_base == tmp_path / "run" / "base_init"
-    assert first.stage_command(first.recipe.stages[0])[
-        first.stage_command(first.recipe.stages[0]).index("--base") + 1
+    assert first.layout.base == first.layout.initial_base == tmp_path / "run" / "base_init"
+    assert first.launcher.stage_command(first.layout.recipe.stages[0])[
+        first.launcher.stage_command(first.layout.recipe.stages[0]).index("--base") + 1
     ] == str(tmp_path / "run" / "base_init")
-    first.convert_base()
-    first.convert_base()
+    first.preparation.convert_base()
+    first.preparation.convert_base()
     assert calls == [(source, None, "bfloat16", True)]
-    run("float32").convert_base()
+    run("float32").preparation.convert_base()
     assert calls[-1] == (source, None, "float32", True) and len(calls) == 2
     source.write_bytes(b"GGUF" + b"\1" * 60)
-    run("float32").convert_base()
+    run("float32").preparation.convert_base()
     assert len(calls) == 3

@@ -17,9 +17,9 @@ from safetensors import safe_open
 
 from ram_trl.cli import main
 from ram_trl.errors import ConfigError
-from ram_trl.manifest import fingerprint_checkpoint, read_manifest
 from ram_trl.output import LOCK_FILE
 from ram_trl.recipes.runner import RunOptions, StageError, run_recipe, stage_complete
+from ram_trl.stage.manifest import fingerprint_checkpoint, read_manifest
 from tests.helpers import dead_pid, leftovers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -439,4 +439,3 @@ def test_the_split_modules_names_still_import_from_the_runner():
     assert runner.StageError is launch.StageError and runner.die_with_parent is launch.die_with_parent
     assert runner.stage_complete is layout.stage_complete and runner.safe_name is layout.safe_name
     assert {"RunOptions", "run_recipe", "run_seeds", "StageError", "stage_complete"} <= set(runner.__all__)
-    assert issubclass(runner.Run, layout.RunLayout)

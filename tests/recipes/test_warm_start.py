@@ -94,14 +94,14 @@ def test_the_default_reply_is_the_first_that_no_stage_rewards(tmp_path, monkeypa
         run = Run(recipe, root, tmp_path / recipe.name, RunOptions(progress=False))
         for stage in recipe.stages:
             _, held, val = draw_splits(stage, root)
-            write_jsonl(held, run.dir / "data" / stage.name / "eval.jsonl")
-            write_jsonl(val, run.dir / "data" / stage.name / "val.jsonl")
-        assert run.abstain_reply(None) == expected
-        assert run.abstain_reply(expected) == expected
+            write_jsonl(held, run.layout.dir / "data" / stage.name / "eval.jsonl")
+            write_jsonl(val, run.layout.dir / "data" / stage.name / "val.jsonl")
+        assert run.preparation.abstain_reply(None) == expected
+        assert run.preparation.abstain_reply(expected) == expected
     with pytest.raises(
         ConfigError, match=r"abstain_reply \"\(I don't know\)\" earns a reward on stage 'reverse'"
     ):
-        run.abstain_reply(ABSTAIN_REPLIES[0])
+        run.preparation.abstain_reply(ABSTAIN_REPLIES[0])
 
 
 def test_the_abstaining_phase_follows_the_answers_and_teaches_the_reply(tmp_path):

@@ -274,7 +274,7 @@ def test_seeds_draw_different_splits_and_the_same_seed_the_same(tmp_path):
 
     def drawn(seed):
         recipe, root = load_recipe(DEMO_RECIPE, apply_overrides(QUICK_OVERRIDES, seed_overrides(seed)))
-        return Run(recipe, root, tmp_path / f"run{seed}", RunOptions(progress=False)).draw()
+        return Run(recipe, root, tmp_path / f"run{seed}", RunOptions(progress=False)).preparation.draw()
 
     zero, again, one = drawn(0), drawn(0), drawn(1)
     assert zero == again

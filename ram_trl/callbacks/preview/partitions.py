@@ -1,0 +1,274 @@
+"""The merge preview under DeepSpeed ZeRO-3: no rank gathers the policy for the merge.
+
+Each rank merges its own partition of every parameter with the global statistics
+(:func:`ram_trl.merging.range_merge.merge_ranges`, one all-reduce of integer counts); the merged values then replace the
+partitions while the model is scored through ZeRO-3's own gathering for generation (as TRL gathers for its training
+generation), and the policy's partitions are restored afterwards (:func:`swapped_partitions`). What a
+partition-local preview cannot do is refused at train begin (:func:`check_partitioned`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ram_trl.callbacks.preview.scores import training_rng_kept, weights_digest
+from ram_trl.callbacks.sparsity import library_versions, policy_of
+from ram_trl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PartitionPreview",
+    "check_partitioned",
+    "preview_partitions",
+    "score_gathered",
+    "swapped_partitions",
+    "without_zero3_init",
+]
+
+
+@dataclass
+class PartitionPreview:
+    """What one partition-local preview takes from its callback (so this module never holds the callback).
+
+    Args:
+        trainer (`Trainer`): The trainer (its model, the DeepSpeed engine, the accelerator).
+        save_dtype (`torch.dtype`): The dtype the policy is saved in.
+        merge_config (`dict[str, Any]`): The preview's merge config, naming the saved policy as the last agent.
+        history (`list[dict[str, Any]]`): The previews so far (scores of unchanged weights are reused).
+        tasks (`dict[str, EvalTask]`): Every stage's validation task, by stage name.
+        stage_name (`str`): This stage.
+        merged_stages (`list[str]`): The stages in the merge, in merge order.
+        tokenizer (`Callable[[], Any]`): The base's tokenizer set up for generation (loaded on first call).
+        evaluation (`EvaluationSpec`): How the stages are scored.
+        share (`Callable[[Any], Any]`): The main rank's value, on every rank.
+    """
+
+    trainer: Any
+    save_dtype: torch.dtype
+    merge_config: dict[str, Any]
+    history: list[dict[str, Any]]
+    tasks: dict[str, Any]
+    stage_name: str
+    merged_stages: list[str]
+    tokenizer: Callable[[], Any]
+    evaluation: Any
+    share: Callable[[Any], Any]
+
+
+def check_partitioned(
+    resolved_method: Any, deepspeed_config: dict[str, Any], policy: Any, evaluation_dtype: str
+) -> None:
+    """Refuse, at train begin, what a partition-local preview cannot do (before any training step).
+
+    Args:
+        resolved_method (`Any`): The preview's resolved merge method.
+        deepspeed_config (`dict[str, Any]`): The run's DeepSpeed config.
+        policy (`PreTrainedModel`): The policy.
+        evaluation_dtype (`str`): The evaluation's dtype (a warning when the policy trains in another one).
+
+    Raises:
+        ConfigError: for a method that needs whole tensors, a DeepSpeed config that does not save 16-bit weights, or
+            a PEFT policy.
+    """
+    from ram_trl.merging.range_merge import check_range_method
+
+    check_range_method(resolved_method)
+    zero = deepspeed_config.get("zero_optimization") or {}
+    if zero.get("stage3_gather_16bit_weights_on_model_save") in (None, False, "false", "False"):
+        raise ConfigError(
+            "the merge preview saves the policy at every preview, which under DeepSpeed ZeRO-3 needs "
+            "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config's zero_optimization "
+            "(zero3_save_16bit_model: true in an accelerate config)"
+        )
+    if hasattr(policy, "peft_config"):
+        raise ConfigError(
+            "the merge preview under DeepSpeed ZeRO-3 merges the policy's full weights; a PEFT (LoRA) policy is "
+            "not supported there (use DDP or ZeRO-1/2, or train without the preview)"
+        )
+    dtypes = {p.dtype for p in policy.parameters()}
+    wanted = getattr(torch, evaluation_dtype)
+    if dtypes != {wanted}:
+        logger.warning(
+            "merge preview under ZeRO-3: the model is scored in its training dtype (%s), not the evaluation dtype "
+            "(%s); the merged weights are those of `ram-trl merge`, the scores may differ from `ram-trl eval` in "
+            "the last digits (set evaluation.dtype to the training dtype to make them equal)",
+            ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+            evaluation_dtype,
+        )
+
+
+def preview_partitions(preview: PartitionPreview, checkpoint: Path, step: int) -> dict[str, Any]:
+    """One preview's record under DeepSpeed ZeRO-3 (every rank calls it): each rank merges its own partition of
+    every parameter with the global statistics (no parameter gathered); the merged values then replace the
+    partitions while the model is scored, and the policy's partitions are restored afterwards.
+
+    Args:
+        preview (`PartitionPreview`): The trainer, settings and history of this preview.
+        checkpoint (`Path`): The policy saved at this step (the merge config names it; the values come from the
+            partitions).
+        step (`int`): The step.
+
+    Returns:
+        `dict[str, Any]`: The main rank's record (scores, digests, timings), on every rank.
+    """
+    from ram_trl.callbacks.telemetry.base_weights import base_name
+    from ram_trl.callbacks.telemetry.shards import iter_local_shards, training_context
+    from ram_trl.merging.config.resolve import resolve_config
+    from ram_trl.merging.config.schema import load_config
+    from ram_trl.merging.range_merge import FlatRange, merge_ranges
+
+    ctx = training_context()
+    policy = policy_of(preview.trainer.model)
+    shards = list(iter_local_shards(policy))
+    saved = [
+        FlatRange(
+            base_name(s.name),
+            s.offset,
+            s.values.to(device="cpu", dtype=preview.save_dtype),  # on the host: no copy on the accelerator
+            counted=s.partitioned or ctx.is_main,
+        )
+        for s in shards
+    ]
+    start = time.perf_counter()
+    # the config names the saved policy (the last agent); merge_ranges takes its values from `saved` instead
+    resolved = resolve_config(load_config(preview.merge_config)[0])
+    result = ctx.guarded(lambda: merge_ranges(resolved, len(resolved.agents) - 1, saved, ctx))
+    merge_seconds = time.perf_counter() - start
+    agent_digest = preview.share(weights_digest(checkpoint) if ctx.is_main else None)
+    merged_scores = {r["merged_sha256"]: r["scores"] for r in preview.history}.get(result.digest)
+    agent_score = {r.get("agent_sha256"): r["agent_score"] for r in preview.history}.get(agent_digest)
+    with swapped_partitions(preview.trainer.model_wrapped, shards) as swap:
+        if agent_score is None:
+            swap([r.values for r in saved])
+            agent_score = score_gathered(preview, [preview.tasks[preview.stage_name]])[preview.stage_name]
+        if merged_scores is None:
+            swap(result.values)
+            merged_scores = score_gathered(preview, [preview.tasks[name] for name in preview.merged_stages])
+    record = {
+        "step": step,
+        "scores": dict(merged_scores),
+        "average": math.fsum(merged_scores.values()) / len(merged_scores),
+        "agent_score": agent_score,
+        "merged_sha256": result.digest,
+        "agent_sha256": agent_digest,
+        "merge_seconds": round(merge_seconds, 4),
+        "merge_processes": ctx.world_size,
+        "merge_kind": "partitions",
+    }
+    return preview.share(record if ctx.is_main else None)  # the main rank's timings
+
+
+def score_gathered(preview: PartitionPreview, tasks: list[Any]) -> dict[str, float]:
+    """Scores of the model as its partitions now hold it (every rank calls it): the parameters are gathered the
+    way TRL gathers them for its training generation, and every rank generates the same completions in step with
+    the others (ZeRO-3's forward hooks and ``generate``'s ``synced_gpus`` are collectives); the main rank's scores
+    are shared.
+
+    Args:
+        preview (`PartitionPreview`): The trainer, tokenizer and evaluation settings.
+        tasks (`list[EvalTask]`): The stages to score.
+
+    Returns:
+        `dict[str, float]`: The validation score per stage.
+    """
+    from trl.models.utils import unwrap_model_for_generation
+
+    from ram_trl.evaluation.scoring import evaluate_loaded
+
+    accelerator = preview.trainer.accelerator
+    with unwrap_model_for_generation(preview.trainer.model_wrapped, accelerator) as unwrapped:
+        model = policy_of(unwrapped)
+        training = model.training
+        model.eval()
+        try:
+            with training_rng_kept():
+                scored = evaluate_loaded(
+                    model, preview.tokenizer(), tasks, preview.evaluation, progress=False
+                )
+        finally:
+            model.train(training)
+    scores = dict(scored["splits"]["val"]["scores"])
+    return preview.share(scores if accelerator.is_main_process else None)
+
+
+@contextlib.contextmanager
+def swapped_partitions(engine: Any, shards: list[Any]):
+    """Let values replace a DeepSpeed ZeRO-3 model's local partitions, and restore the partitions on exit.
+
+    Yields a function ``swap(values)`` writing one flat tensor per shard (of
+    :func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`) into the partitions. Before each write every gathered
+    parameter is released (ZeRO-3 re-gathers from the partitions at the next use); on exit the saved partitions are
+    written back and the persistent parameters re-gathered, as DeepSpeed does after an optimizer step. The saved
+    copy is one partition per parameter, on the CPU.
+
+    Args:
+        engine (`deepspeed.DeepSpeedEngine`): The wrapped model (``trainer.model_wrapped``).
+        shards (`list[LocalShard]`): Its local shards.
+    """
+    optimizer = engine.optimizer
+    # DeepSpeed's ZeRO-3 optimizer releases every gathered parameter through its offload manager's public method
+    release = getattr(getattr(optimizer, "parameter_offload", None), "partition_all_parameters", None)
+    if release is None:
+        raise ConfigError(
+            f"the merge preview under DeepSpeed ZeRO-3 needs the ZeRO-3 optimizer's "
+            f"parameter_offload.partition_all_parameters() (DeepSpeed >= 0.10); {type(optimizer).__name__} of "
+            f"DeepSpeed {library_versions().get('deepspeed', '(not installed)')} has none"
+        )
+    backup = [s.values.detach().to("cpu", copy=True) for s in shards]
+
+    def write(values: Sequence[torch.Tensor]) -> None:
+        release()
+        with torch.no_grad():
+            for shard, value in zip(shards, values, strict=True):
+                shard.values.copy_(value.to(shard.values.device))
+
+    try:
+        yield write
+    finally:
+        write(backup)
+        persistent = getattr(optimizer, "persistent_parameters", [])
+        if persistent:
+            persistent[0].all_gather(persistent)
+
+
+@contextlib.contextmanager
+def without_zero3_init(owner: Any):
+    """Let one process of a DeepSpeed ZeRO-3 run load and generate on its own: without it transformers'
+    ``from_pretrained`` partitions the model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the
+    other processes (``synced_gpus``), collectives the other processes never join.
+
+    Only transformers' public functions: the run's DeepSpeed config (``deepspeed_config()``) is unset, and set again
+    on exit as a new ``HfDeepSpeedConfig`` of the same config, which ``owner`` keeps alive (transformers holds it by a
+    weak reference).
+
+    Args:
+        owner (`Any`): The object that keeps the new ``HfDeepSpeedConfig`` (its ``hf_deepspeed_config``).
+    """
+    try:
+        from transformers.integrations.deepspeed import (
+            HfDeepSpeedConfig,
+            deepspeed_config,
+            unset_hf_deepspeed_config,
+        )
+    except ImportError:  # pragma: no cover - transformers without the DeepSpeed integration
+        yield
+        return
+    config = deepspeed_config()
+    if config is None:  # not a DeepSpeed run
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        owner.hf_deepspeed_config = HfDeepSpeedConfig(config)

@@ -1,0 +1,143 @@
+"""The unit of work of a telemetry measurement: chunks of a region (:class:`Chunk`), what one chunk adds to a
+measurement (:class:`ChunkCounts`) and the buffers every chunk a thread measures reuses (:class:`Workspace`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ram_trl.callbacks.telemetry.layout import Region
+from ram_trl.statistics import MagnitudeStatistics, MagnitudeWorkspace, OverlapStatistics
+
+
+def lora_chunks(region: Region, size: int) -> Iterator[tuple[int, int, int, int]]:
+    """The pieces of a LoRA region, each on whole rows of the delta (which is computed a row range at a time).
+
+    Args:
+        region: A ``lora`` region (its local range may start and end inside a row).
+        size: Elements of delta per piece at most (at least one row).
+
+    Returns:
+        ``(start, count, row_start, row_stop)`` per piece: its first element relative to the region's local range,
+        its number of elements, and the rows of the delta that hold it.
+    """
+    shape = region.shard.shape
+    row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    rows_per = max(1, size // row)
+    first = region.shard.offset
+    last = first + region.shard.numel
+    row_start = first // row
+    while row_start * row < last:
+        row_stop = min(row_start + rows_per, math.ceil(last / row))
+        lo, hi = max(first, row_start * row), min(last, row_stop * row)
+        yield lo - first, hi - lo, row_start, row_stop
+        row_start = row_stop
+
+
+class Workspace:
+    """Buffers reused by every chunk a thread measures (no allocation, no page faults in the hot loop).
+
+    Args:
+        numel: Elements of the largest chunk.
+        save_dtype: The dtype the agent is saved in (the buffer that rounds to it).
+        device: Where the chunks compute.
+    """
+
+    def __init__(self, numel: int, save_dtype: torch.dtype, device: torch.device) -> None:
+        def f32() -> torch.Tensor:
+            return torch.empty(numel, dtype=torch.float32, device=device)
+
+        self.base, self.tau, self.saved, self.base_saved, self.scratch = f32(), f32(), f32(), f32(), f32()
+        self.flags, self.saved_flags = f32(), f32()
+        self.rounded = torch.empty(numel, dtype=save_dtype, device=device)
+        self.magnitude = MagnitudeWorkspace(numel, device)
+        self.device = device
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        #: the ``|tau|`` histogram of the chunks this workspace measured (reset by each measurement)
+        self.histogram = MagnitudeStatistics.zeros(1)
+
+    def stage(self, stored: torch.Tensor) -> torch.Tensor:
+        """Host values bound for this workspace's accelerator, in a pinned host buffer (the copy to the device can
+        then run asynchronously); values already on the workspace's device, or a CPU workspace, as they are.
+
+        Reusing the buffer for the next chunk is safe: every chunk reads its counts back to the host first.
+        """
+        if self.device.type != "cuda" or stored.device.type != "cpu":
+            return stored
+        count = stored.numel()
+        buffer = self._staging.get(stored.dtype)
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, self.tau.numel()), dtype=stored.dtype, pin_memory=True)  # host
+            self._staging[stored.dtype] = buffer
+        return buffer[:count].copy_(stored)
+
+    @property
+    def nbytes(self) -> int:
+        buffers = (
+            self.base,
+            self.tau,
+            self.saved,
+            self.base_saved,
+            self.scratch,
+            self.flags,
+            self.saved_flags,
+        )
+        staged = sum(t.numel() * t.element_size() for t in self._staging.values())
+        return (
+            sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
+            + self.magnitude.nbytes
+            + staged
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[start, start + count)`` of a region's local range, measured at once.
+
+    Args:
+        region: The region.
+        row: Index of the region's base tensor in the per-tensor counts.
+        start: First element, relative to the region's local range.
+        count: Elements.
+        rows: ``lora`` regions: the rows ``(start, stop)`` of the delta that hold the chunk.
+        sampled: Whether the magnitude statistics include the chunk.
+    """
+
+    region: Region
+    row: int
+    start: int
+    count: int
+    rows: tuple[int, int] | None = None
+    sampled: bool = True
+
+
+@dataclass
+class ChunkCounts:
+    """What one chunk adds to a measurement (see :meth:`TaskVectorTracker._measure_chunk`)."""
+
+    row: int
+    changed: int = 0
+    active: int = 0
+    active_saved: int = 0
+    square_sum: torch.Tensor | None = None
+    overlap: OverlapStatistics | None = None
+
+
+def flag_count(flags: torch.Tensor) -> int:
+    """Number of ``1.0`` flags in a float32 tensor of ``0`` / ``1``: its sum, exact below ``2**24`` elements
+    (comparisons that write float32 flags are several times faster than ones that write bools)."""
+    if flags.numel() < 1 << 24:
+        return int(flags.sum())
+    return int(torch.count_nonzero(flags))
+
+
+def row_numel(shape: tuple[int, ...]) -> int:
+    """Elements per row of a tensor of ``shape`` (1 for a scalar or a vector)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+__all__ = ["Chunk", "ChunkCounts", "Workspace", "flag_count", "lora_chunks", "row_numel"]

@@ -1,0 +1,233 @@
+"""The run context of a merge: what a run reads (config, inputs, plan), where it runs, and what it accumulates.
+
+The engine (:mod:`ram_trl.merging.engine`) builds one :class:`RunContext` per run and hands it to the passes
+(:mod:`ram_trl.merging.passes`) instead of long argument lists; the analysis (:mod:`ram_trl.analysis`) shares the input
+opening, the byte balance over ranks and the density warnings. Nothing here reads tensor data.
+
+Dependencies point one way: ``engine -> passes -> context``, ``analysis -> context``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ram_trl.distributed import DistContext
+from ram_trl.io.checkpoint import Checkpoint, open_checkpoint
+from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
+from ram_trl.io.vocabulary import pad_vocabularies
+from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE, MergePlan, TensorTask
+from ram_trl.merging.streaming import InputCache, ReadCounter
+from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics.counting import DEFAULT_EPS
+from ram_trl.statistics.effect import MergeEffect
+from ram_trl.validation import check_model_config
+
+logger = logging.getLogger(__name__)
+
+#: Agents differing from the base in more than this share of their elements get a warning (another base?).
+DENSE_AGENT_WARNING = 0.99
+
+
+@dataclass
+class MergeOptions:
+    """Run options (the CLI flags), separate from what is merged (the config).
+
+    Args:
+        overwrite: Replace an existing output directory.
+        dry_run: Plan and print, write nothing.
+        max_shard_size: Largest output file, e.g. ``"5GB"``.
+        device: Where the arithmetic runs (``"cpu"`` or ``"cuda"``); reads and writes stay on the CPU.
+        allow_pickle: Accept ``pytorch_model*.bin`` inputs.
+        chunk_budget: Bytes allowed for one chunk's buffers, e.g. ``"256MB"``.
+        progress: Show progress bars.
+        allow_external_shards: Accept checkpoint index files naming shards outside their directory.
+        print_summary: Print the plan (dry run) or the summary tables in the terminal (the command line does;
+            a library call logs one line through ``logging`` instead).
+        input_cache: Memory that may keep the inputs the statistics pass (RAM+, RAM+s) read, on the compute device,
+            for the merge pass, which then neither reads nor copies them again: ``"auto"`` (half the accelerator's
+            free memory; none on the CPU), ``"off"`` or a size such as ``"8GB"``.
+    """
+
+    overwrite: bool = False
+    dry_run: bool = False
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    device: str = "cpu"
+    allow_pickle: bool = False
+    chunk_budget: str | int = DEFAULT_CHUNK_BUDGET
+    progress: bool = True
+    allow_external_shards: bool = False
+    print_summary: bool = False
+    input_cache: str | int = "auto"
+
+
+@dataclass
+class MergeState:
+    """What the passes accumulate: global and per-tensor overlap statistics, cuts, warnings, bytes read and the
+    inputs the statistics pass keeps for the merge pass (``cache``)."""
+
+    stats: OverlapStatistics
+    tensor_stats: dict[str, OverlapStatistics] = field(default_factory=dict)
+    lambdas: list[float] | None = None
+    warnings: list[str] = field(default_factory=list)
+    read: ReadCounter = field(default_factory=ReadCounter)
+    bytes_written: int = 0
+    cache: InputCache | None = None
+    effect: MergeEffect = field(default_factory=MergeEffect)
+
+
+@dataclass
+class RunContext:
+    """Everything one merge run's passes read and update, in one object.
+
+    Args:
+        resolved: The validated merge config (method, parameters, agents).
+        options: The run options.
+        base: The opened base checkpoint (headers).
+        agents: The opened agents, in config order.
+        plan: The plan: tensors, chunks, output shards.
+        dist: This process's place in the run (rank, world size).
+        state: What the passes accumulate.
+        device: Where the arithmetic runs.
+        tasks: This process's share of ``plan.tasks``.
+        reader: The positioned reader of the run (set while the passes run).
+    """
+
+    resolved: ResolvedConfig
+    options: MergeOptions
+    base: Checkpoint
+    agents: list[Checkpoint]
+    plan: MergePlan
+    dist: DistContext
+    state: MergeState
+    device: torch.device
+    tasks: list[TensorTask]
+    reader: RowReader | None = None
+
+    @property
+    def progress(self) -> bool:
+        """Show progress bars (the main process only)."""
+        return self.options.progress and self.dist.is_main
+
+    @property
+    def eps(self) -> float:
+        """The activity threshold of the overlap counts."""
+        return run_eps(self.resolved)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the inputs need no finiteness check when the merge pass reads them (allowed, or already checked
+        by the statistics pass)."""
+        return self.resolved.allow_nonfinite or self.resolved.method.needs_statistics
+
+    def require_reader(self) -> RowReader:
+        """The run's reader (the passes run inside the engine's ``with RowReader()``)."""
+        assert self.reader is not None, "the passes run with a reader"
+        return self.reader
+
+
+def run_eps(resolved: ResolvedConfig) -> float:
+    """The activity threshold of a config (its ``eps`` parameter, else the default)."""
+    return float(resolved.params.get("eps", DEFAULT_EPS))
+
+
+def open_inputs(
+    resolved: ResolvedConfig, allow_pickle: bool, allow_external_shards: bool = False
+) -> tuple[Checkpoint, list[Checkpoint]]:
+    """Open the base and every agent (headers only; the base's ``config.json`` is validated too).
+
+    Args:
+        resolved: The config naming the inputs.
+        allow_pickle: Accept ``pytorch_model*.bin`` checkpoints.
+        allow_external_shards: Accept index files naming shards outside their checkpoint directory.
+
+    Returns:
+        The base and the agents, in config order.
+    """
+    base = open_checkpoint(
+        resolved.base_path,
+        f"base model ({resolved.base_path})",
+        allow_pickle=allow_pickle,
+        allow_external_shards=allow_external_shards,
+    )
+    if base.config_path is not None:
+        check_model_config(base.config_path, base.role)
+    shapes = {name: tuple(meta.shape) for name, meta in base.tensors.items()}
+    agents = [
+        open_checkpoint(
+            agent.path,
+            f"agent {agent.index} ({agent.name}, {agent.path})",
+            allow_pickle=allow_pickle,
+            allow_external_shards=allow_external_shards,
+            base_shapes=shapes,
+            base_config=base.config_path,
+        )
+        for agent in resolved.agents
+    ]
+    if resolved.union_rows is not None:
+        base, *agents = pad_vocabularies(base, agents, resolved.union_rows)
+    return base, agents
+
+
+def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
+    """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
+    balances over processes).
+
+    Args:
+        task: The tensor (a copied tensor counts the base's bytes only).
+        agents: The agents (those that store the tensor count).
+
+    Returns:
+        The stored bytes.
+    """
+    total = task.base.numel * dtype_itemsize(task.base.dtype)
+    if task.floating:
+        total += sum(
+            a.tensors[task.name].numel * dtype_itemsize(a.tensors[task.name].dtype)
+            for a in agents
+            if task.name in a.tensors
+        )
+    return total
+
+
+def check_densities(resolved: ResolvedConfig, state: MergeState, emit: bool = True) -> None:
+    """Warn about agents whose task vector is zero, or differs from the base almost everywhere (another base?).
+
+    Args:
+        resolved: The merge config.
+        state: The accumulated overlap statistics; the warnings are appended to ``state.warnings``.
+        emit: Also raise them as Python warnings and log them (the main process only).
+    """
+    for t, agent in enumerate(resolved.agents):
+        density = state.stats.density(t)
+        if state.stats.active(t) == 0:
+            message = (
+                f"agent {agent.index} ({agent.name}): its task vector is zero at eps={run_eps(resolved):g} "
+                "(identical to the base: density 0); it contributes nothing"
+            )
+        elif density > DENSE_AGENT_WARNING:
+            message = (
+                f"agent {agent.index} ({agent.name}): {density:.2%} of its elements differ from the base; "
+                "is it derived from this base model (same checkpoint, same dtype)?"
+            )
+        else:
+            continue
+        state.warnings.append(message)
+        if emit:
+            warnings.warn(message, stacklevel=2)
+            logger.warning(message)
+
+
+__all__ = [
+    "MergeOptions",
+    "MergeState",
+    "RunContext",
+    "check_densities",
+    "open_inputs",
+    "run_eps",
+    "task_input_bytes",
+]

@@ -1,0 +1,354 @@
+"""The merge of flat element ranges held in memory: each process merges the elements of one agent it holds.
+
+A DeepSpeed ZeRO-3 (or any partitioned) training run holds, on each process, one contiguous flat range of every
+parameter of the policy (:mod:`ram_trl.callbacks.telemetry.shards`). :func:`merge_ranges` merges those ranges with the other
+agents and the base read from disk (the same flat ranges, read a few rows at a time), without gathering any parameter:
+
+1. the statistics: every process counts the method's overlap statistics on its ranges; the integer counts are summed
+   over the processes (one all-reduce), so the per-agent factors (RAM+'s ``lambda_t``) are exactly the engine's;
+2. the merge: every process runs the method's kernel on its ranges, block by block, with the engine's arithmetic
+   (:func:`ram_trl.merging.passes.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
+
+The merged values are those ``ram-trl merge`` writes for the same elements when the in-memory agent is saved in the
+dtype its ranges are given in: bit for bit. Methods whose kernel needs more than the elements of a range and the
+global statistics (a per-tensor preparation over whole tensors, such as TIES' magnitude cut, or a scan of earlier
+blocks, or Fishers) cannot merge ranges: :func:`check_range_method` says so before any work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ram_trl.distributed import DistContext
+from ram_trl.errors import ConfigError, NonFiniteError
+from ram_trl.io.checkpoint import Checkpoint
+from ram_trl.io.safetensors_io import RowReader
+from ram_trl.merging.config.settings import ResolvedConfig
+from ram_trl.merging.context import open_inputs, run_eps
+from ram_trl.merging.passes import agent_parameter_values, kernel_output
+from ram_trl.merging.planner import TensorTask, build_plan
+from ram_trl.merging.streaming import fill_delta, fill_weights, read_agent_rows
+from ram_trl.methods import ChunkInputs, MergeMethod
+from ram_trl.statistics import OverlapStatistics
+from ram_trl.statistics.counting import active_flags
+
+#: Elements of one range merged at once (the task vectors of every agent of a block are held in float32).
+BLOCK_ELEMENTS = 1 << 20
+
+__all__ = ["BLOCK_ELEMENTS", "FlatRange", "RangeMerge", "check_range_method", "merge_ranges"]
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements ``[offset, offset + values.numel())`` of one flattened tensor of the in-memory agent.
+
+    Args:
+        name: The tensor's name in the base checkpoint.
+        offset: Flat index of ``values[0]`` in the full tensor.
+        values: The agent's elements, 1-D, in the dtype the merge is to read them in (the dtype the agent is saved
+            in: ``ram-trl merge`` of the saved agent sees exactly these values).
+        counted: Whether this process counts the range in the statistics. A range that every process holds (a
+            replicated parameter) is counted by one process only, so that the sum over processes counts every
+            element once.
+    """
+
+    name: str
+    offset: int
+    values: torch.Tensor
+    counted: bool = True
+
+
+@dataclass
+class RangeMerge:
+    """The result of :func:`merge_ranges` on this process.
+
+    Args:
+        values: The merged elements of every range, in the order given, each 1-D in its tensor's output dtype.
+        factors: The method's per-agent factors (global), or ``None`` for methods without statistics.
+        stats: The global overlap statistics (summed over the processes), for methods with statistics.
+        digest: SHA-256 of the merged elements of every process (tensor name, offset, dtype and bytes of each
+            range, the processes in rank order): equal digests mean equal merged weights for one partitioning.
+        tensor_factors: Per tensor, the factors from that tensor's statistics (methods with tensor-local factors,
+            e.g. ``rho_scope: tensor``); empty otherwise.
+    """
+
+    values: list[torch.Tensor]
+    factors: list[float] | None
+    stats: OverlapStatistics | None
+    digest: str
+    tensor_factors: dict[str, list[float]] = field(default_factory=dict)
+
+
+def check_range_method(method: MergeMethod) -> None:
+    """Refuse a method that cannot merge flat ranges of partitioned parameters.
+
+    Args:
+        method: The merge method.
+
+    Raises:
+        ConfigError: for a method with a per-tensor preparation over whole tensors, a scan of earlier blocks or
+            Fisher inputs, naming what to use instead.
+    """
+    if method.prepare_tensor is not None or method.scan is not None or method.needs_fisher:
+        what = "Fisher inputs" if method.needs_fisher else "whole tensors (a per-tensor preparation)"
+        raise ConfigError(
+            f"merge method {method.name!r} needs {what}, which a partitioned model (DeepSpeed ZeRO-3) does not hold "
+            "on any one process; a partition-local merge supports the methods whose kernel works element by element "
+            "with global statistics: ram, ram_plus, ram_plus_soft, task_arithmetic, linear, dare_linear, dare_ties"
+        )
+
+
+@dataclass
+class _Inputs:
+    """What every block of a range merge reads: the config, the opened checkpoints, the base's floating tensors by
+    name, the in-memory agent's index, the device and the reader."""
+
+    resolved: ResolvedConfig
+    base: Checkpoint
+    agents: list[Checkpoint]
+    tasks: dict[str, TensorTask]
+    current: int
+    device: torch.device
+    reader: RowReader
+
+
+def merge_ranges(
+    resolved: ResolvedConfig,
+    current: int,
+    ranges: Sequence[FlatRange],
+    ctx: DistContext,
+    *,
+    device: str | torch.device = "cpu",
+    block_elements: int = BLOCK_ELEMENTS,
+) -> RangeMerge:
+    """Merge this process's flat ranges of agent ``current`` (held in memory) with the other agents and the base.
+
+    Every process of ``ctx`` calls it with its own ranges; together the ranges of all processes must cover every
+    floating tensor of the base exactly once (counted ranges). The other agents and the base are read from the
+    checkpoints the config names; agent ``current``'s checkpoint is never read (the config may name any stand-in
+    with the base's tensors).
+
+    Args:
+        resolved: The validated merge config (:func:`ram_trl.merging.config.resolve.resolve_config`).
+        current: Index of the in-memory agent in ``resolved.agents``.
+        ranges: This process's ranges of that agent.
+        ctx: The processes merging (each with its ranges).
+        device: Where the arithmetic runs.
+        block_elements: Elements merged at once.
+
+    Returns:
+        The merged elements of each range and the global statistics.
+
+    Raises:
+        ConfigError: for a method that cannot merge ranges, a range of a tensor the base does not have as a
+            floating tensor, a range past its tensor's end, or ranges that do not cover the base's floating tensors.
+        NonFiniteError: naming the tensor and agent, for NaN/Inf inputs (unless ``allow_nonfinite``).
+    """
+    method = resolved.method
+    check_range_method(method)
+    if not 0 <= current < len(resolved.agents):
+        raise ConfigError(f"agent index {current} is not one of the config's {len(resolved.agents)} agents")
+    base, agents = open_inputs(resolved, allow_pickle=False)
+    plan = build_plan(
+        base,
+        agents,
+        out_dtype=resolved.out_dtype,
+        shape_mismatch="error",
+        needs_statistics=method.needs_statistics,
+        trims_by_magnitude=False,
+        merges_weights=method.merges_weights,
+    )
+    tasks = {t.name: t for t in plan.tasks if t.floating}
+    _check_coverage(ranges, tasks, ctx)
+    with RowReader() as reader:
+        inputs = _Inputs(resolved, base, agents, tasks, current, torch.device(device), reader)
+        factors: list[float] | None = None
+        stats: OverlapStatistics | None = None
+        tensor_factors: dict[str, list[float]] = {}
+        if method.needs_statistics:
+            stats, per_tensor = _statistics(inputs, ranges, ctx, block_elements)
+            assert method.factors is not None
+            factors = method.factors(stats, resolved.params)
+            tensor_factors = {n: method.factors(s, resolved.params) for n, s in per_tensor.items()}
+        values = [_merge_range(inputs, r, factors, tensor_factors, block_elements) for r in ranges]
+    digest = hashlib.sha256()
+    for part in ctx.gather_objects(_range_digest(ranges, values)):
+        digest.update(part.encode())
+    return RangeMerge(values, factors, stats, digest.hexdigest(), tensor_factors)
+
+
+def _check_coverage(ranges: Sequence[FlatRange], tasks: dict[str, TensorTask], ctx: DistContext) -> None:
+    counted: dict[str, int] = {}
+    for r in ranges:
+        task = tasks.get(r.name)
+        if task is None:
+            raise ConfigError(
+                f"tensor {r.name!r} of the in-memory agent is not a floating tensor of the base checkpoint; the agent "
+                "was not trained from this base"
+            )
+        if r.values.dim() != 1 or r.offset < 0 or r.offset + r.values.numel() > task.base.numel:
+            raise ConfigError(
+                f"tensor {r.name!r}: the range [{r.offset}, {r.offset + r.values.numel()}) is not inside its "
+                f"{task.base.numel} elements (shape {tuple(task.base.shape)} in the base)"
+            )
+        if not r.values.dtype.is_floating_point:
+            raise ConfigError(
+                f"tensor {r.name!r}: the in-memory agent's values are {r.values.dtype}, not floating"
+            )
+        if r.counted:
+            counted[r.name] = counted.get(r.name, 0) + r.values.numel()
+    totals: dict[str, int] = {}
+    for part in ctx.gather_objects(counted):
+        for name, numel in part.items():
+            totals[name] = totals.get(name, 0) + numel
+    wrong = [n for n, t in tasks.items() if totals.get(n, 0) != t.base.numel]
+    if wrong:
+        name = wrong[0]
+        raise ConfigError(
+            f"tensor {name!r}: the processes' ranges hold {totals.get(name, 0)} of its {tasks[name].base.numel} "
+            f"elements ({len(wrong)} floating tensors of the base are not covered exactly once); a partition-local "
+            "merge needs every floating tensor of the base as a parameter of the model"
+        )
+
+
+def _blocks(r: FlatRange, task: TensorTask, block_elements: int) -> Iterator[tuple[int, int]]:
+    """Flat ``[lo, hi)`` blocks of a range, each within whole rows of at most ``block_elements`` elements (at least
+    one row)."""
+    row = task.row_numel
+    step = max(row, block_elements // row * row)
+    end = r.offset + r.values.numel()
+    lo = r.offset
+    while lo < end:
+        hi = min(end, (lo // row) * row + step)
+        yield lo, hi
+        lo = hi
+
+
+def _block_inputs(inputs: _Inputs, r: FlatRange, task: TensorTask, lo: int, hi: int):
+    """Float32 task vectors ``(num_agents, hi - lo)``, base values and (for weight-merging methods) the agents'
+    weights of elements ``[lo, hi)`` of ``task``."""
+    row = task.row_numel
+    start, stop = lo // row, -(-hi // row)
+    window = slice(lo - start * row, hi - start * row)
+    base_rows = inputs.base.read_rows(task.name, inputs.reader, start, stop)
+    whole_base = base_rows.to(device=inputs.device, dtype=torch.float32).reshape(-1)
+    base_values = whole_base[window]
+    method = inputs.resolved.method
+    deltas = torch.empty((len(inputs.agents), hi - lo), dtype=torch.float32, device=inputs.device)
+    models = torch.empty_like(deltas) if method.merges_weights else None
+    full: torch.Tensor | None = None
+    for t, agent in enumerate(inputs.agents):
+        if t == inputs.current:
+            own = r.values[lo - r.offset : hi - r.offset].to(device=inputs.device, dtype=torch.float32)
+            torch.sub(own, base_values, out=deltas[t])
+            if models is not None:
+                models[t].copy_(own)
+            continue
+        values, lora = read_agent_rows(agent, task, t, inputs.reader, start, stop)
+        if full is None:
+            full = torch.empty_like(whole_base)
+        fill_delta(full, values, lora, whole_base)
+        deltas[t].copy_(full[window])
+        if models is not None:
+            fill_weights(full, values, lora, whole_base)
+            models[t].copy_(full[window])
+    if not inputs.resolved.allow_nonfinite and not math.isfinite(float(deltas.sum())):
+        bad = next(t for t in range(len(inputs.agents)) if not bool(torch.isfinite(deltas[t]).all()))
+        raise NonFiniteError(
+            f"{_role(inputs, bad)}: tensor {task.name!r} holds NaN/Inf values (or its base does) in elements "
+            f"[{lo}, {hi}); set allow_nonfinite: true in the config to merge anyway"
+        )
+    return deltas, base_values.contiguous(), models
+
+
+def _role(inputs: _Inputs, t: int) -> str:
+    spec = inputs.resolved.agents[t]
+    if t == inputs.current:
+        return f"agent {spec.index} ({spec.name}, the in-memory policy)"
+    return inputs.agents[t].role
+
+
+def _statistics(
+    inputs: _Inputs, ranges: Sequence[FlatRange], ctx: DistContext, block_elements: int
+) -> tuple[OverlapStatistics, dict[str, OverlapStatistics]]:
+    """The global overlap statistics (and per tensor, for tensor-local factors), summed over the processes."""
+    resolved = inputs.resolved
+    eps = run_eps(resolved)
+    per_tensor = resolved.method.tensor_local_statistics(resolved.params)
+    num_agents = len(inputs.agents)
+    names = sorted(inputs.tasks)
+    index = {n: i for i, n in enumerate(names)}
+    # one row per tensor: histogram and pairwise counts, flattened, so one all-reduce sums them all
+    width = num_agents * (num_agents + 1) + num_agents * num_agents
+    table = torch.zeros((len(names), width + 1), dtype=torch.int64)  # host
+    for r in ranges:
+        if not r.counted:
+            continue
+        task = inputs.tasks[r.name]
+        counts = OverlapStatistics.zeros(num_agents)
+        for lo, hi in _blocks(r, task, block_elements):
+            deltas, _, _ = _block_inputs(inputs, r, task, lo, hi)
+            counts.update(active_flags(deltas, eps))
+        row = table[index[r.name]]
+        row[: num_agents * (num_agents + 1)] += counts.histogram.reshape(-1)
+        row[num_agents * (num_agents + 1) : width] += counts.pairwise.reshape(-1)
+        row[width] += counts.numel
+    ctx.all_reduce_sum(table)
+    total = OverlapStatistics.zeros(num_agents)
+    tensors: dict[str, OverlapStatistics] = {}
+    for name in names:
+        row = table[index[name]]
+        stats = OverlapStatistics(
+            num_agents,
+            row[: num_agents * (num_agents + 1)].reshape(num_agents, num_agents + 1).clone(),
+            row[num_agents * (num_agents + 1) : width].reshape(num_agents, num_agents).clone(),
+            int(row[width]),
+        )
+        total.add(stats)
+        if per_tensor:
+            tensors[name] = stats
+    return total, tensors
+
+
+def _merge_range(
+    inputs: _Inputs,
+    r: FlatRange,
+    factors: list[float] | None,
+    tensor_factors: dict[str, list[float]],
+    block_elements: int,
+) -> torch.Tensor:
+    resolved = inputs.resolved
+    task = inputs.tasks[r.name]
+    out = torch.empty(r.values.numel(), dtype=task.out_dtype)  # host
+    params = resolved.params_for(task.name)
+    agent_params = agent_parameter_values(resolved, task.name, inputs.device)
+    row = task.row_numel
+    for lo, hi in _blocks(r, task, block_elements):
+        deltas, base_values, models = _block_inputs(inputs, r, task, lo, hi)
+        chunk = ChunkInputs(
+            name=task.name,
+            start=lo,
+            deltas=deltas,
+            base=base_values,
+            params=params,
+            agent_params=agent_params,
+            factors=tensor_factors.get(task.name, factors),
+            seed=resolved.seed,
+            models=models,
+        )
+        merged = kernel_output(resolved, chunk, task.out_dtype, (lo // row, -(-hi // row)))
+        out[lo - r.offset : hi - r.offset].copy_(merged.cpu())
+    return out
+
+
+def _range_digest(ranges: Sequence[FlatRange], values: list[torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for r, merged in zip(ranges, values, strict=True):
+        digest.update(f"{r.name}|{r.offset}|{str(merged.dtype).removeprefix('torch.')}|".encode())
+        digest.update(merged.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
