@@ -12,7 +12,7 @@ from typing import Any
 
 from ram_trl.methods import resolve_method
 from ram_trl.recipes import stats
-from ram_trl.recipes.selection import difference, row_average, val_block
+from ram_trl.recipes.selection import difference, row_average, score_samples, val_block
 
 __all__ = ["MATCH_TOLERANCE", "mechanism", "mechanism_rows", "mechanism_section"]
 
@@ -94,8 +94,7 @@ def _comparison(
 
 
 def mechanism(results: dict[str, Any]) -> dict[str, Any]:
-    """The mechanism comparisons of one run, with paired intervals (call while the test samples are present, as
-    :func:`~ram_trl.recipes.selection.add_statistics` does).
+    """The mechanism comparisons of one run, with paired intervals (the verdict's paired samples of the test split).
 
     Args:
         results (`dict[str, Any]`): The results of a recipe run.
@@ -109,11 +108,21 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
     if not any(r["kind"] == "merge" for r in results["rows"]):
         return {**found, "comparisons": [], "missing": []}
     n = found["n"]
-    comparisons = [
-        _comparison(results, "unique region at full strength vs at 1/N", found["ram"], found["ram_1n"]),
-        _comparison(results, "RAM vs task arithmetic chosen on validation", found["ram"], found["ta_val"]),
-        _comparison(results, "RAM vs magnitude-matched task arithmetic", found["ram"], found["ta_matched"]),
-    ]
+    kind = (results.get("statistics") or {}).get("intervals", "bootstrap")
+    # the same paired samples as the verdict's (same resamples and seed), present while comparing
+    results["_samples"] = {"test": score_samples(results, "test", kind)}
+    try:
+        comparisons = [
+            _comparison(results, "unique region at full strength vs at 1/N", found["ram"], found["ram_1n"]),
+            _comparison(
+                results, "RAM vs task arithmetic chosen on validation", found["ram"], found["ta_val"]
+            ),
+            _comparison(
+                results, "RAM vs magnitude-matched task arithmetic", found["ram"], found["ta_matched"]
+            ),
+        ]
+    finally:
+        results.pop("_samples", None)
     missing = []
     if found["ram"] is None:
         missing.append("- ram")
@@ -157,12 +166,14 @@ def mechanism_section(results: dict[str, Any]) -> list[str]:
     """``results.md``'s section on RAM's mechanism (empty when the run has no merges).
 
     Args:
-        results (`dict[str, Any]`): The results of a recipe run, with its statistics (``mechanism``).
+        results (`dict[str, Any]`): The results of a recipe run, with its statistics (``mechanism`` is added).
 
     Returns:
         `list[str]`: The Markdown lines.
     """
-    found = results.get("mechanism")
+    if "mechanism" not in results:
+        results["mechanism"] = mechanism(results)
+    found = results["mechanism"]
     if not found or not any(r["kind"] == "merge" for r in results["rows"]):
         return []
     lines = [

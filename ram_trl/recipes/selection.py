@@ -234,9 +234,6 @@ def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
                 )
     results["selection"] = select_merges(results)
     results["verdict"] = verdict(results)
-    from ram_trl.recipes.mechanism import mechanism  # it reads this module's paired differences
-
-    results["mechanism"] = mechanism(results)
     results.pop("_samples", None)
     return results
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ram_trl.recipes import stats
-from ram_trl.recipes.mechanism import mechanism_rows
+from ram_trl.recipes.mechanism import mechanism, mechanism_rows
 from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.selection import add_statistics
 from tests.recipes.results_rows import hand_made, results_row
@@ -57,6 +57,7 @@ def test_rows_are_found_by_method_and_parameters():
 
 def test_paired_differences_use_the_bootstrap_resamples_of_the_prompts():
     results = add_statistics(_with_mechanism_rows())
+    results["mechanism"] = mechanism(results)
     first = results["mechanism"]["comparisons"][0]
     assert (first["first"], first["second"]) == ("ram", "ram_half")
     # test averages 0.875 and 0.625; the paired interval from the same resamples of each stage's four prompts
@@ -78,6 +79,7 @@ def test_paired_differences_use_the_bootstrap_resamples_of_the_prompts():
 
 def test_missing_rows_are_named_as_yaml_entries():
     results = add_statistics(hand_made())  # merges m1, m2 only: no mechanism rows
+    results["mechanism"] = mechanism(results)
     missing = results["mechanism"]["missing"]
     assert "- ram" in missing
     assert "- {method: ram, name: ram_1_over_n, parameters: {unique_scale: 0.5}}" in missing
@@ -89,5 +91,6 @@ def test_missing_rows_are_named_as_yaml_entries():
 
 def test_a_run_without_merges_or_stages_has_no_mechanism_section():
     results = add_statistics({"recipe": "t", "stages": [], "rows": []})
+    results["mechanism"] = mechanism(results)
     assert results["mechanism"]["comparisons"] == [] and results["mechanism"]["missing"] == []
     assert "Mechanism" not in markdown(results)
