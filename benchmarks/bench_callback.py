@@ -123,7 +123,8 @@ def run(base: Path, out: Path, steps: int, with_callback: bool, size: str = "") 
         seed=0,
         disable_tqdm=True,
     )
-    callbacks = [TimedCallback(base_model=base)] if with_callback else []
+    # bf16 save, as in every table of BENCHMARKS.md (the default "auto" saves this float32 run in float32)
+    callbacks = [TimedCallback(base_model=base, save_dtype="bfloat16")] if with_callback else []
     trainer = GRPOTrainer(
         model=str(base),
         reward_funcs=reward,

@@ -56,8 +56,10 @@ CHUNK_BUDGET: str = "256MB"
 MAGNITUDE_SAMPLE: int = 1 << 25
 #: Prefix of the metrics the telemetry logs.
 METRIC_PREFIX: str = "task_vector/"
-#: dtype an agent is saved in at the end of an RL run (what a merge of real RL checkpoints sees).
-SAVE_DTYPE: str = "bfloat16"
+#: dtype an agent is saved in at the end of an RL run: "auto" is the dtype the trainer holds the trained parameters
+#: in, so the saved agent is the trained one (a bf16 save of float32 training rounds most small RL steps away:
+#: docs/telemetry.md, "Which save dtype").
+SAVE_DTYPE: str = "auto"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Merge preview

@@ -41,7 +41,7 @@ def main() -> None:
 
     TaskVectorTracker.measure = guarded
     config = zero3_rl_config(GRPOConfig, out, beta=beta)
-    callback = TaskVectorSparsityCallback(base_model=base, stage_name="grpo-zero3")
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="grpo-zero3", save_dtype="bfloat16")
     trainer = train_rl(GRPOTrainer, base, config, callback, distinct_char_count, rl_prompts(4))
     rank = dist.get_rank()
     result = {

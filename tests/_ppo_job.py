@@ -57,7 +57,9 @@ def main() -> None:
         bf16=False,
         seed=0,
     )
-    callback = TaskVectorSparsityCallback(base_model=base, stage_name="ppo", domain="test")
+    callback = TaskVectorSparsityCallback(
+        base_model=base, stage_name="ppo", domain="test", save_dtype="bfloat16"
+    )
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,

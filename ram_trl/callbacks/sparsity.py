@@ -31,6 +31,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 import ram_trl
 from ram_trl import defaults
 from ram_trl.callbacks.telemetry.base_weights import ModelBase
+from ram_trl.callbacks.telemetry.precision import rounding_warning
 from ram_trl.callbacks.telemetry.tracker import DEFAULT_PREFIX, MAGNITUDE_SAMPLE_ELEMENTS, TaskVectorTracker
 from ram_trl.errors import ConfigError, NonFiniteError
 from ram_trl.output import OutputDir, guard_os_errors
@@ -152,9 +153,10 @@ class TaskVectorSparsityCallback(TrainerCallback):
             always measured.
         eps (`float`, *optional*, defaults to `1e-5`):
             Activity threshold, ``|tau| > eps`` (strict), as RAM masks (:data:`ram_trl.defaults.EPS`).
-        save_dtype (`str`, *optional*, defaults to `"bfloat16"`):
-            The dtype the agent is saved in at train end and the ``density_saved`` view (``"bfloat16"``,
-            ``"float16"``, ``"float32"``).
+        save_dtype (`str`, *optional*, defaults to `"auto"`):
+            The dtype the agent is saved in at train end and the ``density_saved`` view: ``"auto"`` (the dtype the
+            trainer holds the trained parameters in: the saved agent is the trained one), ``"bfloat16"``,
+            ``"float16"`` or ``"float32"``. A save that rounds away most of what training moved warns at train end.
         prior_stages (`Sequence[str | os.PathLike]`, *optional*, defaults to `()`):
             Stage manifests (or their directories) of agents trained before this one from the same base: the
             overlap and RAM+ rho_t / lambda_t metrics are reported against them.
@@ -231,7 +233,6 @@ class TaskVectorSparsityCallback(TrainerCallback):
         )
         self.trainer = trainer
         self.base_model = self.tracker.base_model
-        self.save_dtype = self.tracker.save_dtype
         self.every_n_steps = every_n_steps
         self.prefix = prefix
         self.stage_name = stage_name
@@ -239,6 +240,11 @@ class TaskVectorSparsityCallback(TrainerCallback):
         self.save_agent = save_agent
         self.write_stage = write_stage
         self.manifest_file: Path | None = None
+
+    @property
+    def save_dtype(self) -> torch.dtype | None:
+        """The dtype the agent is saved in (``"auto"``: ``None`` until train begin resolves it)."""
+        return self.tracker.save_dtype
 
     def bind(self, trainer: Any) -> TaskVectorSparsityCallback:
         """Attach the trainer (callbacks receive the model but never the trainer).
@@ -346,6 +352,9 @@ class TaskVectorSparsityCallback(TrainerCallback):
         if not self.tracker.ready:
             return
         out_dir = Path(args.output_dir)
+        warning = rounding_warning(self.tracker.summary())
+        if warning and state.is_world_process_zero:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         if self.save_agent:  # the manifest is committed with the agent, last
             manifest = (lambda: self.manifest(args, state)) if self.write_stage else None
             written = save_agent(self.trainer, out_dir, self.save_dtype, manifest)

@@ -140,8 +140,14 @@ def _program(rng: random.Random) -> str:
     return f"items = sorted({values})\nprint(items[{index}])"
 
 
+def _one_line_program(rng: random.Random) -> str:
+    if rng.randrange(2):
+        return f"print({rng.randint(2, 30)} {rng.choice(['+', '-', '*'])} {rng.randint(2, 9)})"
+    return f'print(len("{rng.choice(_WORDS)}"))'
+
+
 def program_output_prompts(
-    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM
+    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM, easy_share: float = 0.0
 ) -> list[dict[str, str]]:
     """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
     print; the answer is the output of running the program.
@@ -150,13 +156,18 @@ def program_output_prompts(
         n (`int`): Number of distinct prompts.
         seed (`int`, *optional*, defaults to `0`): Seed of the draw.
         system (`str`, *optional*): The chat's system message.
+        easy_share (`float`, *optional*, defaults to `0.0`): Share of one-line programs (``print(17 * 4)``,
+            ``print(len("river"))``): an easier first rung, so that GRPO groups of a small model carry signal.
 
     Returns:
         `list[dict[str, str]]`: Rows ``{"prompt": CHAT, "answer": OUTPUT}``.
     """
 
+    if not 0.0 <= easy_share <= 1.0:
+        raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
+
     def make(rng: random.Random) -> dict[str, str]:
-        source = _program(rng)
+        source = _one_line_program(rng) if easy_share and rng.random() < easy_share else _program(rng)
         user = f"What does this Python program print?\n```python\n{source}\n```\nReply with the output only."
         return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
 

@@ -100,7 +100,9 @@ def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Pa
 
 def test_grpo_full_finetune_base_from_disk(base, tmp_path):
     out = tmp_path / "grpo"
-    callback = TaskVectorSparsityCallback(base_model=base, stage_name="coding", domain="code")
+    callback = TaskVectorSparsityCallback(
+        base_model=base, stage_name="coding", domain="code", save_dtype="bfloat16"
+    )
     trainer = grpo_run(base, out, callback)
     assert callback.tracker.base_description.startswith(f"base checkpoint {base}")
     assert callback.tracker.state_bytes == 0
@@ -121,7 +123,7 @@ def test_grpo_full_finetune_base_from_disk(base, tmp_path):
 
 def test_grpo_reference_model_is_the_base(base, tmp_path):
     out = tmp_path / "grpo_beta"
-    callback = TaskVectorSparsityCallback(base_model=base)
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="bfloat16")
     trainer = grpo_run(base, out, callback, beta=0.04)
     assert trainer.ref_model is not None
     assert callback.tracker.base_description == "reference model"
@@ -130,7 +132,7 @@ def test_grpo_reference_model_is_the_base(base, tmp_path):
 
 def test_grpo_lora_needs_no_base(base, tmp_path):
     out = tmp_path / "grpo_lora"
-    callback = TaskVectorSparsityCallback()
+    callback = TaskVectorSparsityCallback(save_dtype="bfloat16")
     peft_config = LoraConfig(
         r=4,
         lora_alpha=8,
@@ -152,7 +154,7 @@ def test_grpo_lora_needs_no_base(base, tmp_path):
 
 def test_rloo(base, tmp_path):
     out = tmp_path / "rloo"
-    callback = TaskVectorSparsityCallback(base_model=base)
+    callback = TaskVectorSparsityCallback(base_model=base, save_dtype="bfloat16")
     trainer = train_rl(
         RLOOTrainer, base, rl_args(RLOOConfig, out), callback, distinct_char_count, rl_prompts(4)
     )
@@ -455,7 +457,8 @@ def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp
     """The collision of issue 24: the callback saves the bf16 agent, trainer.save_model then writes the float32
     model over it; the manifest's digests catch it and the merge refuses, naming the file."""
     out = tmp_path / "agent"
-    trainer = grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="s"), report_to=[])
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="s", save_dtype="bfloat16")
+    trainer = grpo_run(base, out, callback, report_to=[])
     manifest = read_manifest(out)
     assert manifest.kind == "full" and sorted(manifest.files) == ["model.safetensors"]
     assert manifest.files == {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in manifest.files}

@@ -292,7 +292,9 @@ def test_two_grpo_steps_with_the_telemetry_callback_on_the_converted_model(conve
         bf16=False,
         seed=0,
     )
-    callback = TaskVectorSparsityCallback(base_model=str(base), stage_name="smoke", domain="test")
+    callback = TaskVectorSparsityCallback(
+        base_model=str(base), stage_name="smoke", domain="test", save_dtype="bfloat16"
+    )
     trainer = GRPOTrainer(
         model=str(base),
         reward_funcs=length_reward,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -65,6 +66,27 @@ def test_program_answers_are_what_the_programs_print():
     assert (
         program_output_prompts(5, seed=1) == program_output_prompts(5, seed=1) != program_output_prompts(5, 2)
     )
+
+
+def _sources(rows):
+    return [row["prompt"].split("```python\n", 1)[1].split("\n```", 1)[0] for row in rows]
+
+
+def test_easy_share_mixes_one_line_programs_and_leaves_the_default_draw_alone():
+    rows = program_output_prompts(200, seed=0, easy_share=0.5)
+    one_line = [s for s in _sources(rows) if "\n" not in s]
+    assert 70 <= len(one_line) <= 130  # a binomial(200, 0.5) draw
+    for row, source in zip(rows, _sources(rows), strict=True):
+        assert row["answer"] == run_program(source) != ""
+    assert all("\n" not in s for s in _sources(program_output_prompts(20, seed=0, easy_share=1.0)))
+    # easy_share 0 draws exactly the programs of the first revision (no extra random numbers consumed): the digest
+    # and the answers were taken from the generator before easy_share existed
+    default = program_output_prompts(30, seed=4)
+    assert hashlib.sha256(json.dumps(default).encode()).hexdigest()[:16] == "48d3d445a7aa989f"
+    assert [r["answer"] for r in default[:6]] == ["38", "12", "25", "45", "TIGER", "3"]
+    assert all("\n" in s for s in _sources(default))
+    with pytest.raises(ValueError, match="easy_share"):
+        program_output_prompts(3, easy_share=1.5)
 
 
 def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):

@@ -12,6 +12,8 @@ FSDP2), so measurements run on each rank's own partition and only counts are all
 - :mod:`ram_trl.callbacks.telemetry.base_weights`: where base weights come from (reference model, memory-mapped checkpoint,
   snapshot) and how parameter names map to checkpoint names.
 - :mod:`ram_trl.callbacks.telemetry.priors`: the activity masks of agents trained before (prior stages).
+- :mod:`ram_trl.callbacks.telemetry.precision`: the training and save dtypes (``save_dtype="auto"``) and the
+  densities in each.
 """
 
 from ram_trl.callbacks.telemetry.base_weights import MappedCheckpointBase, ModelBase, SnapshotBase, base_name

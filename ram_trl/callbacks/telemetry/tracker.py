@@ -21,9 +21,11 @@ parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the me
 What one measurement reports (names under ``prefix``, default ``task_vector/``):
 
 - ``density``, ``active``: share / count of elements with ``|tau| > eps`` (strict), ``tau = float32(trained) -
-  float32(base)``; ``density_exact``, ``changed``: elements whose value differs at all;
+  float32(base)`` at the training precision (the parameters as held); ``density_exact``, ``changed``: elements whose
+  value differs at all;
 - ``density_saved``, ``active_saved``: the same at eps after rounding trained weights and base to ``save_dtype``
-  (what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to ``save_dtype``);
+  (as saved: what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to
+  ``save_dtype``); :mod:`ram_trl.callbacks.telemetry.precision` names both dtypes for the manifest;
 - ``module/<type>/density`` and ``layer/<i>/density`` (saved view; :mod:`ram_trl.statistics.anatomy` buckets);
 - ``magnitude/<stat>``: :class:`~ram_trl.statistics.MagnitudeStatistics` of the active float32 task vector
   (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``), over every element
@@ -80,6 +82,13 @@ from ram_trl.callbacks.telemetry.layout import (
     local_regions,
     model_layout,
 )
+from ram_trl.callbacks.telemetry.precision import (
+    SAVE_DTYPES,
+    auto_save_dtype,
+    precision_record,
+    resolve_save_dtype,
+    training_dtypes,
+)
 from ram_trl.callbacks.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
 from ram_trl.callbacks.telemetry.shards import training_context
 from ram_trl.errors import CheckpointError, ConfigError
@@ -108,22 +117,7 @@ SMALL_MODEL_ELEMENTS = 1 << 20
 #: Default size of the systematic sample the magnitude statistics are taken from (see :class:`TaskVectorTracker`).
 MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
 DEFAULT_PREFIX = defaults.METRIC_PREFIX
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def resolve_save_dtype(save_dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype of a ``save_dtype`` argument.
-
-    Raises:
-        ConfigError: for anything but bfloat16, float16 and float32.
-    """
-    if isinstance(save_dtype, torch.dtype) and save_dtype in SAVE_DTYPES.values():
-        return save_dtype
-    key = str(save_dtype).removeprefix("torch.")
-    if key not in SAVE_DTYPES:
-        raise ConfigError(f"save_dtype={save_dtype!r}: use one of {', '.join(SAVE_DTYPES)}")
-    return SAVE_DTYPES[key]
 
 
 def _single(active: int, numel: int) -> OverlapStatistics:
@@ -147,7 +141,8 @@ class TaskVectorTracker:
         reference_model: A model in memory holding the base weights (e.g. a trainer's reference model), or
             ``None``. Preferred over ``base_model`` (nothing is read from disk).
         eps: Activity threshold, ``|tau| > eps`` (strict), as RAM masks.
-        save_dtype: The dtype the agent is saved in (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        save_dtype: The dtype the agent is saved in, the ``density_saved`` view: ``"auto"`` (the dtype of the trained
+            parameters, resolved at :meth:`setup`), ``"bfloat16"``, ``"float16"`` or ``"float32"``.
         prior_stages: Stage manifests (``ram_stage.json`` files or their directories) of agents trained before
             this one from the same base.
         r: RAM+ / RAM+s rescale strength for the prior-stage lambda_t.
@@ -209,7 +204,9 @@ class TaskVectorTracker:
         self.base_model = None if base_model is None else os.fspath(base_model)
         self.reference_model = reference_model
         self.eps = float(eps)
-        self.save_dtype = resolve_save_dtype(save_dtype)
+        self._save_dtype = resolve_save_dtype(save_dtype)
+        self.save_dtype = self._save_dtype  # "auto" (None): the training dtype, at setup
+        self.training_dtypes: list[torch.dtype] = []
         self.prior_paths = [os.fspath(p) for p in prior_stages]
         self.r, self.alpha = float(r), float(alpha)
         self.prefix = prefix
@@ -258,6 +255,8 @@ class TaskVectorTracker:
         """
         layout = model_layout(model)
         self.kind = "lora" if layout.peft else "full"
+        self.training_dtypes = training_dtypes(layout.regions)
+        self.save_dtype = self._save_dtype or auto_save_dtype(self.training_dtypes)
         if layout.peft:
             self.source = layout.frozen_base
         elif self.reference_model is not None:
@@ -657,6 +656,7 @@ class TaskVectorTracker:
             "base_source": self.base_description,
             "prior_stages": [] if self.priors is None else [s.name for s in self.priors.stages],
             "measured_steps": [s for s, _ in self.history],
+            **precision_record(self.training_dtypes, self.save_dtype, self.last, self.prefix),
         }
 
 

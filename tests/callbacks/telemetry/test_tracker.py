@@ -58,11 +58,11 @@ def test_golden_densities_buckets_and_magnitudes(tmp_path, source):
     base = write_base(tmp_path / "base")
     model = tiny_model()
     if source == "disk":
-        tracker = TaskVectorTracker(base_model=base)
+        tracker = TaskVectorTracker(save_dtype="bfloat16", base_model=base)
     elif source == "reference":
-        tracker = TaskVectorTracker(reference_model=tiny_model())
+        tracker = TaskVectorTracker(save_dtype="bfloat16", reference_model=tiny_model())
     else:
-        tracker = TaskVectorTracker()
+        tracker = TaskVectorTracker(save_dtype="bfloat16")
         tracker.setup(model)  # snapshot before training
     train(model)
     out = tracker.measure(model, step=7)
@@ -286,7 +286,7 @@ def test_prior_stage_overlap_rho_and_lambda(tmp_path):
         write_stage(tmp_path, "full", write_full_prior(tmp_path / "agent_full"), base),
         write_stage(tmp_path, "lora", write_lora_prior(tmp_path / "agent_lora"), base),
     ]
-    tracker = TaskVectorTracker(base_model=base, prior_stages=stages)
+    tracker = TaskVectorTracker(save_dtype="bfloat16", base_model=base, prior_stages=stages)
     out = tracker.measure(train(tiny_model()))
     # this run's bf16-active elements: embed[0], q[0], q[1], lm_head[0], lm_head[5]
     # the full prior has embed[0], q[0]; the LoRA prior q[0], q[1]: shared 3, unique 2
@@ -299,7 +299,9 @@ def test_prior_stage_overlap_rho_and_lambda(tmp_path):
     # one bit per element and prior kept
     assert tracker.priors.nbytes == sum(2 * math.ceil(math.prod(s) / 8) for s in SHAPES.values())
     assert tracker.summary()["prior_stages"] == ["full", "lora"]
-    alpha_capped = TaskVectorTracker(base_model=base, prior_stages=stages, r=0.5, alpha=1.0)
+    alpha_capped = TaskVectorTracker(
+        save_dtype="bfloat16", base_model=base, prior_stages=stages, r=0.5, alpha=1.0
+    )
     assert alpha_capped.measure(train(tiny_model()))[f"{P}prior/lambda_ram_plus"] == 1.5
     # saving in float32 changes nothing: the saved view is the float32 one (8 active elements, the same 3 shared)
     exact = TaskVectorTracker(base_model=base, prior_stages=stages, save_dtype="float32")
@@ -317,7 +319,9 @@ def test_prior_rho_is_inf_when_nothing_is_unique(tmp_path):
         n: (torch.ones(s) + torch.tensor(TAU[n]).reshape(s)).to(torch.bfloat16) for n, s in SHAPES.items()
     }
     save_file(tensors, str(agent / "model.safetensors"))
-    tracker = TaskVectorTracker(base_model=base, prior_stages=[write_stage(tmp_path, "twin", agent, base)])
+    tracker = TaskVectorTracker(
+        save_dtype="bfloat16", base_model=base, prior_stages=[write_stage(tmp_path, "twin", agent, base)]
+    )
     out = tracker.measure(train(tiny_model()))
     assert out[f"{P}prior/overlap"] == 1.0 and out[f"{P}prior/rho"] == math.inf
     assert out[f"{P}prior/lambda_ram_plus"] == 1 + 0.1 * 2.0
@@ -367,7 +371,7 @@ def test_peft_lora_delta_and_modules_to_save(tmp_path):
         layer.lora_A["default"].weight.copy_(torch.tensor([[1.0035, 1.0]]))
         layer.lora_B["default"].weight.copy_(torch.tensor([[L], [9.98e-6]]))
         model.base_model.model.lm_head.modules_to_save["default"].weight.view(-1)[0] += L
-    tracker = TaskVectorTracker()
+    tracker = TaskVectorTracker(save_dtype="bfloat16")
     out = tracker.measure(model)
     assert tracker.kind == "lora" and tracker.base_description == "frozen base weights of the PEFT model"
     assert out[f"{P}numel"] == NUMEL
@@ -389,7 +393,7 @@ def test_wrapped_model_measures_like_the_plain_one(tmp_path):
             super().__init__()
             self.module = inner
 
-    out = TaskVectorTracker(base_model=base).measure(Wrapper(train(tiny_model())))
+    out = TaskVectorTracker(save_dtype="bfloat16", base_model=base).measure(Wrapper(train(tiny_model())))
     assert out[f"{P}active"] == 8 and out[f"{P}active_saved"] == 5
 
 
@@ -450,6 +454,10 @@ def test_a_prior_stage_finds_its_relative_base_beside_its_manifest(tmp_path, mon
     elsewhere = tmp_path / "elsewhere" / "deeper"
     elsewhere.mkdir(parents=True)
     monkeypatch.chdir(elsewhere)  # "../base" from here does not exist
-    expected = TaskVectorTracker(base_model=base, prior_stages=[stage]).measure(train(tiny_model()))
-    out = TaskVectorTracker(reference_model=tiny_model(), prior_stages=[stage]).measure(train(tiny_model()))
+    expected = TaskVectorTracker(save_dtype="bfloat16", base_model=base, prior_stages=[stage]).measure(
+        train(tiny_model())
+    )
+    out = TaskVectorTracker(
+        save_dtype="bfloat16", reference_model=tiny_model(), prior_stages=[stage]
+    ).measure(train(tiny_model()))
     assert out[f"{P}prior/full/overlap"] == expected[f"{P}prior/full/overlap"] == 2 / 5
