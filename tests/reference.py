@@ -49,10 +49,19 @@ def ram_reference(
     alpha: float = 2.0,
     soft: bool = False,
     scope: str = "global",
+    unique_scale: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Algorithm 1 of the RAM paper. Returns (merged float32 weights, statistics)."""
+    """Algorithm 1 of the RAM paper. Returns (merged float32 weights, statistics). ``unique_scale`` replaces every
+    lambda_t (RAM with its unique region scaled, the shared mean unchanged)."""
     return ram_from_task_vectors(
-        base, task_vectors(base, agents), eps=eps, r=r, alpha=alpha, soft=soft, scope=scope
+        base,
+        task_vectors(base, agents),
+        eps=eps,
+        r=r,
+        alpha=alpha,
+        soft=soft,
+        scope=scope,
+        unique_scale=unique_scale,
     )
 
 
@@ -65,6 +74,7 @@ def ram_from_task_vectors(
     alpha: float = 2.0,
     soft: bool = False,
     scope: str = "global",
+    unique_scale: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Algorithm 1 on given float32 task vectors (``name -> [tau_agent_0, ...]``)."""
     n_agents = len(next(iter(taus.values())))
@@ -76,6 +86,8 @@ def ram_from_task_vectors(
         shared = [sum(int((masks[n][t] & (counts[n] >= 2)).sum()) for n in names) for t in range(n_agents)]
         unique = [sum(int((masks[n][t] & (counts[n] == 1)).sum()) for n in names) for t in range(n_agents)]
         lambdas = []
+        if unique_scale is not None:
+            return [unique_scale] * n_agents, shared, unique
         for s, u in zip(shared, unique, strict=True):
             rho = s / u if u > 0 else (math.inf if s > 0 else 0.0)
             if soft:
@@ -101,6 +113,21 @@ def ram_from_task_vectors(
         merged[name] = base[name].float() + out
     stats = {"shared": shared, "unique": unique, "lambdas": global_lambdas}
     return merged, stats
+
+
+def ram_unique_reference(
+    base: dict, agents: list[dict], agent: int, eps: float = 1e-5
+) -> dict[str, torch.Tensor]:
+    """One agent's unique region: base + tau_agent where that agent alone has |tau| > eps, the base elsewhere."""
+    merged = {}
+    for name, tv in task_vectors(base, agents).items():
+        active = [tau.double().abs() > eps for tau in tv]
+        alone = active[agent]
+        for t, other in enumerate(active):
+            if t != agent:
+                alone = alone & ~other
+        merged[name] = base[name].float() + torch.where(alone, tv[agent], torch.zeros_like(tv[agent]))
+    return merged
 
 
 def reference_keep_count(numel: int, density: float) -> int:

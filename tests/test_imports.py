@@ -395,6 +395,7 @@ MIRROR_EXCEPTIONS = {
     "ram_trl/statistics/magnitude.py": "test_statistics_magnitude.py",
     "ram_trl/statistics/counting.py": "test_statistics_counting.py",
     "ram_trl/statistics/anatomy.py": "test_statistics_anatomy.py",
+    "ram_trl/statistics/effect.py": "test_statistics_effect.py",
     "ram_trl/merging/engine.py": "merging/test_engine_golden.py",
     # the configuration is tested through its resolution, as a whole
     **{

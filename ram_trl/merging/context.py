@@ -28,6 +28,7 @@ from ram_trl.merging.planner import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_SHARD_SIZE
 from ram_trl.merging.streaming import InputCache, ReadCounter
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import DEFAULT_EPS
+from ram_trl.statistics.effect import MergeEffect
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class MergeState:
     read: ReadCounter = field(default_factory=ReadCounter)
     bytes_written: int = 0
     cache: InputCache | None = None
+    effect: MergeEffect = field(default_factory=MergeEffect)
 
 
 @dataclass

@@ -177,6 +177,9 @@ def prepare(
     """Everything that can fail cheaply: output checks, input headers, the plan."""
     check_device(options.device)
     check_input_cache(options.input_cache)
+    if resolved.method.check is not None:
+        where = str(resolved.source or "merge config")
+        resolved.method.check(resolved.params, [a.name for a in resolved.agents], where)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
     if not options.dry_run and any(
@@ -310,6 +313,7 @@ def _run_merge(
             ctx.guarded(lambda: _create_shards(plan, temp_dir) if ctx.is_main else None)
             tick = time.perf_counter()
             ctx.guarded(lambda: write_tensors(run, temp_dir))
+            state.effect.all_reduce(ctx)
             if state.cache is not None:
                 state.cache.clear()
             written = ctx.all_reduce_int(state.bytes_written)

@@ -24,6 +24,7 @@ from ram_trl.io.hub import cached_revision, describe, parse_reference
 from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
 from ram_trl.messages import shown
 from ram_trl.methods import resolve_method
+from ram_trl.statistics.effect import effect_line, effect_report
 
 if TYPE_CHECKING:
     from ram_trl.merging.config.settings import ResolvedConfig
@@ -106,6 +107,7 @@ def build_report(
         agents.append(entry)
     params = dict(resolved.params)
     base_hub = describe(resolved.base_path, resolved.base_reference)
+    effect = effect_report(state.effect, resolved.method, [t.out_dtype for t in plan.tasks if t.floating])
     return {
         "ram_trl_version": ram_trl.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -133,7 +135,10 @@ def build_report(
         "timings": timings,
         "bytes_read": state.read.bytes,
         "input_cache": None if state.cache is None else state.cache.summary(),
-        "warnings": list(state.warnings) + list(resolved.notes),
+        "effect": effect,
+        "warnings": list(state.warnings)
+        + list(resolved.notes)
+        + ([effect["warning"]] if effect["warning"] else []),
         "config": resolved.raw,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
     }
@@ -439,6 +444,8 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
         f"in {seconds:.1f} s on {_processes(report.get('processes', 1))}"
     )
+    if report.get("effect"):
+        console.print(effect_line(report["effect"]))
     for warning in report["warnings"]:
         if file is not None or not shown(warning):  # the command line printed it when it was raised
             console.print(f"[yellow]warning:[/yellow] {warning}")

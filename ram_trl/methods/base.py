@@ -154,6 +154,7 @@ class ChunkInputs:
         fishers: Float32 diagonal Fishers of the agents for this chunk, shape ``(num_agents, n)`` (methods that
             need them); methods may modify them in place.
         models: For a method with ``merges_weights``: the agents' float32 weights, shape ``(num_agents, n)``.
+        agent_names: The agents' names, in merge order.
     """
 
     name: str
@@ -168,6 +169,7 @@ class ChunkInputs:
     seed: int = 0
     fishers: torch.Tensor | None = None
     models: torch.Tensor | None = None
+    agent_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,12 @@ class MergeMethod:
         agents: The fewest and the most agents the method merges (``None``: no limit), after base entries are
             left out.
         reference: Paper URL.
+        unstepped: For a method with a scaling, trimming or dropping step: the chunk's merged task vector without
+            that step (its inputs are a copy it may modify); the report counts the elements whose written value the
+            step changes (:mod:`ram_trl.statistics.effect`).
+        step: What ``unstepped`` leaves out, for the report (e.g. ``"rescale (lambda_t)"``).
+        check: ``(global parameters, agent names, where)`` -> ``None``, raising ``ConfigError`` for parameters that
+            do not fit the merged agents; called before any tensor is read.
     """
 
     name: str
@@ -223,6 +231,9 @@ class MergeMethod:
     divides_by_weight_sum: bool = False
     agents: tuple[int, int | None] = (1, None)
     reference: str = ""
+    unstepped: Callable[[ChunkInputs], torch.Tensor | None] | None = None
+    step: str = ""
+    check: Callable[[dict[str, Any], list[str], str], None] | None = None
 
     @property
     def needs_statistics(self) -> bool:

@@ -112,6 +112,22 @@ def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
     return ties.merge_disjoint(inputs)
 
 
+def _drops(inputs: ChunkInputs) -> bool:
+    return bool((inputs.agent_params["density"] < 1).any())
+
+
+def unstepped_linear(inputs: ChunkInputs) -> torch.Tensor | None:
+    """``dare_linear`` without its drop and rescale (task arithmetic): the ``unstepped`` hook; ``None`` when every
+    density keeps everything."""
+    return linear.merge_task_arithmetic(inputs) if _drops(inputs) else None
+
+
+def unstepped_ties(inputs: ChunkInputs) -> torch.Tensor | None:
+    """``dare_ties`` without its drop and rescale (the disjoint merge): the ``unstepped`` hook; ``None`` when every
+    density keeps everything."""
+    return ties.merge_disjoint(inputs) if _drops(inputs) else None
+
+
 REFERENCE = "https://arxiv.org/abs/2311.03099"
 _RESCALE_HELP = "rescale survivors by 1 / density (= 1 / (1 - p))"
 _DENSITY_HELP = "fraction of each task vector kept (TIES: by magnitude; DARE: at random, 1 - p)"
@@ -124,6 +140,8 @@ DARE_LINEAR = MergeMethod(
         False, "divide by the sum of weights", True, _RESCALE_HELP, _DENSITY_HELP
     ),
     merge=merge_linear,
+    unstepped=unstepped_linear,
+    step="drop and rescale",
     reference=REFERENCE,
 )
 DARE_LINEAR_ALIASES = {"dare_ta": Alias("dare_linear")}
@@ -136,5 +154,7 @@ DARE_TIES = MergeMethod(
         False, "disjoint mean (divide by the agreeing weights)", True, _RESCALE_HELP, _DENSITY_HELP
     ),
     merge=merge_ties,
+    unstepped=unstepped_ties,
+    step="drop and rescale",
     reference=REFERENCE,
 )

@@ -88,6 +88,13 @@ def merge_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor:
     )
 
 
+def unscaled_task_arithmetic(inputs: ChunkInputs) -> torch.Tensor | None:
+    """Task arithmetic at ``lambda = 1``: its ``unstepped`` hook; ``None`` when ``lambda`` is 1 (no step)."""
+    if inputs.params["lambda"] == 1.0:
+        return None
+    return task_arithmetic(inputs.deltas, inputs.agent_params["weight"], 1.0, inputs.params["normalize"])
+
+
 def merge_linear(inputs: ChunkInputs) -> torch.Tensor:
     """Linear merging's chunk kernel."""
     return linear(inputs.deltas, inputs.base, inputs.agent_params["weight"], inputs.params["normalize"])
@@ -99,6 +106,8 @@ TASK_ARITHMETIC = MergeMethod(
     description="lambda * sum_t w_t tau_t",
     parameters=(LAMBDA, normalize(False, "divide by the sum of weights"), WEIGHT, INT8_MASK),
     merge=merge_task_arithmetic,
+    unstepped=unscaled_task_arithmetic,
+    step="lambda",
     reference="https://arxiv.org/abs/2212.04089",
 )
 TASK_ARITHMETIC_ALIASES = {"ta": Alias("task_arithmetic")}

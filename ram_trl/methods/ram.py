@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ram_trl import defaults
+from ram_trl.errors import ConfigError
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
 from ram_trl.statistics.counting import (  # noqa: F401 - re-exported: RAM's counting maths, importable from here as before
     DEFAULT_EPS,
@@ -141,13 +142,94 @@ R = Parameter(
     "r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0
 )
 ALPHA = Parameter("alpha", float, defaults.ALPHA, "global", "clip bound alpha of rho_t", minimum=0.0)
+UNIQUE_SCALE = Parameter(
+    "unique_scale",
+    float,
+    1.0,
+    "global",
+    "factor of every unique element (1: the paper's RAM; 1/N: the unique region at task arithmetic's 1/N, the "
+    "shared mean unchanged)",
+    minimum=0.0,
+)
+AGENT = Parameter(
+    "agent", str, "", "global", "the agent whose unique region is kept: its name, or its index from 0"
+)
 
 REFERENCE = "https://arxiv.org/abs/2601.13572"
 
 
 def merge_plain(inputs: ChunkInputs) -> torch.Tensor:
-    """RAM's chunk kernel: :func:`ram_merge` with every ``lambda_t = 1``."""
+    """RAM's chunk kernel: :func:`ram_merge` with every ``lambda_t = unique_scale`` (1 unless the config sets it)."""
+    scale = float(inputs.params.get("unique_scale", 1.0))
+    return ram_merge(inputs.deltas, [scale] * inputs.deltas.shape[0], inputs.params["eps"])
+
+
+def merge_unscaled(inputs: ChunkInputs) -> torch.Tensor | None:
+    """RAM, RAM+ and RAM+s without their unique elements' factors (every ``lambda_t = 1``): the ``unstepped`` hook;
+    ``None`` for RAM at ``unique_scale: 1`` (no step)."""
+    if float(inputs.params.get("unique_scale", 1.0)) == 1.0 and inputs.factors is None:
+        return None
     return ram_merge(inputs.deltas, [1.0] * inputs.deltas.shape[0], inputs.params["eps"])
+
+
+def agent_index(value: str, names: tuple[str, ...] | list[str], where: str) -> int:
+    """The index of the agent a parameter names (its name, or its index from 0).
+
+    Args:
+        value: The parameter's value.
+        names: The agents' names, in merge order.
+        where: What names the value, for the error.
+
+    Returns:
+        The agent's index.
+
+    Raises:
+        ConfigError: when no agent has that name or index.
+    """
+    if value in names:
+        return list(names).index(value)
+    if value.isdigit() and int(value) < len(names):
+        return int(value)
+    raise ConfigError(
+        f"{where}: agent {value!r} is not one of the merged agents ({', '.join(names)}); give one of their names "
+        f"or an index from 0 to {len(names) - 1}"
+    )
+
+
+def check_agent(params: dict[str, Any], names: list[str], where: str) -> None:
+    """``ram_unique``'s check hook: its ``agent`` names one of the merged agents.
+
+    Args:
+        params: The merge's global parameters.
+        names: The agents' names, in merge order.
+        where: The config, for the error.
+
+    Raises:
+        ConfigError: when ``agent`` names none of them.
+    """
+    agent_index(str(params["agent"]), names, f"{where}: parameters.agent")
+
+
+def unique_region(deltas: torch.Tensor, t: int, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """Agent ``t``'s unique region: ``tau_t`` where only agent ``t`` is active (``|tau| > eps``), 0 elsewhere.
+
+    Args:
+        deltas: Float32 task vectors of shape ``(num_agents, n)`` (not modified).
+        t: The agent's index.
+        eps: Activity threshold (strict).
+
+    Returns:
+        The region's task vector, shape ``(n,)``.
+    """
+    active = masked_deltas(deltas, eps)
+    counts = _row_sum(torch.ne(active, 0, out=torch.empty_like(active)))
+    return torch.where(counts == 1, active[t], torch.zeros_like(active[t]))
+
+
+def merge_unique(inputs: ChunkInputs) -> torch.Tensor:
+    """``ram_unique``'s chunk kernel: :func:`unique_region` of the agent the ``agent`` parameter names."""
+    t = agent_index(str(inputs.params["agent"]), inputs.agent_names, inputs.name)
+    return unique_region(inputs.deltas, t, inputs.params["eps"])
 
 
 def merge_rescaled(inputs: ChunkInputs) -> torch.Tensor:
@@ -161,8 +243,20 @@ RAM = MergeMethod(
     name="ram",
     pretty_name="Reinforced Agent Merging (RAM)",
     description="mean of shared elements, unique elements kept at full magnitude",
-    parameters=(EPS, RHO_SCOPE),
+    parameters=(EPS, RHO_SCOPE, UNIQUE_SCALE),
     merge=merge_plain,
+    unstepped=merge_unscaled,
+    step="unique scale",
+    reference=REFERENCE,
+)
+
+RAM_UNIQUE = MergeMethod(
+    name="ram_unique",
+    pretty_name="One agent's unique region (RAM's mechanism probe)",
+    description="tau_t where only agent t is active (|tau| > eps), the base elsewhere",
+    parameters=(EPS, AGENT),
+    merge=merge_unique,
+    check=check_agent,
     reference=REFERENCE,
 )
 
@@ -173,6 +267,8 @@ RAM_PLUS = MergeMethod(
     parameters=(EPS, R, ALPHA, RHO_SCOPE),
     merge=merge_rescaled,
     factors=clipped_factors,
+    unstepped=merge_unscaled,
+    step="rescale (lambda_t)",
     reference=REFERENCE,
 )
 RAM_PLUS_ALIASES = {
@@ -192,6 +288,8 @@ RAM_PLUS_SOFT = MergeMethod(
     parameters=(EPS, R, RHO_SCOPE),
     merge=merge_rescaled,
     factors=soft_factors,
+    unstepped=merge_unscaled,
+    step="rescale (lambda_t)",
     reference=REFERENCE,
 )
 RAM_PLUS_SOFT_ALIASES = {

@@ -94,6 +94,7 @@ def alias_names() -> dict[str, Alias]:
 # The built-in methods, one line each, in the order ``ram-trl methods`` lists their aliases
 
 register(ram.RAM)
+register(ram.RAM_UNIQUE)
 register(ram.RAM_PLUS, ram.RAM_PLUS_ALIASES)
 register(ram.RAM_PLUS_SOFT, ram.RAM_PLUS_SOFT_ALIASES)
 register(linear.TASK_ARITHMETIC, linear.TASK_ARITHMETIC_ALIASES)

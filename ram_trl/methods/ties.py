@@ -272,6 +272,14 @@ def merge_ties(inputs: ChunkInputs) -> torch.Tensor:
     return merge_disjoint(inputs)
 
 
+def merge_untrimmed(inputs: ChunkInputs) -> torch.Tensor | None:
+    """TIES without its trim (sign election and disjoint mean of the whole task vectors): the ``unstepped`` hook;
+    ``None`` when every cut keeps everything (density 1)."""
+    if inputs.prepared is not None and all(cut.keep_all for cut in inputs.prepared):
+        return None
+    return merge_disjoint(inputs)
+
+
 TIES = MergeMethod(
     name="ties",
     pretty_name="TIES",
@@ -286,5 +294,7 @@ TIES = MergeMethod(
     merge=merge_ties,
     prepare_tensor=prepare_cuts,
     scan=scan_ties,
+    unstepped=merge_untrimmed,
+    step="trim",
     reference="https://arxiv.org/abs/2306.01708",
 )

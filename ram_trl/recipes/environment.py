@@ -354,6 +354,12 @@ def validate_recipe(
                 check_parameter(parameter, value, f"merge {row.name!r}: parameters")
             except ConfigError as exc:
                 problems.append(str(exc))
+        if method.check is not None:  # e.g. ram_unique's agent: one of the stages
+            try:
+                params = {p.name: p.default for p in method.parameters} | row.parameters
+                method.check(params, recipe.names, f"merge {row.name!r}")
+            except ConfigError as exc:
+                problems.append(str(exc))
     if recipe.evaluation.enabled:
         for stage in recipe.stages:
             if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):

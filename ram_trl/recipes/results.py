@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.output import atomic_file
+from ram_trl.recipes.mechanism import mechanism
 from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.results_plots import plot_preview, plot_retention, plot_scores, plot_training
 from ram_trl.recipes.selection import (
@@ -40,6 +41,7 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
     ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     add_statistics(results)
+    results["mechanism"] = mechanism(results)
     written = []
     if figures and results["rows"]:
         results.setdefault("figures", [])

@@ -10,6 +10,7 @@ from typing import Any
 
 from ram_trl import defaults
 from ram_trl.recipes import stats
+from ram_trl.recipes.mechanism import mechanism_section
 from ram_trl.recipes.results_format import ci, fmt3, fmt_rho, pct, pct_ci
 from ram_trl.recipes.selection import add_statistics, select_merges, split_block, val_block
 
@@ -125,6 +126,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _training_section(results)
     lines += _preview_section(results)
     lines += _warm_start_section(results)
+    lines += mechanism_section(results)
     lines += ["## Verdict", "", results["verdict"], ""]
     return "\n".join(lines)
 

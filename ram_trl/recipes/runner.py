@@ -134,6 +134,7 @@ class Run:
                     "parameters": row.parameters,
                     "seed": self.layout.recipe.seed,
                     "name": row.name,
+                    "out_dtype": row.out_dtype,
                 }
                 log.write(f"\n# merge {row.name}\n")
                 try:
@@ -201,8 +202,10 @@ class Run:
                 with atomic_file(file, "evaluation file") as tmp:
                     tmp.write_text(json.dumps(scored, indent=2) + "\n", encoding="utf-8")
             val = scored["splits"].get("val", {"scores": {}, "n": {}, "rewards": {}})
+            effect = merge_effect(path) if kind == "merge" else None
             results.append(
                 {
+                    **({"effect": effect} if effect else {}),
                     "name": name,
                     "kind": kind,
                     "method": method,
@@ -431,3 +434,20 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
     print_table(results)
     stderr_console().print(f"results over {len(seeds)} seeds: {out / 'results.md'}")
     return results
+
+
+def merge_effect(path: Path) -> dict[str, Any] | None:
+    """The ``effect`` section of a merged model's report (how much of the merge survives its dtype), if any.
+
+    Args:
+        path (`Path`): The merged model's directory.
+
+    Returns:
+        `dict[str, Any] | None`: The section, ``None`` without a report.
+    """
+    import json
+
+    from ram_trl.merging.report import REPORT_FILE
+
+    report = Path(path) / REPORT_FILE
+    return json.loads(report.read_text()).get("effect") if report.is_file() else None

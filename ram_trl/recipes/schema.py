@@ -269,12 +269,14 @@ class StageSpec(_Strict):
 
 class MergeSpec(_Strict):
     """One merge method to compare. A parameter given as a list sweeps it: one merge (one table row) per value,
-    and per combination when several are lists."""
+    and per combination when several are lists; ``out_dtype`` is the dtype it is written and scored in (default:
+    the recipe's ``merge_dtype``)."""
 
     method: str
     parameters: dict[str, Any] = Field(default_factory=dict)
     name: str | None = Field(default=None, pattern=_NAME_PATTERN)
     fisher: dict[str, Any] = Field(default_factory=dict)
+    out_dtype: Literal["float32", "bfloat16", "float16"] | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -296,6 +298,7 @@ class MergeRow(BaseModel):
     method: str
     parameters: dict[str, Any]
     fisher: dict[str, Any] = Field(default_factory=dict)
+    out_dtype: str = "float32"
 
 
 class AnalysisSpec(_Strict):
@@ -308,7 +311,9 @@ class AnalysisSpec(_Strict):
 
 
 class Recipe(_Strict):
-    """A specialize-then-merge recipe."""
+    """A specialize-then-merge recipe. ``merge_dtype`` (default float32, so that no step of a method rounds away
+    below one step of the agents' saved dtype) is the dtype the merges are written and scored in; a merge's
+    ``out_dtype`` overrides it."""
 
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
@@ -319,6 +324,7 @@ class Recipe(_Strict):
     warm_start: WarmStartSpec | None = None
     stages: list[StageSpec]
     merges: list[MergeSpec] = Field(default_factory=lambda: [MergeSpec(method=m) for m in DEFAULT_METHODS])
+    merge_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
 
@@ -479,7 +485,13 @@ def expand_merges(recipe: Recipe) -> list[MergeRow]:
             suffix = ",".join(f"{k}={_fmt(v)}" for k, v in point.items())
             name = f"{label}({suffix})" if suffix else label
             rows.append(
-                MergeRow(name=name, method=spec.method, parameters={**fixed, **point}, fisher=spec.fisher)
+                MergeRow(
+                    name=name,
+                    method=spec.method,
+                    parameters={**fixed, **point},
+                    fisher=spec.fisher,
+                    out_dtype=spec.out_dtype or recipe.merge_dtype,
+                )
             )
     names = [r.name for r in rows]
     for name in names:

@@ -19,6 +19,7 @@ __all__ = [
     "add_statistics",
     "aggregate_seeds",
     "best_merged",
+    "difference",
     "regime_from_analysis",
     "row_average",
     "score_samples",
@@ -283,8 +284,19 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
     }
 
 
-def _difference(results: dict[str, Any], first: str, second: str) -> tuple[float, Any] | None:
-    """Test-average difference ``first - second`` and its paired interval (recomputed from the samples)."""
+def difference(results: dict[str, Any], first: str, second: str) -> tuple[float, Any] | None:
+    """Test-average difference ``first - second`` and its paired interval (recomputed from the samples, present
+    while :func:`add_statistics` runs).
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run.
+        first (`str`): A row's name.
+        second (`str`): Another row's name.
+
+    Returns:
+        `tuple[float, Any] | None`: The difference and its interval (``None`` without samples), or ``None`` when
+        a row has no test average.
+    """
     by_name = {row["name"]: row for row in results["rows"]}
     a, b = by_name[first].get("average"), by_name[second].get("average")
     if a is None or b is None:
@@ -297,7 +309,7 @@ def _difference(results: dict[str, Any], first: str, second: str) -> tuple[float
 
 
 def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
-    found = _difference(results, ship, other)
+    found = difference(results, ship, other)
     if found is None:
         return ""
     diff, interval = found

@@ -144,6 +144,7 @@ def attach_telemetry(
             method=stage.preview.method,
             parameters=stage.preview.parameters,
             seed=recipe.seed,
+            merge_dtype=recipe.merge_dtype,
             preview_every=stage.preview.every,
             prompts=stage.preview.prompts,
             keep=stage.preview.keep,

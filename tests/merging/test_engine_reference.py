@@ -236,3 +236,56 @@ def test_blocks_on_threads_match_reference(rl_checkpoints, tmp_path, tiny_blocks
         _, stats = reference.ram_reference(state["base"], state["agents"], r=0.1, alpha=2.0)
         assert [a["unique"] for a in report["agents"]] == stats["unique"]
         assert [a["shared"] for a in report["agents"]] == stats["shared"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mechanism merges (issue 32, the paper's Fig. 3 question)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_ram_unique_scale_matches_reference(rl_checkpoints, tmp_path, out_dtype):
+    _, base, agents, state = rl_checkpoints
+    scale = 1 / 3
+    extra = {"out_dtype": "float32"} if out_dtype else {}
+    report = ram_trl.merge(
+        _config(base, agents, "ram", {"unique_scale": scale}, **extra),
+        tmp_path / "out",
+        chunk_budget=CHUNK_BUDGET,
+        progress=False,
+    )
+    expected, _ = reference.ram_reference(state["base"], state["agents"], unique_scale=scale)
+    _assert_matches(tmp_path / "out", expected, state["base"], out_dtype=out_dtype)
+    # the step's written elements: where the written merge differs from plain RAM's, written in the same dtype
+    plain, _ = reference.ram_reference(state["base"], state["agents"])
+    differ = sum(
+        int(
+            (
+                expected[n].to(out_dtype or state["base"][n].dtype)
+                != plain[n].to(out_dtype or state["base"][n].dtype)
+            ).sum()
+        )
+        for n in expected
+    )
+    assert report["effect"]["step_written"] == differ > 0
+
+
+@pytest.mark.parametrize("agent", [0, 1, 2])
+def test_ram_unique_matches_reference(rl_checkpoints, tmp_path, agent):
+    _, base, agents, state = rl_checkpoints
+    config = _config(base, agents, "ram_unique", {"agent": agents[agent].name})
+    report = ram_trl.merge(config, tmp_path / "out", chunk_budget=CHUNK_BUDGET, progress=False)
+    expected = reference.ram_unique_reference(state["base"], state["agents"], agent)
+    _assert_matches(tmp_path / "out", expected, state["base"])
+    assert report["agents"][agent]["unique"] > 0
+
+
+def test_ties_at_density_one_matches_reference(rl_checkpoints, tmp_path):
+    _, base, agents, state = rl_checkpoints
+    ram_trl.merge(
+        _config(base, agents, "ties", {"density": 1.0}),
+        tmp_path / "out",
+        chunk_budget=CHUNK_BUDGET,
+        progress=False,
+    )
+    expected = reference.ties_reference(state["base"], state["agents"], [1.0] * 3, [1.0] * 3)
+    _assert_matches(tmp_path / "out", expected, state["base"])

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from ram_trl.methods.ram import ram_merge
+from ram_trl.errors import ConfigError
+from ram_trl.methods.base import ChunkInputs
+from ram_trl.methods.ram import check_agent, merge_plain, merge_unique, merge_unscaled, ram_merge
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import active_mask, float32_threshold, overlap_counts
 
@@ -147,3 +149,56 @@ def test_ram_merge_large_factors_stay_exact():
     taus = torch.randn(3, 500, generator=generator) * (torch.rand(3, 500, generator=generator) < 0.4)
     lambdas = [1.0, 3.7, 1234.567]
     assert torch.equal(ram_merge(taus.clone(), lambdas, 1e-5), _eq7(taus, lambdas, 1e-5))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mechanism merges: RAM with its unique region scaled, and one agent's unique region alone
+
+
+def _kernel_inputs(params: dict, names: tuple[str, ...] = ("coder", "tools", "memory")) -> ChunkInputs:
+    return ChunkInputs(
+        name="w",
+        start=0,
+        deltas=TAUS.clone(),
+        base=torch.zeros(7),
+        params={"eps": 1e-5, **params},
+        agent_params={},
+        agent_names=names,
+    )
+
+
+def test_unique_scale_scales_only_unique_elements():
+    merged = merge_plain(_kernel_inputs({"unique_scale": 0.5}))
+    t = TAUS
+    # e1, e5, e6 unique (halved); e2, e3 the mean of the active values as in RAM; e0, e4 nothing active
+    expected = [0.0, 0.25, float((t[0, 2] + t[1, 2]) / 2), float((t[0, 3] + t[1, 3] + t[2, 3]) / 3)]
+    expected += [0.0, float(t[1, 5] * 0.5), float(t[0, 6] * 0.5)]
+    assert merged.tolist() == pytest.approx(expected, rel=0, abs=0)
+    assert torch.equal(merge_plain(_kernel_inputs({})), ram_merge(TAUS.clone(), [1.0] * 3))
+
+
+def test_unscaled_hook_is_plain_ram_and_absent_at_scale_one():
+    assert merge_unscaled(_kernel_inputs({})) is None
+    assert torch.equal(
+        merge_unscaled(_kernel_inputs({"unique_scale": 0.5})), ram_merge(TAUS.clone(), [1.0] * 3)
+    )
+
+
+@pytest.mark.parametrize(
+    ("agent", "expected"),
+    [
+        ("coder", [0.0, 0.5, 0.0, 0.0, 0.0, 0.0, float(TAUS[0, 6])]),
+        ("1", [0.0, 0.0, 0.0, 0.0, 0.0, float(TAUS[1, 5]), 0.0]),
+        ("memory", [0.0] * 7),  # agent 2 is active only on e3, shared by all three
+    ],
+)
+def test_ram_unique_keeps_one_agents_unique_region(agent, expected):
+    assert merge_unique(_kernel_inputs({"agent": agent})).tolist() == expected
+
+
+@pytest.mark.parametrize("agent", ["", "writer", "3"])
+def test_ram_unique_refuses_an_agent_it_does_not_merge(agent):
+    with pytest.raises(
+        ConfigError, match=r"recipe.yaml: parameters.agent: agent '.*' is not one of the merged"
+    ):
+        check_agent({"agent": agent}, ["coder", "tools", "memory"], "recipe.yaml")

@@ -117,7 +117,13 @@ EXPECTED = {
         },
     ),
     "linear": (False, False, False, {"normalize": (True, "global"), "weight": (1.0, "agent")}),
-    "ram": (False, False, False, {"eps": (1e-5, "global"), "rho_scope": ("global", "global")}),
+    "ram": (
+        False,
+        False,
+        False,
+        {"eps": (1e-5, "global"), "rho_scope": ("global", "global"), "unique_scale": (1.0, "global")},
+    ),
+    "ram_unique": (False, False, False, {"eps": (1e-5, "global"), "agent": ("", "global")}),
     "ram_plus": (
         True,
         False,

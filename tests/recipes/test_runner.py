@@ -208,6 +208,8 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
         report = json.loads((Path(row["path"]) / "ram_merge_report.json").read_text())
         assert report["merge_method"] == row["method"]
         assert [a["name"] for a in report["agents"]] == STAGES
+        # recipe merges are written (and scored) in float32, and the row keeps what survives that dtype
+        assert report["output"]["dtype"] == "float32" and row["effect"] == report["effect"]
     # `ram-trl eval` on the run's recipe reproduces the scores of the table exactly (same prompts, greedy, seeded).
     for row in (results["rows"][0], results["rows"][5]):
         json_out = out / f"eval_{row['kind']}.json"

@@ -196,3 +196,24 @@ def test_preview_needs_validation_prompts_on_every_earlier_stage():
     existing = {"name": "old", "checkpoint": "agents/old", "preview": {}}
     with pytest.raises(ConfigError, match="'preview:' applies to a trained stage"):
         load_recipe({**recipe_dict(), "stages": [existing]})
+
+
+def test_merges_are_written_in_float32_unless_the_recipe_names_a_dtype():
+    data = recipe_dict(merges=["ram", {"method": "ties", "out_dtype": "bfloat16"}])
+    rows = expand_merges(load_recipe(data)[0])
+    assert [(r.name, r.out_dtype) for r in rows] == [("ram", "float32"), ("ties", "bfloat16")]
+    rows = expand_merges(load_recipe({**data, "merge_dtype": "bfloat16"})[0])
+    assert [r.out_dtype for r in rows] == ["bfloat16", "bfloat16"]
+    with pytest.raises(ConfigError, match=r"merge_dtype"):
+        load_recipe({**data, "merge_dtype": "int8"})
+
+
+def test_ram_unique_must_name_a_stage():
+    with pytest.raises(
+        ConfigError,
+        match=r"merge 'ram_unique': parameters.agent: agent 'tools' is not one of the merged agents",
+    ):
+        check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "tools"}}]))
+    assert (
+        check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "coding"}}])) == []
+    )

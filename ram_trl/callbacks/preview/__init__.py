@@ -8,7 +8,7 @@ final step, it
 1. saves the current policy in the stage's ``save_dtype`` exactly as the run will leave it
    (:func:`~ram_trl.callbacks.save_agent`) into a scratch directory beside the output,
 2. merges it with the prior stages' agents (read from their manifests) with the real merge engine
-   (:func:`ram_trl.merging.engine.merge`: global statistics, float32 arithmetic, the output in the base's dtype), so the
+   (:func:`ram_trl.merging.engine.merge`: global statistics, float32 arithmetic, the output in float32 by default), so the
    preview *is* the ``ram-trl merge`` of these checkpoints, bit for bit,
 3. scores the merged model and the policy itself on every stage's validation prompts (a seeded subset of
    ``prompts`` per stage, 24 by default, recorded) with the evaluation the recipes use
@@ -27,7 +27,7 @@ was kept and why (``extra["preview"]``), so ``ram-trl merge`` of the manifests r
     )
     trainer = GRPOTrainer(..., callbacks=[cb]); cb.bind(trainer); trainer.train()
 
-Cost: one preview writes the policy once (its size in ``save_dtype``) and the merged model once (the base's dtype) to
+Cost: one preview writes the policy once (its size in ``save_dtype``) and the merged model once (float32 by default) to
 disk beside the output, reads the prior agents, and loads the merged model and the policy once each on the CPU in
 the evaluation dtype for generation; nothing is added on the accelerator. Under DDP the main rank writes the checkpoint,
 every rank takes part in the merge (the engine's distributed merge: each rank merges its share of the tensors with the

@@ -92,7 +92,7 @@ def preview_merge_config(
         seed: Seed of random drops (DARE).
 
     Returns:
-        The config dict for :func:`ram_trl.merging.engine.merge`.
+        The config dict for :func:`ram_trl.merging.engine.merge` (written in float32, whatever the base's dtype).
     """
     return {
         "merge_method": method,
@@ -100,6 +100,7 @@ def preview_merge_config(
         "models": [{"stage": str(p)} for p in prior_stages] + [{"model": str(agent), "name": stage_name}],
         "parameters": dict(parameters),
         "seed": seed,
+        "out_dtype": "float32",
     }
 
 
@@ -129,6 +130,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             The method's global parameters (default: the method's defaults).
         seed (`int`, *optional*, defaults to `0`):
             Seed of the merge's random drops (DARE, DELLA).
+        merge_dtype (`str`, *optional*, defaults to `"float32"`):
+            The dtype each preview's merge is written and scored in (the record keeps its report's ``effect``).
         preview_every (`int`, *optional*):
             Preview every this many optimizer steps; the final step is always previewed. Default
             :func:`default_preview_every` of the run's ``max_steps`` (about
@@ -175,6 +178,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         method: str = defaults.PREVIEW_METHOD,
         parameters: dict[str, Any] | None = None,
         seed: int = 0,
+        merge_dtype: str = "float32",
         preview_every: int | None = None,
         prompts: int | None = defaults.PREVIEW_PROMPTS,
         keep: Literal["best", "last"] = "best",
@@ -212,6 +216,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self.method = method
         self.parameters = dict(parameters or {})
         self.seed = seed
+        self.merge_dtype = merge_dtype
         self.preview_every = preview_every
         # the default interval is resolved at train begin (it needs max_steps)
         self.every = preview_every or 1
@@ -434,7 +439,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             )
             record = preview_partitions(preview, checkpoint, step)  # every rank: its own partitions
         else:
-            merged, merge_seconds, processes = self._merge(checkpoint)  # every rank: a share each under DDP
+            merged, merge_seconds, report = self._merge(checkpoint)  # every rank: a share each under DDP
             if accelerator.is_main_process:
                 with training_rng_kept():
                     record = score_preview(
@@ -448,7 +453,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
                         self.history,
                     )
                 record["merge_seconds"] = round(merge_seconds, 4)
-                record["merge_processes"] = processes
+                record["merge_processes"] = int(report.get("processes", 1))
+                record["merge_effect"] = report.get("effect")
             else:
                 record = None
             record = self.share(record)
@@ -476,23 +482,23 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         Returns:
             `dict[str, Any]`: The config for :func:`ram_trl.merging.engine.merge`.
         """
-        return preview_merge_config(
+        config = preview_merge_config(
             self.base_model, self.prior_files, agent, self.stage_name, self.method, self.parameters, self.seed
         )
+        return config | {"out_dtype": self.merge_dtype}
 
-    def _merge(self, checkpoint: Path) -> tuple[Path, float, int]:
+    def _merge(self, checkpoint: Path) -> tuple[Path, float, dict[str, Any]]:
         """``ram-trl merge`` of the prior stages and ``checkpoint`` into the scratch directory; returns the merged
-        model's directory, the seconds taken and the processes that merged. Every rank calls it: in a multi-process run (``WORLD_SIZE`` > 1) it
+        model's directory, the seconds taken and the merge report. Every rank calls it: in a multi-process run (``WORLD_SIZE`` > 1) it
         is the engine's distributed merge, each rank merging its share of the tensors with the global statistics."""
         from ram_trl.merging.engine import merge
 
         merged = self.work_dir / "merged"
         config = self.merge_config(checkpoint)
         start = time.perf_counter()
-        report = merge(
-            config, merged, overwrite=True, progress=False
-        )  # prints nothing: the record says it all
-        return merged, time.perf_counter() - start, int(report.get("processes", 1))
+        # prints nothing: the record says it all
+        report = merge(config, merged, overwrite=True, progress=False)
+        return merged, time.perf_counter() - start, report
 
     def generation_tokenizer(self) -> Any:
         """The base's tokenizer set up for generation (what ``ram-trl eval`` of the merge uses: the merge copies

@@ -5,6 +5,7 @@ and the range merge (:mod:`ram_trl.merging.range_merge`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from ram_trl.errors import NonFiniteError
 from ram_trl.merging.config.settings import ResolvedConfig
 from ram_trl.methods import ChunkInputs
+from ram_trl.statistics.effect import MergeEffect, block_effect
 
 _NEGATIVE_ZERO_BITS = -(2**31)  # float32 -0.0 viewed as int32
 
@@ -22,10 +24,17 @@ def kernel_output(
     out_dtype: torch.dtype,
     rows: tuple[int, int],
     out: torch.Tensor | None = None,
+    effect: MergeEffect | None = None,
 ) -> torch.Tensor:
     """Run the method's kernel on one block and return the merged weights in ``out_dtype``: the merged task vector
-    added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds."""
+    added to the base (signed zeros kept), overflow refused, rounded to ``out_dtype`` as ``Tensor.to`` rounds;
+    ``effect`` counts how much of the merge survives ``out_dtype`` (the written values are the same without it)."""
     method = resolved.method
+    unstepped = None
+    if effect is not None and method.unstepped is not None:
+        unstepped = method.unstepped(unstepped_inputs(inputs))
+        if unstepped is not None:
+            unstepped.add_(inputs.base)
     merged = method.merge(inputs)
     if not method.merges_weights:
         merged.add_(inputs.base)
@@ -35,7 +44,21 @@ def kernel_output(
     result = merged.to(out_dtype) if out is None else out.copy_(merged)  # copy_ rounds as .to() does
     if out_dtype == torch.float16 and not resolved.allow_nonfinite:  # the one narrower range than float32
         check_finite_output(result, inputs.name, *rows, " in float16 (|x| > 65504)")
+    if effect is not None:
+        effect.add(block_effect(merged, result, inputs.base, unstepped, out_dtype))
     return result
+
+
+def unstepped_inputs(inputs: ChunkInputs) -> ChunkInputs:
+    """A copy of a block's kernel inputs the ``unstepped`` hook may modify (the kernel still sees the originals).
+
+    Args:
+        inputs: The block's kernel inputs.
+
+    Returns:
+        The copy (its own task vectors and scan counts).
+    """
+    return dataclasses.replace(inputs, deltas=inputs.deltas.clone(), seen=list(inputs.seen))
 
 
 def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:

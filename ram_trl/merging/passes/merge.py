@@ -224,8 +224,10 @@ def merge_block(
         seed=resolved.seed,
         fishers=None if chunk.fishers is None else chunk.fishers.to(run.device),
         models=_models(chunk, base_values) if method.merges_weights else None,
+        agent_names=tuple(a.name for a in resolved.agents),
     )
-    return kernel_output(resolved, inputs, task.out_dtype, (chunk.start, chunk.stop), out), counts
+    merged = kernel_output(resolved, inputs, task.out_dtype, (chunk.start, chunk.stop), out, run.state.effect)
+    return merged, counts
 
 
 def extra_rows(

@@ -85,10 +85,15 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, train, tmp_pat
     # the final ram-trl merge of the manifests is the preview at the kept step, bit for bit ...
     config = tmp_path / "merge.yaml"
     models = [{"stage": str(first)}, {"stage": str(second)}]
-    config.write_text(json.dumps({"merge_method": "ram_plus", "base_model": str(base), "models": models}))
+    config.write_text(
+        json.dumps(
+            {"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"}
+        )
+    )
     merged = tmp_path / "merged"
     assert cli(["merge", str(config), str(merged), "--no-progress"]) == 0
     assert weights_digest(merged) == kept_record["merged_sha256"]
+    assert kept_record["merge_effect"]["out_dtype"] == "float32"  # written (and scored) in float32
     # ... and its evaluation gives the logged scores to the last digit
     scored = evaluate_model(merged, preview_tasks(), EVALUATION, base=base, progress=False)
     assert scored["scores"] == kept_record["scores"]
@@ -120,7 +125,9 @@ def test_every_logged_preview_is_the_merge_of_that_step(base, first, train, tmp_
     import ram_trl
 
     ram_trl.merge(
-        {"merge_method": "ram_plus", "base_model": str(base), "models": models}, merged, progress=False
+        {"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"},
+        merged,
+        progress=False,
     )
     assert weights_digest(merged) == callback.history[-1]["merged_sha256"]
     subset = [EvalTask(t.stage, [t.rows[i] for i in indices], t.paths) for t in preview_tasks()]

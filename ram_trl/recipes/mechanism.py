@@ -1,0 +1,212 @@
+"""The mechanism section of a recipe run's results (issue 32; the RAM paper's Fig. 3 question): does keeping each
+agent's unique region at full strength matter, measured with the merges a recipe lists.
+
+Rows are recognised by method and parameters (:func:`mechanism_rows`); each comparison is a paired difference of
+test averages over the same bootstrap resamples of the prompts (or seeds), the interval the verdict uses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ram_trl.methods import resolve_method
+from ram_trl.recipes import stats
+from ram_trl.recipes.selection import difference, row_average, score_samples, val_block
+
+__all__ = ["MATCH_TOLERANCE", "mechanism", "mechanism_rows", "mechanism_section"]
+
+#: A task-arithmetic row is magnitude-matched when its merged delta's L2 norm is within this share of RAM's.
+MATCH_TOLERANCE = 0.1
+
+
+def _method(row: dict[str, Any]) -> str | None:
+    try:
+        return resolve_method(row.get("method") or "")[0].name
+    except KeyError:
+        return None
+
+
+def _delta_norm(row: dict[str, Any]) -> float | None:
+    return ((row.get("effect") or {}).get("delta_norm")) if row else None
+
+
+def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
+    """Find the mechanism merges among a run's merge rows.
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run (``rows`` with ``method`` and ``parameters``).
+
+    Returns:
+        `dict[str, Any]`: ``ram`` (RAM at full strength), ``ram_1n`` (RAM with ``unique_scale`` nearest 1/N),
+        ``ta_val`` (the task-arithmetic row with the highest validation average), ``ta_matched`` (the task-arithmetic
+        row whose merged delta's L2 norm is nearest RAM's, within :data:`MATCH_TOLERANCE`), ``ties_full`` (TIES at
+        density 1), ``unique`` (one agent's unique region: ``{agent: row}``), ``matched_lambda`` (the lambda whose
+        task-arithmetic delta has RAM's norm, from any task-arithmetic row) and ``n``; a name is ``None`` when the
+        recipe has no such row.
+    """
+    merges = [r for r in results["rows"] if r["kind"] == "merge"]
+    n = max(len(results["stages"]), 1)
+    found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None}
+    ram = [
+        r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) == 1.0
+    ]
+    scaled = [
+        r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) < 1.0
+    ]
+    tas = [r for r in merges if _method(r) == "task_arithmetic" and not r["parameters"].get("normalize")]
+    found["ram"] = ram[0]["name"] if ram else None
+    found["ram_1n"] = (
+        min(scaled, key=lambda r: abs(float(r["parameters"]["unique_scale"]) - 1 / n))["name"]
+        if scaled
+        else None
+    )
+    stages = results["stages"]
+    found["ta_val"] = stats.select_best({r["name"]: row_average(val_block(r), stages) for r in tas})
+    found["ta_matched"] = None
+    ram_norm = _delta_norm(ram[0]) if ram else None
+    sized = [r for r in tas if _delta_norm(r)]
+    if ram_norm and sized:
+        nearest = min(sized, key=lambda r: abs(_delta_norm(r) - ram_norm))
+        lam = float(nearest["parameters"].get("lambda", 1.0))
+        found["matched_lambda"] = lam * ram_norm / _delta_norm(nearest)
+        if abs(_delta_norm(nearest) - ram_norm) <= MATCH_TOLERANCE * ram_norm:
+            found["ta_matched"] = nearest["name"]
+    ties = [r for r in merges if _method(r) == "ties" and float(r["parameters"].get("density", 1.0)) >= 1.0]
+    found["ties_full"] = ties[0]["name"] if ties else None
+    for r in merges:
+        if _method(r) == "ram_unique":
+            found["unique"][str(r["parameters"].get("agent"))] = r["name"]
+    return found
+
+
+def _comparison(
+    results: dict[str, Any], question: str, first: str | None, second: str | None
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"question": question, "first": first, "second": second, "difference": None}
+    if first is None or second is None:
+        return entry
+    found = difference(results, first, second)
+    if found is not None:
+        entry["difference"], interval = found
+        entry["interval"] = None if interval is None else [float(interval[0]), float(interval[1])]
+    return entry
+
+
+def mechanism(results: dict[str, Any]) -> dict[str, Any]:
+    """The mechanism comparisons of one run, with paired intervals (the verdict's paired samples of the test split).
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run.
+
+    Returns:
+        `dict[str, Any]`: The rows found (:func:`mechanism_rows`), ``comparisons`` (``question``, ``first``,
+        ``second``, ``difference`` of test averages first - second, ``interval``: paired 95%) and ``missing``
+        (the YAML ``merges:`` entries a recipe needs for the comparisons it lacks).
+    """
+    found = mechanism_rows(results)
+    if not any(r["kind"] == "merge" for r in results["rows"]):
+        return {**found, "comparisons": [], "missing": []}
+    n = found["n"]
+    kind = (results.get("statistics") or {}).get("intervals", "bootstrap")
+    # the same paired samples as the verdict's (same resamples and seed), present while comparing
+    results["_samples"] = {"test": score_samples(results, "test", kind)}
+    try:
+        comparisons = [
+            _comparison(results, "unique region at full strength vs at 1/N", found["ram"], found["ram_1n"]),
+            _comparison(
+                results, "RAM vs task arithmetic chosen on validation", found["ram"], found["ta_val"]
+            ),
+            _comparison(
+                results, "RAM vs magnitude-matched task arithmetic", found["ram"], found["ta_matched"]
+            ),
+        ]
+    finally:
+        results.pop("_samples", None)
+    missing = []
+    if found["ram"] is None:
+        missing.append("- ram")
+    if found["ram_1n"] is None:
+        missing.append(f"- {{method: ram, name: ram_1_over_n, parameters: {{unique_scale: {1 / n:.6g}}}}}")
+    if found["ta_val"] is None:
+        grid = sorted({round(1 / n, 3), 0.5, 0.75, 1.0, 1.25, 1.5})
+        missing.append(f"- {{method: task_arithmetic, parameters: {{lambda: {grid}}}}}")
+    if found["ta_matched"] is None and found["ram"] is not None:
+        lam = found["matched_lambda"]
+        if lam is not None and math.isfinite(lam):
+            missing.append(
+                f"- {{method: task_arithmetic, name: ta_matched, parameters: {{lambda: {lam:.4g}}}}}"
+            )
+    if found["ties_full"] is None:
+        missing.append("- {method: ties, name: ties_density_1, parameters: {density: 1.0}}")
+    if not found["unique"]:
+        missing += [
+            f"- {{method: ram_unique, name: unique_{s}, parameters: {{agent: {s}}}}}"
+            for s in results["stages"]
+        ]
+    return {**found, "comparisons": comparisons, "missing": missing}
+
+
+def _answer(entry: dict[str, Any]) -> str:
+    first, second, diff = entry["first"], entry["second"], entry["difference"]
+    if first is None or second is None:
+        return "not measured: the recipe lacks a row (see the entries below)"
+    if diff is None:
+        return f"{first} vs {second}: not scored"
+    interval = entry.get("interval")
+    if interval is None:
+        return f"{first} - {second} = {diff:+.3f} on test (no interval: per-prompt rewards are missing)"
+    text = f"{first} - {second} = {diff:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}] on test (paired 95%)"
+    if interval[0] > 0 or interval[1] < 0:
+        return text + f": resolved, {first if diff > 0 else second} is better"
+    return text + ": not resolved at this number of prompts"
+
+
+def mechanism_section(results: dict[str, Any]) -> list[str]:
+    """``results.md``'s section on RAM's mechanism (empty when the run has no merges).
+
+    Args:
+        results (`dict[str, Any]`): The results of a recipe run, with its statistics (``mechanism`` is added).
+
+    Returns:
+        `list[str]`: The Markdown lines.
+    """
+    if "mechanism" not in results:
+        results["mechanism"] = mechanism(results)
+    found = results["mechanism"]
+    if not found or not any(r["kind"] == "merge" for r in results["rows"]):
+        return []
+    lines = [
+        "## Mechanism: does the unique region at full strength matter?",
+        "",
+        "Test averages, paired over the same resamples of the prompts (the verdict's intervals). 1/N: RAM with each "
+        f"agent's unique elements scaled 1/N (N = {found['n']}), the shared mean unchanged. Task arithmetic chosen on "
+        "validation: the task-arithmetic row with the highest validation average. Magnitude-matched: the "
+        "task-arithmetic row whose merged delta (float32 merge minus base, its L2 norm in the merge report) is within "
+        f"{MATCH_TOLERANCE:.0%} of RAM's. How to read it: docs/recipes-results.md.",
+        "",
+    ]
+    for entry in found["comparisons"]:
+        lines.append(f"- {entry['question']}: {_answer(entry)}")
+    if found.get("ties_full"):
+        lines.append(f"- TIES at density 1 (sign election, no trim): row {found['ties_full']}")
+    if found.get("unique"):
+        lines.append(
+            "- each agent's unique region alone: "
+            + ", ".join(f"{a}: {n}" for a, n in found["unique"].items())
+        )
+    if found.get("matched_lambda"):
+        lines.append(
+            f"- the task-arithmetic lambda whose merged delta has RAM's L2 norm: {found['matched_lambda']:.4g}"
+        )
+    lines.append("")
+    if found["missing"]:
+        lines += [
+            "To measure what is missing, add to the recipe's `merges:`",
+            "",
+            "```yaml",
+            *found["missing"],
+            "```",
+            "",
+        ]
+    return lines

@@ -1,0 +1,96 @@
+"""The mechanism section of results (ram_trl.recipes.mechanism): which rows answer the questions, the paired
+differences and their intervals, and the YAML entries a recipe lacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ram_trl.recipes import stats
+from ram_trl.recipes.mechanism import mechanism, mechanism_rows
+from ram_trl.recipes.results_markdown import markdown
+from ram_trl.recipes.selection import add_statistics
+from tests.recipes.results_rows import hand_made, results_row
+
+
+def _merge(name, method, parameters, test, val, norm=None):
+    row = results_row(name, "merge", test, val)
+    row.update(method=method, parameters=parameters)
+    if norm is not None:
+        row["effect"] = {"delta_norm": norm}
+    return row
+
+
+def _with_mechanism_rows() -> dict:
+    results = hand_made()
+    results["rows"] = [r for r in results["rows"] if r["kind"] != "merge"]
+    same = {"a": [1, 0, 1, 0], "b": [1, 1, 1, 0]}
+    results["rows"] += [
+        # RAM: test a 0.75, b 1.0; its delta norm 2.0
+        _merge("ram", "ram", {}, {"a": [1, 1, 1, 0], "b": [1, 1, 1, 1]}, same, 2.0),
+        # RAM with the unique region at 1/2 (N = 2): test a 0.5, b 0.75
+        _merge("ram_half", "ram", {"unique_scale": 0.5}, same, same, 1.5),
+        # TA at lambda 0.5 and 1 (norms 1 and 2): 1.0 is best on validation and matches RAM's norm
+        _merge(
+            "ta(lambda=0.5)",
+            "task_arithmetic",
+            {"lambda": 0.5},
+            same,
+            {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0]},
+            1.0,
+        ),
+        _merge("ta(lambda=1)", "ta", {"lambda": 1.0}, {"a": [1, 1, 1, 0], "b": [1, 1, 1, 1]}, same, 2.1),
+        _merge("ties_d1", "ties", {"density": 1.0}, same, same),
+        _merge("unique_a", "ram_unique", {"agent": "a"}, same, same),
+    ]
+    return results
+
+
+def test_rows_are_found_by_method_and_parameters():
+    found = mechanism_rows(_with_mechanism_rows())
+    assert (found["ram"], found["ram_1n"], found["ta_val"]) == ("ram", "ram_half", "ta(lambda=1)")
+    # nearest norm to RAM's 2.0 is lambda 1's 2.1 (within 10%); the matched lambda is 1 * 2.0 / 2.1
+    assert found["ta_matched"] == "ta(lambda=1)"
+    assert found["matched_lambda"] == pytest.approx(2.0 / 2.1)
+    assert found["ties_full"] == "ties_d1" and found["unique"] == {"a": "unique_a"}
+
+
+def test_paired_differences_use_the_bootstrap_resamples_of_the_prompts():
+    results = add_statistics(_with_mechanism_rows())
+    results["mechanism"] = mechanism(results)
+    first = results["mechanism"]["comparisons"][0]
+    assert (first["first"], first["second"]) == ("ram", "ram_half")
+    # test averages 0.875 and 0.625; the paired interval from the same resamples of each stage's four prompts
+    assert first["difference"] == pytest.approx(0.25)
+    samples = stats.bootstrap_scores(
+        {r["name"]: r["rewards"] for r in results["rows"]}, ["a", "b"], resamples=500, seed=0
+    )
+    expected = stats.interval_of(samples["ram"]["average"] - samples["ram_half"]["average"], "bootstrap")
+    assert first["interval"] == pytest.approx(list(expected))
+    assert np.isfinite(first["interval"]).all()
+    # RAM vs the TA chosen on validation: the same test rewards, a zero difference in every resample
+    second = results["mechanism"]["comparisons"][1]
+    assert second["difference"] == 0 and second["interval"] == [0, 0]
+    assert not results["mechanism"]["missing"]
+    text = markdown(results)
+    assert "## Mechanism: does the unique region at full strength matter?" in text
+    assert "ram - ram_half = +0.250" in text
+
+
+def test_missing_rows_are_named_as_yaml_entries():
+    results = add_statistics(hand_made())  # merges m1, m2 only: no mechanism rows
+    results["mechanism"] = mechanism(results)
+    missing = results["mechanism"]["missing"]
+    assert "- ram" in missing
+    assert "- {method: ram, name: ram_1_over_n, parameters: {unique_scale: 0.5}}" in missing
+    assert "- {method: task_arithmetic, parameters: {lambda: [0.5, 0.75, 1.0, 1.25, 1.5]}}" in missing
+    assert "- {method: ram_unique, name: unique_b, parameters: {agent: b}}" in missing
+    assert all(c["difference"] is None for c in results["mechanism"]["comparisons"])
+    assert "add to the recipe's `merges:`" in markdown(results)
+
+
+def test_a_run_without_merges_or_stages_has_no_mechanism_section():
+    results = add_statistics({"recipe": "t", "stages": [], "rows": []})
+    results["mechanism"] = mechanism(results)
+    assert results["mechanism"]["comparisons"] == [] and results["mechanism"]["missing"] == []
+    assert "Mechanism" not in markdown(results)
