@@ -192,6 +192,11 @@ def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
         s.config["max_steps"] > full.stages[0].config["max_steps"] and s.config.get("bf16")
         for s in gpu.stages
     )
+    # the mechanism rows (docs/recipes.md) and the dtype the merges are scored in are named in the recipe itself
+    raw = yaml.safe_load((REPO / "recipes" / "smollm2-agents.yaml").read_text())
+    assert raw["merge_dtype"] == full.merge_dtype == "float32"
+    names = {m.name for m in full.merges}
+    assert {"ram_1_over_n", "ties_density_1", "unique_coding", "unique_tools", "unique_memory"} <= names
     methods = {m.method for m in full.merges}
     from ram_trl.methods.registry import method_names
 
