@@ -7,7 +7,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ram_trl.callbacks.sparsity import deepspeed_adapter as adapter
+from ram_trl.callbacks import deepspeed_adapter as adapter
 from ram_trl.distributed import exit_distributed
 
 CONFIG = {

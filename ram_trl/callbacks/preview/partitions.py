@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from ram_trl.callbacks import deepspeed_adapter
 from ram_trl.callbacks.preview.scores import training_rng_kept
-from ram_trl.callbacks.sparsity import deepspeed_adapter, library_versions
+from ram_trl.callbacks.sparsity import library_versions
 from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 from ram_trl.stage.save import policy_of

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ram_trl.callbacks.sparsity import deepspeed_adapter
+from ram_trl.callbacks import deepspeed_adapter
 from ram_trl.distributed import DistContext
 from ram_trl.errors import RamTrlError
 
