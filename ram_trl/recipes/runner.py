@@ -491,7 +491,7 @@ def merge_effect(path: Path) -> dict[str, Any] | None:
     """
     import json
 
-    from ram_trl.report import REPORT_FILE
+    from ram_trl.merging.report import REPORT_FILE
 
     report = Path(path) / REPORT_FILE
     return json.loads(report.read_text()).get("effect") if report.is_file() else None
