@@ -60,6 +60,8 @@ def test_ddp_preview_agrees_on_every_rank_and_is_the_merge(tmp_path):
     merged = tmp_path / "merged"
     models = [{"stage": str(first)}, {"stage": str(second)}]
     ram_trl.merge(
-        {"merge_method": "ram_plus", "base_model": str(base), "models": models}, merged, progress=False
-    )
+        {"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"},
+        merged,
+        progress=False,
+    )  # the preview writes (and scores) its merges in float32
     assert weights_digest(merged) == kept["merged_sha256"]
