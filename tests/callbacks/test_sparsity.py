@@ -377,7 +377,10 @@ def test_save_is_atomic_a_failure_midway_leaves_no_agent(base, tmp_path, monkeyp
         assert (Path(directory) / "model.safetensors").is_file()  # the weights were written: we are midway
         raise OSError(errno.ENOSPC, "No space left on device", str(directory))
 
+    import ram_trl.stage.save as stage_save
+
     monkeypatch.setattr(callbacks, "write_manifest", full_disk)
+    monkeypatch.setattr(stage_save, "write_manifest", full_disk)  # the agent's save writes its manifest there
     out = tmp_path / "agent"
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="s")
     with pytest.raises(OutputError, match=f"agent directory {out}.*No space left"):

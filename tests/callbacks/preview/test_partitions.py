@@ -127,7 +127,12 @@ def test_merged_partitions_are_the_merge_of_the_saved_checkpoints_bit_for_bit(ru
         merged = run["root"] / f"merged-{step}"
         models = [{"stage": str(run["first"])}, {"model": str(agent), "name": "second"}]
         ram_trl.merge(
-            {"merge_method": "ram_plus", "base_model": str(run["base"]), "models": models},
+            {
+                "merge_method": "ram_plus",
+                "base_model": str(run["base"]),
+                "models": models,
+                "out_dtype": "float32",
+            },
             merged,
             progress=False,
         )

@@ -203,6 +203,8 @@ def test_resumed_run_keeps_the_argmax_over_the_whole_run(base, first, train, tmp
     import ram_trl
 
     ram_trl.merge(
-        {"merge_method": "ram_plus", "base_model": str(base), "models": models}, merged, progress=False
+        {"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"},
+        merged,
+        progress=False,
     )
     assert weights_digest(merged) == kept["merged_sha256"]
