@@ -114,7 +114,7 @@ def test_quick_demo_rows_and_files(quick_demo):
         assert row["n"] == row["val"]["n"] == {s: 8 for s in STAGES}  # val_size defaults to eval_size
         assert ("retention" in row) == (row["kind"] == "merge")
     assert sorted(results["regime"]) == sorted(STAGES)
-    assert results["selection"]["ship"] in MERGES and results["verdict"].startswith("Ship ")
+    assert results["selection"]["ship"] in MERGES and "Ship " in results["verdict"]  # after a smoke preface
     assert [s["label"] for s in results["selection"]["sweeps"]] == ["ram_plus", "task_arithmetic"]
     markdown = (out / "results.md").read_text()
     for name in ["base", *STAGES, *MERGES]:
