@@ -36,6 +36,7 @@ __all__ = [
     "AGENT_TOOLS",
     "DEFAULT_SYSTEM",
     "EXAMPLE_CALL",
+    "EXAMPLE_PROGRAM",
     "chat_prompt",
     "fact_recall_prompts",
     "fact_recall_reward",
@@ -131,12 +132,23 @@ def _one_line_program(rng: random.Random) -> str:
     return f'print(len("{rng.choice(_WORDS)}"))'
 
 
+#: The worked example a coding prompt shows with ``show_example`` (outside the generator's programs): the reply
+#: format the reward gives full credit for, shown once, as the tool-use prompt shows :data:`EXAMPLE_CALL`.
+EXAMPLE_PROGRAM = ('print("ab" * 2)', "abab")
+
+
 def program_output_prompts(
-    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM, easy_share: float = 0.0
+    n: int,
+    seed: int = 0,
+    system: str | None = DEFAULT_SYSTEM,
+    easy_share: float = 0.0,
+    show_example: bool = False,
 ) -> list[dict[str, str]]:
     """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
     print; the answer is the output of running the program; ``easy_share`` of them are one-line programs
-    (``print(17 * 4)``, ``print(len("river"))``), an easier first rung so that GRPO groups of a small model carry signal."""
+    (``print(17 * 4)``, ``print(len("river"))``), an easier first rung so that GRPO groups of a small model carry
+    signal; ``show_example`` appends one worked example of the reply format (:data:`EXAMPLE_PROGRAM`). Neither option
+    changes which programs are drawn."""
 
     if not 0.0 <= easy_share <= 1.0:
         raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
@@ -144,6 +156,8 @@ def program_output_prompts(
     def make(rng: random.Random) -> dict[str, str]:
         source = _one_line_program(rng) if easy_share and rng.random() < easy_share else _program(rng)
         user = f"What does this Python program print?\n```python\n{source}\n```\nReply with the output only."
+        if show_example:
+            user += f" For example, for {EXAMPLE_PROGRAM[0]} the reply is: {EXAMPLE_PROGRAM[1]}"
         return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
 
     return unique_rows(make, n, seed)

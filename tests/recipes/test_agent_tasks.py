@@ -11,6 +11,7 @@ from ram_trl.recipes.agent_tasks import (
     AGENT_TOOLS,
     DEFAULT_SYSTEM,
     EXAMPLE_CALL,
+    EXAMPLE_PROGRAM,
     chat_prompt,
     fact_recall_prompts,
     fact_recall_reward,
@@ -87,6 +88,19 @@ def test_easy_share_mixes_one_line_programs_and_leaves_the_default_draw_alone():
     assert all("\n" in s for s in _sources(default))
     with pytest.raises(ValueError, match="easy_share"):
         program_output_prompts(3, easy_share=1.5)
+
+
+def test_show_example_appends_the_reply_format_and_draws_the_same_programs():
+    plain = program_output_prompts(40, seed=3, easy_share=0.5)
+    shown = program_output_prompts(40, seed=3, easy_share=0.5, show_example=True)
+    assert [r["answer"] for r in shown] == [r["answer"] for r in plain]
+    assert _sources(shown) == _sources(plain)
+    for row in shown:
+        assert row["prompt"].count('For example, for print("ab" * 2) the reply is: abab') == 1
+    assert all("For example" not in row["prompt"] for row in plain)
+    # the example's program is none of the generator's and its answer is what it prints
+    assert run_program(EXAMPLE_PROGRAM[0]) == EXAMPLE_PROGRAM[1]
+    assert EXAMPLE_PROGRAM[0] not in _sources(program_output_prompts(500, seed=0, easy_share=1.0))
 
 
 def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):
