@@ -26,4 +26,4 @@ lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .venv-ci .venv-ppo example_out demo_out
+	rm -rf $(VENV) .venv .venv-ci .venv-ppo example_out demo_out

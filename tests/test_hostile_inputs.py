@@ -223,6 +223,9 @@ def test_index_paths_outside_the_checkpoint_are_refused(ckpts, tmp_path, capsys,
 
 def test_an_index_naming_a_system_file_never_opens_it(ckpts, tmp_path, capsys, monkeypatch):
     agent = ckpts.agents[1]
+    (
+        agent / "model.safetensors"
+    ).unlink()  # the index is the agent's only weight source (both would be refused)
     weight_map = dict.fromkeys(ckpts.base_tensors, "/etc/passwd")
     (agent / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     opened = []
@@ -356,6 +359,9 @@ def test_malformed_safetensors_headers(ckpts, tmp_path, capsys, mutate, needle):
     ],
 )
 def test_malformed_index_files(ckpts, tmp_path, capsys, index, needle):
+    (
+        ckpts.agents[1] / "model.safetensors"
+    ).unlink()  # the index alone, so that its own fault is the one named
     (ckpts.agents[1] / "model.safetensors.index.json").write_text(json.dumps(index))
     refused_merge(capsys, tmp_path, config_for(ckpts), "agent 1", "index", needle)
 

@@ -3,6 +3,7 @@ removed by ``make clean``."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -38,7 +39,14 @@ def test_every_created_venv_is_ignored_by_git():
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_clean_removes_every_created_venv():
+    # as a user types it: not inside CI's own make (MAKELEVEL prints directories) nor with CI's VENV exported
+    env = {k: v for k, v in os.environ.items() if k not in {"VENV", "MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
     command = subprocess.run(
-        ["make", "-n", "clean"], cwd=REPO, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "clean"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     assert set(_created_venvs()) <= set(command)

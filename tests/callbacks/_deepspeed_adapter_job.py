@@ -32,7 +32,12 @@ def main() -> None:
                 )
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=CONFIG)
-    out: dict = {"engine": adapter.is_engine(engine), "module": adapter.is_engine(net), "params": {}}
+    out: dict = {
+        "rank": dist.get_rank(),
+        "engine": adapter.is_engine(engine),
+        "module": adapter.is_engine(net),
+        "params": {},
+    }
     for name, param in engine.module.named_parameters():
         part = adapter.partition_of(param)
         out["params"][name] = {

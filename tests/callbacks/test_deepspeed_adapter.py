@@ -46,7 +46,9 @@ def test_partitions_release_and_regather_of_a_real_zero3_engine(tmp_path):
     ranks = [
         json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line
     ]
-    assert len(ranks) == 2
+    # the ranks print in whichever order they finish: put them in rank order (their partitions tile in that order)
+    ranks.sort(key=lambda out: out["rank"])
+    assert [out["rank"] for out in ranks] == [0, 1]
     full = {"0.weight": (15, [3, 5], 0), "0.bias": (3, [3], 100), "1.weight": (3, [1, 3], 200)}
     for out in ranks:
         assert (out["engine"], out["module"], out["plain"], out["release"]) == (True, False, False, True)
