@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -210,11 +211,33 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
         return fingerprint(lambda name: checkpoint.read_rows(name, reader), names)
 
 
+def unchecked_base(
+    manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike | None
+) -> str | None:
+    """The warning for a stage whose manifest has no base fingerprint and names a base other than ``base_path``
+    (``None``: a fingerprint to check, or the same base on disk)."""
+    if manifest.base_fingerprint is not None:
+        return None
+    named = base_model_path(manifest, manifest_file)
+    if named is not None and base_path is not None and named.resolve() == Path(base_path).resolve():
+        return None
+    ours = "this base" if base_path is None else f"the base {base_path}"
+    return (
+        f"stage {manifest.stage!r} ({manifest_path(manifest_file)}) has no base fingerprint and names base "
+        f"{manifest.base_model!r}: whether it was trained from {ours} cannot be checked (a stage saved by this "
+        "ram_trl records one)"
+    )
+
+
 def check_base(
     manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike
 ) -> None:
-    """Check that a stage was trained from ``base_path``."""
+    """Check that a stage was trained from ``base_path``; one without a fingerprint naming another base is warned
+    about (:func:`unchecked_base`)."""
     if manifest.base_fingerprint is None:
+        warning = unchecked_base(manifest, manifest_file, base_path)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         return
     try:
         found = fingerprint_checkpoint(base_path, manifest.base_fingerprint.tensors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,10 @@ def stage_for(ckpts, t: int, **fields) -> Path:
     directory = ckpts.root / f"stage{t}"
     shutil.copytree(ckpts.agents[t], directory)
     fields.setdefault("files", describe_files(directory))
+    fields.setdefault("base_fingerprint", fingerprint_checkpoint(ckpts.base))
     manifest = StageManifest(
         stage=f"vertical{t}",
         domain=["coding", "tools", "memory"][t],
-        base_fingerprint=fingerprint_checkpoint(ckpts.base),
         checkpoint=".",
         trainer="GRPOTrainer",
         steps=12,
@@ -72,6 +73,18 @@ def test_manifest_round_trip_and_atomic_write(tmp_path):
     assert manifest.stage == "vertical0" and manifest.steps == 12 and manifest.kind == "full"
     assert read_manifest(directory / MANIFEST_NAME) == manifest
     check_base(manifest, directory, ckpts.base)
+
+
+def test_stage_without_a_fingerprint_naming_another_base_is_warned_about(tmp_path):
+    ckpts = make_checkpoints(tmp_path)
+    directory = stage_for(ckpts, 0, base_fingerprint=None, base_model=str(tmp_path / "elsewhere"))
+    manifest = read_manifest(directory)
+    with pytest.warns(UserWarning, match=r"stage 'vertical0' \(.*ram_stage.json\) has no base fingerprint"):
+        check_base(manifest, directory, ckpts.base)
+    same = read_manifest(stage_for(ckpts, 1, base_fingerprint=None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_base(same, ckpts.root / "stage1", ckpts.base)
 
 
 def test_merge_from_stage_manifests_equals_merge_from_paths(tmp_path):

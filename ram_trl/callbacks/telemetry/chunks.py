@@ -99,6 +99,7 @@ class ChunkCounts:
     changed: int = 0
     active: int = 0
     active_saved: int = 0
+    nonfinite_base: int = 0
     square_sum: torch.Tensor | None = None
     overlap: OverlapStatistics | None = None
 
@@ -111,9 +112,16 @@ def flag_count(flags: torch.Tensor) -> int:
     return int(torch.count_nonzero(flags))
 
 
+def nonfinite_count(values: torch.Tensor) -> int:
+    """Number of NaN/Inf elements of ``values`` (one sum when there are none)."""
+    if math.isfinite(float(values.sum())):
+        return 0
+    return int((~torch.isfinite(values)).sum())
+
+
 def row_numel(shape: tuple[int, ...]) -> int:
     """Elements per row of a tensor of ``shape`` (1 for a scalar or a vector)."""
     return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-__all__ = ["Chunk", "ChunkCounts", "Workspace", "flag_count", "lora_chunks", "row_numel"]
+__all__ = ["Chunk", "ChunkCounts", "Workspace", "flag_count", "lora_chunks", "nonfinite_count", "row_numel"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ from ram_trl.callbacks.telemetry.chunks import (
     Workspace,
     flag_count,
     lora_chunks,
+    nonfinite_count,
     row_numel,
 )
 from ram_trl.callbacks.telemetry.layout import (
@@ -100,7 +102,7 @@ from ram_trl.parallel import (
     single_threaded_call,
     single_threaded_worker,
 )
-from ram_trl.stage.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint
+from ram_trl.stage.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint, unchecked_base
 from ram_trl.statistics import (
     MagnitudeStatistics,
     OverlapStatistics,
@@ -301,6 +303,9 @@ class TaskVectorTracker:
         for stage in stages:
             theirs = stage.manifest.base_fingerprint
             if theirs is None:
+                warning = unchecked_base(stage.manifest, stage.manifest_file, self.base_model)
+                if warning:
+                    warnings.warn(f"prior {warning}", UserWarning, stacklevel=3)
                 continue
             try:
                 ours = (
@@ -400,6 +405,7 @@ class TaskVectorTracker:
                 ws.histogram = MagnitudeStatistics.zeros(1)
 
         single_threaded_call(reset_histograms, self._host_worker)
+        nonfinite: dict[str, int] = {}  # base tensor -> NaN/Inf elements (first measurement)
         # chunk results are added in chunk order: the float64 sums do not depend on the number of workers
         with compute_pool(device, workers) as pool:
             for part in imap_blocks(pool, self._measure_chunk, chunks, ahead=2 * workers):
@@ -407,10 +413,20 @@ class TaskVectorTracker:
                 row[0] += part.active
                 row[1] += part.changed
                 row[2] += part.active_saved
+                if part.nonfinite_base:
+                    nonfinite[names[part.row]] = nonfinite.get(names[part.row], 0) + part.nonfinite_base
                 if part.square_sum is not None:
                     squares += part.square_sum
                 if part.overlap is not None:
                     overlap.add(part.overlap)
+        for name, bad in nonfinite.items():
+            warnings.warn(
+                f"{self.base_description}: tensor {name!r} holds {bad} NaN/Inf value(s), so the task vector there "
+                "is undefined: every metric leaves those elements out and a merge against this base is refused. "
+                "Use a finite base checkpoint",
+                UserWarning,
+                stacklevel=3,
+            )
         # the host work after the counting runs single-threaded off the calling thread in a process the library owns
         # (multi-threaded operations on these small tensors stall on busy cores); in a user's process, on it
 
@@ -489,6 +505,8 @@ class TaskVectorTracker:
         with torch.no_grad(), self._borrowed_workspace(device) as ws:
             tau, saved = self._delta(chunk, ws)
             count = chunk.count
+            if not self.history and chunk.region.kind == "dense":  # the base, checked whole once
+                part.nonfinite_base = nonfinite_count(ws.base[:count])
             part.changed = flag_count(torch.ne(tau, 0, out=ws.flags[:count]))
             flags = None  # the activity flags of tau, when needed
             magnitudes = self.magnitudes and chunk.sampled

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -338,6 +339,41 @@ def test_prior_stage_of_another_base_is_refused(tmp_path):
     save_file(tensors, str(other / "model.safetensors"))
     stage = write_stage(tmp_path, "elsewhere", write_full_prior(tmp_path / "agent"), other)
     with pytest.raises(ConfigError, match=r"prior stage 'elsewhere' .* fingerprint differs"):
+        TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
+
+
+def test_a_base_with_one_nan_outside_the_fingerprint_is_warned_about_once(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    tensors = {n: torch.ones(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    outside = next(n for n in SHAPES if n not in fingerprint_checkpoint(write_base(tmp_path / "b0")).tensors)
+    tensors[outside].view(-1)[-1] = float("nan")
+    save_file(tensors, str(base / "model.safetensors"))
+    tracker = TaskVectorTracker(base_model=base)
+    with pytest.warns(
+        UserWarning, match=rf"base checkpoint {base} .*tensor '{outside}' holds 1 NaN/Inf value"
+    ):
+        tracker.measure(train(tiny_model()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tracker.measure(train(tiny_model()))  # checked once
+
+
+def test_prior_stage_without_a_fingerprint_from_another_base_is_warned_about(tmp_path):
+    base = write_base(tmp_path / "base")
+    other = write_base(tmp_path / "other")
+    stage = write_stage(tmp_path, "old", write_full_prior(tmp_path / "agent"), other)
+    manifest = json.loads((stage / "ram_stage.json").read_text())
+    del manifest["base_fingerprint"]
+    (stage / "ram_stage.json").write_text(json.dumps(manifest))
+    with pytest.warns(
+        UserWarning, match=rf"prior stage 'old' \({stage}/ram_stage.json\) has no base fingerprint"
+    ):
+        TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
+    manifest["base_model"] = str(base)  # the same base by name: nothing to warn about
+    (stage / "ram_stage.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
 
 
