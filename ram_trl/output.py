@@ -253,6 +253,8 @@ def make_readable(path: Path, mode: int) -> None:
 
 #: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
 _STEM_BYTES = 200
+#: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
+_NAME_BYTES = 255
 
 
 def _temp_stem(name: str) -> str:
@@ -262,6 +264,17 @@ def _temp_stem(name: str) -> str:
         return name
     digest = text_digest(name)[:12]
     return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
+
+
+def check_name_length(target: Path, what: str) -> None:
+    """Refuse an output path with a component longer than file names may be (255 bytes on common file systems)."""
+    for part in target.parts:
+        size = len(os.fsencode(part))
+        if size > _NAME_BYTES:
+            raise OutputError(
+                f"{what} {target}: the name {part[:40]}... is {size} bytes, over the {_NAME_BYTES} bytes a file "
+                "name may have; choose a shorter name"
+            )
 
 
 class OutputDir:
@@ -306,6 +319,7 @@ class OutputDir:
     def check(self) -> None:
         """Refuse an output that overlaps an input, or that exists and may not be replaced. Cheap; call it before
         reading any tensor (and :meth:`commit` checks again)."""
+        check_name_length(self.target, self.what)
         self._check_inputs()
         self._check_existing()
 
@@ -565,6 +579,7 @@ def check_output_file(
     The rule of every writer: nothing is written over something the run reads (with or without ``overwrite``), nor
     over a file the run did not create unless the user asked for it with ``flag``."""
     target = Path(target)
+    check_name_length(target, what)
     out = target.resolve()
     for label, path in reads:
         if not path.exists():

@@ -356,3 +356,12 @@ def test_outputs_are_as_readable_as_the_umask_allows(tmp_path, umask, mask, mode
         "out/run.sh": mode | (mode & 0o444) >> 2,
         "fisher.safetensors": mode,
     }
+
+
+@pytest.mark.parametrize("size", [256, 300])
+def test_an_output_name_longer_than_a_file_name_may_be_is_one_line(tmp_path, size):
+    long = tmp_path / ("a" * size)
+    for check in (lambda: OutputDir(long).check(), lambda: output.check_output_file(long / "x.json")):
+        with pytest.raises(OutputError, match=rf"is {size} bytes, over the 255 bytes a file name may have"):
+            check()
+    OutputDir(tmp_path / ("a" * 255)).check()  # the longest name is accepted

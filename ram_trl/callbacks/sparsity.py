@@ -36,6 +36,7 @@ from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
 from ram_trl.sizes import check_number
 from ram_trl.stage.manifest import (
     FINGERPRINT_ELEMENTS,
+    MANIFEST_NAME,
     StageManifest,
     check_save_target,
     write_manifest,
@@ -232,6 +233,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
                 "TaskVectorSparsityCallback has no trainer: pass trainer=... or call callback.bind(trainer) "
                 "before trainer.train() (the metrics go through the trainer's logging)"
             )
+        self._check_one_writer(args)
         model = policy_of(kwargs.get("model") or self.trainer.model)
         reference = getattr(self.trainer, "ref_model", None)
         if getattr(self.trainer.args, "sync_ref_model", False):
@@ -252,6 +254,23 @@ class TaskVectorSparsityCallback(TrainerCallback):
             raise ConfigError(
                 f"training resumes at step {state.global_step}, so the weights at train begin are not the base; "
                 "pass base_model=PATH to TaskVectorSparsityCallback (or train with a reference model)"
+            )
+
+    def _check_one_writer(self, args: TrainingArguments) -> None:
+        """Refuse a second telemetry callback of this trainer that would write its stage into the same
+        ``output_dir`` (one ``ram_stage.json`` would silently replace the other's)."""
+        handler = getattr(self.trainer, "callback_handler", None)
+        writers = [
+            c
+            for c in getattr(handler, "callbacks", ())
+            if isinstance(c, TaskVectorSparsityCallback) and (c.save_agent or c.write_stage)
+        ]
+        if self in writers and len(writers) > 1:
+            names = " and ".join(repr(c.stage_name or "unnamed") for c in writers)
+            raise ConfigError(
+                f"{len(writers)} TaskVectorSparsityCallback instances (stages {names}) would each write their stage "
+                f"into output_dir {args.output_dir}, one replacing the other's {MANIFEST_NAME}: pass "
+                "save_agent=False, write_stage=False to all but one"
             )
 
     def interval(self, args: TrainingArguments, state: TrainerState) -> int:

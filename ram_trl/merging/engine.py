@@ -277,9 +277,13 @@ def _run_merge(
     started = time.perf_counter()
     base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
-        summary = reporting.plan_summary(resolved, plan)
+        cache = 0
+        if resolved.method.needs_statistics and plan.fishers is None:  # as the run below keeps them
+            budget = input_cache_budget(check_input_cache(options.input_cache), ctx.device(options.device))
+            cache = min(budget, plan.input_bytes)
+        summary = reporting.plan_summary(resolved, plan, cache)
         if ctx.is_main and options.print_summary:
-            reporting.print_plan(resolved, plan)
+            reporting.print_plan(resolved, plan, cache)
         return summary
 
     owned = partition_by_bytes([task_input_bytes(t, agents) for t in plan.tasks], ctx.world_size)[ctx.rank]

@@ -354,8 +354,9 @@ def _export_lines(report: dict[str, Any], section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
-    """The dry-run result: what the merge would read, write and hold in memory."""
+def plan_summary(resolved: ResolvedConfig, plan: MergePlan, input_cache: int = 0) -> dict[str, Any]:
+    """The dry-run result: what the merge would read, write and hold in memory (``input_cache``: the input bytes the
+    statistics pass may keep for the merge pass, read once instead of twice and held meanwhile)."""
     return {
         "dry_run": True,
         "merge_method": resolved.method.name,
@@ -370,23 +371,24 @@ def plan_summary(resolved: ResolvedConfig, plan: MergePlan) -> dict[str, Any]:
         "merged_tensors": sum(1 for t in plan.tasks if t.floating),
         "chunked_tensors": sum(1 for t in plan.tasks if len(t.chunks()) > 1),
         "passes": plan.passes,
-        "bytes_read": plan.bytes_read,
+        "bytes_read": plan.bytes_read - input_cache,
         "bytes_written": plan.output_bytes,
         "output_files": [s.file_name for s in plan.shards],
         "chunk_budget": plan.chunk_budget,
-        "peak_memory_estimate": plan.peak_memory_estimate(),
+        "peak_memory_estimate": plan.peak_memory_estimate() + input_cache,
         "peak_memory_fixed": PROCESS_BASELINE_BYTES,
+        "input_cache": input_cache,
         "resized_tensors": plan.resized,
         "notes": list(resolved.notes),
     }
 
 
-def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
+def print_plan(resolved: ResolvedConfig, plan: MergePlan, input_cache: int = 0) -> None:
     """Print the dry-run plan as a table."""
     from rich.console import Console
     from rich.table import Table
 
-    summary = plan_summary(resolved, plan)
+    summary = plan_summary(resolved, plan, input_cache)
     table = Table(title=f"Merge plan: {resolved.method.pretty_name} (dry run)", show_header=False)
     table.add_column("item", style="bold")
     table.add_column("value")
@@ -399,14 +401,17 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan) -> None:
         f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)",
     )
     table.add_row("passes over inputs", str(plan.passes))
-    table.add_row("bytes to read", format_bytes(plan.bytes_read))
+    table.add_row("bytes to read", format_bytes(summary["bytes_read"]))
     table.add_row("bytes to write", f"{format_bytes(plan.output_bytes)} in {len(plan.shards)} file(s)")
     table.add_row("chunk budget", format_bytes(plan.chunk_budget))
-    peak = plan.peak_memory_estimate()
+    if input_cache:
+        table.add_row("input cache", f"up to {format_bytes(input_cache)} of inputs kept for the merge pass")
+    peak = summary["peak_memory_estimate"]
+    cache = " (with the input cache)" if input_cache else ""
     table.add_row(
         "peak memory estimate",
         f"{format_bytes(peak)}: {format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + "
-        f"{format_bytes(peak - PROCESS_BASELINE_BYTES)} for this merge's buffers",
+        f"{format_bytes(peak - PROCESS_BASELINE_BYTES)} for this merge's buffers{cache}",
     )
     for note in resolved.notes:
         table.add_row("note", note)

@@ -560,6 +560,40 @@ def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
     assert not (out / MANIFEST_NAME).exists() and not (out / "model.safetensors").exists()
 
 
+def test_two_callbacks_writing_one_output_dir_are_refused_naming_both(base, tmp_path):
+    out = tmp_path / "sft"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = [tokenizer("abcabcab")["input_ids"][:8] for _ in range(4)]
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
+    first = TaskVectorSparsityCallback(base_model=base, stage_name="coding")
+    second = TaskVectorSparsityCallback(base_model=base, stage_name="tools", prefix="other/")
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        callbacks=[first, second],
+    )
+    first.bind(trainer)
+    second.bind(trainer)
+    with pytest.raises(
+        ConfigError, match=r"2 TaskVectorSparsityCallback instances \(stages 'coding' and 'tools'\)"
+    ):
+        trainer.train()
+    assert not (out / MANIFEST_NAME).exists()
+    second.save_agent = second.write_stage = False  # one writer: measuring twice is allowed
+    first._check_one_writer(args)
+
+
 def test_a_base_model_the_policy_does_not_start_from_is_reported_before_training(base, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -104,6 +104,30 @@ def test_model_card_sections_for_warnings_lora_and_tensor_scope(config, tmp_path
     assert "LoRA agents contribute the dense delta B @ A * scaling" in card
 
 
+def test_dry_run_plans_with_the_input_cache(config, tmp_path, capsys):
+    def plan(cache):
+        return ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False, input_cache=cache)
+
+    off, cached = plan("off"), plan("1MB")
+    assert off["input_cache"] == 0 and off["bytes_read"] == 2 * 4 * 28
+    # the statistics pass keeps all 4 * 28 input bytes: the merge pass reads none again, and they are held
+    assert cached["input_cache"] == 4 * 28 and cached["bytes_read"] == 4 * 28
+    assert cached["peak_memory_estimate"] == off["peak_memory_estimate"] + 4 * 28
+    ram_trl.merge(
+        config, tmp_path / "out", dry_run=True, progress=False, input_cache="1MB", print_summary=True
+    )
+    printed = " ".join(w for w in capsys.readouterr().err.split() if w != "│")
+    assert "input cache up to 112 B of inputs kept for the merge pass" in printed, printed
+    linear = ram_trl.merge(
+        dict(config, merge_method="task_arithmetic", parameters={}),
+        tmp_path / "out",
+        dry_run=True,
+        progress=False,
+        input_cache="1MB",
+    )
+    assert linear["input_cache"] == 0 and linear["bytes_read"] == 4 * 28  # one pass: nothing to keep
+
+
 def test_dry_run_summary(config, tmp_path, capsys):
     summary = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False, print_summary=True)
     # the estimate separates the fixed overhead (the same for any model) from the merge's own buffers

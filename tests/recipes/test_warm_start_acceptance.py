@@ -260,6 +260,17 @@ def test_the_seed_flag_reaches_every_seed_of_the_run(monkeypatch, quick):
         assert recipe.warm_start.steps == 20  # --quick still applies
 
 
+@pytest.mark.parametrize("seed", ["4294967295", "-1"])
+def test_a_seed_out_of_range_is_refused_naming_the_flag(monkeypatch, capsys, seed):
+    from ram_trl import cli
+    from ram_trl.recipes import runner
+
+    monkeypatch.setattr(runner, "run_recipe", lambda recipe, options: None)
+    assert cli.main(["demo", "--seed", seed]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == f"ram-trl demo: error: --seed {seed}: must be an integer from 0 to 4294967293", error
+
+
 def test_without_the_seed_flag_the_demo_recipe_is_unchanged(monkeypatch):
     from ram_trl.recipes import DEMO_RECIPE, seed_overrides
     from ram_trl.recipes.schema import load_recipe
