@@ -78,3 +78,39 @@ def test_subset_encoding_equals_direct_counts(monkeypatch):
     assert fast.jaccard(1, 2) == pytest.approx(
         int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum())
     )
+
+
+@pytest.mark.parametrize("num_agents", [3, 20])  # the subset path, and the bincount path beyond 12 agents
+def test_the_merge_counts_no_pairs_and_the_same_histogram(num_agents):
+    mask = torch.rand(num_agents, 500, generator=torch.Generator().manual_seed(1)) < 0.3
+    full = OverlapStatistics.zeros(num_agents)
+    full.update(mask)
+    merge = OverlapStatistics.zeros(num_agents, pairwise=False)  # the merge's: no N x N work
+    merge.update(mask)
+    merge.add(merge + merge)
+    assert merge.pairwise.numel() == 0 and not merge.counts_pairs and full.counts_pairs
+    assert torch.equal(merge.histogram, 3 * full.histogram) and merge.numel == 3 * 500
+    assert int(full.pairwise[0, 1]) == int((mask[0] & mask[1]).sum())
+    assert [merge.as_dict(t) for t in range(num_agents)] == [
+        (full + full + full).as_dict(t) for t in range(num_agents)
+    ]
+
+
+def test_a_merge_holds_no_pairwise_counts(tmp_path):
+    import ram_trl
+    from ram_trl.merging import report
+    from tests.helpers import config_for, make_checkpoints
+
+    seen = []
+    original = report.build_report
+
+    def spy(resolved, plan, state, *args):
+        seen.append(state.stats.pairwise.numel())
+        return original(resolved, plan, state, *args)
+
+    ckpts = make_checkpoints(tmp_path, num_agents=3)
+    for method in ("task_arithmetic", "ram_plus"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(report, "build_report", spy)
+            ram_trl.merge(config_for(ckpts, method), tmp_path / method, progress=False)
+    assert seen == [0, 0]

@@ -294,7 +294,7 @@ def _run_merge(
         agents=agents,
         plan=plan,
         dist=ctx,
-        state=MergeState(stats=OverlapStatistics.zeros(len(agents))),
+        state=MergeState(stats=OverlapStatistics.zeros(len(agents), pairwise=False)),
         device=ctx.device(options.device),
         tasks=[plan.tasks[i] for i in owned],
     )

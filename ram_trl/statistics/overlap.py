@@ -48,7 +48,9 @@ class OverlapStatistics:
 
     ``histogram[t, k]`` counts the elements active in agent ``t`` that exactly ``k`` agents (``t`` included) update,
     for ``k = 1 .. num_agents``; column 0 is always 0. Unique elements are ``k == 1``, shared ``k >= 2``.
-    ``pairwise[s, t]`` counts the elements active in both ``s`` and ``t`` (its diagonal is each agent's active count).
+    ``pairwise[s, t]`` counts the elements active in both ``s`` and ``t`` (its diagonal is each agent's active count);
+    it is ``(0, 0)`` when not counted (``zeros(n, pairwise=False)``: the merge, which never reads it, so that its cost
+    stays linear in the number of agents).
     """
 
     num_agents: int
@@ -57,13 +59,19 @@ class OverlapStatistics:
     numel: int = 0
 
     @classmethod
-    def zeros(cls, num_agents: int) -> OverlapStatistics:
+    def zeros(cls, num_agents: int, pairwise: bool = True) -> OverlapStatistics:
+        size = num_agents if pairwise else 0
         return cls(
             num_agents,
             torch.zeros(num_agents, num_agents + 1, dtype=torch.int64),  # host
-            torch.zeros(num_agents, num_agents, dtype=torch.int64),  # host
+            torch.zeros(size, size, dtype=torch.int64),  # host
             0,
         )
+
+    @property
+    def counts_pairs(self) -> bool:
+        """Whether :attr:`pairwise` is counted."""
+        return self.pairwise.numel() > 0 or self.num_agents == 0
 
     def update(self, mask: torch.Tensor) -> None:
         """Add one chunk's activity mask (bool, or float ``0`` / ``1`` flags; shape ``(num_agents, n)``)."""
@@ -81,11 +89,11 @@ class OverlapStatistics:
         histogram = torch.bincount(cells[mask], minlength=n_agents * (n_agents + 1)).view(
             n_agents, n_agents + 1
         )
-        # pairwise[s, t]: one matrix product of the 0/1 rows, exact in float64 (a chunk holds < 2**53 elements)
-        flags = mask.to(torch.float64)
-        pairwise = (flags @ flags.T).round().to(torch.int64)
         self.histogram += histogram.cpu()
-        self.pairwise += pairwise.cpu()
+        if self.counts_pairs:
+            # pairwise[s, t]: one matrix product of the 0/1 rows, exact in float64 (a chunk holds < 2**53 elements)
+            flags = mask.to(torch.float64)
+            self.pairwise += (flags @ flags.T).round().to(torch.int64).cpu()
         self.numel += mask.shape[-1]
 
     def add_subset_counts(self, subsets: torch.Tensor, numel: int) -> None:
@@ -96,13 +104,15 @@ class OverlapStatistics:
         members, sizes = _subset_tables(self.num_agents)
         weighted = members * subsets.cpu().to(torch.int64).unsqueeze(1)
         self.histogram += weighted.T @ sizes
-        self.pairwise += weighted.T @ members
+        if self.counts_pairs:
+            self.pairwise += weighted.T @ members
         self.histogram[:, 0] = 0
         self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
         self.histogram += other.histogram
-        self.pairwise += other.pairwise
+        if self.counts_pairs:
+            self.pairwise += other.pairwise
         self.numel += other.numel
 
     def __add__(self, other: OverlapStatistics) -> OverlapStatistics:
@@ -110,7 +120,7 @@ class OverlapStatistics:
         return OverlapStatistics(
             self.num_agents,
             self.histogram + other.histogram,
-            self.pairwise + other.pairwise,
+            self.pairwise + other.pairwise if self.counts_pairs else self.pairwise.clone(),
             self.numel + other.numel,
         )
 
@@ -169,7 +179,8 @@ class OverlapStatistics:
         if not ctx.enabled:
             return
         ctx.all_reduce_sum(self.histogram)
-        ctx.all_reduce_sum(self.pairwise)
+        if self.counts_pairs:
+            ctx.all_reduce_sum(self.pairwise)
         self.numel = ctx.all_reduce_int(self.numel)
 
     def as_dict(self, t: int) -> dict[str, float | int | list[int]]:
