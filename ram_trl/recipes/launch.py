@@ -188,7 +188,8 @@ class StageLauncher:
                 )
             )
         self.layout.console.print(
-            f"[green]stage[/] {stage.name}: done in {self.layout.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+            f"[green]stage[/] {stage.name}: done in {self.layout.timings[f'stage:{stage.name}']:.0f}s"
+            f"{stage_processes(out)} -> {out}"
         )
 
     def _run_stage_process(self, stage: StageSpec, work: Path) -> tuple[int, Path, deque[str], float]:
@@ -235,6 +236,15 @@ class StageLauncher:
                 _stop(process)
                 raise
         return code, log, tail, start
+
+
+def stage_processes(stage_dir: Path) -> str:
+    """`` on N processes`` as the stage's manifest records how many processes trained it (``""`` if it does not)."""
+    from ram_trl.messages import processes_phrase
+    from ram_trl.stage.manifest import read_manifest
+
+    count = read_manifest(stage_dir).processes
+    return "" if count is None else f" on {processes_phrase(count)}"
 
 
 def die_with_parent(parent: int) -> Callable[[], None] | None:

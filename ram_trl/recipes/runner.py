@@ -262,6 +262,7 @@ class Run:
             "notes": self.layout.notes,
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
             "previews": self.previews(),
+            "processes": self.stage_processes(),
             "training": read_training(
                 {
                     s.name: self.layout.stage_dir(s)
@@ -277,6 +278,18 @@ class Run:
         print_table(results)
         self.layout.console.print(f"results: {self.layout.dir / 'results.md'}")
         return results
+
+    def stage_processes(self) -> dict[str, int]:
+        """Per trained stage, how many processes trained it (as its manifest records), for results.md."""
+        from ram_trl.stage.manifest import read_manifest
+
+        out = {}
+        for stage in self.layout.recipe.stages:
+            if stage.trained and stage_complete(self.layout.stage_dir(stage)):
+                count = read_manifest(self.layout.stage_dir(stage)).processes
+                if count is not None:
+                    out[stage.name] = count
+        return out
 
     def previews(self) -> dict[str, dict[str, Any]]:
         """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and

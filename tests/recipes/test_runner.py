@@ -120,6 +120,8 @@ def test_quick_demo_rows_and_files(quick_demo):
     for name in ["base", *STAGES, *MERGES]:
         assert f"| {name} | " in markdown
     assert markdown.rstrip().endswith(results["verdict"])
+    assert results["processes"] == {s: 1 for s in STAGES}
+    assert "Trained: coding on 1 process, tools on 1 process, memory on 1 process." in markdown
     for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG"
     for log in (out / "logs").glob("*.log"):  # a log file gets no progress bars (one line per redraw)
@@ -189,6 +191,7 @@ def test_quick_demo_agents_are_bf16_stages_with_manifests(quick_demo):
             name, "full", "bfloat16", "GRPOTrainer",
         )  # fmt: skip
         assert manifest.steps == 2
+        assert manifest.processes == 1
         assert manifest.base_fingerprint == base_fingerprint
         with safe_open(str(stage_dir / "model.safetensors"), framework="pt") as handle:
             assert {handle.get_slice(k).get_dtype() for k in handle.keys()} == {"BF16"}  # noqa: SIM118
