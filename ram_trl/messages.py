@@ -18,6 +18,7 @@ __all__ = [
     "canonical_dtype",
     "did_you_mean",
     "one_voice",
+    "processes_phrase",
     "owned_process_filters",
     "shown",
     "validation_message",
@@ -49,6 +50,12 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     swapped = [c for c in choices if sorted(c) == sorted(str(name)) and c != name]  # two letters swapped
     close = swapped[:1] or difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def processes_phrase(count: int) -> str:
+    """``"1 process"`` / ``"2 processes"``: how many processes ran (``accelerate launch --num_processes 2`` without
+    ``--multi_gpu`` runs one), as merges, stages and their reports say it."""
+    return f"{count} process" + ("" if count == 1 else "es")
 
 
 def canonical_dtype(value: Any, allowed: Iterable[str] = ("bfloat16", "float16", "float32")) -> Any:

@@ -95,6 +95,7 @@ def test_last_measurement_equals_ram_trl_analyze_of_the_saved_agent(run, base) -
     assert 0 < result["agents"][0]["density"] < 1
     manifest = read_manifest(run["out"])
     assert manifest.trainer == "GRPOTrainer" and manifest.steps == STEPS
+    assert manifest.processes == WORLD  # the manifest says how many processes trained the agent
     assert manifest.base_fingerprint == fingerprint_checkpoint(base)
     check_base(manifest, run["out"], base)
     assert "deepspeed" in manifest.versions

@@ -368,6 +368,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
             kind=self.tracker.kind,
             trainer=type(self.trainer).__name__,
             steps=state.global_step,
+            processes=self.trainer.accelerator.num_processes,
             save_dtype=str(self.save_dtype).removeprefix("torch."),
             telemetry=telemetry,
             rewards=last_reward_metrics(state.log_history),

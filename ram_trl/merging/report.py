@@ -22,7 +22,7 @@ import ram_trl
 from ram_trl import defaults
 from ram_trl.io.hub import cached_revision, describe, parse_reference
 from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
-from ram_trl.messages import shown
+from ram_trl.messages import processes_phrase, shown
 from ram_trl.methods import resolve_method
 from ram_trl.statistics.effect import effect_line, effect_report
 
@@ -418,11 +418,6 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan, input_cache: int = 0) 
     Console(stderr=True).print(table)
 
 
-def _processes(count: int) -> str:
-    """How many processes ran (``accelerate launch --num_processes 2`` without ``--multi_gpu`` runs one)."""
-    return f"{count} process" + ("" if count == 1 else "es")
-
-
 def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     """Print the per-agent summary table after a merge."""
     from rich.console import Console
@@ -447,7 +442,7 @@ def print_summary(report: dict[str, Any], file: TextIO | None = None) -> None:
     seconds = report["timings"].get("total_seconds", 0.0)
     console.print(
         f"wrote {format_bytes(report['output']['bytes'])} in {len(report['output']['files'])} file(s) "
-        f"in {seconds:.1f} s on {_processes(report.get('processes', 1))}"
+        f"in {seconds:.1f} s on {processes_phrase(report.get('processes', 1))}"
     )
     if report.get("effect"):
         console.print(effect_line(report["effect"]))

@@ -59,10 +59,16 @@ def _cuda() -> bool:
 
 def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -> dict[str, Any]:
     """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
-    (no reporting integrations, no intermediate checkpoints, the recipe's seed). Without a GPU, ``bf16`` defaults to
+    (no reporting integrations, no intermediate checkpoints, no progress bar, the recipe's seed). Without a GPU, ``bf16`` defaults to
     off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
     ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
-    settings: dict[str, Any] = {"report_to": [], "save_strategy": "no", "seed": seed, **stage.config}
+    settings: dict[str, Any] = {
+        "report_to": [],
+        "save_strategy": "no",
+        "seed": seed,
+        "disable_tqdm": True,  # the stage's output is a log file; the launcher shows the steps (recipes.progress)
+        **stage.config,
+    }
     if not _cuda():
         if validate_only:
             settings.update(bf16=False, fp16=False)

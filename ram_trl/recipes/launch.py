@@ -25,6 +25,7 @@ from typing import Any
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.output import OutputDir
 from ram_trl.recipes.layout import RunLayout, resolve_path, stage_complete
+from ram_trl.recipes.progress import Progress, parse_step
 from ram_trl.recipes.schema import StageSpec
 
 __all__ = ["STAGE_RECORD", "StageError", "StageLauncher", "die_with_parent"]
@@ -188,7 +189,8 @@ class StageLauncher:
                 )
             )
         self.layout.console.print(
-            f"[green]stage[/] {stage.name}: done in {self.layout.timings[f'stage:{stage.name}']:.0f}s -> {out}"
+            f"[green]stage[/] {stage.name}: done in {self.layout.timings[f'stage:{stage.name}']:.0f}s"
+            f"{stage_processes(out)} -> {out}"
         )
 
     def _run_stage_process(self, stage: StageSpec, work: Path) -> tuple[int, Path, deque[str], float]:
@@ -205,6 +207,7 @@ class StageLauncher:
             env.setdefault("ACCELERATE_USE_CPU", "1")
         start = time.perf_counter()
         tail: deque[str] = deque(maxlen=40)
+        steps: Progress | None = None
         with (
             open(log, "w", encoding="utf-8") as handle,
             self.layout.console.status(f"stage {stage.name}: starting") as status,
@@ -225,16 +228,41 @@ class StageLauncher:
                 for line in process.stdout:
                     handle.write(line)
                     text = line.strip()
-                    if text:
+                    step = parse_step(text)
+                    if step is not None:  # the training steps: a bar with an ETA, or lines in a log file
+                        if steps is None:
+                            status.stop()
+                            steps = Progress(
+                                f"stage {stage.name}: step",
+                                step[1],
+                                bar=self.layout.options.progress,
+                                write=self.layout.say,
+                                every_item=False,
+                            )
+                        steps.update(step[0])
+                    elif text:
                         tail.append(text)
-                        status.update(
-                            f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}"
-                        )
+                        if steps is None:
+                            status.update(
+                                f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}"
+                            )
                 code = process.wait()
             except BaseException:  # interrupted: stop the stage process before its directory is removed
                 _stop(process)
                 raise
+            finally:
+                if steps is not None:
+                    steps.close()
         return code, log, tail, start
+
+
+def stage_processes(stage_dir: Path) -> str:
+    """`` on N processes`` as the stage's manifest records how many processes trained it (``""`` if it does not)."""
+    from ram_trl.messages import processes_phrase
+    from ram_trl.stage.manifest import read_manifest
+
+    count = read_manifest(stage_dir).processes
+    return "" if count is None else f" on {processes_phrase(count)}"
 
 
 def die_with_parent(parent: int) -> Callable[[], None] | None:

@@ -134,6 +134,10 @@ class RunLayout:
             return path
         return resolve_model(self.recipe.base.path, what="recipe base.path")  # a Hub id, through the cache
 
+    def say(self, line: str) -> None:
+        """Print a plain line on the run's console (no markup: names may hold brackets)."""
+        self.console.print(line, markup=False, highlight=False)
+
     def timed(self, key: str, start: float) -> None:
         """Add the seconds since ``start`` (``time.perf_counter()``) to the timing ``key``."""
         self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl import defaults
+from ram_trl.messages import processes_phrase
 from ram_trl.recipes import stats
 from ram_trl.recipes.mechanism import mechanism_section
 from ram_trl.recipes.results_format import ci, fmt3, fmt_rho, pct, pct_ci
@@ -153,6 +154,9 @@ def _training_section(results: dict[str, Any]) -> list[str]:
             f"| {last['step']} | {pct(last['density'])} | {pct(last['density_saved'])} | {fmt3(last['reward'])} |"
         )
     lines.append("")
+    if results.get("processes"):
+        trained = ", ".join(f"{stage} on {processes_phrase(n)}" for stage, n in results["processes"].items())
+        lines += [f"Trained: {trained}.", ""]
     if results.get("training_figure"):
         lines += [f"![training]({results['training_figure']})", ""]
     return lines

@@ -33,6 +33,7 @@ from ram_trl.recipes.layout import (
     stderr_console,
 )
 from ram_trl.recipes.prepare import RunPreparation
+from ram_trl.recipes.progress import Progress
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
 from ram_trl.recipes.training import read_training
 
@@ -113,8 +114,6 @@ class Run:
 
     def merges(self) -> list[tuple[MergeRow, Path]]:
         """Run every merge row of the recipe (sweeps expanded) into ``RUN/merges``."""
-        from tqdm.auto import tqdm
-
         from ram_trl.merging.engine import merge
         from ram_trl.merging.report import print_summary
 
@@ -124,8 +123,9 @@ class Run:
         start = time.perf_counter()
         (self.layout.dir / "logs").mkdir(exist_ok=True)
         log_path = self.layout.dir / "logs" / "merges.log"
+        progress = Progress("merges", len(rows), bar=self.layout.options.progress, write=self.layout.say)
         with open(log_path, "w", encoding="utf-8") as log:
-            for row in tqdm(rows, desc="merges", disable=not self.layout.options.progress):
+            for row in rows:
                 out = self.layout.dir / "merges" / safe_name(row.name)
                 config = {
                     "merge_method": row.method,
@@ -143,6 +143,8 @@ class Run:
                 except RamTrlError as exc:
                     raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
                 done.append((row, out))
+                progress.update(len(done), row.name)
+        progress.close()
         self.layout.timed("merges", start)
         self.layout.console.print(
             f"[green]merges[/]: {len(done)} in {self.layout.timings['merges']:.0f}s (log: {log.name})"
@@ -166,8 +168,6 @@ class Run:
         results = []
         start = time.perf_counter()
         (self.layout.dir / "eval").mkdir(exist_ok=True)
-        from tqdm.auto import tqdm
-
         from ram_trl.recipes.reuse import (
             EVALUATION_KEY,
             evaluation_key,
@@ -184,14 +184,16 @@ class Run:
                 f"evaluation: scoring every model again, earlier scores cannot be matched: {unsound}"
             )
         reused = 0
-        for name, kind, path, method, parameters in tqdm(
-            models, desc="evaluation", disable=not self.layout.options.progress
-        ):
+        progress = Progress(
+            "evaluation", len(models), bar=self.layout.options.progress, write=self.layout.say
+        )
+        for name, kind, path, method, parameters in models:
             file = self.layout.dir / "eval" / f"{safe_name(name)}.json"
             digest = base_digest if Path(path) == Path(self.layout.base) else model_digest(path)
             key = None if rewards is None else evaluation_key(digest, base_digest, tasks, settings, rewards)
             scored = reusable_evaluation(file, key) if self.layout.options.resume else None
-            if scored is not None:
+            was_reused = scored is not None
+            if was_reused:
                 reused += 1
             else:
                 scored = evaluate_model(
@@ -217,6 +219,8 @@ class Run:
                     "val": {"scores": val["scores"], "n": val["n"], "rewards": val["rewards"]},
                 }
             )
+            progress.update(len(results), name + (" (reused)" if was_reused else ""))
+        progress.close()
         self.layout.timed("evaluation", start)
         if reused:
             self.layout.console.print(
@@ -262,6 +266,7 @@ class Run:
             "notes": self.layout.notes,
             "figures": [f"analysis/{f}" for f in (analysis or {}).get("figures", [])],
             "previews": self.previews(),
+            "processes": self.stage_processes(),
             "training": read_training(
                 {
                     s.name: self.layout.stage_dir(s)
@@ -277,6 +282,18 @@ class Run:
         print_table(results)
         self.layout.console.print(f"results: {self.layout.dir / 'results.md'}")
         return results
+
+    def stage_processes(self) -> dict[str, int]:
+        """Per trained stage, how many processes trained it (as its manifest records), for results.md."""
+        from ram_trl.stage.manifest import read_manifest
+
+        out = {}
+        for stage in self.layout.recipe.stages:
+            if stage.trained and stage_complete(self.layout.stage_dir(stage)):
+                count = read_manifest(self.layout.stage_dir(stage)).processes
+                if count is not None:
+                    out[stage.name] = count
+        return out
 
     def previews(self) -> dict[str, dict[str, Any]]:
         """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and

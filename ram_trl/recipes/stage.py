@@ -165,6 +165,7 @@ def run_stage(
 ) -> None:
     """Train one stage and leave the agent and its manifest in ``out`` (see the module docstring)."""
     from ram_trl.recipes.data import read_jsonl
+    from ram_trl.recipes.progress import step_lines
     from ram_trl.stage.manifest import MANIFEST_NAME
 
     recipe, _ = load_recipe(recipe_path)
@@ -178,6 +179,7 @@ def run_stage(
     seed = int(stage.config.get("seed", recipe.seed))
     trainer = build_trainer(stage, base, rows, out, seed)
     attach_telemetry(trainer, base, stage, prior, recipe, val_files)
+    trainer.add_callback(step_lines())  # the launcher's progress display reads these lines
     trainer.train()
     trainer.accelerator.wait_for_everyone()
     if trainer.is_world_process_zero():  # the log history (telemetry during training), for results.md

@@ -73,6 +73,9 @@ class StageManifest(BaseModel):
     files: dict[str, str] | None = None
     trainer: str | None = None
     steps: int = 0
+    processes: int | None = (
+        None  # how many processes trained the agent (None: written before it was recorded)
+    )
     save_dtype: str | None = None
     telemetry: dict[str, float] = Field(default_factory=dict)
     rewards: dict[str, float] = Field(default_factory=dict)

@@ -109,6 +109,7 @@ def test_grpo_full_finetune_base_from_disk(base, tmp_path):
     check_run(trainer, callback, base, out, "full")
     manifest = read_manifest(out)
     assert manifest.stage == "coding" and manifest.domain == "code" and manifest.base_model == str(base)
+    assert manifest.processes == 1  # how many processes trained it
     assert "reward" in manifest.rewards
     last = logged(trainer)[-1]
     # the telemetry logs through GRPOTrainer.log, which adds the rewards stored since its last entry to ours (the

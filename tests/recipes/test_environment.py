@@ -220,3 +220,13 @@ def test_trainer_settings_raise_no_deprecation_warning(tmp_path, given):
         config = GRPOConfig(output_dir=str(tmp_path), **settings)
     default = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}["gradient_checkpointing"]
     assert config.gradient_checkpointing is given.get("gradient_checkpointing", default)  # the same setting
+
+
+def test_trainer_settings_turn_the_trainers_bar_off_unless_the_recipe_says():
+    # a stage's output is a log file: the trainer's bar would be a line per redraw (the launcher shows the steps)
+    from ram_trl.recipes.environment import trainer_settings
+
+    recipe, _ = load_recipe(recipe_dict(stages={"*": {"config": {"max_steps": 1}}}))
+    assert trainer_settings(recipe.stages[0], 0)["disable_tqdm"] is True
+    recipe, _ = load_recipe(recipe_dict(stages={"*": {"config": {"max_steps": 1, "disable_tqdm": False}}}))
+    assert trainer_settings(recipe.stages[0], 0)["disable_tqdm"] is False

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ram_trl.recipes.progress import STEP_MARK, parse_step, step_lines
 from ram_trl.recipes.runner import Run, RunOptions
 from ram_trl.recipes.schema import load_recipe
 from tests.helpers import recipe_dict
@@ -95,3 +96,34 @@ def test_a_stage_process_dies_with_a_runner_killed_by_sigkill(tmp_path):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail(f"stage process {child} outlived its runner")
+
+
+def test_a_stage_processes_steps_become_progress_lines_in_a_log_file(tmp_path, monkeypatch, capsys):
+    """Without a terminal the launcher turns the stage process's step lines into a line at each tenth of the steps
+    (no bar, no carriage return); the stage log keeps every line, the failure tail only the others."""
+    recipe, root = load_recipe(recipe_dict())
+    run = Run(recipe, root, tmp_path / "run", RunOptions(progress=False))
+    stage = recipe.stages[0]
+    script = "print('loading', flush=True)\n" + "".join(
+        f"print({f'{STEP_MARK} step {n}/20'!r}, flush=True)\n" for n in range(1, 21)
+    )
+    monkeypatch.setattr(run.launcher, "stage_command", lambda *_: [sys.executable, "-c", script])
+    code, log, tail, _ = run.launcher._run_stage_process(stage, tmp_path)
+    err = capsys.readouterr().err
+    assert code == 0 and list(tail) == ["loading"]
+    lines = [line for line in err.splitlines() if line.startswith(f"stage {stage.name}: step ")]
+    assert [line.split(" (")[0] for line in lines] == [
+        f"stage {stage.name}: step {n}/20" for n in range(2, 21, 2)
+    ]
+    assert "left)" in lines[0] and "left" not in lines[-1] and "\r" not in err
+    assert sum(line.startswith(STEP_MARK) for line in log.read_text().splitlines()) == 20
+
+
+def test_step_lines_print_the_first_and_last_step_and_at_most_one_line_per_interval(capsys):
+    from transformers import TrainerState
+
+    callback = step_lines(interval=3600)
+    for step in range(1, 6):
+        callback.on_step_end(None, TrainerState(global_step=step, max_steps=5), None)
+    assert capsys.readouterr().out.splitlines() == [f"{STEP_MARK} step 1/5", f"{STEP_MARK} step 5/5"]
+    assert parse_step(f"{STEP_MARK} step 3/40\n") == (3, 40) and parse_step("step 3/40") is None

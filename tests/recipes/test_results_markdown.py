@@ -43,3 +43,10 @@ def test_the_legend_explains_bold_and_retention_above_100_percent():
         in text
     )
     assert "above 100%: the merge beats the specialist on its own vertical" in text
+
+
+def test_the_training_section_says_how_many_processes_trained_each_stage():
+    point = {"step": 2, "reward": 0.5, "density": 0.1, "density_saved": 0.1}
+    results = {**hand_made(), "training": {"a": [point], "b": [point]}, "processes": {"a": 1, "b": 2}}
+    text = markdown(add_statistics(results))
+    assert "Trained: a on 1 process, b on 2 processes." in text

@@ -120,6 +120,8 @@ def test_quick_demo_rows_and_files(quick_demo):
     for name in ["base", *STAGES, *MERGES]:
         assert f"| {name} | " in markdown
     assert markdown.rstrip().endswith(results["verdict"])
+    assert results["processes"] == {s: 1 for s in STAGES}
+    assert "Trained: coding on 1 process, tools on 1 process, memory on 1 process." in markdown
     for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):
         assert (out / figure).read_bytes()[:4] == b"\x89PNG"
     for log in (out / "logs").glob("*.log"):  # a log file gets no progress bars (one line per redraw)
@@ -189,6 +191,7 @@ def test_quick_demo_agents_are_bf16_stages_with_manifests(quick_demo):
             name, "full", "bfloat16", "GRPOTrainer",
         )  # fmt: skip
         assert manifest.steps == 2
+        assert manifest.processes == 1
         assert manifest.base_fingerprint == base_fingerprint
         with safe_open(str(stage_dir / "model.safetensors"), framework="pt") as handle:
             assert {handle.get_slice(k).get_dtype() for k in handle.keys()} == {"BF16"}  # noqa: SIM118
@@ -280,7 +283,7 @@ def _recipe(reward: str) -> dict:
     }
 
 
-def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(tmp_path, monkeypatch):
+def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe("tests.recipes.failing:batch_failing_reward")))
@@ -320,7 +323,16 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     good_weights = (out / "stages" / "good" / "model.safetensors").read_bytes()
 
     recipe.write_text(yaml.safe_dump(_recipe("ram_trl.recipes.tasks:recall_reward")))
+    capsys.readouterr()
     results = run_recipe(recipe, RunOptions(out=out, resume=True, progress=False))
+    # progress in a log file: lines (a stage's steps, each merge, each model's evaluation), no bar redrawn
+    err = capsys.readouterr().err
+    assert "stage bad: step 1/1 (" in err and "stage bad: done in " in err and " on 1 process -> " in err
+    assert "merges 1/1: ram (" in err
+    assert [line.split(" (")[0] for line in err.splitlines() if line.startswith("evaluation ")] == [
+        "evaluation 1/4: base", "evaluation 2/4: good", "evaluation 3/4: bad", "evaluation 4/4: ram"
+    ]  # fmt: skip
+    assert "\r" not in err and "\r" not in (out / "logs" / "bad.log").read_text()
     assert (out / "stages" / "good" / "ram_stage.json").stat().st_mtime_ns == good_manifest
     assert (out / "stages" / "good" / "model.safetensors").read_bytes() == good_weights
     assert "stage:good" not in results["timings"] and "stage:bad" in results["timings"]

@@ -1,0 +1,90 @@
+"""Progress of a run's long steps (each stage's training steps, each merge, each model's evaluation): a bar with an
+ETA in a terminal, lines in a log file (no bar redrawn with carriage returns). A stage process reports its steps as
+``ram-trl progress: step N/M`` lines (:func:`step_lines`), which its launcher turns into the same display."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["STEP_MARK", "Progress", "duration", "parse_step", "step_lines"]
+
+#: What a stage process prints before its step count (the launcher reads it from the process's output).
+STEP_MARK = "ram-trl progress:"
+_STEP = re.compile(re.escape(STEP_MARK) + r" step (\d+)/(\d+)\s*$")
+
+
+def duration(seconds: float) -> str:
+    """``"42s"``, ``"3m05s"``, ``"1h02m"``."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def parse_step(line: str) -> tuple[int, int] | None:
+    """``(step, total)`` of a :data:`STEP_MARK` line, else ``None``."""
+    match = _STEP.search(line.strip())
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def step_lines(interval: float = 2.0) -> Any:
+    """In a stage process: a trainer callback that prints a :data:`STEP_MARK` line on the main process at the first
+    and last step and at most every ``interval`` seconds in between, for the launcher's progress display."""
+    from transformers import TrainerCallback
+
+    class StepLines(TrainerCallback):
+        last = float("-inf")
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            now = time.monotonic()
+            final = state.global_step >= state.max_steps
+            if state.is_world_process_zero and (final or now - self.last >= interval):
+                self.last = now
+                print(f"{STEP_MARK} step {state.global_step}/{state.max_steps}", flush=True)
+
+    return StepLines()
+
+
+class Progress:
+    """``done`` of ``total`` with an ETA: a tqdm bar when ``bar``, else lines through ``write`` (one per item with
+    ``every_item``, otherwise one at each tenth of the total), e.g. ``evaluation 3/14: ram (41s; about 7m left)``."""
+
+    def __init__(
+        self, label: str, total: int, bar: bool, write: Callable[[str], None], every_item: bool = True
+    ) -> None:
+        self.label, self.total, self.write, self.every_item = label, max(total, 0), write, every_item
+        self.start, self.done, self.tenths = time.perf_counter(), 0, 0
+        self.bar = None
+        if bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, desc=label, leave=False)
+
+    def update(self, done: int, item: str | None = None) -> None:
+        """``done`` items (or steps) finished so far; ``item``: the one just finished."""
+        step, self.done = done - self.done, done
+        if self.bar is not None:
+            if item:
+                self.bar.set_postfix_str(item, refresh=False)
+            self.bar.update(step)
+            return
+        tenths = 10 * done // self.total if self.total else 10
+        if not self.every_item and tenths <= self.tenths and done < self.total:
+            return
+        self.tenths = tenths
+        elapsed = time.perf_counter() - self.start
+        left = elapsed * (self.total - done) / done if done else None
+        when = f"{duration(elapsed)}" + (
+            f"; about {duration(left)} left" if left and done < self.total else ""
+        )
+        self.write(f"{self.label} {done}/{self.total}" + (f": {item}" if item else "") + f" ({when})")
+
+    def close(self) -> None:
+        """Remove the bar (a log file keeps its lines)."""
+        if self.bar is not None:
+            self.bar.close()
