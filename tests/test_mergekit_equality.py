@@ -1268,8 +1268,11 @@ def test_mergekit_examples_equal_mergekit(example, layered, tmp_path):
         assert not torch.equal(ours[name], layered["base"][name]), name
 
 
-def test_mergekit_layer_stacking_example_is_refused_in_one_line(layered, tmp_path):
-    """examples/orcamini-platy-44layer.yml: passthrough layer stacking."""
+def test_mergekit_layer_stacking_example_equals_mergekit(tmp_path):
+    """examples/orcamini-platy-44layer.yml: passthrough layer stacking (24 + 20 of 40 layers; here 3 + 3 of 5) of two
+    Llamas, as published (no base_model: both tools take config and tokenizer from a stacked model)."""
+    import yaml
+
     text = """
 slices:
   - sources:
@@ -1281,6 +1284,28 @@ slices:
 merge_method: passthrough
 dtype: float16
 """
-    with pytest.raises(ram_trl.RamTrlError, match="'passthrough' is not supported") as info:
-        ram_trl.merge(_stand_in(text, layered), tmp_path / "out", progress=False)
-    assert "\n" not in str(info.value)
+    config = transformers.LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    for seed, name in enumerate(("psmathur/orca_mini_v3_13b", "garage-bAInd/Platypus2-13B")):
+        torch.manual_seed(seed)
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+        text = text.replace(name, str(tmp_path / name))
+    config = yaml.safe_load(text.replace("[0, 24]", "[0, 3]").replace("[20, 40]", "[2, 5]"))
+    ours, theirs = _run_both(config, tmp_path)
+    assert sorted(ours) == sorted(theirs) and len({n.split(".")[2] for n in ours if ".layers." in n}) == 6
+    for name, value in theirs.items():
+        assert value.dtype == ours[name].dtype == torch.float16 and torch.equal(ours[name], value), name
+    mine, mergekits = (
+        json.loads((tmp_path / d / "config.json").read_text()) for d in ("ram_trl", "mergekit")
+    )
+    assert mine == mergekits and mine["num_hidden_layers"] == 6
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ram_trl", dtype=torch.float32)
+    assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5]])).logits).all()

@@ -39,7 +39,7 @@ from ram_trl.io.fisher_files import (
     fisher_nbytes,
     open_fisher,
 )
-from ram_trl.io.hub import needs_weights
+from ram_trl.io.hub import cached_revision, needs_weights
 from ram_trl.io.safetensors_io import RowReader, ShardFile
 from ram_trl.io.vocabulary import is_vocabulary_tensor
 from ram_trl.merging import report as reporting
@@ -63,7 +63,9 @@ from ram_trl.merging.planner import (
     MergePlan,
     build_plan,
     parse_size,
+    write_index,
 )
+from ram_trl.merging.stack import is_passthrough, stack_merge
 from ram_trl.merging.streaming import InputCache, check_input_cache, input_cache_budget
 from ram_trl.output import OutputDir, temp_name
 from ram_trl.statistics import OverlapStatistics
@@ -148,6 +150,12 @@ def merge(
         input_cache=input_cache,
     )
     parsed, config_path = load_config(config)
+    if is_passthrough(parsed):
+        if lora is not None:
+            raise ConfigError(
+                "output_format 'lora' is an adapter on the base; passthrough writes a deeper model: use 'full'"
+            )
+        return stack_merge(parsed, config_path, Path(output_dir), options)
     resolved = resolve_config(parsed, config_path, allow_external_shards=allow_external_shards)
     if lora is not None:
         return run_lora_merge(resolved, Path(output_dir), options, lora)
@@ -228,7 +236,9 @@ def open_fishers(resolved: ResolvedConfig) -> list[Checkpoint]:
     fishers = []
     for spec in resolved.agents:
         where = spec.parameters.get("fisher") or default_fisher_path(spec.path)
-        fisher = open_fisher(where, f"agent {spec.index} ({spec.name})", spec.path)
+        fisher = open_fisher(
+            where, f"agent {spec.index} ({spec.name})", str(cached_revision(spec.path) or spec.path)
+        )
         spec.parameters["fisher"] = str(fisher.files[0])
         fishers.append(fisher)
     return fishers
@@ -436,12 +446,7 @@ def finalize_output(
     resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path, report: dict[str, Any]
 ) -> None:
     """Write the index (sharded outputs), config, generation config, tokenizer, model card and report."""
-    if len(plan.shards) > 1:
-        index = {
-            "metadata": {"total_size": plan.output_bytes},
-            "weight_map": {t.name: s.file_name for s in plan.shards for t in s.tasks},
-        }
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_index(plan.shards, out_dir)
     write_model_config(resolved, base, plan, out_dir)
     base_dir = resolved.base_path if resolved.base_path.is_dir() else resolved.base_path.parent
     generation = base_dir / "generation_config.json"

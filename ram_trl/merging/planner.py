@@ -22,9 +22,11 @@ and does not grow with the number of tensors or the model's size beyond its larg
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -325,6 +327,16 @@ def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]
     return [
         ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)
     ]
+
+
+def write_index(shards: list[ShardPlan], out_dir: Path) -> None:
+    """The ``model.safetensors.index.json`` of a sharded output (nothing for one file)."""
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in shards)},
+            "weight_map": {t.name: s.file_name for s in shards for t in s.tasks},
+        }
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _storage_order(checkpoint: Checkpoint, name: str) -> tuple[str, int, str]:

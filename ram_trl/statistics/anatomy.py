@@ -95,6 +95,13 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def with_layer(name: str, index: int) -> str:
+    """``name`` renumbered to decoder layer ``index`` (the first ``layers.<i>`` / ``h.<i>`` component)."""
+    match = _LAYER.search(name)
+    assert match is not None, name
+    return name[: match.start(1)] + str(index) + name[match.end(1) :]
+
+
 def classify(name: str) -> TensorPlace:
     """Module type and layer of a tensor name, e.g. ``model.layers.3.self_attn.q_proj.weight`` -> ``(attn_q, 3)``."""
     return TensorPlace(module_type(name), layer_index(name))

@@ -200,12 +200,18 @@ def num_layers(path: Path) -> int | None:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    found = layer_count_key(config)
+    return None if found is None else found[0][found[1]]
+
+
+def layer_count_key(config: Any) -> tuple[dict[str, Any], str] | None:
+    """Where a ``config.json`` (as a dict) holds its decoder layer count: ``(the dict, the key)``."""
     for scope in (config, config.get("text_config") if isinstance(config, dict) else None):
         if isinstance(scope, dict):
             for key in ("num_hidden_layers", "n_layer", "num_layers"):
                 value = scope.get(key)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
+                    return scope, key
     return None
 
 
