@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import json
 import os
@@ -19,27 +18,9 @@ import ram_trl
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
-from tests.helpers import qwen_model
+from tests.helpers import cache_repo, offline_cache, qwen_model
 
 COMMITS = {"acme/base": "a" * 40, "acme/coder": "b" * 40, "acme/solver": "c" * 40}
-
-
-def cache_repo(cache: Path, repo_id: str, source: Path, commit: str, skip: tuple[str, ...] = ()) -> Path:
-    """``source``'s files placed in the cache as huggingface_hub stores them: ``blobs/<sha256>``, the snapshot's files
-    links ``../../blobs/<sha256>``, ``refs/main`` the commit. Returns the snapshot directory."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for file in sorted(source.iterdir()):
-        if file.name in skip:
-            continue
-        sha = hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copyfile(file, repo / "blobs" / sha)
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / sha)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
@@ -47,11 +28,7 @@ def hub(tmp_path, monkeypatch):
     """An offline Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1, and huggingface_hub's constants, read at its
     import, set to match) holding a sharded tiny Qwen2 base and two agents under their ids; the same models as
     plain local directories under ``tmp_path/local``."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cache = offline_cache(tmp_path / "cache", monkeypatch)
     local = {}
     for seed, repo_id in enumerate(COMMITS):
         model = qwen_model(0)
