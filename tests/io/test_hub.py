@@ -311,3 +311,27 @@ def test_a_recipes_base_may_be_a_hub_id(hub, tmp_path):
     data["base"]["path"] = "acme/not-cached"
     with pytest.raises(ConfigError, match=r"base.path: 'acme/not-cached' .*`hf download acme/not-cached`"):
         check_recipe(data)
+
+
+def test_passthrough_by_id_is_byte_identical_to_passthrough_by_path(hub, tmp_path):
+    _, local = hub
+
+    def stack(first: str, second: str) -> dict:
+        sources = [[{"model": first, "layer_range": [0, 2]}], [{"model": second, "layer_range": [1, 2]}]]
+        return {"merge_method": "passthrough", "slices": [{"sources": s} for s in sources]}
+
+    ram_trl.merge(
+        stack(str(local["acme/base"]), str(local["acme/coder"])), tmp_path / "by_path", progress=False
+    )
+    report = ram_trl.merge(stack("acme/base", "acme/coder"), tmp_path / "by_id", progress=False)
+    written = sorted(p.name for p in (tmp_path / "by_path").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "by_id").iterdir())
+    for name in written:
+        if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
+            assert (tmp_path / "by_id" / name).read_bytes() == (tmp_path / "by_path" / name).read_bytes(), (
+                name
+            )
+    assert json.loads((tmp_path / "by_id" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert report["slices"][1]["hub"] == {"repo_id": "acme/coder", "revision": COMMITS["acme/coder"]}
+    front = yaml.safe_load((tmp_path / "by_id" / "README.md").read_text().split("---")[1])
+    assert front["base_model"] == ["acme/base", "acme/coder"] and "passthrough" in front["tags"]
