@@ -5,8 +5,10 @@ Test modules import from here, never from each other.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -684,3 +686,37 @@ def error_line(capsys, code: int) -> str:
     lines = [line for line in err.splitlines() if ": error: " in line]
     assert len(lines) == 1, err
     return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A Hugging Face cache, offline
+
+
+def offline_cache(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make ``cache`` the Hugging Face cache (HF_HUB_CACHE, and huggingface_hub's constants, read at its import) and
+    set HF_HUB_OFFLINE=1, for one test."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def cache_repo(cache: Path, repo_id: str, source: Path, commit: str, skip: tuple[str, ...] = ()) -> Path:
+    """``source``'s files placed in the cache as huggingface_hub stores them: ``blobs/<sha256>``, the snapshot's files
+    links ``../../blobs/<sha256>``, ``refs/main`` the commit. Returns the snapshot directory."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        if file.name in skip:
+            continue
+        sha = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, repo / "blobs" / sha)
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / sha)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

@@ -32,7 +32,7 @@ import torch
 
 from ram_trl.errors import RamTrlError
 from ram_trl.io.fisher_files import FISHER_FILE
-from ram_trl.io.hub import ensure_weights, resolve_model
+from ram_trl.io.hub import describe, ensure_weights, resolve_model
 from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
 from ram_trl.output import atomic_file
@@ -357,6 +357,7 @@ def run_fisher(
     check_optional_number(num_samples, "fisher", "--num-samples", minimum=1, integer=True)
     check_optional_number(max_new_tokens, "fisher", "--max-new-tokens", minimum=1, integer=True)
     prompts = read_prompts(prompts_file)
+    agent_dir = resolve_model(agent_dir, what="agent")  # a Hub id: its snapshot, where its Fisher is written
     model, tokenizer = load_agent(agent_dir, base, allow_pickle=allow_pickle)
     completions = generate_completions(
         model, tokenizer, prompts, num_samples, max_new_tokens, sample=sample, seed=seed
@@ -371,6 +372,8 @@ def run_fisher(
         "seed": seed,
         "completion_tokens": tokens,
     }
+    if hub := describe(agent_dir):
+        metadata["hub"] = hub
     path = save_fisher(fisher, agent_dir, metadata)
     total = sum(float(v.double().sum()) for v in fisher.values())
     return {

@@ -152,7 +152,8 @@ def missing_files(folder: Path, weights: bool = True) -> list[str]:
             return []  # an unreadable index: the checkpoint reader names it
         return [name for name in shards if not (folder / name).is_file()]
     stored = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]
-    return [] if any(p.is_file() for p in stored) else ["*.safetensors"]
+    # fisher.safetensors (ram-trl fisher writes it beside an agent's weights) holds no weights
+    return [] if any(p.is_file() and p.name != "fisher.safetensors" for p in stored) else ["*.safetensors"]
 
 
 def cached_revision(path: str | os.PathLike) -> HubReference | None:

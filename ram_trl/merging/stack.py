@@ -19,6 +19,7 @@ import torch
 import yaml
 
 import ram_trl
+from ram_trl.distributed import DistContext
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint, write_chat_template
 from ram_trl.io.hub import describe, needs_weights
@@ -141,13 +142,8 @@ def resolve_stack(config: MergeConfig, config_path: Path | None = None) -> Layer
             )
         scopes = (source.parameters, out_slice.parameters, *module_scopes, config.parameters)
         size = stop - start
-        slices.append(
-            {
-                "model": source.model,
-                "layer_range": [start, stop],
-                "output_layers": [len(layers), len(layers) + size],
-            }
-        )
+        out_range = [len(layers), len(layers) + size]
+        slices.append({"model": source.model, "layer_range": [start, stop], "output_layers": out_range})
         layers += [
             _Source(index, start + i, i / (size - 1) if size > 1 else 1.0, scopes) for i in range(size)
         ]
@@ -248,15 +244,8 @@ def plan_stack(stack: LayerStack, checkpoints: list[Checkpoint], options: MergeO
             dtype = (stack.out_dtype or stack.dtype or meta.dtype) if floating else meta.dtype
             row_numel = max(1, meta.numel // max(1, meta.shape[0] if meta.shape else 1))
             out_name = name if out_layer is None else with_layer(name, out_layer)
-            task = TensorTask(
-                out_name,
-                meta,
-                dtype,
-                meta.shape[0] if meta.shape else 1,
-                (),
-                floating,
-                max(1, budget // (16 * row_numel)),
-            )
+            rows, per_chunk = (meta.shape[0] if meta.shape else 1), max(1, budget // (16 * row_numel))
+            task = TensorTask(out_name, meta, dtype, rows, (), floating, per_chunk)
             what = f"{where}: tensor {name!r} of {stack.references[source.model]}"
             scale = _scale(source.scopes, name, source.t, what) if floating else None
             copies.append(_Copy(task, source.model, name, scale))
@@ -279,7 +268,19 @@ def _open(stack: LayerStack, options: MergeOptions, fetch: bool) -> list[Checkpo
 def stack_merge(
     config: MergeConfig, config_path: Path | None, output_dir: Path, options: MergeOptions
 ) -> dict[str, Any]:
-    """Run a ``passthrough`` config (see :mod:`ram_trl.merging.stack`); the report, or with ``dry_run`` the plan."""
+    """Run a ``passthrough`` config (see :mod:`ram_trl.merging.stack`); the report, or with ``dry_run`` the plan.
+    Under ``torchrun``/``accelerate launch`` the main process copies, the others get its report."""
+    ctx = DistContext.from_env(options.device)
+    try:
+        run = lambda: _stack_merge(config, config_path, output_dir, options) if ctx.is_main else None  # noqa: E731
+        return ctx.broadcast_object(ctx.guarded(run))
+    finally:
+        ctx.close()
+
+
+def _stack_merge(
+    config: MergeConfig, config_path: Path | None, output_dir: Path, options: MergeOptions
+) -> dict[str, Any]:
     started = time.perf_counter()
     stack = resolve_stack(config, config_path)
     reads = [

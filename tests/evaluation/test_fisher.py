@@ -29,6 +29,7 @@ from ram_trl.evaluation.fisher import (
 from ram_trl.stage.manifest import StageManifest, describe_files, write_manifest
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference
+from tests.helpers import cache_repo, offline_cache
 
 PROMPTS = ["12+3=", "call f(x)", "key k7 -> "]
 
@@ -340,3 +341,37 @@ def test_a_lora_stage_finds_its_relative_base_beside_its_manifest(tiny, tmp_path
     loaded, _ = load_agent(stage)
     expected = lora.merge_and_unload().state_dict()
     assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
+
+
+def test_hub_agents_fisher_lies_beside_their_snapshot_and_the_merge_by_id_finds_it(tmp_path, monkeypatch):
+    """Agents named by Hub id, resolved from an offline cache: `ram-trl fisher ORG/NAME` writes the Fisher into the
+    agent's snapshot (its directory, as for a local agent), the same values as the agent's by path, and a fisher
+    merge by ids finds it there and writes the bytes of the same merge by paths."""
+    base = make_base_checkpoint(
+        tmp_path / "local" / "base", hidden_size=16, num_layers=1, intermediate_size=32, seed=3
+    )
+    agents = make_agent_set(base, tmp_path / "local", densities=(0.1, 0.3), seed=5)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    cache = offline_cache(tmp_path / "cache", monkeypatch)
+    cache_repo(cache, "acme/base", base, "a" * 40)
+    snapshots = [cache_repo(cache, f"acme/agent{i}", a, str(i + 1) * 40) for i, a in enumerate(agents)]
+    for ref in [*(str(a) for a in agents), "acme/agent0", f"acme/agent1@{'2' * 40}"]:
+        assert main(["fisher", ref, "--prompts", str(prompts), "--max-new-tokens", "3", "--no-progress"]) == 0
+    for agent, snapshot in zip(agents, snapshots, strict=True):
+        by_id, by_path = load_file(str(snapshot / FISHER_FILE)), load_file(str(agent / FISHER_FILE))
+        assert by_id.keys() == by_path.keys() and all(torch.equal(by_id[n], by_path[n]) for n in by_path)
+    with safe_open(str(snapshots[0] / FISHER_FILE), "pt") as handle:
+        assert json.loads(handle.metadata()["hub"]) == {"repo_id": "acme/agent0", "revision": "1" * 40}
+    with safe_open(str(agents[0] / FISHER_FILE), "pt") as handle:
+        assert "hub" not in handle.metadata()
+    outputs = []
+    for name, refs in (
+        ("by_path", [str(base), *map(str, agents)]),
+        ("by_id", ["acme/base", "acme/agent0", "acme/agent1"]),
+    ):
+        config = {"merge_method": "fisher", "base_model": refs[0], "models": [{"model": r} for r in refs[1:]]}
+        report = ram_trl.merge(config, tmp_path / name, progress=False)
+        outputs.append((tmp_path / name / "model.safetensors").read_bytes())
+    assert outputs[0] == outputs[1]
+    assert [a["parameters"]["fisher"] for a in report["agents"]] == [str(s / FISHER_FILE) for s in snapshots]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import http.server
 import json
 import os
@@ -19,27 +18,9 @@ import ram_trl
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.hub import cached_revision, parse_reference, resolve_model
-from tests.helpers import qwen_model
+from tests.helpers import cache_repo, offline_cache, qwen_model
 
 COMMITS = {"acme/base": "a" * 40, "acme/coder": "b" * 40, "acme/solver": "c" * 40}
-
-
-def cache_repo(cache: Path, repo_id: str, source: Path, commit: str, skip: tuple[str, ...] = ()) -> Path:
-    """``source``'s files placed in the cache as huggingface_hub stores them: ``blobs/<sha256>``, the snapshot's files
-    links ``../../blobs/<sha256>``, ``refs/main`` the commit. Returns the snapshot directory."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for file in sorted(source.iterdir()):
-        if file.name in skip:
-            continue
-        sha = hashlib.sha256(file.read_bytes()).hexdigest()
-        shutil.copyfile(file, repo / "blobs" / sha)
-        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / sha)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
 
 
 @pytest.fixture
@@ -47,11 +28,7 @@ def hub(tmp_path, monkeypatch):
     """An offline Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1, and huggingface_hub's constants, read at its
     import, set to match) holding a sharded tiny Qwen2 base and two agents under their ids; the same models as
     plain local directories under ``tmp_path/local``."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    cache = offline_cache(tmp_path / "cache", monkeypatch)
     local = {}
     for seed, repo_id in enumerate(COMMITS):
         model = qwen_model(0)
@@ -334,3 +311,27 @@ def test_a_recipes_base_may_be_a_hub_id(hub, tmp_path):
     data["base"]["path"] = "acme/not-cached"
     with pytest.raises(ConfigError, match=r"base.path: 'acme/not-cached' .*`hf download acme/not-cached`"):
         check_recipe(data)
+
+
+def test_passthrough_by_id_is_byte_identical_to_passthrough_by_path(hub, tmp_path):
+    _, local = hub
+
+    def stack(first: str, second: str) -> dict:
+        sources = [[{"model": first, "layer_range": [0, 2]}], [{"model": second, "layer_range": [1, 2]}]]
+        return {"merge_method": "passthrough", "slices": [{"sources": s} for s in sources]}
+
+    ram_trl.merge(
+        stack(str(local["acme/base"]), str(local["acme/coder"])), tmp_path / "by_path", progress=False
+    )
+    report = ram_trl.merge(stack("acme/base", "acme/coder"), tmp_path / "by_id", progress=False)
+    written = sorted(p.name for p in (tmp_path / "by_path").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "by_id").iterdir())
+    for name in written:
+        if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
+            assert (tmp_path / "by_id" / name).read_bytes() == (tmp_path / "by_path" / name).read_bytes(), (
+                name
+            )
+    assert json.loads((tmp_path / "by_id" / "config.json").read_text())["num_hidden_layers"] == 3
+    assert report["slices"][1]["hub"] == {"repo_id": "acme/coder", "revision": COMMITS["acme/coder"]}
+    front = yaml.safe_load((tmp_path / "by_id" / "README.md").read_text().split("---")[1])
+    assert front["base_model"] == ["acme/base", "acme/coder"] and "passthrough" in front["tags"]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import ram_trl
 from ram_trl.errors import RamTrlError
-from tests.helpers import assert_no_output
+from tests.helpers import assert_no_output, qwen_model
 
 MERGEKIT_FILES = (
     "tokenizer_config.json",
@@ -209,3 +209,25 @@ def test_layers_of_another_architecture_are_refused(llamas, tmp_path):
     assert_no_output(tmp_path / "out")
     with pytest.raises(RamTrlError, match="passthrough writes a deeper model"):
         ram_trl.merge(_stack(llamas), tmp_path / "out", progress=False, output_format="lora", lora_rank=2)
+
+
+def test_per_layer_config_lists_follow_the_stacked_layers(tmp_path):
+    """Qwen2's layer_types (one entry per layer, checked by transformers) rebuilt from each source layer's entry."""
+    kinds = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    qwen_model(0, num_hidden_layers=4, layer_types=kinds, use_sliding_window=True).save_pretrained(
+        tmp_path / "a"
+    )
+    qwen_model(1, num_hidden_layers=4).save_pretrained(tmp_path / "b")
+    config = {
+        "merge_method": "passthrough",
+        "slices": [
+            {"sources": [{"model": str(tmp_path / "a"), "layer_range": [1, 3]}]},
+            {"sources": [{"model": str(tmp_path / "b"), "layer_range": [0, 3]}]},
+        ],
+    }
+    ram_trl.merge(config, tmp_path / "out", progress=False)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["num_hidden_layers"] == 5
+    assert written["layer_types"] == ["sliding_attention", "full_attention", *["full_attention"] * 3]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

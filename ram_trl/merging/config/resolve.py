@@ -71,8 +71,8 @@ def _resolve_stage(
 
 
 _REFUSED_METHODS = {
-    "passthrough": "copies (and stacks) layers of one model without merging; ram_trl merges whole models tensor by "
-    "tensor and writes no layer stacks",
+    "passthrough": "copies (and stacks) layers without merging: `ram-trl merge` (ram_trl.merge) writes it; there "
+    "is no merge of agents here",
     "nuslerp": "not implemented",
     "multislerp": "not implemented",
     "karcher": "not implemented",
