@@ -99,12 +99,7 @@ def merge_ranges(
     device: str | torch.device = "cpu",
     block_elements: int = BLOCK_ELEMENTS,
 ) -> RangeMerge:
-    """Merge this process's flat ranges of agent ``current`` (held in memory) with the other agents and the base.
-
-    Every process of ``ctx`` calls it with its own ranges; together the ranges of all processes must cover every
-    floating tensor of the base exactly once (counted ranges). The other agents and the base are read from the
-    checkpoints the config names; agent ``current``'s checkpoint is never read (the config may name any stand-in
-    with the base's tensors)."""
+    """Merge this process's flat ranges of agent ``current`` (held in memory) with the other agents and the base."""
     method = resolved.method
     check_range_method(method)
     if not 0 <= current < len(resolved.agents):
