@@ -1,16 +1,6 @@
 """PEFT LoRA adapters as merge inputs: each target module's task vector is the dense delta ``B @ A * scaling``.
 
-An adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) is opened as an
-:class:`AdapterCheckpoint` whose tensor names are the BASE model's: PEFT prefixes (``base_model.model.``), the
-``base_layer`` component and adapter names are stripped. Per base tensor the adapter contributes
-
-- a LoRA delta (``lora_A``/``lora_B``; ``lora_embedding_A``/``lora_embedding_B`` for embeddings; transposed for
-  ``fan_in_fan_out`` layouts) with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), ``rank_pattern``
-  and ``alpha_pattern`` honoured, and ``lora_B.bias * scaling`` for ``lora_bias`` adapters;
-- and/or full values (``modules_to_save``, biases trained with ``bias="all"``/``"lora_only"``, embedding layers PEFT
-  saves beside embedding LoRA), whose task vector is their difference from the base, as for a full checkpoint.
-
-Tensors the adapter does not touch have a zero task vector. Deltas are computed one row chunk at a time, in float32.
+Details: docs/lora.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Where the telemetry reads the base weights from, and how training parameter names map to checkpoint names.
 
-A task vector is ``trained - base``. During training the base can come from three places, cheapest first:
-
-- :class:`ModelBase`: a model already in memory holding the base weights (a trainer's reference model, or the frozen
-  weights of a PEFT model);
-- :class:`MappedCheckpointBase`: the base checkpoint on disk, read through memory maps (pages are shared with the
-  page cache, nothing is copied into the process);
-- :class:`SnapshotBase`: a copy of the model's local parameters taken at train begin, when neither exists.
-
-Every source serves the same request: the flat element range ``[offset, offset + numel)`` of a base tensor, named
-as the base checkpoint names it (:func:`base_name`).
+Details: docs/telemetry.md and docs/memory.md.
 """
 
 from __future__ import annotations
