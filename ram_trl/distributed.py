@@ -54,10 +54,7 @@ class DistContext:
 
     @classmethod
     def from_env(cls, device: str = "cpu", timeout_minutes: float = 30.0) -> DistContext:
-        """Join the process group that ``accelerate launch`` / ``torchrun`` describe in the environment, if any.
-
-        Uses gloo for CPU arithmetic and nccl for CUDA. A process group that is already initialised is used as it is
-        (and not destroyed by :meth:`close`)."""
+        """Join the process group that ``accelerate launch`` / ``torchrun`` describe in the environment, if any."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size <= 1:
             return cls()
@@ -130,10 +127,7 @@ class DistContext:
             dist.barrier()
 
     def guarded(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank, then agree: if it failed anywhere, raise everywhere.
-
-        The failing rank re-raises its own error; the others raise :class:`RankFailedError`.
-        """
+        """Run ``fn`` on every rank, then agree: if it failed anywhere, raise everywhere."""
         result: T | None = None
         error: BaseException | None = None
         try:
@@ -179,12 +173,7 @@ def communication_threads() -> list[str] | None:
 
 
 def shutdown_distributed(barrier: bool = True) -> list[str] | None:
-    """Leave torch.distributed: wait for the other ranks, destroy every process group, collect garbage.
-
-    ``destroy_process_group`` only unregisters the groups: a gloo group's threads stop when its last reference goes
-    (gloo's ``shutdown`` does nothing), and DeepSpeed keeps references to its groups (ZeRO-3 parameters,
-    ``zero.Init``, ``deepspeed.utils.groups``) until the interpreter exits. Whatever this returns is still running
-    then; :func:`exit_distributed` exits safely in that case."""
+    """Leave torch.distributed: wait for the other ranks, destroy every process group, collect garbage."""
     if dist.is_available() and dist.is_initialized():
         if barrier:
             with contextlib.suppress(Exception):  # a rank that already left: nothing left to wait for
@@ -195,12 +184,7 @@ def shutdown_distributed(barrier: bool = True) -> list[str] | None:
 
 
 def exit_process(code: int = 0) -> NoReturn:
-    """Exit now without finalizing the interpreter: Python's own exit steps, then ``os._exit(code)``.
-
-    The steps kept: non-daemon threads are joined (after ``concurrent.futures`` pools are told to stop),
-    ``atexit`` callbacks run (logging is flushed there), standard output and error are flushed. Skipped: the
-    interpreter's finalization and C++ static destructors, which native threads still running at that point (e.g.
-    gloo's, see :func:`exit_distributed`) can turn into an abort."""
+    """Exit now without finalizing the interpreter: Python's own exit steps, then ``os._exit(code)``."""
     try:
         if threading.current_thread() is threading.main_thread():
             # what the interpreter does first at exit: stop concurrent.futures workers, join non-daemon threads
@@ -217,24 +201,7 @@ def exit_process(code: int = 0) -> NoReturn:
 
 
 def exit_distributed(code: int = 0) -> NoReturn:
-    """End a rank of a ``torch.distributed`` job (DeepSpeed, torchrun, accelerate): the last call of its script.
-
-    Calls :func:`shutdown_distributed` (with a barrier when ``code`` is 0), then exits with ``code``: a normal
-    ``SystemExit`` if no communication thread is left, otherwise :func:`exit_process`. A gloo thread alive while
-    the interpreter finalizes aborts the process ("terminate called without an active exception", exit -6) when it
-    releases a tensor or runs Python at that moment: taking the GIL then ends the thread with ``pthread_exit``,
-    whose unwinding through a C++ destructor calls ``std::terminate``. DeepSpeed jobs on CPU (gloo) always leave
-    their groups alive, and did abort after their work was done.
-
-    Example:
-
-    ```python
-    from ram_trl.distributed import exit_distributed
-
-    if __name__ == "__main__":
-        main()  # deepspeed.initialize(...), trainer.train(), ...
-        exit_distributed()
-    ```"""
+    """End a rank of a ``torch.distributed`` job (DeepSpeed, torchrun, accelerate): the last call of its script."""
     alive = shutdown_distributed(barrier=code == 0)
     if alive is None or alive:
         exit_process(code)

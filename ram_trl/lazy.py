@@ -12,13 +12,7 @@ __all__ = ["lazy_exports"]
 def lazy_exports(
     package: str, namespace: dict[str, Any], names: dict[str, str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's module-level ``__getattr__`` and ``__dir__`` for names defined in modules it does not import.
-
-    Example:
-
-    ```python
-    >>> __getattr__, __dir__ = lazy_exports(__name__, globals(), {"merge": "ram_trl.merging.engine"})
-    ```"""
+    """A package's module-level ``__getattr__`` and ``__dir__`` for names defined in modules it does not import."""
 
     def __getattr__(name: str) -> Any:
         module = names.get(name)

@@ -37,15 +37,7 @@ DTYPE_ALIASES = {
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the choice closest to a mistyped ``name``, else ``""``.
-
-    Args:
-        name: The unknown name.
-        choices: The known names.
-
-    Returns:
-        The suffix to add to a message.
-    """
+    """`` (did you mean 'x'?)`` for the choice closest to a mistyped ``name``, else ``""``."""
     choices = [str(c) for c in choices]
     swapped = [c for c in choices if sorted(c) == sorted(str(name)) and c != name]  # two letters swapped
     close = swapped[:1] or difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
@@ -60,15 +52,7 @@ def processes_phrase(count: int) -> str:
 
 def canonical_dtype(value: Any, allowed: Iterable[str] = ("bfloat16", "float16", "float32")) -> Any:
     """The canonical name of a dtype written as an alias (``bf16``, ``fp16``, ``fp32``, ``torch.float16``, ...);
-    anything else is returned unchanged, for the caller's own check to refuse.
-
-    Args:
-        value: The dtype as given.
-        allowed: The canonical names the caller accepts.
-
-    Returns:
-        The canonical name when ``value`` spells one of ``allowed``, else ``value``.
-    """
+    anything else is returned unchanged, for the caller's own check to refuse."""
     if not isinstance(value, str):
         value = str(value) if type(value).__name__ == "dtype" else value
         if not isinstance(value, str):
@@ -101,15 +85,7 @@ def _model_in(annotation: Any) -> type | None:
 
 
 def validation_message(exc: Any, model: type | None = None) -> str:
-    """A pydantic ``ValidationError`` in our words: each problem as the field, the value given and what to change.
-
-    Args:
-        exc: The ``ValidationError``.
-        model: The validated model class (for the known field names of an unknown one).
-
-    Returns:
-        The problems, joined by ``"; "``.
-    """
+    """A pydantic ``ValidationError`` in our words: each problem as the field, the value given and what to change."""
     problems = []
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -145,11 +121,7 @@ _SHOWN: set[str] = set()
 
 
 def shown(message: str) -> bool:
-    """Whether the command line has already printed ``message`` as a warning (always ``False`` outside it).
-
-    Args:
-        message: The warning's text.
-    """
+    """Whether the command line has already printed ``message`` as a warning (always ``False`` outside it)."""
     return message in _SHOWN
 
 
@@ -184,11 +156,7 @@ class _ThirdPartyNoise(logging.Filter):
 
 def owned_process_filters() -> list[tuple[logging.Logger, logging.Filter]]:
     """Drop third-party notices a user cannot act on (DeepSpeed's "Setting accelerator to CPU" on a CPU machine).
-    Only for processes ram_trl owns: the command line and its stage processes, never a user's script.
-
-    Returns:
-        The ``(logger, filter)`` pairs installed (for ``logger.removeFilter``).
-    """
+    Only for processes ram_trl owns: the command line and its stage processes, never a user's script."""
     installed = []
     for name in _ThirdPartyNoise.NOTICES:
         logger, noise = logging.getLogger(name), _ThirdPartyNoise(name)
@@ -200,11 +168,7 @@ def owned_process_filters() -> list[tuple[logging.Logger, logging.Filter]]:
 @contextlib.contextmanager
 def one_voice(level: int = logging.WARNING) -> Iterator[None]:
     """For the command line's own process: log records as ``warning: ...`` on standard error, Python warnings
-    through the same path (no source line), each message once. Never used inside a user's process.
-
-    Args:
-        level: The logging level of the command's messages.
-    """
+    through the same path (no source line), each message once. Never used inside a user's process."""
     handler = logging.StreamHandler()
     handler.setFormatter(_Voice())
     handler.addFilter(_Once())

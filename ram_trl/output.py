@@ -21,180 +21,22 @@ process and the host), and renames it into place only when everything is written
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import json
-import logging
 import os
-import re
 import shutil
-import signal
 import socket
-import sys
 import time
-import uuid
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ram_trl.digest import text_digest
 from ram_trl.errors import OutputError
-from ram_trl.signals import raising_signals
-
-logger = logging.getLogger(__name__)
+from ram_trl.fs import make_readable, new_file_mode, rename_noreplace
+from ram_trl.output_errors import as_output_error, guard_os_errors
+from ram_trl.signals import catch_signals
+from ram_trl.temp_siblings import LOCK_FILE, remove_stale, temp_name
 
 T = TypeVar("T")
-
-LOCK_FILE = ".ram-trl-lock"
-_LEFTOVER = re.compile(r"\.ram-trl-(?:tmp|full|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
-#: File-system errors of an output that are the user's to fix (space, read-only, permissions, quota, size).
-OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG})
-_CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class Interrupted(KeyboardInterrupt):
-    """A catchable termination signal (SIGTERM, SIGHUP) arrived while an output was being written."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"terminated by signal {signum}")
-        self.signum = signum
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Atomic no-replace rename
-
-
-def _load_renameat2() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_RENAMEAT2 = _load_renameat2()
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-
-
-def rename_noreplace(source: Path, target: Path) -> None:
-    """Rename ``source`` to ``target`` atomically, failing if ``target`` exists (even if it appears meanwhile).
-
-    Uses ``renameat2(RENAME_NOREPLACE)`` on Linux; where the kernel or file system lacks it, reserves ``target``
-    with ``mkdir`` (atomic, fails if it exists) and renames onto that empty directory."""
-    if _RENAMEAT2 is not None:
-        result = _RENAMEAT2(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), _RENAME_NOREPLACE)
-        if result == 0:
-            return
-        code = ctypes.get_errno()
-        if code == errno.EEXIST or code == errno.ENOTEMPTY:
-            raise FileExistsError(code, os.strerror(code), str(target))
-        if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(code, os.strerror(code), str(target))
-    _rename_reserved(source, target)
-
-
-def _rename_reserved(source: Path, target: Path) -> None:
-    """The portable fallback of :func:`rename_noreplace`: reserve ``target`` with ``mkdir``, then rename onto it."""
-    if source.is_dir():
-        os.mkdir(target)  # FileExistsError if it exists: only one process wins the reservation
-        try:
-            os.rename(source, target)  # replaces the empty directory this process just made
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.rmdir(target)
-            raise
-        return
-    os.link(source, target)  # FileExistsError if it exists
-    os.unlink(source)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Signals
-
-
-def catch_signals() -> contextlib.AbstractContextManager[None]:
-    """Turn SIGTERM and SIGHUP into :class:`Interrupted` (SIGINT already raises ``KeyboardInterrupt``), so that
-    ``finally`` blocks and ``except BaseException`` cleanups run; see :func:`~ram_trl.signals.raising_signals`."""
-    return raising_signals(_CAUGHT_SIGNALS, Interrupted)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Leftovers of killed runs
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _owner(entry: Path) -> tuple[int | None, str | None]:
-    """The process id and host that made a temporary entry (from its lock file, else its name)."""
-    lock = entry / LOCK_FILE
-    if lock.is_file():
-        with contextlib.suppress(OSError, ValueError, TypeError, json.JSONDecodeError):
-            data = json.loads(lock.read_text())
-            return int(data["pid"]), str(data.get("host") or "")
-    match = _LEFTOVER.search(entry.name)
-    return (int(match.group("pid")), None) if match else (None, None)
-
-
-def remove_stale(target: Path) -> list[Path]:
-    """Remove the temporary siblings of ``target`` left by runs that were killed (their process is gone).
-
-    Only entries named like this protocol's temporaries, made on this host by a process that no longer exists, are
-    removed; each is named in a warning. Entries of live processes, of other hosts, or without a process id are
-    left alone (the latter named in a warning)."""
-    parent, name = target.parent, _temp_stem(target.name)
-    if not parent.is_dir():
-        return []
-    removed = []
-    host = socket.gethostname()
-    for entry in sorted(parent.iterdir()):
-        if not (entry.name.startswith(f".{name}.ram-trl-") or entry.name.startswith(f"..{name}.ram-trl-")):
-            continue
-        pid, owner_host = _owner(entry)
-        if pid is None:
-            if entry.name.startswith(f".{name}.ram-trl-tmp-") or entry.name.startswith(
-                f".{name}.ram-trl-old-"
-            ):
-                warnings.warn(
-                    f"{entry} looks like the leftover of an interrupted ram_trl run (an older version, no process "
-                    "id); remove it if no run is writing there",
-                    stacklevel=3,
-                )
-            continue
-        if (owner_host and owner_host != host) or pid == os.getpid() or _pid_alive(pid):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                entry.unlink()
-        if not entry.exists():
-            removed.append(entry)
-            message = f"removed {entry}: the leftover of a ram_trl run (process {pid}) that was killed"
-            warnings.warn(message, stacklevel=3)
-            logger.warning(message)
-    return removed
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The protocol
 
 
 def _describe(path: Path, limit: int = 8) -> str:
@@ -203,67 +45,8 @@ def _describe(path: Path, limit: int = 8) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-def as_output_error(exc: OSError, what: str) -> OutputError:
-    """An :class:`OutputError` for a file-system error of the output ``what``, with what to do about it."""
-    reason = exc.strerror or str(exc)
-    hint = {
-        errno.ENOSPC: "free some space or choose another output location",
-        errno.EROFS: "the file system is read-only: choose another output location",
-        errno.EACCES: "no permission: choose another output location",
-        errno.EPERM: "no permission: choose another output location",
-    }.get(exc.errno or 0, "choose another output location")
-    where = exc.filename or what
-    return OutputError(f"cannot write {what} ({where}: {reason}); {hint}")
-
-
-def temp_name(target: Path, kind: str = "tmp") -> Path:
-    """A fresh temporary sibling of ``target`` named after this process (``kind``: tmp, full or old)."""
-    return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _new_file_mode(directory: Path) -> int:
-    """The mode a file newly created in ``directory`` gets: ``0o666`` less the umask (and default ACLs), probed with
-    a file rather than read with ``os.umask`` (which sets the process-wide umask)."""
-    probe = directory / f".ram-trl-mode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        return os.fstat(fd).st_mode & 0o777
-    finally:
-        os.close(fd)
-        probe.unlink()
-
-
-def make_readable(path: Path, mode: int) -> None:
-    """Give ``path`` (a file, or every file under a directory) ``mode``, keeping execute bits: writers that go
-    through a private temporary file (safetensors' ``save_file``) leave ``0600`` whatever the umask allows.
-
-    Args:
-        path: The file or directory, before it is moved into place.
-        mode: The mode of a new file (from :func:`_new_file_mode`).
-    """
-    files = (
-        [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
-    )
-    for file in files:
-        current = file.stat().st_mode & 0o777
-        wanted = mode | ((mode & 0o444) >> 2 if current & 0o100 else 0)
-        if current != wanted:
-            os.chmod(file, wanted)
-
-
-#: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
-_STEM_BYTES = 200
 #: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
 _NAME_BYTES = 255
-
-
-def _temp_stem(name: str) -> str:
-    """``name`` as temporary siblings carry it: whole when short, else shortened with a digest of the whole name,
-    so that an output name of up to 255 bytes still has a temporary sibling."""
-    if len(name.encode()) <= _STEM_BYTES:
-        return name
-    digest = text_digest(name)[:12]
-    return name.encode()[: _STEM_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 
 def check_name_length(target: Path, what: str) -> None:
@@ -278,19 +61,7 @@ def check_name_length(target: Path, what: str) -> None:
 
 
 class OutputDir:
-    """The commit protocol of one output directory.
-
-    Example::
-
-        out = OutputDir(Path("merged"), overwrite=False, reads=[("merge config", cfg)], markers=("report.json",))
-        out.check()
-        temp = out.begin()
-        try:
-            ...  # write into temp
-            out.commit()
-        except BaseException:
-            out.abort()
-            raise"""
+    """The commit protocol of one output directory."""
 
     def __init__(
         self,
@@ -404,7 +175,7 @@ class OutputDir:
         assert self.temp is not None, "begin() first"
         try:
             (self.temp / LOCK_FILE).unlink(missing_ok=True)
-            make_readable(self.temp, _new_file_mode(self.temp))
+            make_readable(self.temp, new_file_mode(self.temp))
             if self.merge and self.target.is_dir():
                 merge_into(self.temp, self.target, last=self.markers, remove=remove)
                 shutil.rmtree(self.temp, ignore_errors=True)
@@ -512,12 +283,7 @@ def _remove(path: Path) -> None:
 def merge_into(source: Path, target: Path, last: Sequence[str] = (), remove: Sequence[str] = ()) -> None:
     """Move every entry of the directory ``source`` into the existing directory ``target``, replacing entries of
     the same name, all or nothing: on any failure (or signal) the entries moved in are removed and the replaced
-    ones restored.
-
-    The entries named in ``last`` (the markers of a complete output, e.g. ``ram_stage.json``) are moved aside
-    before anything else and the new ones moved in after everything else, so that a process killed half-way
-    (``kill -9``, where no rollback runs) leaves a ``target`` without them: detectably incomplete. The replaced
-    entries wait in a temporary sibling (``.NAME.ram-trl-old-PID-...``), which :func:`remove_stale` removes."""
+    ones restored."""
     names = sorted(p.name for p in source.iterdir() if p.name != LOCK_FILE)
     ordered = [n for n in names if n not in last] + [n for n in last if n in names]
     aside_order = [n for n in last if (target / n).exists()] + [n for n in ordered if n not in last]
@@ -557,7 +323,7 @@ def atomic_file(target: str | os.PathLike, what: str = "output file") -> Iterato
     try:
         with catch_signals(), guard_os_errors(f"{what} {target}"):
             yield temp
-            make_readable(temp, _new_file_mode(temp.parent))
+            make_readable(temp, new_file_mode(temp.parent))
             os.replace(temp, target)
     except OSError as exc:
         raise as_output_error(exc, f"{what} {target}") from exc
@@ -574,10 +340,7 @@ def check_output_file(
     what: str = "output file",
     flag: str = "--overwrite",
 ) -> None:
-    """Refuse to write one file over an input or over an existing file (without ``overwrite``).
-
-    The rule of every writer: nothing is written over something the run reads (with or without ``overwrite``), nor
-    over a file the run did not create unless the user asked for it with ``flag``."""
+    """Refuse to write one file over an input or over an existing file (without ``overwrite``)."""
     target = Path(target)
     check_name_length(target, what)
     out = target.resolve()
@@ -596,35 +359,3 @@ def check_output_file(
         raise OutputError(
             f"{what} {target} already exists; pass {flag} to replace it, or choose another name"
         )
-
-
-_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def wrapped_errno(exc: BaseException) -> int | None:
-    """The ``errno`` of a file-system error that a library reports as its own exception type: safetensors' Rust
-    writer raises ``SafetensorError("... (os error 28) ...")`` for a full disk."""
-    if type(exc).__name__ != "SafetensorError":
-        return None
-    match = _OS_ERROR.search(str(exc))
-    return int(match.group(1)) if match else None
-
-
-def guard_os_errors(what: str) -> contextlib.AbstractContextManager[None]:
-    """A context that turns file-system errors of the output (``ENOSPC``, ``EROFS``, ...) into :class:`OutputError`."""
-
-    @contextlib.contextmanager
-    def guard() -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            if exc.errno in OUTPUT_ERRNOS:
-                raise as_output_error(exc, what) from exc
-            raise
-        except Exception as exc:
-            code = wrapped_errno(exc)
-            if code in OUTPUT_ERRNOS:
-                raise as_output_error(OSError(code, os.strerror(code)), what) from exc
-            raise
-
-    return guard()

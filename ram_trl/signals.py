@@ -8,6 +8,16 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+_CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Interrupted(KeyboardInterrupt):
+    """A catchable termination signal (SIGTERM, SIGHUP) arrived while an output was being written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
 
 @contextlib.contextmanager
 def raising_signals(signals: Iterable[int], error: Callable[[int], BaseException]) -> Iterator[None]:
@@ -40,3 +50,12 @@ def raising_signals(signals: Iterable[int], error: Callable[[int], BaseException
         for signum, before in previous.items():
             if signal.getsignal(signum) is handler:
                 signal.signal(signum, before)
+
+
+def catch_signals() -> contextlib.AbstractContextManager[None]:
+    """Turn SIGTERM and SIGHUP into :class:`Interrupted` (SIGINT already raises ``KeyboardInterrupt``), so that
+    ``finally`` blocks and ``except BaseException`` cleanups run; see :func:`~ram_trl.signals.raising_signals`."""
+    return raising_signals(_CAUGHT_SIGNALS, Interrupted)
+
+
+__all__ = ["Interrupted", "catch_signals", "raising_signals"]

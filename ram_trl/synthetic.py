@@ -120,15 +120,7 @@ def _byte_level_tokens(text: str) -> list[str]:
 
 
 def build_char_tokenizer(output_dir: str | Path, alphabet: str | None = None) -> PreTrainedTokenizerFast:
-    """Build, save and return a character-level tokenizer.
-
-    The vocabulary is the special tokens ``<pad>`` (id 0), ``<s>`` (1), ``</s>`` (2), ``<unk>`` (3), then one token
-    per character of ``alphabet`` in order (duplicates dropped). Tokens are stored in byte-level form (GPT-2's
-    byte-to-unicode map, e.g. ``"Ġ"`` for a space and ``"Ċ"`` for a newline) with a byte-level pre-tokenizer and
-    decoder and a BPE model without merges: with transformers 5, ``AutoTokenizer`` loads a directory whose
-    ``config.json`` says ``qwen2`` as ``Qwen2Tokenizer``, which rebuilds a byte-level pipeline around the stored
-    vocabulary, and this layout tokenizes identically under both. A non-ASCII character becomes one token per
-    UTF-8 byte. Characters outside the alphabet map to ``<unk>`` here (``Qwen2Tokenizer`` drops them)."""
+    """Build, save and return a character-level tokenizer."""
     text = DEFAULT_ALPHABET if alphabet is None else alphabet
     if not text:
         raise ValueError("alphabet is empty: the character tokenizer needs at least one character")
@@ -159,11 +151,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _unique_state_dict_shapes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of ``model`` (on any device) without tied duplicates, in module order.
-
-    ``save_pretrained`` writes a tied parameter once, under its first name (``model.embed_tokens.weight`` for
-    tied Qwen2 embeddings, with no ``lm_head.weight``); this keeps the first name of each parameter object.
-    """
+    """The state dict of ``model`` (on any device) without tied duplicates, in module order."""
     seen: set[int] = set()
     unique: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -197,13 +185,7 @@ def write_synthetic_base(
     seed: int = 0,
     max_shard_size: int | str | None = None,
 ) -> Path:
-    """Write the weights and ``config.json`` of a randomly initialised causal LM without building the model.
-
-    Tensor names and shapes come from the model instantiated on the ``meta`` device (no memory), tied weights are
-    written once as ``save_pretrained`` does, and shards are planned with the same splitter transformers uses, so
-    the layout matches ``save_pretrained(max_shard_size=...)`` for the same config. Values are seeded per tensor
-    name: ``normal * 0.02`` for matrices, zeros for biases, ones for norm weights. Tensors are generated and saved
-    one shard at a time, so peak memory is about one shard."""
+    """Write the weights and ``config.json`` of a randomly initialised causal LM without building the model."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
@@ -254,10 +236,7 @@ def make_base_checkpoint(
     max_shard_size: int | str | None = None,
     materialize: str = "eager",
 ) -> Path:
-    """Write a randomly initialised Qwen2 causal LM with a character tokenizer and a generation config.
-
-    The directory loads with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` offline
-    and can ``generate``."""
+    """Write a randomly initialised Qwen2 causal LM with a character tokenizer and a generation config."""
     if materialize not in ("eager", "stream"):
         raise ValueError(
             f"materialize={materialize!r}: use 'eager' (build the model) or 'stream' (write shards)"
@@ -329,11 +308,7 @@ def _steps(count: int, generator: torch.Generator, max_ulps: int) -> torch.Tenso
 
 
 def _perturb_16bit(values: torch.Tensor, steps: torch.Tensor, max_finite_bits: int) -> torch.Tensor:
-    """Move the magnitude bits of 16-bit floats by ``steps`` units in the last place, keeping the sign bit.
-
-    Results stay finite and nonzero, always differ from the input, and never change sign; non-finite inputs are
-    returned unchanged.
-    """
+    """Move the magnitude bits of 16-bit floats by ``steps`` units in the last place, keeping the sign bit."""
     bits = values.view(torch.int16).to(torch.int32)
     negative = bits < 0
     mag = bits & 0x7FFF
@@ -346,11 +321,7 @@ def _perturb_16bit(values: torch.Tensor, steps: torch.Tensor, max_finite_bits: i
 
 
 def _perturb_float(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Relative perturbation ``k * 2**-8 * max(|w|, 1e-3)`` of the magnitude, for float32/float16/float64 storage.
-
-    The sign of the weight is kept (a decrease that would cross zero becomes an increase) and a value that rounds
-    back to the stored one moves by one ulp instead.
-    """
+    """Relative perturbation ``k * 2**-8 * max(|w|, 1e-3)`` of the magnitude, for float32/float16/float64 storage."""
     dtype = values.dtype
     work = torch.promote_types(dtype, torch.float32)
     w = values.to(work)
@@ -419,30 +390,7 @@ def make_rl_agent(
     max_ulps: int = 64,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write an "RL agent": the base checkpoint with a sparse, heavy-tailed perturbation of its floating tensors.
-
-    Support: element ``i`` of tensor ``T`` changes iff ``u_i < density``. With probability ``overlap`` (decided by a
-    draw seeded from ``support_seed`` and the tensor name, so the same elements for every agent) ``u_i`` is a
-    shared uniform draw (seeded from ``support_seed`` and the name, identical for every agent), otherwise the
-    agent's own draw (seeded from ``seed`` and the name). Each agent therefore changes about ``density`` of every
-    tensor, and two agents with densities ``d_a``, ``d_b`` built with the same ``support_seed`` both change about
-    ``overlap * min(d_a, d_b) + (1 - overlap) * d_a * d_b`` of the elements (identical supports for
-    ``overlap=1`` and equal densities; independent ones for ``overlap=0``).
-
-    Magnitude: a step ``k`` in ``[1, max_ulps]`` with a Pareto tail (``P(k >= m) = m ** -1.43``, about 63% of
-    steps are 1) and a random sign, both seeded from ``seed`` and the name.
-
-    - bf16 storage: the magnitude bits move by ``k`` (``clamp(mag + sign * k, 1, 0x7F7F)``, or ``mag + 1`` if
-      that leaves them unchanged) and the sign bit is kept. Every active element's stored bits change, the weight
-      never changes sign and no inf/NaN appears. A step of one bf16 ulp exceeds ``1e-5`` only where
-      ``|w| >= 2**-9``, so on smaller weights (and zero biases, which become tiny subnormals) a change can be
-      below the ``eps = 1e-5`` mask of the RAM paper.
-    - float32 / float16 / float64 storage: the magnitude moves by ``k * 2**-8 * max(|w|, 1e-3)`` (computed in
-      float32), keeping the sign; a value that rounds back to the stored one moves by one ulp instead.
-
-    Other tensors (integer, float8) are copied unchanged. The output has the base's shard layout (same file names, same
-    index) plus copies of its other files (``config.json``, ``generation_config.json``, tokenizer files...).
-    Tensors are read one at a time; memory is about one output shard plus one tensor."""
+    """Write an "RL agent": the base checkpoint with a sparse, heavy-tailed perturbation of its floating tensors."""
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density={density} must be in [0, 1]")
     if not 0.0 <= overlap <= 1.0:
@@ -547,18 +495,7 @@ def generate_example(
     overlap: float = 0.5,
     **base_kwargs: object,
 ) -> dict:
-    """Write a base model, ``num_agents`` RL-like agents and a ready-to-run ``merge.yaml`` (RAM+, paper defaults).
-
-    Layout: ``output_root/base``, ``output_root/agent_0`` ... and ``output_root/merge.yaml``::
-
-        merge_method: ram_plus
-        base_model: /abs/path/base
-        models:
-        - model: /abs/path/agent_0
-        ...
-        parameters:
-          r: 0.1
-          alpha: 2.0"""
+    """Write a base model, ``num_agents`` RL-like agents and a ready-to-run ``merge.yaml`` (RAM+, paper defaults)."""
     if num_agents < 1:
         raise ValueError(f"num_agents={num_agents} must be at least 1")
     if not densities:

@@ -19,11 +19,8 @@ PUBLIC_API = {
     "ram_trl/errors.py": ["*"],
     "ram_trl/callbacks/sparsity.py": ["TaskVectorSparsityCallback.*"],
     "ram_trl/stage/save.py": ["save_agent"],
-    "ram_trl/callbacks/preview/callback.py": [
-        "MergePreviewCallback.*",
-        "default_preview_every",
-        "preview_merge_config",
-    ],
+    "ram_trl/callbacks/preview/callback.py": ["MergePreviewCallback.*"],
+    "ram_trl/callbacks/preview/config.py": ["default_preview_every", "preview_merge_config"],
     "ram_trl/callbacks/telemetry/tracker.py": ["TaskVectorTracker.*"],
     "ram_trl/merging/engine.py": ["merge"],
     "ram_trl/analysis/__init__.py": ["analyze"],

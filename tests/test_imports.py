@@ -407,6 +407,10 @@ MIRROR_EXCEPTIONS = {
     "ram_trl/io/chat_template.py": "merging/test_config.py",
     "ram_trl/io/gguf_check.py": "io/test_gguf.py",
     "ram_trl/recipes/code_digest.py": "recipes/test_reuse.py",
+    # rooms split out of a whole, tested through it
+    "ram_trl/callbacks/preview/config.py": "callbacks/preview/test_callback.py",
+    "ram_trl/callbacks/telemetry/metrics.py": "callbacks/telemetry/test_tracker.py",
+    **{f"ram_trl/{name}.py": "test_output.py" for name in ("fs", "output_errors", "temp_siblings")},
 }
 
 

@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ram_trl import output
+from ram_trl import fs, output
 from ram_trl.errors import OutputError
-from ram_trl.output import LOCK_FILE, Interrupted, OutputDir, atomic_file, remove_stale, rename_noreplace
+from ram_trl.fs import rename_noreplace
+from ram_trl.output import OutputDir, atomic_file
+from ram_trl.signals import Interrupted
+from ram_trl.temp_siblings import LOCK_FILE, remove_stale
 from tests.helpers import dead_pid
 
 
@@ -78,7 +81,7 @@ def test_commit_refuses_even_an_empty_directory_that_appeared(tmp_path):
 @pytest.mark.parametrize("portable", [False, True])
 def test_rename_noreplace(tmp_path, monkeypatch, portable):
     if portable:
-        monkeypatch.setattr(output, "_RENAMEAT2", None)
+        monkeypatch.setattr(fs, "_RENAMEAT2", None)
     source, target = tmp_path / "source", tmp_path / "target"
     source.mkdir()
     (source / "f").write_text("x")

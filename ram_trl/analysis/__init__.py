@@ -1,26 +1,6 @@
 """Task-vector sparsity analysis: the numbers behind a choice of merge method, for a base and N agents.
 
-One streaming pass over the inputs (the merge's reader, :mod:`ram_trl.merging.streaming`, and its plan,
-:func:`ram_trl.merging.planner.build_plan`) measures, per agent and over the whole model:
-
-- density at ``eps`` (``|tau| > eps``, strict, as RAM masks) and at exact equality of the stored values, plus, when
-  an input is stored wider than bfloat16, the density the agent would have if base and agent were both saved in
-  bfloat16 (what a merge of bf16 checkpoints would see); the stored dtype of every input is recorded;
-- the overlap histogram, unique / shared / active counts, rho_t and the lambda_t it implies for RAM+ and RAM+s, and
-  pairwise Jaccard indices, all from :class:`~ram_trl.statistics.OverlapStatistics` (the merge's counts);
-- the anatomy: density per module type and per decoder layer (:mod:`ram_trl.statistics.anatomy`);
-- magnitude statistics of the active deltas (:class:`~ram_trl.statistics.MagnitudeStatistics`).
-
-Task vectors are ``float32(agent) - float32(base)`` of the stored values, exactly as the merge computes them, so
-every number shared with the merge report (active, unique, shared, density, rho, lambda) is the same.
-Like the merge, the pass runs over several processes under ``accelerate launch`` / ``torchrun``: tensors are
-partitioned by bytes, the statistics are summed over ranks, and rank 0 writes ``analysis.json``, ``analysis.md``
-and the figures (:mod:`ram_trl.analysis.plots`).
-
-The package splits along the seams of that work: :mod:`~ram_trl.analysis.inputs` (what to measure, validated),
-:mod:`~ram_trl.analysis.measure` (the streaming pass), :mod:`~ram_trl.analysis.result` (the numbers of
-``analysis.json``) and :mod:`~ram_trl.analysis.render` (Markdown, figures, terminal tables); this module runs them
-over the processes and commits the output directory.
+Details: docs/analysis.md.
 """
 
 from __future__ import annotations

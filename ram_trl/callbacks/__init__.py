@@ -1,12 +1,6 @@
 """The guest in a trainer's process: callbacks for TRL / transformers trainers, and what they run.
 
-- :class:`TaskVectorSparsityCallback` (:mod:`.sparsity`): the task vector measured while it trains (through the
-  tracker of :mod:`.telemetry`), the run ending as a merge stage (:func:`save_agent`, ``ram_stage.json``).
-- :class:`MergePreviewCallback` (:mod:`.preview`): the same plus, every N steps, the merge of the current policy
-  with the earlier stages' agents, scored on every stage's validation prompts.
-
-``from ram_trl.callbacks import TaskVectorSparsityCallback`` loads the telemetry only: the preview (which uses the
-merge engine) loads on first use of :class:`MergePreviewCallback`.
+Details: docs/telemetry.md and docs/merge-preview.md.
 """
 
 from __future__ import annotations

@@ -79,12 +79,7 @@ def regather_persistent(engine: Any) -> None:
 def zero3_loading_off(owners: Sequence[Any]) -> Iterator[None]:
     """Let one process load and generate on its own during a ZeRO-3 run: without it transformers' ``from_pretrained``
     partitions a model with ``deepspeed.zero.Init`` and ``generate`` syncs every step with the other processes,
-    collectives they never join.
-
-    Through transformers' public functions only: its DeepSpeed config is unset, and on exit the same
-    ``HfDeepSpeedConfig`` object is set again (found among ``owners``' ``hf_deepspeed_config`` / ``dschf``, where
-    ``TrainingArguments`` and accelerate's ``DeepSpeedPlugin`` keep it alive), never a new one; a config none of
-    them holds is refused (RuntimeError) before anything changes."""
+    collectives they never join."""
     try:
         from transformers.integrations.deepspeed import (
             deepspeed_config,

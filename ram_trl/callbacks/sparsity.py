@@ -1,16 +1,6 @@
 """Live task-vector telemetry for TRL and transformers training runs, ending each run as a merge stage.
 
-:class:`TaskVectorSparsityCallback` measures the run's task vector every ``every_n_steps`` optimizer steps with a
-:class:`~ram_trl.callbacks.telemetry.tracker.TaskVectorTracker` and sends the metrics through the trainer's own logging path,
-so they reach ``trainer.state.log_history`` and every reporting integration (TensorBoard, W&B, ...) next to the
-reward curve. When training ends it saves the agent in ``save_dtype`` to ``args.output_dir`` (the full model, or the
-PEFT adapter of a LoRA run) and writes the stage manifest ``ram_stage.json`` beside it (:mod:`ram_trl.stage.manifest`)::
-
-    cb = TaskVectorSparsityCallback(base_model="models/base", stage_name="coding", domain="coding")
-    trainer = GRPOTrainer(model="models/base", reward_funcs=..., args=..., train_dataset=..., callbacks=[cb])
-    cb.bind(trainer)
-    trainer.train()
-    # args.output_dir now holds the bf16 agent and ram_stage.json; a merge config takes {stage: args.output_dir}
+Details: docs/telemetry.md.
 """
 
 from __future__ import annotations
@@ -73,18 +63,7 @@ def last_reward_metrics(log_history: Sequence[dict[str, Any]]) -> dict[str, floa
 def resolve_base_model(base_model: str | os.PathLike | None) -> str | os.PathLike | None:
     """The local directory of a base model: a path that exists as it is; a Hugging Face Hub id (``"org/name"``,
     ``"org/name@revision"``) through :func:`ram_trl.io.hub.resolve_model` (the cache first, honouring
-    ``HF_HUB_OFFLINE``; only the files a model needs are fetched).
-
-    Args:
-        base_model (`str` or `os.PathLike`, *optional*): A local path or a Hub repository id (``None``: none).
-
-    Returns:
-        `str` or `os.PathLike` or `None`: The local path (``base_model`` itself unless it is a Hub id); a path that
-        is neither is returned as it is, for the caller's "does not exist" error.
-
-    Raises:
-        ConfigError: for a repository id that cannot be resolved, naming the ``hf download`` command.
-    """
+    ``HF_HUB_OFFLINE``; only the files a model needs are fetched)."""
     if base_model is None or os.path.exists(base_model):
         return base_model
     resolved = resolve_model(base_model, what="base_model")
@@ -387,11 +366,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
 def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Module) -> None:
     """Compare the policy at train begin with the base checkpoint on the base fingerprint's tensors (their leading
     elements, in the lower of the two precisions): a ``base_model`` that is not where the policy starts from (same
-    architecture, other weights) makes every metric meaningless, so it is reported before training.
-
-    Warns:
-        UserWarning: naming the base and the first tensor that differs (the policy may start from another
-            checkpoint on purpose, e.g. a fine-tune measured against its original base)."""
+    architecture, other weights) makes every metric meaningless, so it is reported before training."""
     source, fingerprint = tracker.source, tracker.base_fingerprint
     if source is None or fingerprint is None:
         return

@@ -34,19 +34,7 @@ def _environment() -> Any:
 
 
 def check_chat_template(template: str, origin: str, where: str) -> str:
-    """Compile a chat template as transformers does and return it unchanged.
-
-    Args:
-        template (`str`): The Jinja text.
-        origin (`str`): Where it came from (a file, a mergekit template name, the config's text).
-        where (`str`): The config field, for the message.
-
-    Returns:
-        `str`: ``template``.
-
-    Raises:
-        ConfigError: in one line naming ``where``, ``origin``, the line and Jinja's message, when it does not compile.
-    """
+    """Compile a chat template as transformers does and return it unchanged."""
     import jinja2
 
     try:

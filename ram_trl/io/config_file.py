@@ -44,19 +44,7 @@ def _too_deep(text: str) -> bool:
 
 
 def read_yaml_file(path: Path, what: str) -> Any:
-    """The parsed content of a YAML file.
-
-    Args:
-        path (`Path`): The file.
-        what (`str`): What it is, for messages (``"merge config"``).
-
-    Returns:
-        `Any`: The parsed YAML.
-
-    Raises:
-        ConfigError: in one line naming the file: not a regular file, unreadable, not YAML, or nested deeper than
-            :data:`MAX_DEPTH`.
-    """
+    """The parsed content of a YAML file."""
     import yaml
 
     kind = _kind(path)

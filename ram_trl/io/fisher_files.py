@@ -50,10 +50,7 @@ def open_fisher(path: str | Path, agent_role: str, agent_path: str | Path) -> Ch
 
 
 def check_fisher_headers(fisher: Checkpoint, agent: Checkpoint, base: Checkpoint, names: list[str]) -> None:
-    """Check that a Fisher file has a floating tensor of the right shape for each of ``names``.
-
-    The shape must be the base's, or the agent's own where its tensor has more or fewer rows (resized vocabulary).
-    Tensors of the file that the base does not merge are ignored."""
+    """Check that a Fisher file has a floating tensor of the right shape for each of ``names``."""
     for name in names:
         meta = fisher.tensors.get(name)
         if meta is None:

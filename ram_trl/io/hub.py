@@ -77,22 +77,7 @@ def local_path(value: str | os.PathLike, config_dir: Path | None = None) -> Path
 def resolve_model(
     value: str | os.PathLike, config_dir: Path | None = None, *, what: str = "model", weights: bool = True
 ) -> Path:
-    """The local directory of a model reference.
-
-    Args:
-        value: A local path, or a Hub id ``org/name`` / ``org/name@revision``.
-        config_dir: The directory of the config that wrote it (relative paths are also looked up there).
-        what: How the error message names the reference (e.g. ``"merge.yaml: base_model"``).
-        weights: Also make sure the ``*.safetensors`` weights are local (``False``: metadata only).
-
-    Returns:
-        The local path (``value`` as a path when it exists, or is not a Hub id: the caller says it is missing), or
-        the cache's snapshot directory of the repository.
-
-    Raises:
-        ConfigError: one line naming the reference and the ``hf download`` command that fetches it, when a Hub id
-            cannot be resolved (not cached and offline, unknown, no network).
-    """
+    """The local directory of a model reference."""
     local = local_path(value, config_dir)
     if local.exists():
         return local
@@ -175,15 +160,7 @@ def hub_name(path: Path) -> str:
 
 def ensure_weights(path: Path, what: str) -> Path:
     """Fetch the weights of a cache snapshot metadata was resolved from (nothing happens for any other path, nor
-    when they are cached already).
-
-    Args:
-        path: A model directory.
-        what: How an error names it.
-
-    Returns:
-        ``path``.
-    """
+    when they are cached already)."""
     reference = cached_revision(path)
     if reference is None or not path.is_dir() or not missing_files(path, weights=True):
         return path
@@ -197,15 +174,7 @@ def needs_weights(path: Path) -> bool:
 
 def remote_headers(path: Path, what: str) -> dict[str, dict[str, tuple[str, list[int], list[int]]]]:
     """The safetensors headers of a cache snapshot's weight files, read from the Hub by HTTP range requests (a few
-    kilobytes per file, no weights): per file, each tensor's ``(dtype, shape, data_offsets)``.
-
-    Args:
-        path: A cache snapshot directory (its index, when the model is sharded, is in the cache).
-        what: How an error names it.
-
-    Raises:
-        ConfigError: when the Hub cannot be asked (offline, no network, unknown file), naming the fetch command.
-    """
+    kilobytes per file, no weights): per file, each tensor's ``(dtype, shape, data_offsets)``."""
     from huggingface_hub import HfApi
 
     reference = cached_revision(path)
@@ -248,12 +217,7 @@ def in_repo_blobs(file: Path, root: Path) -> bool:
 
 
 def describe(path: str | os.PathLike, written: str | os.PathLike | None = None) -> dict[str, str]:
-    """How a report records an input: ``{"repo_id", "revision"}`` (the commit) for a cache snapshot, ``{}`` else.
-
-    Args:
-        path: The resolved directory.
-        written: The reference as the config wrote it (its ``@revision`` is kept as ``requested``).
-    """
+    """How a report records an input: ``{"repo_id", "revision"}`` (the commit) for a cache snapshot, ``{}`` else."""
     reference = cached_revision(path)
     if reference is None:
         return {}

@@ -1,16 +1,6 @@
 """PEFT LoRA adapters as merge inputs: each target module's task vector is the dense delta ``B @ A * scaling``.
 
-An adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) is opened as an
-:class:`AdapterCheckpoint` whose tensor names are the BASE model's: PEFT prefixes (``base_model.model.``), the
-``base_layer`` component and adapter names are stripped. Per base tensor the adapter contributes
-
-- a LoRA delta (``lora_A``/``lora_B``; ``lora_embedding_A``/``lora_embedding_B`` for embeddings; transposed for
-  ``fan_in_fan_out`` layouts) with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA), ``rank_pattern``
-  and ``alpha_pattern`` honoured, and ``lora_B.bias * scaling`` for ``lora_bias`` adapters;
-- and/or full values (``modules_to_save``, biases trained with ``bias="all"``/``"lora_only"``, embedding layers PEFT
-  saves beside embedding LoRA), whose task vector is their difference from the base, as for a full checkpoint.
-
-Tensors the adapter does not touch have a zero task vector. Deltas are computed one row chunk at a time, in float32.
+Details: docs/lora.md.
 """
 
 from __future__ import annotations
@@ -63,12 +53,7 @@ class LoraFactors:
 def lora_delta_rows(
     a: torch.Tensor, b: torch.Tensor, scaling: float, layout: Literal["linear", "transposed"]
 ) -> torch.Tensor:
-    """The dense float32 delta of LoRA factors, ``B @ A * scaling`` (``(B @ A).T * scaling`` when transposed).
-
-    The one implementation of a LoRA task vector: the merge and the analysis read the factors from an adapter file,
-    the training telemetry takes them from the live PEFT layers, and both get the same bits for the same factors.
-    The product is :func:`~ram_trl.io.lora_product.lora_product`: each element's bits depend only on its row of ``B``
-    and its column of ``A``, not on how the rows are chunked, the number of threads or the BLAS's code path."""
+    """The dense float32 delta of LoRA factors, ``B @ A * scaling`` (``(B @ A).T * scaling`` when transposed)."""
     product = lora_product(b, a)
     if layout == "transposed":
         product = product.T
@@ -101,12 +86,7 @@ _FACTOR = re.compile(r"^(.*)\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B)(
 
 
 def _factor_key(name: str) -> tuple[str, str, str | None] | None:
-    """``(module, part, adapter name)`` of a LoRA factor's key (base-model names), ``None`` for other tensors.
-
-    PEFT saves ``M.lora_A.weight``, ``M.lora_B.weight``, ``M.lora_B.bias`` (``lora_bias``), ``M.lora_embedding_A``
-    and ``M.lora_embedding_B``, each possibly with the adapter's name after the factor (``M.lora_A.NAME.weight``,
-    ``M.lora_embedding_A.NAME``). ``part`` is the factor, or ``"lora_B.bias"``.
-    """
+    """``(module, part, adapter name)`` of a LoRA factor's key (base-model names), ``None`` for other tensors."""
     match = _FACTOR.match(name)
     if match is None:
         return None
@@ -142,12 +122,7 @@ def meta_model(base_dir: Path) -> torch.nn.Module:
 
 
 def conv1d_modules(base_config: Path) -> frozenset[str] | None:
-    """The names of the base's transformers ``Conv1D`` modules, the layers PEFT applies LoRA to transposed.
-
-    PEFT decides ``fan_in_fan_out`` by the class of the layer it wraps: it resets the flag to ``False`` on an
-    ``nn.Linear`` and to ``True`` on a ``Conv1D`` (with a warning), so the base's architecture, not the adapter
-    config's flag, says how a delta applies. Model types outside :data:`CONV1D_MODEL_TYPES` have no ``Conv1D``; the
-    others are built on the meta device to name theirs."""
+    """The names of the base's transformers ``Conv1D`` modules, the layers PEFT applies LoRA to transposed."""
     try:
         config = read_json_object(base_config, "base model config")
     except CheckpointError:

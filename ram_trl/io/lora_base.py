@@ -37,19 +37,7 @@ def _fingerprint(model: Path, adapter: Path) -> str:
 
 
 def merged_model(model: Path, adapter: Path, what: str) -> Path:
-    """The directory of ``model`` with the LoRA ``adapter`` merged in, as mergekit builds it.
-
-    Args:
-        model: The model directory.
-        adapter: The PEFT adapter directory.
-        what: How an error names the reference.
-
-    Returns:
-        A full checkpoint directory (safetensors, config, and the model's tokenizer files).
-
-    Raises:
-        ConfigError: when the adapter cannot be applied to the model.
-    """
+    """The directory of ``model`` with the LoRA ``adapter`` merged in, as mergekit builds it."""
     target = Path(tempfile.gettempdir()) / CACHE_NAME / _fingerprint(model, adapter)
     if (target / _DONE).is_file():
         return target

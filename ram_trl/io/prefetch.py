@@ -39,9 +39,7 @@ class BackgroundWriter:
         self._depth = depth
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)``; raises the error of an earlier call if one failed.
-
-        Waits while ``depth`` calls are queued."""
+        """Queue ``fn(*args)``; raises the error of an earlier call if one failed."""
         while len(self._pending) >= self._depth:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(fn, *args))

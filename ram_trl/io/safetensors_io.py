@@ -143,13 +143,7 @@ class _Handle:
 
 
 class RowReader:
-    """Reads of row ranges from safetensors files, with a small cache of open file handles.
-
-    Ranges of at least ``map_min_bytes`` are returned as views of a private memory map of just that range: the
-    compute reads the page cache directly instead of a copy of it (on a CPU whose memory bandwidth is the limit, the
-    copy costs as much as the arithmetic), and the mapping is released with the last view, so the resident set stays
-    bounded by the chunks in use. The mapping is copy-on-write: writing to a returned tensor never reaches the file.
-    Smaller ranges are read with ``os.preadv`` into new memory."""
+    """Reads of row ranges from safetensors files, with a small cache of open file handles."""
 
     def __init__(self, max_open_files: int = 64, map_min_bytes: int | None = MAP_MIN_BYTES) -> None:
         self._handles: OrderedDict[Path, _Handle] = OrderedDict()
@@ -310,19 +304,13 @@ _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty p
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a just-written range to disk now, without waiting (Linux; else a no-op).
-
-    The disk then works while the merge computes the next chunks, and the final ``fsync`` only waits for the last
-    ones, instead of for the whole file (and for other processes' dirty data queued on the same disk)."""
+    """Ask the kernel to start writing a just-written range to disk now, without waiting (Linux; else a no-op)."""
     if _SYNC_FILE_RANGE is not None and nbytes > 0:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # best effort: errors are not actionable
 
 
 class ShardFile:
-    """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets.
-
-    One process creates the file (:meth:`create`: header plus a sparse file of the final size); any number of
-    processes then open it and write the row ranges they own, in any order, with positioned writes."""
+    """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets."""
 
     def __init__(
         self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None

@@ -369,10 +369,7 @@ def _run_merge(
 def run_lora_merge(
     resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, lora: LoraExportOptions
 ) -> dict[str, Any]:
-    """Merge in float32 into a temporary full model beside ``output_dir``, export it as LoRA, remove it.
-
-    Under ``torchrun``/``accelerate launch`` every rank merges its share; rank 0 exports, and a failure anywhere
-    fails every rank."""
+    """Merge in float32 into a temporary full model beside ``output_dir``, export it as LoRA, remove it."""
     resolved = run_copy(resolved)
     resolved.out_dtype = torch.float32  # exact deltas for the SVD (in the run's copy)
     merge_options = dataclasses.replace(options, overwrite=False)

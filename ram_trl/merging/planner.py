@@ -1,23 +1,6 @@
 """Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory.
 
-The plan is built from checkpoint headers alone and checks every tensor of every input (presence, shape, dtype)
-before any tensor data is read.
-
-Memory model. A chunk of ``n`` elements with ``N`` agents keeps at most ``n * bytes_per_element(N)`` bytes of
-buffers alive (float32 task vectors and their products, the float32 base, raw reads, masks and the result).
-:func:`chunk_elements` sizes chunks so that this stays under ``chunk_budget``. Methods that trim by magnitude (TIES)
-also hold one whole tensor's float32 task vector and magnitudes while finding the cut. So the peak resident memory
-of a merge is about::
-
-    interpreter and libraries (~0.3-0.5 GB)
-    + chunk_budget
-    + (methods with a per-tensor preparation) prepare_bytes * largest tensor's element count
-      (TIES: 12; SCE: grows with the agents, see ``MergeMethod.preparation_bytes``)
-
-Fisher merging streams each agent's diagonal Fisher in the same chunks; :func:`bytes_per_element` counts its
-buffers, so the same budget holds.
-
-and does not grow with the number of tensors or the model's size beyond its largest tensor.
+Details: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -51,15 +34,7 @@ def bytes_per_element(
     fisher_itemsize: int = 0,
     model_buffers: bool = False,
 ) -> int:
-    """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents.
-
-    Counts: float32 task vectors (``4N``), one temporary of the same size (masked or weighted task vectors,
-    ``4N``), masks (``2N``), the float32 base (4), float32 result and accumulators (16), the raw stored values of
-    the chunk being merged and of the chunk read ahead (``2 (N + 1) in_itemsize``), and the cast output of this chunk
-    and of two chunks queued for writing (``3 out_itemsize``). With Fisher inputs (``fisher_itemsize`` > 0, the
-    stored Fisher's bytes per element): the float32 Fishers of the chunk being merged and of the one read ahead
-    (``8N``) and the stored rows being converted (``N fisher_itemsize``). For methods that merge weights
-    (``model_buffers``): the agents' float32 weights (``4N``)."""
+    """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents."""
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize
     if fisher_itemsize:
         total += num_agents * (8 + fisher_itemsize)

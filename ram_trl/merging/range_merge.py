@@ -1,18 +1,6 @@
 """The merge of flat element ranges held in memory: each process merges the elements of one agent it holds.
 
-A DeepSpeed ZeRO-3 (or any partitioned) training run holds, on each process, one contiguous flat range of every
-parameter of the policy (:mod:`ram_trl.callbacks.telemetry.shards`). :func:`merge_ranges` merges those ranges with the other
-agents and the base read from disk (the same flat ranges, read a few rows at a time), without gathering any parameter:
-
-1. the statistics: every process counts the method's overlap statistics on its ranges; the integer counts are summed
-   over the processes (one all-reduce), so the per-agent factors (RAM+'s ``lambda_t``) are exactly the engine's;
-2. the merge: every process runs the method's kernel on its ranges, block by block, with the engine's arithmetic
-   (:func:`ram_trl.merging.passes.epilogue.kernel_output`: float32, the base added, signed zeros kept, rounded to the output dtype).
-
-The merged values are those ``ram-trl merge`` writes for the same elements when the in-memory agent is saved in the
-dtype its ranges are given in: bit for bit. Methods whose kernel needs more than the elements of a range and the
-global statistics (a per-tensor preparation over whole tensors, such as TIES' magnitude cut, or a scan of earlier
-blocks, or Fishers) cannot merge ranges: :func:`check_range_method` says so before any work.
+Details: docs/distributed.md and docs/merge-preview.md.
 """
 
 from __future__ import annotations
@@ -99,12 +87,7 @@ def merge_ranges(
     device: str | torch.device = "cpu",
     block_elements: int = BLOCK_ELEMENTS,
 ) -> RangeMerge:
-    """Merge this process's flat ranges of agent ``current`` (held in memory) with the other agents and the base.
-
-    Every process of ``ctx`` calls it with its own ranges; together the ranges of all processes must cover every
-    floating tensor of the base exactly once (counted ranges). The other agents and the base are read from the
-    checkpoints the config names; agent ``current``'s checkpoint is never read (the config may name any stand-in
-    with the base's tensors)."""
+    """Merge this process's flat ranges of agent ``current`` (held in memory) with the other agents and the base."""
     method = resolved.method
     check_range_method(method)
     if not 0 <= current < len(resolved.agents):

@@ -53,10 +53,7 @@ STATISTICS_BLOCK_ELEMENTS = 1 << 18
 
 
 def compute_blocks(chunk: RawChunk, device: torch.device, elements: int | None = None) -> list[RawChunk]:
-    """Split a chunk of the base's rows into consecutive row blocks of about ``elements`` elements (views, no copy).
-
-    Elementwise arithmetic gives the same values block by block as on the whole chunk, but its temporaries stay in
-    the CPU caches instead of streaming through memory once per operation. On an accelerator the chunk stays whole."""
+    """Split a chunk of the base's rows into consecutive row blocks of about ``elements`` elements (views, no copy)."""
     rows = max(1, (elements or COMPUTE_BLOCK_ELEMENTS) // chunk.task.row_numel)
     if device.type != "cpu" or chunk.stop - chunk.start <= rows:
         return [chunk]
@@ -119,10 +116,7 @@ def to_device(chunk: RawChunk, device: torch.device) -> RawChunk:
 class InputCache:
     """The chunks the merge's statistics pass has read, kept (on the compute device) for the merge pass, up to a
     budget of bytes: the merge pass takes each kept chunk instead of reading it again, so a method with a statistics
-    pass (RAM+, RAM+s) reads and copies to the device the kept part of its inputs once instead of twice.
-
-    Chunks are kept in reading order until the next one would exceed the budget; the rest are read again as without
-    a cache. Thread-safe: the merge pass takes chunks on its reader threads."""
+    pass (RAM+, RAM+s) reads and copies to the device the kept part of its inputs once instead of twice."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -256,10 +250,7 @@ def read_agent_rows(
 def fill_delta(
     out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
 ) -> None:
-    """Write one agent's float32 task vector for a chunk into ``out`` (flat, the chunk's length).
-
-    The stored values minus the base (where the agent stores values), plus the LoRA delta (where it has one); zero
-    where it has neither (rows or tensors the agent does not touch)."""
+    """Write one agent's float32 task vector for a chunk into ``out`` (flat, the chunk's length)."""
     n = 0
     if values is not None:
         n = values.numel()
@@ -280,10 +271,7 @@ def fill_weights(
     out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
 ) -> None:
     """Write one agent's float32 weights for a chunk into ``out`` (flat, the chunk's length): for methods that
-    merge weights rather than task vectors.
-
-    The stored values where the agent stores them, the base's elsewhere (rows or tensors it does not touch), plus
-    its LoRA delta where it has one."""
+    merge weights rather than task vectors."""
     n = 0
     if values is not None:
         n = values.numel()
@@ -302,9 +290,7 @@ def to_deltas(
     reader: RowReader,
     allow_nonfinite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows.
-
-    An agent with fewer rows than the base (resized vocabulary) contributes zero deltas on the rows it lacks."""
+    """Float32 task vectors ``(num_agents, n)`` and base values ``(n,)`` of a chunk of the base's rows."""
     assert chunk.base is not None
     base_values = chunk.base.to(device=device, dtype=torch.float32).reshape(-1)
     deltas = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=device)
@@ -324,11 +310,7 @@ def raise_nonfinite(
     stop: int,
     deltas: torch.Tensor | None = None,
 ) -> None:
-    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so.
-
-    Checks the base's stored values, each agent's stored values and LoRA delta (its factors), and finally the task
-    vectors themselves (finite inputs whose difference overflows float32). Returns when everything is finite (only
-    the sum used as a quick check overflowed)."""
+    """Find which input holds the NaN/Inf that made a chunk's task vectors non-finite, and say so."""
     hint = "set allow_nonfinite: true in the config to merge anyway"
     base_values = base.read_rows(task.name, reader, start, stop).to(torch.float32)
     bad = int((~torch.isfinite(base_values)).sum())

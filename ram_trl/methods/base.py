@@ -1,19 +1,7 @@
 """The method API: what a merge method declares (:class:`MergeMethod`, :class:`Parameter`) and what its hooks see
 (:class:`TensorView`, :class:`ChunkInputs`).
 
-A method owns its behaviour; the engine calls its hooks and never asks for a method by name:
-
-- ``parameters``: what the config may set, with defaults and bounds (:class:`Parameter`).
-- ``factors``: global overlap statistics -> per-agent factors (RAM+'s ``lambda_t``); a method with this hook gets
-  a statistics pass over every input before merging.
-- ``prepare_tensor``: per-tensor preparation over whole tensors (TIES' magnitude cut, SLERP's angle), read
-  through a :class:`TensorView`; its result reaches every chunk of the tensor as :attr:`ChunkInputs.prepared`.
-- ``scan``: per-block counts that later blocks of the same tensor need, in flat order (TIES' ties at the cut).
-- ``merge``: the chunk kernel, :class:`ChunkInputs` -> the merged task vector (or the merged weights, for a
-  method with ``merges_weights``).
-
-``docs/write-a-method.md`` walks through adding one: a file that builds a :class:`MergeMethod`, and one line in
-:mod:`ram_trl.methods.registry`.
+Details: docs/write-a-method.md.
 """
 
 from __future__ import annotations

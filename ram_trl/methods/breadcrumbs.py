@@ -1,15 +1,7 @@
 """Model Breadcrumbs: drop each task vector's largest outliers and its smallest elements, then merge (Davari &
 Belilovsky, 2023).
 
-Per tensor and agent, with ``n`` elements, ``k = floor(density * n)`` elements are kept: the ``top =
-min(floor(gamma * n), n - k)`` largest magnitudes are dropped as outliers, then the ``k`` next largest are kept and
-everything smaller is dropped (mergekit's ``magnitude_outliers``). With ``rescale`` the survivors are multiplied by
-``sum |tau| / sum |kept tau|`` (mergekit's L1 rescale). ``breadcrumbs`` then merges as task arithmetic,
-``breadcrumbs_ties`` as TIES (sign election by sum, disjoint mean with ``normalize``).
-
-Both cuts are :class:`~ram_trl.methods.ties.MagnitudeCut` objects found on the whole tensor (the per-tensor
-preparation); elements tied at a cut are ranked lowest flat index first, exactly as TIES ranks them, so the result
-is the same whether a tensor is merged whole or in row chunks (the method's scan counts the ties per block).
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

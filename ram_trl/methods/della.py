@@ -1,20 +1,7 @@
 """DELLA: drop task-vector elements at random with a keep probability that grows with their magnitude's rank, then
 merge (Deep et al., 2024; mergekit's ``della_magprune``).
 
-Per tensor and agent, along dimension 1 of the tensor (each row of a matrix; a vector is one row), the elements are
-ranked by magnitude (0 the smallest, ties lowest index first) and kept with probability::
-
-    p = (density - epsilon) + 2 * epsilon * rank / (cols - 1)
-
-so the kept share is ``density`` on average, from ``density - epsilon`` for the smallest to ``density + epsilon``
-for the largest. With ``rescale`` (the default) the survivors are multiplied by ``sum |tau| / sum |kept tau|``
-(mergekit's L1 rescale, over the whole tensor). ``della`` then merges as TIES (sign election, disjoint mean with
-``normalize``), ``della_linear`` as task arithmetic.
-
-The random draws are DARE's counter-based hash of ``(seed, tensor, agent, element)``
-(:func:`~ram_trl.methods.dare.hashed_uniform`), so the result is the same however the tensor is chunked or
-distributed; they are not mergekit's ``torch.bernoulli`` draws. The L1 sums need the whole tensor's mask: the
-per-tensor preparation computes it (in row blocks) and keeps the factor; the chunks recompute their own mask.
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

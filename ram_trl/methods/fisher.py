@@ -1,22 +1,6 @@
 """Fisher merging: task vectors averaged element by element with diagonal Fisher weights (Matena & Raffel, 2022).
 
-For agents ``t`` with task vectors ``tau_t``, diagonal Fishers ``F_t`` and weights ``w_t >= 0``::
-
-    F'_t   = max(F_t, fisher_floor)                               (element-wise)
-    merged = lambda * sum_t w_t F'_t tau_t / sum_t w_t F'_t
-
-which, for ``lambda = 1``, equals Matena & Raffel's Fisher-weighted average of the models themselves
-(``sum_t w_t F'_t theta_t / sum_t w_t F'_t = base + merged``, because the ``F'`` weights of ``base`` sum to the
-denominator). The floor is their ``fisher_floor`` (a maximum, default 1e-6, applied to every model: their
-``favor_target_model=False``); DARE's MergeLM code adds its ``minimal_fisher_weight`` instead.
-
-Where the denominator is zero (only possible with ``fisher_floor = 0``: no agent has Fisher information there, or
-those that have are weighted zero) the merged element is the plain weighted mean ``sum_t w_t tau_t / sum_t w_t``:
-the limit of the floored rule as the floor goes to zero with all ``F_t = 0``, so the result does not jump when the
-floor is switched off; if every weight is zero too, the merged element is 0 (the base is kept).
-
-Products are taken element by element and summed in agent order (no matrix multiply), so chunked and whole-tensor
-results are bit-identical.
+Details: docs/methods.md and docs/fisher.md.
 """
 
 from __future__ import annotations

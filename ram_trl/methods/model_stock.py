@@ -1,15 +1,7 @@
 """Model Stock: interpolate between the base and the agents' average by how aligned their task vectors are (Jang
 et al., 2024).
 
-For each tensor, with ``k`` agents, ``cos`` the mean cosine similarity of their task vectors over all pairs and
-``t = k * cos / (1 + (k - 1) * cos)``::
-
-    merged = t * mean_t(theta_t) + (1 - t) * base
-
-(``t = 0``, the base, where ``1 + (k - 1) * cos`` is within 1e-6 of zero). With ``filter_wise`` the cosine and
-``t`` are per vector along the last dimension (per row of a matrix) instead of per tensor. The cosines need whole
-tensors, so they are the method's per-tensor preparation (reading two task vectors at a time); the chunks then only
-combine the weights. Every step is mergekit 0.1.5's ``model_stock``, operation for operation in float32.
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Reinforced Agent Merging (RAM, RAM+, RAM+s): the tensor maths of Algorithm 1 of the RAM paper.
 
-Stage 1 (probing) marks element ``i`` of agent ``t`` active when ``|tau_t[i]| > eps`` (strict) and counts the active
-agents per element, ``c[i]``. Stage 2 turns each agent's shared (``c >= 2``) and unique (``c == 1``) counts over
-the whole model into ``rho_t = shared_t / unique_t`` and a rescale factor ``lambda_t``. Stage 3 merges element by
-element: 0 where ``c == 0``, ``lambda_t * tau_t`` where only ``t`` is active, the mean of the active values where
-``c >= 2``.
-
-These functions are stateless and work on one chunk at a time; :mod:`ram_trl.statistics` accumulates the counts of
-stage 2 over a whole model.
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """SCE: select, calculate, erase (Wan et al., 2024, "FuseChat"), as mergekit 0.1.5's ``sce`` computes it.
 
-Per tensor, with task vectors ``tau_t`` of ``k`` agents:
-
-1. **Select** (``select_topk < 1``): keep the elements whose variance across the agents (population variance) is
-   among the ``int(nonzero * select_topk)`` largest, ``nonzero`` the count of elements with a nonzero variance;
-   every task vector is zeroed elsewhere. Among equal variances at the cut, the lowest flat indices are kept.
-2. **Calculate**: each agent's weight ``w_t = mean(tau_t ** 2) / sum_s mean(tau_s ** 2)`` over the whole (selected)
-   tensor; ``1 / k`` each when that sum is below ``1e-6``.
-3. **Erase**: per element, the sign of ``sum_t tau_t`` is elected (``+`` on a zero sum); an agent counts where its
-   sign equals the elected one. The merged task vector is ``sum_t w_t tau_t / max(sum_t w_t, 1e-6)`` over the
-   agents that count.
-
-The variances, weights and the cut need whole tensors (every agent's task vector of one tensor in memory at once),
-so they are the method's per-tensor preparation; each chunk then repeats mergekit's float32 operations element by
-element.
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """SLERP: spherical linear interpolation between the base model and one other model, tensor by tensor.
 
-For each tensor, with ``a`` the base's weights and ``b`` the other model's (flattened), ``t`` the interpolation
-factor (``0``: the base, ``1``: the other model) and ``theta`` the angle between ``a`` and ``b``::
-
-    theta = acos(clamp(<a / |a|, b / |b|>, -1, 1))
-    merged = sin((1 - t) * theta) / sin(theta) * a + sin(t * theta) / sin(theta) * b
-
-and plain linear interpolation ``(1 - t) * a + t * b`` where the two are (anti)parallel (``|cos theta| >
-0.9995``). The angle needs whole tensors, so it is the method's per-tensor preparation; the chunks then only
-combine ``a`` and ``b`` with the two coefficients. Every step is mergekit 0.1.5's ``slerp``, operation for
-operation in float32 (norms of 2**20-element parts, the dot of the normalised parts), so the outputs are the same
-bits (see ``docs/methods.md`` for where they can differ).
+Details: docs/methods.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Specialize-then-merge recipes: ``ram-trl run RECIPE.yaml``, ``ram-trl eval``, ``ram-trl demo``.
 
-- :mod:`ram_trl.recipes.schema`: the recipe file (pydantic models), overrides, sweeps.
-- :mod:`ram_trl.recipes.environment`: the ``--dry-run`` checks against the environment (imports, trainer
-  configs, config files, paths) and the trainer settings of a stage.
-- :mod:`ram_trl.recipes.tasks`: the demo's three verifiable tasks (prompt generators, reward functions).
-- :mod:`ram_trl.recipes.stage`: one stage as its own process (TRL trainer, telemetry callback, manifest).
-- :mod:`ram_trl.recipes.runner`: the pipeline (base, warm start, stages, analysis, merges, evaluation), from
-  :mod:`~ram_trl.recipes.layout` (the run directory), :mod:`~ram_trl.recipes.prepare` (prompt files, base, warm
-  start) and :mod:`~ram_trl.recipes.launch` (one process per stage).
-- held-out scoring with each stage's rewards: :mod:`ram_trl.evaluation` (which the merge preview shares).
-- :mod:`ram_trl.recipes.results`: ``results.json``, ``results.md``, charts, the terminal table, from
-  :mod:`~ram_trl.recipes.selection` (statistics, the choice on validation, the verdict),
-  :mod:`~ram_trl.recipes.results_markdown`, :mod:`~ram_trl.recipes.results_plots` and
-  :mod:`~ram_trl.recipes.results_format`.
+Details: docs/recipes.md.
 """
 
 from __future__ import annotations

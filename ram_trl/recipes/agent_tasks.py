@@ -1,23 +1,6 @@
 """Verifiable tasks for a real instruct model, asked through its chat template (``recipes/smollm2-agents.yaml``).
 
-The three verticals of the RAM paper, at a size where SmolLM2-135M-Instruct has headroom. Each generator
-``fn(n, seed, **kwargs) -> list[dict]`` returns rows whose ``prompt`` is already rendered through a ChatML chat
-template (:func:`chat_prompt`, SmolLM2's template and default system message: the runner's prompts are plain text,
-so the template is applied here) and whose ``answer`` (and other columns) the reward reads. Rewards are in
-``[0, 1]``, TRL's signature ``fn(completions, answer, **kwargs)``, and read the whole completion (an instruct model
-often wraps its answer in a sentence or a code fence), giving full credit only to the exact answer in the asked form:
-
-- ``program_output`` (coding): what a small generated Python program prints. The reference answer is obtained by
-  *executing* the program (:func:`run_program`). 1.0 when the completion's first line (code fences and backticks
-  stripped) is exactly the output, 0.5 when the output appears in the completion as a whole token, else 0.
-- ``json_tool_call`` (tool use): a JSON tool call ``{"name": ..., "arguments": {...}}`` answering a request (the
-  prompt lists each tool's JSON schema and shows :data:`EXAMPLE_CALL`), checked against the tool's JSON schema
-  (:data:`AGENT_TOOLS`). 0.25 for a JSON object with a string ``name`` and an object
-  ``arguments``, +0.25 for the right tool, +0.25 when the arguments validate against its schema (required keys,
-  types, enums, no extra keys), +0.25 when they are exactly the expected ones.
-- ``fact_recall`` (memory): a context of ``num_facts`` records ("The locker code of Mia is 4821."), then a question
-  about one of them. 1.0 when the first number in the completion is the asked value, 0.5 when the value appears
-  elsewhere in it, else 0.
+Details: docs/small-model-rl.md.
 """
 
 from __future__ import annotations

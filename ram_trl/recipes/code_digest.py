@@ -34,11 +34,7 @@ class UnsoundKey(Exception):
 
 
 def library_versions() -> dict[str, str]:
-    """The installed versions of :data:`LIBRARIES` (``"absent"`` for one not installed).
-
-    Returns:
-        `dict[str, str]`: Library name to version.
-    """
+    """The installed versions of :data:`LIBRARIES` (``"absent"`` for one not installed)."""
     versions = {}
     for name in LIBRARIES:
         try:
@@ -186,18 +182,7 @@ def _roots_of(obj: Any, modules: set[str], arguments: list[str], depth: int = 0)
 
 
 def reward_digest(path: str, obj: Any) -> str:
-    """The digest of the code a reward function runs.
-
-    Args:
-        path (`str`): The reward's import path (``package.module:name``).
-        obj (`Any`): The imported reward.
-
-    Returns:
-        `str`: The hex digest of the closure's sources and bound arguments.
-
-    Raises:
-        UnsoundKey: when part of the closure cannot be read (the message says which).
-    """
+    """The digest of the code a reward function runs."""
     modules: set[str] = set()
     module_name = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
     modules.add(module_name)

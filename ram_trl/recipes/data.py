@@ -92,16 +92,7 @@ def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[
 def draw_splits(
     stage: StageSpec, root: Path
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training, held-out test and validation rows of a stage.
-
-    A generator is called as ``fn(train_size, seed, **kwargs)`` for the training rows and once as ``fn(train_size +
-    eval_size + val_size, seed + 1, **kwargs)`` for the others: rows whose prompt is a training prompt (or repeats
-    an earlier row) are dropped, the first ``eval_size`` others are the test rows and the next ``val_size`` the
-    validation rows. So the three splits are disjoint, and the test rows are those of a recipe without validation
-    (for generators whose first rows do not depend on ``n``, like the demo's).
-
-    With files, ``train_file``, ``eval_file`` and ``val_file`` are read as given; validation rows whose prompt is a
-    training or test prompt are refused."""
+    """The training, held-out test and validation rows of a stage."""
     spec = stage.prompts
     if spec is None:
         return [], [], []

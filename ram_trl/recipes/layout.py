@@ -67,23 +67,7 @@ def safe_name(name: str) -> str:
 
 @dataclass
 class RunOptions:
-    """Options of :func:`run_recipe` (see ``ram-trl run --help``).
-
-    Args:
-        out (`Path`, *optional*): The run directory (default: the recipe's ``output_dir``, else ``runs/NAME``).
-        only (`str`, *optional*): Train only this stage (no merges, no evaluation).
-        resume (`bool`, *optional*, defaults to `False`): Skip stages whose ``ram_stage.json`` is complete, and
-            reuse the evaluation of every model whose inputs are unchanged.
-        dry_run (`bool`, *optional*, defaults to `False`): Validate the recipe and print the plan; run nothing.
-        check_paths (`bool`, *optional*, defaults to `True`): With ``dry_run``, check that model checkpoints and
-            prompt files exist.
-        progress (`bool`, *optional*, defaults to `True`): Show progress bars.
-        figures (`bool`, *optional*, defaults to `True`): Draw the results' charts.
-        overrides (`dict[str, Any]`, *optional*, defaults to `{}`): Values merged into the recipe
-            (:func:`~ram_trl.recipes.schema.apply_overrides`).
-        seeds (`int`, *optional*, defaults to `1`): Run the pipeline this many times with consecutive seeds
-            (:func:`run_seeds`).
-    """
+    """Options of :func:`run_recipe` (see ``ram-trl run --help``)."""
 
     out: Path | None = None
     only: str | None = None

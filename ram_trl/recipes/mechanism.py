@@ -32,19 +32,7 @@ def _delta_norm(row: dict[str, Any]) -> float | None:
 
 
 def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
-    """Find the mechanism merges among a run's merge rows.
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run (``rows`` with ``method`` and ``parameters``).
-
-    Returns:
-        `dict[str, Any]`: ``ram`` (RAM at full strength), ``ram_1n`` (RAM with ``unique_scale`` nearest 1/N),
-        ``ta_val`` (the task-arithmetic row with the highest validation average), ``ta_matched`` (the task-arithmetic
-        row whose merged delta's L2 norm is nearest RAM's, within :data:`MATCH_TOLERANCE`), ``ties_full`` (TIES at
-        density 1), ``unique`` (one agent's unique region: ``{agent: row}``), ``matched_lambda`` (the lambda whose
-        task-arithmetic delta has RAM's norm, from any task-arithmetic row) and ``n``; a name is ``None`` when the
-        recipe has no such row.
-    """
+    """Find the mechanism merges among a run's merge rows."""
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     n = max(len(results["stages"]), 1)
     found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None}
@@ -94,16 +82,7 @@ def _comparison(
 
 
 def mechanism(results: dict[str, Any]) -> dict[str, Any]:
-    """The mechanism comparisons of one run, with paired intervals (the verdict's paired samples of the test split).
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run.
-
-    Returns:
-        `dict[str, Any]`: The rows found (:func:`mechanism_rows`), ``comparisons`` (``question``, ``first``,
-        ``second``, ``difference`` of test averages first - second, ``interval``: paired 95%) and ``missing``
-        (the YAML ``merges:`` entries a recipe needs for the comparisons it lacks).
-    """
+    """The mechanism comparisons of one run, with paired intervals (the verdict's paired samples of the test split)."""
     found = mechanism_rows(results)
     if not any(r["kind"] == "merge" for r in results["rows"]):
         return {**found, "comparisons": [], "missing": []}
@@ -163,14 +142,7 @@ def _answer(entry: dict[str, Any]) -> str:
 
 
 def mechanism_section(results: dict[str, Any]) -> list[str]:
-    """``results.md``'s section on RAM's mechanism (empty when the run has no merges).
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run, with its statistics (``mechanism`` is added).
-
-    Returns:
-        `list[str]`: The Markdown lines.
-    """
+    """``results.md``'s section on RAM's mechanism (empty when the run has no merges)."""
     if "mechanism" not in results:
         results["mechanism"] = mechanism(results)
     found = results["mechanism"]

@@ -1,17 +1,7 @@
 """The results of a recipe run: ``results.json``, ``results.md`` (a table like the RAM paper's Table 1 with 95%
 intervals, retention, the merge chosen on validation and a verdict), PNG charts and a rich table in the terminal.
 
-``results.json`` holds ``stages`` (column order), ``rows`` (one per evaluated model: ``name``, ``kind`` of
-``base``/``agent``/``merge``, ``method``, ``parameters``, test ``scores`` by stage and their per-prompt ``rewards``,
-and ``val`` with the same for the validation split), optionally ``regime`` (per agent, from the sparsity analysis:
-``density``, ``unique_share``, ``rho``, ``lambda``), ``eps``, ``statistics`` (how intervals are computed) and
-``sweeps``. :func:`add_statistics` computes from them (never the runner): averages, intervals,
-retention, the ``selection`` (on validation only) and the ``verdict``. ``docs/recipes-results.md`` explains how to
-read them.
-
-The work is done in :mod:`ram_trl.recipes.selection` (statistics, selection, verdict),
-:mod:`ram_trl.recipes.results_markdown` (``results.md``, the terminal table) and :mod:`ram_trl.recipes.results_plots`
-(charts); this module writes the files.
+Details: docs/recipes-results.md.
 """
 
 from __future__ import annotations

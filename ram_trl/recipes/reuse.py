@@ -40,14 +40,7 @@ def model_digest(path: str | Path) -> str:
 
 
 def reward_digests(tasks: list[Any]) -> tuple[dict[str, str] | None, str | None]:
-    """The code digest of every reward function of ``tasks`` (:func:`~ram_trl.recipes.code_digest.reward_digest`).
-
-    Args:
-        tasks (`list[EvalTask]`): The evaluation tasks.
-
-    Returns:
-        `tuple`: ``(digests, None)``, or ``(None, reason)`` when one reward's code cannot be keyed soundly.
-    """
+    """The code digest of every reward function of ``tasks`` (:func:`~ram_trl.recipes.code_digest.reward_digest`)."""
     from ram_trl.evaluation.rewards import import_object
     from ram_trl.recipes.code_digest import UnsoundKey, reward_digest
 

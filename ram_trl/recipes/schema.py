@@ -1,28 +1,6 @@
 """The recipe file (YAML): a base model, stages (one RL run per vertical), merges to compare, and the evaluation.
 
-Everything is validated when the recipe is loaded, before any work, with errors naming the recipe file and the
-field to change. :func:`ram_trl.recipes.environment.validate_recipe` adds the checks that touch the environment
-(import paths of prompt generators and reward functions, trainer configs, accelerate/DeepSpeed config files, model
-and data paths), which ``ram-trl run RECIPE --dry-run`` runs offline.
-
-A recipe::
-
-    name: demo-cpu
-    base:
-      build: {hidden_size: 64, num_layers: 2}     # or: path: /models/Qwen2.5-1.5B-Instruct
-    warm_start: {steps: 400, learning_rate: 3.0e-3}
-    stages:
-      - name: coding
-        domain: coding
-        prompts: {generator: ram_trl.recipes.tasks:arithmetic_prompts, train_size: 256, eval_size: 64}
-        rewards: [ram_trl.recipes.tasks:arithmetic_reward]
-        trainer: grpo
-        config: {learning_rate: 1.0e-5, max_steps: 60, num_generations: 8}
-    merges:
-      - ram
-      - method: ram_plus
-        parameters: {r: [0.05, 0.1], alpha: 2.0}   # a list sweeps: one merge (one row) per value
-    evaluation: {max_new_tokens: 24}
+Details: docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -471,10 +449,7 @@ def _fmt(value: Any) -> str:
 
 
 def expand_merges(recipe: Recipe) -> list[MergeRow]:
-    """Expand the sweeps of ``recipe.merges`` into one :class:`MergeRow` per merge to run.
-
-    A list-valued parameter sweeps; the row is labelled ``method(name=value,...)`` with the swept values only, or
-    ``NAME(...)`` when the entry has a ``name``."""
+    """Expand the sweeps of ``recipe.merges`` into one :class:`MergeRow` per merge to run."""
     rows: list[MergeRow] = []
     for spec in recipe.merges:
         swept = [k for k, v in spec.parameters.items() if isinstance(v, list)]

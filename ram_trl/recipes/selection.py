@@ -48,10 +48,7 @@ def val_block(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def select_merges(results: dict[str, Any]) -> dict[str, Any]:
-    """Choose on the validation split only: the merge to ship, each sweep's value and each column's best merge.
-
-    Reads each merge row's ``val`` block (``scores``, and ``retention`` when present) and nothing else: test scores
-    cannot change the choice."""
+    """Choose on the validation split only: the merge to ship, each sweep's value and each column's best merge."""
     stages = results["stages"]
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     averages = {r["name"]: row_average(val_block(r), stages) for r in merges}
@@ -130,13 +127,7 @@ def score_samples(results: dict[str, Any], split: str, kind: str) -> dict[str, d
 
 
 def add_statistics(results: dict[str, Any]) -> dict[str, Any]:
-    """Add to ``results`` (in place, and return it) everything derived from the scores.
-
-    Per row and split (the row itself for test, its ``val`` block for validation): ``average``, ``interval`` (per
-    stage and ``"average"``: ``[low, high]`` or ``None``), and for merges ``retention`` (``per_stage``, ``mean``,
-    ``interval``, ``verticals`` it averages). Then ``selection`` (:func:`select_merges`, validation only) and
-    ``verdict`` (:func:`verdict`). Intervals come from ``statistics.intervals``: ``"bootstrap"`` over each row's
-    per-prompt ``rewards`` or ``"seeds"`` over its ``per_seed`` scores."""
+    """Add to ``results`` (in place, and return it) everything derived from the scores."""
     stages = results["stages"]
     config = results.setdefault("statistics", {})
     kind = config.setdefault("intervals", "bootstrap")
@@ -217,11 +208,7 @@ def _retention(
 
 
 def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
-    """The results of one recipe run with several seeds (``ram-trl run --seeds N``), as one results dict.
-
-    Each row's ``scores`` (test) and ``val.scores`` are the means over the seeds, with the per-seed values in
-    ``per_seed`` (what the Student t intervals come from); per-prompt rewards are left in the seed runs. The regime
-    is the mean over the seeds of each agent's density, unique share, rho and lambda."""
+    """The results of one recipe run with several seeds (``ram-trl run --seeds N``), as one results dict."""
     first = runs[0]
     stages = first["stages"]
     for run in runs[1:]:
@@ -286,17 +273,7 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
 
 def difference(results: dict[str, Any], first: str, second: str) -> tuple[float, Any] | None:
     """Test-average difference ``first - second`` and its paired interval (recomputed from the samples, present
-    while :func:`add_statistics` runs).
-
-    Args:
-        results (`dict[str, Any]`): The results of a recipe run.
-        first (`str`): A row's name.
-        second (`str`): Another row's name.
-
-    Returns:
-        `tuple[float, Any] | None`: The difference and its interval (``None`` without samples), or ``None`` when
-        a row has no test average.
-    """
+    while :func:`add_statistics` runs)."""
     by_name = {row["name"]: row for row in results["rows"]}
     a, b = by_name[first].get("average"), by_name[second].get("average")
     if a is None or b is None:

@@ -105,11 +105,7 @@ def attach_telemetry(
 ) -> Any:
     """Bind the task-vector sparsity callback to ``trainer``: it logs the telemetry while the stage trains and, at
     train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
-    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them).
-
-    With the stage's ``preview:`` it is the merge-preview callback (:class:`ram_trl.callbacks.preview.MergePreviewCallback`),
-    which needs the ``recipe`` (rewards, evaluation, seed) and every merged stage's validation file (``val_files``:
-    stage name to ``val.jsonl``)."""
+    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them)."""
     common = {
         "trainer": trainer,
         "base_model": str(base),

@@ -1,20 +1,6 @@
 """The statistics of a recipe's results: 95% intervals, retention and the selection of the merge to ship.
 
-Pure functions of per-prompt rewards and scores (no files, no models), used by :mod:`ram_trl.recipes.results` and
-meant to be reused wherever a merged model is scored during training.
-
-- **Intervals over prompts** (one run): a seeded, paired percentile bootstrap. Each stage's prompts are resampled
-  with replacement (``resamples`` times, 2000 by default) with indices drawn from ``numpy.random.default_rng([seed,
-  crc32(stage name)])``, independently per stage (and the same whichever other stages are scored); the same indices serve every model, so differences and
-  retention are paired. The average over stages is the mean of the per-stage resampled means, so each vertical is
-  resampled on its own prompts. The interval is the 2.5th and 97.5th percentile (``numpy.quantile``, linear).
-- **Intervals over seeds** (``ram-trl run --seeds N``): a Student t interval of the per-seed values,
-  ``mean +/- t(0.975, N-1) * sd / sqrt(N)`` with the sample standard deviation.
-- **Retention** of a merge on a vertical: ``(merge - base) / (specialist - base)``, defined only when the specialist
-  gained at least ``min_gain`` (and strictly more than zero) over the base on that vertical; otherwise ``None``
-  (undefined, never ``inf`` or ``NaN``). The mean retention is the mean over the verticals where it is defined.
-- **Selection**: the candidate with the highest value (validation average), ties to the first in order; a candidate
-  without a value is never picked.
+Details: docs/recipes-results.md.
 """
 
 from __future__ import annotations
@@ -151,11 +137,7 @@ def retention_samples(
 
 def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[float, float] | None:
     """The interval of ``samples``: their percentile interval for ``kind="bootstrap"``, the Student t interval of
-    their mean for ``kind="seeds"``.
-
-    ``NaN`` samples are undefined values (e.g. retention where a specialist did not gain): with the bootstrap, more
-    than ``(1 - level) / 2`` of them gives ``None`` (not resolved) and fewer are left out; over seeds any gives
-    ``None``. ``None`` also for fewer than two seeds."""
+    their mean for ``kind="seeds"``."""
     array = np.asarray(samples, dtype=np.float64)
     missing = np.isnan(array)
     if kind == "bootstrap":

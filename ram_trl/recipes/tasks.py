@@ -115,9 +115,7 @@ PROGRAMS: dict[str, Callable[[str], str]] = {
 
 
 def program_prompts(n: int, seed: int = 0, length: int = 5) -> list[dict[str, str]]:
-    """Predict a one-line program's output (CRUXEval-style, at toy scale): ``'rev("kqfzb")='`` -> ``"bzfqk"``.
-
-    The programs (:data:`PROGRAMS`) reverse, sort, upper-case or shift each letter of a random lowercase word."""
+    """Predict a one-line program's output (CRUXEval-style, at toy scale): ``'rev("kqfzb")='`` -> ``"bzfqk"``."""
     if length < 1:
         raise ValueError(f"length={length} must be at least 1")
 
@@ -266,9 +264,7 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
 
 
 def recall_prompts(n: int, seed: int = 0, num_pairs: int = 6, key_length: int = 2) -> list[dict[str, str]]:
-    """A context of ``num_pairs`` ``key=digit`` pairs, then a question for one key: ``"ka=3;qb=7;...;qb?"`` -> ``"7"``.
-
-    Keys are two distinct lowercase letters; values are digits."""
+    """A context of ``num_pairs`` ``key=digit`` pairs, then a question for one key: ``"ka=3;qb=7;...;qb?"`` -> ``"7"``."""
     if num_pairs < 1 or num_pairs > 26**key_length:
         raise ValueError(f"num_pairs={num_pairs} must be between 1 and 26**key_length")
 

@@ -65,18 +65,7 @@ def block_effect(
     unstepped: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> dict[str, float]:
-    """One block's counts.
-
-    Args:
-        merged: The float32 merged weights (flat).
-        written: The values written, in ``out_dtype``.
-        base: The float32 base values.
-        unstepped: The float32 merged weights without the method's step (``None``: no step).
-        out_dtype: The output dtype.
-
-    Returns:
-        The counts of :class:`MergeEffect` for this block.
-    """
+    """One block's counts."""
     delta = merged - base
     changed = int(torch.count_nonzero(torch.ne(merged, base)))  # counting bools: faster than floats
     counts: dict[str, float] = {
@@ -102,18 +91,7 @@ def _share(part: int, whole: int) -> float | None:
 
 
 def effect_report(effect: MergeEffect, method: Any, out_dtypes: list[torch.dtype]) -> dict[str, Any]:
-    """The report's ``effect`` section, with ``warning`` (one line, or ``None``).
-
-    Args:
-        effect: The counts summed over the model.
-        method: The merge method (a :class:`~ram_trl.methods.MergeMethod`: its ``name``, ``unstepped`` and ``step``).
-        out_dtypes: The output dtypes of the merged (floating) tensors.
-
-    Returns:
-        ``changed``, ``rounded_to_base`` and their share, the merged delta's L2 norm, and for a method with a step:
-        ``step``, ``step_elements``, ``step_written``, ``step_survival`` (share of the step's elements whose written
-        value it changes) and ``step_written_share`` (of every merged element); ``warning``.
-    """
+    """The report's ``effect`` section, with ``warning`` (one line, or ``None``)."""
     dtype = ", ".join(sorted({str(d).removeprefix("torch.") for d in out_dtypes})) or "none"
     section: dict[str, Any] = {
         "out_dtype": dtype,
@@ -144,14 +122,7 @@ def effect_report(effect: MergeEffect, method: Any, out_dtypes: list[torch.dtype
 
 
 def effect_line(section: dict[str, Any]) -> str:
-    """The report's ``effect`` section in one line, for the terminal summary and the merge log.
-
-    Args:
-        section: The report's ``effect`` (:func:`effect_report`).
-
-    Returns:
-        The line.
-    """
+    """The report's ``effect`` section in one line, for the terminal summary and the merge log."""
     rounded = section["rounded_to_base_share"]
     line = (
         f"effect in {section['out_dtype']}: {section['changed']:,} of {section['elements']:,} elements changed in "

@@ -33,11 +33,7 @@ _FLOAT32_SIGN_CLEAR = 0x7FFFFFFF
 
 
 def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
-    """Histogram bin of each ``|value|``: its float32 bits without the sign, keeping ``mantissa_bits`` mantissa bits.
-
-    Bins are ordered like the magnitudes they hold. A normal float32 magnitude in ``[2**e, 2**(e + 1))`` falls in one
-    of ``2**mantissa_bits`` bins of equal width ``2**(e - mantissa_bits)``, so every bin ``[lo, hi)`` of normal
-    values has ``hi / lo <= 1 + 2**-mantissa_bits``. (Subnormal magnitudes, below ``2**-126``, share wider bins.)"""
+    """Histogram bin of each ``|value|``: its float32 bits without the sign, keeping ``mantissa_bits`` mantissa bits."""
     bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
     return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
@@ -104,13 +100,7 @@ def excess_kurtosis(count: int, power_sums: Sequence[float]) -> float:
 
 
 def histogram_gini(counts: torch.Tensor, sums: torch.Tensor, zeros: int = 0) -> float:
-    """Gini coefficient of magnitudes known only through a histogram with ordered, disjoint bins.
-
-    Every element of a bin is taken at the bin's mean (its exact sum over its count), which is exact across bins
-    and gives the smallest Gini consistent with the bins' contents: for bins ``[lo, hi)`` with ``hi / lo <= 1 + d``
-    the true coefficient ``G`` satisfies ``G - d / 4 <= estimate <= G`` (within a bin of ``c`` elements the rank
-    weighted sum can exceed the equal-values value by at most ``(hi - lo) c**2 / 8 <= d * sum_bin * c / 8``; summed
-    over bins and divided by ``n * sum / 2`` that is at most ``d / 4``)."""
+    """Gini coefficient of magnitudes known only through a histogram with ordered, disjoint bins."""
     counts = counts.to(torch.float64)
     sums = sums.to(torch.float64)
     total = float(sums.sum())
@@ -122,12 +112,7 @@ def histogram_gini(counts: torch.Tensor, sums: torch.Tensor, zeros: int = 0) -> 
 
 
 def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float) -> float:
-    """Share of the L1 mass in the top ``k`` elements, estimated from a histogram with ordered, disjoint bins.
-
-    Whole bins are taken from the top down; from the bin that holds the ``k``-th largest element, the missing
-    ``m`` elements are taken at the bin's mean. Those ``m`` elements truly sum to between ``m lo`` and ``m hi``, as
-    does the estimate, so for bins with ``hi / lo <= 1 + d`` the relative error is at most ``d``:
-    ``|estimate - exact| <= d * exact``."""
+    """Share of the L1 mass in the top ``k`` elements, estimated from a histogram with ordered, disjoint bins."""
     total = float(sums.sum())
     n = int(counts.sum())
     if n == 0 or total == 0.0:
@@ -202,31 +187,7 @@ def _bin_lower_edges_and_units(mantissa_bits: int) -> tuple[torch.Tensor, torch.
 
 
 class MagnitudeStatistics:
-    """Magnitude statistics of each agent's active task-vector elements, accumulated chunk by chunk.
-
-    One histogram per agent of the float32 values by sign and magnitude: a bin holds the values of one sign whose
-    ``|tau|`` shares its exponent and top ``mantissa_bits`` mantissa bits (:func:`magnitude_bin`; with 7 bits, one
-    bfloat16 value), ``2**mantissa_bits`` bins per octave. Each bin holds its count and, exactly, the sum of its
-    magnitudes: a float32 magnitude is ``u * (c + r)`` for the bin's float32 unit ``u``, a constant ``c`` and the
-    ``23 - mantissa_bits`` mantissa bits ``r`` the bin drops, so a bin's sum is ``u * (n c + sum r)`` with integers
-    ``n`` and ``sum r``, accumulated in int64 (in any order, hence the same for any chunking or number of threads).
-    Both go into one int64 per bin (``n * 2**s + sum r``, one ``scatter_add_`` per chunk), unpacked before the fields
-    could overlap. Besides, ``sum tau**2`` is accumulated in float64 (:attr:`square_sums`).
-
-    What follows from them, with ``d = 2**-mantissa_bits`` (1/128 by default), for active ``|tau| >= 2**-126``
-    (always the case for ``eps >= 2**-126``, e.g. the default 1e-5):
-
-    - exact: the count, ``sum |tau|`` (mean ``|tau|``) and ``sum tau`` (mean) up to float64 rounding, and
-      ``sum tau**2`` (so the standard deviation) up to float64 rounding;
-    - ``sum tau**3`` and ``sum tau**4`` taking every value at its bin's mean: below the truth by at most a relative
-      ``3d²/4 + d³`` of ``sum |tau|**3`` and ``3d²/2 + 4d³ + d⁴`` (1e-4 by default), which carries over to the
-      excess kurtosis of a centred task vector;
-    - the Gini coefficient estimate is within ``[G - d/4, G]`` (:func:`histogram_gini`; 0.002 by default);
-    - the top-k L1 mass shares are within a relative ``d`` of the exact ones (:func:`histogram_top_mass`; 0.8%).
-
-    NaN values are left out; infinite ones count (and make the sums infinite).
-
-    Memory: ``num_agents * 2**(9 + mantissa_bits) * 24`` bytes (1.5 MB per agent by default), whatever the model."""
+    """Magnitude statistics of each agent's active task-vector elements, accumulated chunk by chunk."""
 
     def __init__(self, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> None:
         if not 0 <= mantissa_bits <= _FLOAT32_MANTISSA_BITS:

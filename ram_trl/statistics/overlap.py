@@ -44,14 +44,8 @@ def subset_counts(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class OverlapStatistics:
-    """Per-agent overlap histogram and pairwise co-activity of active task-vector elements.
-
-    ``histogram[t, k]`` counts the elements active in agent ``t`` that exactly ``k`` agents (``t`` included) update,
-    for ``k = 1 .. num_agents``; column 0 is always 0. Unique elements are ``k == 1``, shared ``k >= 2``.
-    ``pairwise[s, t]`` counts the elements active in both ``s`` and ``t`` (its diagonal is each agent's active count);
-    it is ``(0, 0)`` when not counted (``zeros(n, pairwise=False)``: the merge, which never reads it, so that its cost
-    stays linear in the number of agents).
-    """
+    """Per-agent overlap histogram and pairwise co-activity of active task-vector elements (``pairwise`` is ``(0, 0)``
+    when not counted: the merge never reads it, so that its cost stays linear in the number of agents)."""
 
     num_agents: int
     histogram: torch.Tensor
@@ -97,10 +91,7 @@ class OverlapStatistics:
         self.numel += mask.shape[-1]
 
     def add_subset_counts(self, subsets: torch.Tensor, numel: int) -> None:
-        """Add the elements counted per subset of active agents (:func:`subset_counts`) over ``numel`` elements.
-
-        Counting subsets chunk by chunk and converting once (e.g. per tensor) costs less than :meth:`update` on
-        every small chunk."""
+        """Add the elements counted per subset of active agents (:func:`subset_counts`) over ``numel`` elements."""
         members, sizes = _subset_tables(self.num_agents)
         weighted = members * subsets.cpu().to(torch.int64).unsqueeze(1)
         self.histogram += weighted.T @ sizes
@@ -158,10 +149,7 @@ class OverlapStatistics:
         return [int(c) / active if active else 0.0 for c in self.histogram[t, 1:].tolist()]
 
     def element_counts(self) -> list[int]:
-        """Elements updated by exactly ``k`` agents, for ``k = 0 .. num_agents`` (they sum to ``numel``).
-
-        An element updated by ``k >= 1`` agents appears in ``k`` rows of column ``k`` of the histogram.
-        """
+        """Elements updated by exactly ``k`` agents, for ``k = 0 .. num_agents`` (they sum to ``numel``)."""
         per_k = [int(self.histogram[:, k].sum()) // k for k in range(1, self.num_agents + 1)]
         return [self.numel - sum(per_k), *per_k]
 

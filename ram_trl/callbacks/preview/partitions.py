@@ -163,13 +163,7 @@ def score_gathered(preview: PartitionPreview, tasks: list[Any]) -> dict[str, flo
 
 @contextlib.contextmanager
 def swapped_partitions(engine: Any, shards: list[Any]):
-    """Let values replace a DeepSpeed ZeRO-3 model's local partitions, and restore the partitions on exit.
-
-    Yields a function ``swap(values)`` writing one flat tensor per shard (of
-    :func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`) into the partitions. Before each write every gathered
-    parameter is released (ZeRO-3 re-gathers from the partitions at the next use); on exit the saved partitions are
-    written back and the persistent parameters re-gathered, as DeepSpeed does after an optimizer step. The saved
-    copy is one partition per parameter, on the CPU."""
+    """Let values replace a DeepSpeed ZeRO-3 model's local partitions, and restore the partitions on exit."""
     release = deepspeed_adapter.release_gathered(engine)
     if release is None:
         raise ConfigError(

@@ -1,13 +1,7 @@
 """The merge preview's state on disk: its scratch directory, the checkpoints it keeps (the best and the last
 previewed), the user's ``OUTPUT/last`` and the preview state saved in each trainer checkpoint for a resumed run.
 
-- The scratch directory ``OUTPUT/.ram_preview`` holds the previewed checkpoints and the merged model while the stage
-  trains. The preview marks it (:data:`WORK_MARKER`) and removes only a directory it marked: one it did not create is
-  refused at train begin, unless it is empty.
-- Keep-best (:class:`KeptCheckpoints`): the checkpoint of the highest merged validation average (the earliest of
-  equal averages) and the last one stay in the scratch directory; the others are deleted as soon as they are neither.
-- Resume: each trainer checkpoint holds ``checkpoint-N/ram_preview`` (the history, the settings and hard links to the
-  best and last previewed checkpoints), which a resumed run restores, so the argmax is over the whole run.
+Details: docs/merge-preview.md.
 """
 
 from __future__ import annotations

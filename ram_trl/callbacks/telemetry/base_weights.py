@@ -1,15 +1,6 @@
 """Where the telemetry reads the base weights from, and how training parameter names map to checkpoint names.
 
-A task vector is ``trained - base``. During training the base can come from three places, cheapest first:
-
-- :class:`ModelBase`: a model already in memory holding the base weights (a trainer's reference model, or the frozen
-  weights of a PEFT model);
-- :class:`MappedCheckpointBase`: the base checkpoint on disk, read through memory maps (pages are shared with the
-  page cache, nothing is copied into the process);
-- :class:`SnapshotBase`: a copy of the model's local parameters taken at train begin, when neither exists.
-
-Every source serves the same request: the flat element range ``[offset, offset + numel)`` of a base tensor, named
-as the base checkpoint names it (:func:`base_name`).
+Details: docs/telemetry.md and docs/memory.md.
 """
 
 from __future__ import annotations
@@ -45,14 +36,7 @@ _PEFT_COMPONENTS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\
 
 
 def base_name(name: str) -> str:
-    """The base checkpoint's name of a training parameter.
-
-    Strips wrapper components (:data:`WRAPPER_PREFIXES`; ``module.`` only in front, the others wherever wrappers
-    nest them) and
-    PEFT's ``.base_layer``, ``.original_module`` and ``.modules_to_save.<adapter>`` components, e.g.
-    ``module.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``.
-    """
+    """The base checkpoint's name of a training parameter."""
     parts = name.split(".")
     kept: list[str] = []
     i = 0
@@ -139,12 +123,7 @@ class ModelBase:
         return _slice(shard, name, offset, numel, self.description)
 
     def head(self, name: str, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of base tensor ``name``, wherever they are held.
-
-        A partitioned parameter's head may lie on several processes (ZeRO-3 partitions or FSDP2 row blocks smaller
-        than ``numel``): every process contributes the elements it holds and the float64 buffer is all-reduced
-        (exact: every element is added to zeros once). Every process must call this for the same tensors in the
-        same order."""
+        """The first ``numel`` elements of base tensor ``name``, wherever they are held."""
         shard = self._shards.get(name)
         if shard is None:
             raise CheckpointError(f"{self.description}: has no parameter {name!r}")
@@ -184,9 +163,7 @@ class SnapshotBase(ModelBase):
 
 
 class DeviceBase(ModelBase):
-    """The base ranges a model measures, copied once onto its accelerator (in the stored dtype, e.g. bf16).
-
-    Each measurement then reads the base where it counts: no copy of the whole base from the host per measurement."""
+    """The base ranges a model measures, copied once onto its accelerator (in the stored dtype, e.g. bf16)."""
 
     def __init__(self, source: BaseSource, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
         shards = {
@@ -214,10 +191,7 @@ def resident_bytes(source: BaseSource, ranges: dict[str, tuple[int, int]]) -> in
 
 
 class MappedCheckpointBase:
-    """A base checkpoint on disk (safetensors, single file or sharded), read through read-only memory maps.
-
-    Opening reads the headers only. A read returns a view into the mapped file: the kernel pages the bytes in on
-    demand and may drop them again, so the process holds no copy of the base."""
+    """A base checkpoint on disk (safetensors, single file or sharded), read through read-only memory maps."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         checkpoint = open_checkpoint(path, "base model", allow_pickle=True)

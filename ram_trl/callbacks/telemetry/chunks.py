@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ram_trl.callbacks.telemetry.layout import Region
+from ram_trl.callbacks.telemetry.layout import ModelLayout, Region
 from ram_trl.statistics import MagnitudeStatistics, MagnitudeWorkspace, OverlapStatistics
 
 
@@ -47,10 +47,7 @@ class Workspace:
 
     def stage(self, stored: torch.Tensor) -> torch.Tensor:
         """Host values bound for this workspace's accelerator, in a pinned host buffer (the copy to the device can
-        then run asynchronously); values already on the workspace's device, or a CPU workspace, as they are.
-
-        Reusing the buffer for the next chunk is safe: every chunk reads its counts back to the host first.
-        """
+        then run asynchronously); values already on the workspace's device, or a CPU workspace, as they are."""
         if self.device.type != "cuda" or stored.device.type != "cpu":
             return stored
         count = stored.numel()
@@ -119,9 +116,55 @@ def nonfinite_count(values: torch.Tensor) -> int:
     return int((~torch.isfinite(values)).sum())
 
 
+def sample_windows(layout: ModelLayout, sample: int | None) -> tuple[dict[str, int], int]:
+    """Where each base tensor starts with the model's tensors laid end to end (the same in every process), and the
+    stride ``k`` of the sampled windows for a sample of about ``sample`` elements (1: every element)."""
+    starts: dict[str, int] = {}
+    total = measured = 0
+    for region in layout.regions:
+        if region.name not in starts:
+            starts[region.name] = total
+            total += region.shard.full_numel
+            measured += region.shard.full_numel if region.kind != "frozen" else 0
+    if sample is None:
+        return starts, 1
+    return starts, max(1, measured // sample)
+
+
+def region_chunks(
+    region: Region, row: int, tensor_start: int, stride: int, size: int, frozen: bool
+) -> Iterator[Chunk]:
+    """The chunks of ``size`` elements of a region that have something to count (``frozen``: count frozen regions)."""
+    numel = region.shard.numel
+    first = tensor_start + region.shard.offset  # position of the region's first element in the whole model
+
+    def sampled(start: int) -> bool:
+        return stride == 1 or (first + start) // size % stride == 0
+
+    if region.kind == "lora":
+        for start, count, row_start, row_stop in lora_chunks(region, size):
+            yield Chunk(region, row, start, count, (row_start, row_stop), sampled(start))
+    elif region.kind == "dense" or frozen:  # frozen: tau = 0, only the overlap to count
+        start = 0
+        while start < numel:
+            stop = min(numel, start + size if stride == 1 else start + size - (first + start) % size)
+            yield Chunk(region, row, start, stop - start, sampled=sampled(start))
+            start = stop
+
+
 def row_numel(shape: tuple[int, ...]) -> int:
     """Elements per row of a tensor of ``shape`` (1 for a scalar or a vector)."""
     return math.prod(shape[1:]) if len(shape) > 1 else 1
 
 
-__all__ = ["Chunk", "ChunkCounts", "Workspace", "flag_count", "lora_chunks", "nonfinite_count", "row_numel"]
+__all__ = [
+    "Chunk",
+    "ChunkCounts",
+    "Workspace",
+    "flag_count",
+    "lora_chunks",
+    "nonfinite_count",
+    "region_chunks",
+    "row_numel",
+    "sample_windows",
+]

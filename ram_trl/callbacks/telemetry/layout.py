@@ -104,11 +104,7 @@ def _lora_ref(name: str, module: torch.nn.Module) -> LoraFactorsRef | None:
 
 
 def model_layout(model: torch.nn.Module) -> ModelLayout:
-    """Describe what to measure in ``model``: one region per locally held floating parameter range.
-
-    A PEFT LoRA model contributes ``lora`` regions (its targets' base weights, with the live factors),
-    ``dense`` regions for ``modules_to_save`` copies (measured against their ``original_module``) and ``frozen``
-    regions for everything else; any other model contributes ``dense`` regions only."""
+    """Describe what to measure in ``model``: one region per locally held floating parameter range."""
     classes = _peft_classes()
     lora_refs: dict[str, LoraFactorsRef] = {}
     peft = False

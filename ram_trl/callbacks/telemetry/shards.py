@@ -1,24 +1,6 @@
 """The elements of a model's parameters that this process holds, however the model is distributed.
 
-A measurement of the task vector must not gather full parameters (a 70B ZeRO-3 run cannot afford it). Every
-parameter is seen as its flattened full tensor; a process holds one contiguous flat range of it (all of it when the
-parameter is replicated). :func:`iter_local_shards` yields those ranges; the caller compares them with the same flat
-range of the base and, for partitioned parameters, sums its counts over the processes.
-
-Where the local range comes from:
-
-- plain modules, DDP (``module.`` wrappers are unwrapped) and DeepSpeed ZeRO-1/2: every process holds the whole
-  parameter (``partitioned=False``);
-- DeepSpeed ZeRO-3 (read through :mod:`ram_trl.callbacks.deepspeed_adapter`): a process holds a flat partition of the same
-  size on every rank, starting at ``rank * size``; the last partitions are padded past the parameter's end, the
-  padding is cut off;
-- FSDP2 (``fully_shard``): parameters are DTensors; with ``Shard(0)`` placements a process holds a block of rows,
-  a contiguous flat range, found from the device mesh coordinate (uneven and empty last shards included). Mesh
-  dimensions that replicate (HSDP) are counted by their first replica only, so a sum over all processes is exact.
-
-The base on the same flat range comes from :mod:`ram_trl.callbacks.telemetry.base_weights` (the checkpoint on disk through
-memory maps, or a reference model, which ZeRO-3 and FSDP2 partition like the policy, so the ranges coincide). The counts
-are summed over the processes with the :class:`~ram_trl.distributed.DistContext` of :func:`training_context`.
+Details: docs/telemetry.md ("Distributed training").
 """
 
 from __future__ import annotations
@@ -112,12 +94,7 @@ def zero3_shard(name: str, param: torch.Tensor) -> LocalShard:
 
 
 def dtensor_shard(name: str, param: torch.Tensor) -> LocalShard:
-    """The local block of rows of a DTensor parameter (FSDP2 ``fully_shard``, HSDP).
-
-    Mesh dimensions placed ``Shard(0)`` split the rows (``torch.chunk`` sizes: uneven and empty last shards are
-    possible, padding is not part of the local tensor); on mesh dimensions placed ``Replicate()`` only the first
-    replica reports the rows, the others yield an empty shard, so that a sum over all processes counts every element
-    once."""
+    """The local block of rows of a DTensor parameter (FSDP2 ``fully_shard``, HSDP)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

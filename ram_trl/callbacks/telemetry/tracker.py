@@ -1,46 +1,6 @@
 """The task-vector tracker: measures a training model's task vector against its base, framework-agnostic.
 
-:class:`TaskVectorTracker` works with any ``torch.nn.Module`` whose parameter names map to the base checkpoint's
-(:func:`~ram_trl.callbacks.telemetry.base_weights.base_name`): a TRL / transformers trainer's model (through
-:class:`ram_trl.callbacks.TaskVectorSparsityCallback`), or the policy of a custom PPO loop (verl, OpenRLHF style)::
-
-    tracker = TaskVectorTracker(base_model="path/to/base", prior_stages=["runs/coding"])
-    tracker.setup(policy)                    # before the first optimizer step
-    for step in range(steps):
-        ...
-        if step % 10 == 0:
-            metrics = tracker.measure(policy, step)   # {"task_vector/density": ..., ...}
-
-Every measurement walks the parameters this process holds (:func:`~ram_trl.callbacks.telemetry.shards.iter_local_shards`, as
-the regions of :func:`~ram_trl.callbacks.telemetry.layout.model_layout`) in bounded chunks (:mod:`ram_trl.callbacks.telemetry.chunks`),
-compares each flat range with the same range of the base, and counts. Counts of partitioned parameters are summed
-over processes (``torch.distributed``), replicated parameters are split between processes and summed too; full
-parameters are never gathered. The counting is :mod:`ram_trl.statistics` (the merge's and
-``ram-trl analyze``'s code); the anatomy buckets are :func:`ram_trl.statistics.anatomy.summarize`.
-
-What one measurement reports (names under ``prefix``, default ``task_vector/``):
-
-- ``density``, ``active``: share / count of elements with ``|tau| > eps`` (strict), ``tau = float32(trained) -
-  float32(base)`` at the training precision (the parameters as held); ``density_exact``, ``changed``: elements whose
-  value differs at all;
-- ``density_saved``, ``active_saved``: the same at eps after rounding trained weights and base to ``save_dtype``
-  (as saved: what a merge of the saved checkpoint sees; for LoRA runs: the delta of the factors rounded to
-  ``save_dtype``); :mod:`ram_trl.callbacks.telemetry.precision` names both dtypes for the manifest;
-- ``module/<type>/density`` and ``layer/<i>/density`` (saved view; :mod:`ram_trl.statistics.anatomy` buckets);
-- ``magnitude/<stat>``: :class:`~ram_trl.statistics.MagnitudeStatistics` of the active float32 task vector
-  (``mean_abs``, ``std``, ``excess_kurtosis``, ``gini``, ``top_1pct_mass``, ``top_5pct_mass``), over every element
-  of models up to ``magnitude_sample`` elements and over a systematic sample of that size beyond;
-  ``magnitude/sample_fraction``: the share of the elements the statistics cover (1: all);
-- with prior stages (saved view against the priors' saved checkpoints, as the merge will count):
-  ``prior/overlap`` (share of this run's active elements that some prior also updates), ``prior/<stage>/overlap``,
-  ``prior/rho``, ``prior/lambda_ram_plus``, ``prior/lambda_ram_plus_soft`` (this agent's rho_t / lambda_t in a
-  merge with the priors);
-- ``measure_seconds``, ``state_mb`` (memory the tracker keeps that grows with the model: a snapshot of the base if
-  one was needed, the priors' bit masks), ``work_mb`` (the fixed chunk buffers every measurement reuses) and
-  ``numel``.
-
-An element is active when ``|tau| > eps`` in float32 (strict; NaN is inactive): the test of
-:func:`ram_trl.methods.ram.active_mask`, written with preallocated buffers.
+Details: docs/telemetry.md.
 """
 
 from __future__ import annotations
@@ -71,9 +31,10 @@ from ram_trl.callbacks.telemetry.chunks import (
     ChunkCounts,
     Workspace,
     flag_count,
-    lora_chunks,
     nonfinite_count,
+    region_chunks,
     row_numel,
+    sample_windows,
 )
 from ram_trl.callbacks.telemetry.layout import (
     LoraFactorsRef,
@@ -84,6 +45,7 @@ from ram_trl.callbacks.telemetry.layout import (
     local_regions,
     model_layout,
 )
+from ram_trl.callbacks.telemetry.metrics import measurement_metrics
 from ram_trl.callbacks.telemetry.precision import (
     SAVE_DTYPES,
     auto_save_dtype,
@@ -106,11 +68,9 @@ from ram_trl.stage.manifest import BaseFingerprint, base_model_path, fingerprint
 from ram_trl.statistics import (
     MagnitudeStatistics,
     OverlapStatistics,
-    TensorAnalysis,
     magnitude_bin_edges,
     sum_of_squares,
 )
-from ram_trl.statistics.anatomy import summarize
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
@@ -120,16 +80,6 @@ SMALL_MODEL_ELEMENTS = 1 << 20
 MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
 DEFAULT_PREFIX = defaults.METRIC_PREFIX
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _single(active: int, numel: int) -> OverlapStatistics:
-    """One agent's overlap statistics from its active count (all its active elements are unique)."""
-    return OverlapStatistics(
-        1,
-        torch.tensor([[0, active]], dtype=torch.int64),  # host
-        torch.tensor([[active]], dtype=torch.int64),  # host
-        numel,
-    )
 
 
 _dist_context = training_context
@@ -386,11 +336,12 @@ class TaskVectorTracker:
         regions = local_regions(layout, ctx)
         for region in regions:
             totals[index[region.name]][3] += region.shard.numel
-        starts, stride = self._sample_windows(layout)
+        starts, stride = sample_windows(layout, self.magnitude_sample if self.magnitudes else None)
+        size, frozen = self.chunk_elements, self.priors is not None
         chunks = [
             chunk
             for region in regions
-            for chunk in self._chunks(region, index[region.name], starts[region.name], stride)
+            for chunk in region_chunks(region, index[region.name], starts[region.name], stride, size, frozen)
         ]
         device = compute_device(regions)
         # small models, unless threads were asked for: the pool's start-up and hand-offs cost more than the counting
@@ -449,51 +400,22 @@ class TaskVectorTracker:
             magnitudes.all_reduce(ctx)
             overlap.all_reduce(ctx)
         metrics = single_threaded_call(
-            lambda: self._metrics(names, counts, magnitudes, overlap), self._host_worker
+            lambda: measurement_metrics(
+                names,
+                counts,
+                magnitudes if self.magnitudes else None,
+                overlap,
+                self.priors,
+                self.r,
+                self.alpha,
+            ),
+            self._host_worker,
         )
         if self.magnitudes:
             metrics["magnitude/sample_fraction"] = 1.0 / stride
         metrics["state_mb"] = self.state_bytes / 2**20
         metrics["work_mb"] = sum(ws.nbytes for ws in self._workspaces) / 2**20
         return {f"{self.prefix}{k}": float(v) for k, v in metrics.items() if not math.isnan(v)}
-
-    def _sample_windows(self, layout: ModelLayout) -> tuple[dict[str, int], int]:
-        """Where each base tensor starts when the model's tensors are laid end to end (the same in every process),
-        and the stride ``k`` of the sampled windows (1: every element)."""
-        starts: dict[str, int] = {}
-        total = measured = 0
-        for region in layout.regions:
-            if region.name not in starts:
-                starts[region.name] = total
-                total += region.shard.full_numel
-                measured += region.shard.full_numel if region.kind != "frozen" else 0
-        if not self.magnitudes or self.magnitude_sample is None:
-            return starts, 1
-        return starts, max(1, measured // self.magnitude_sample)
-
-    def _chunks(self, region: Region, row: int, tensor_start: int, stride: int) -> Iterator[Chunk]:
-        """The chunks of a region that have something to count (``row``: its base tensor's index in the counts).
-
-        With a sample (``stride > 1``), chunks end at window boundaries, and a chunk is sampled when its window
-        index is a multiple of ``stride`` (windows of ``chunk_elements`` from ``tensor_start + offset``).
-        """
-        numel, size = region.shard.numel, self.chunk_elements
-        first = (
-            tensor_start + region.shard.offset
-        )  # position of the region's first element in the whole model
-
-        def sampled(start: int) -> bool:
-            return stride == 1 or (first + start) // size % stride == 0
-
-        if region.kind == "lora":
-            for start, count, row_start, row_stop in lora_chunks(region, size):
-                yield Chunk(region, row, start, count, (row_start, row_stop), sampled(start))
-        elif region.kind == "dense" or self.priors is not None:  # frozen: tau = 0, only the overlap to count
-            start = 0
-            while start < numel:
-                stop = min(numel, start + size if stride == 1 else start + size - (first + start) % size)
-                yield Chunk(region, row, start, stop - start, sampled=sampled(start))
-                start = stop
 
     def _measure_chunk(self, chunk: Chunk) -> ChunkCounts:
         """Count one chunk (on any thread: the buffers are a workspace no other thread holds meanwhile)."""
@@ -532,11 +454,7 @@ class TaskVectorTracker:
         return part
 
     def _chunk_magnitudes(self, tau: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, int]:
-        """Add a chunk's active elements to the workspace's ``|tau|`` histogram.
-
-        Returns:
-            The chunk's ``sum tau**2`` (to add in chunk order) and its number of active elements.
-        """
+        """Add a chunk's active elements to the workspace's ``|tau|`` histogram."""
         if self._zero_fill:
             values = masked_deltas(tau, self.eps, out=ws.scratch[: tau.numel()])
             squares = sum_of_squares(values, ws.magnitude)
@@ -582,11 +500,7 @@ class TaskVectorTracker:
             spare.append(ws)
 
     def _delta(self, chunk: Chunk, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(tau, tau_saved)`` of a ``dense`` or ``lora`` chunk, as views into the workspace.
-
-        ``tau`` is the float32 task vector, ``tau_saved`` the task vector after rounding both sides (LoRA: both
-        factors) to ``save_dtype``, ``None`` when rounding changes nothing.
-        """
+        """``(tau, tau_saved)`` of a ``dense`` or ``lora`` chunk, as views into the workspace."""
         shard, count = chunk.region.shard, chunk.count
         tau = ws.tau[:count]
         if chunk.region.kind == "lora":
@@ -623,50 +537,6 @@ class TaskVectorTracker:
         if self.save_dtype == torch.float32:
             return trained in _FLOAT32_EXACT and base in _FLOAT32_EXACT
         return trained == self.save_dtype and base == self.save_dtype
-
-    def _metrics(
-        self,
-        names: list[str],
-        counts: torch.Tensor,
-        magnitudes: MagnitudeStatistics,
-        overlap: OverlapStatistics,
-    ) -> dict[str, float]:
-        totals = counts.sum(dim=0).tolist()
-        active, changed, active_saved, numel = (int(v) for v in totals)
-        out: dict[str, float] = {
-            "density": active / numel if numel else 0.0,
-            "density_exact": changed / numel if numel else 0.0,
-            "density_saved": active_saved / numel if numel else 0.0,
-            "active": float(active),
-            "changed": float(changed),
-            "active_saved": float(active_saved),
-            "numel": float(numel),
-        }
-        records = {
-            name: TensorAnalysis(
-                _single(int(c[0]), int(c[3])), _single(int(c[1]), int(c[3])), _single(int(c[2]), int(c[3]))
-            )
-            for name, c in zip(names, counts, strict=True)
-        }
-        buckets = summarize(records, 1)
-        for bucket in buckets["modules"]:
-            out[f"module/{bucket['module']}/density"] = bucket["density_bf16"][0]
-        for bucket in buckets["layers"]:
-            out[f"layer/{bucket['layer']}/density"] = bucket["density_bf16"][0]
-        if self.magnitudes:
-            summary = magnitudes.summary(0)
-            for key in ("mean_abs", "std", "excess_kurtosis", "gini", "top_1pct_mass", "top_5pct_mass"):
-                out[f"magnitude/{key}"] = summary[key]
-        if self.priors is not None:
-            t = self.priors.num_priors
-            mine = overlap.active(t)
-            out["prior/overlap"] = overlap.shared(t) / mine if mine else 0.0
-            for p, stage in enumerate(self.priors.stages):
-                out[f"prior/{stage.name}/overlap"] = int(overlap.pairwise[t, p]) / mine if mine else 0.0
-            out["prior/rho"] = overlap.rho(t)
-            out["prior/lambda_ram_plus"] = overlap.lambdas(self.r, self.alpha)[t]
-            out["prior/lambda_ram_plus_soft"] = overlap.lambdas(self.r, None, soft=True)[t]
-        return out
 
     def summary(self) -> dict[str, Any]:
         """What the manifest records about the measurement (besides the last metrics)."""

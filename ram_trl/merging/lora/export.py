@@ -1,33 +1,6 @@
 """Merged models exported as PEFT LoRA adapters: the SVD of each merged task vector.
 
-:func:`export_lora` compares a merged full model with its base one tensor at a time and writes a LoRA adapter that
-``PeftModel.from_pretrained(base, adapter_dir)`` loads:
-
-- the weight delta of every ``nn.Linear`` module is factorised with a float64 SVD, ``delta ~ B @ A`` with
-  ``B = U_r sqrt(S_r)`` (out x r) and ``A = sqrt(S_r) Vh_r`` (r x in), ``lora_alpha = r`` (scaling 1). The rank is
-  fixed (``rank``), or per tensor the smallest rank whose share of the squared singular values reaches ``energy``,
-  at most ``max_rank`` (``rank_pattern`` / ``alpha_pattern`` hold every module's rank in energy mode, the capped
-  ones with a fixed rank);
-- a changed bias of an ``nn.Linear`` is stored with its full merged value (PEFT's ``bias="lora_only"`` or ``"all"``
-  layout), so it is exact;
-- every other changed parameter (norms, embeddings, ``Conv1D``, ...) puts its module in ``modules_to_save``: all of
-  the module's parameters are stored with their merged values, which PEFT restores exactly (tied input/output
-  embeddings use PEFT's ``ensure_weight_tying``);
-- a changed tensor that an adapter cannot express (a resized vocabulary, a buffer, a tensor transformers renames on
-  load, a tie PEFT cannot keep) is left out and reported with the reason.
-
-The module has three neighbours: :mod:`ram_trl.merging.lora.svd` (the rank options and the SVD), :mod:`ram_trl.merging.lora.peft_layout`
-(which module owns each tensor, the adapter's config and file layout) and :mod:`ram_trl.merging.report` (the adapter's model
-card). This module is the orchestration: stream the tensors, factorise, stage, assemble, report, commit.
-
-Which module owns a tensor is read from the base architecture built on the meta device from the base's
-``config.json`` (no weights, no ``trust_remote_code``). Memory is bounded by one tensor: its base and merged values
-in float32, the float64 delta and its SVD (about 28 bytes per element of the largest changed 2-D weight). The
-factors are staged on disk and the adapter file is assembled at the end. Output goes to a temporary sibling of the
-output directory, renamed into place when complete.
-
-:func:`ram_trl.merging.engine.run_lora_merge` is ``ram_trl.merge(..., output_format="lora")``: a float32 merge into a
-temporary full model, this export, and the removal of the temporary model.
+Details: docs/lora.md.
 """
 
 from __future__ import annotations

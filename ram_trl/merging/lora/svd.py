@@ -98,10 +98,7 @@ def lora_options(
 
 
 def choose_rank(singular_values: torch.Tensor, options: LoraExportOptions) -> int:
-    """The rank kept for a delta with these singular values (descending).
-
-    Fixed mode: ``min(rank, len(S))``. Energy mode: the smallest ``k`` with ``sum(S[:k]**2) >= energy * sum(S**2)``,
-    at most ``max_rank`` and ``len(S)``, at least 1."""
+    """The rank kept for a delta with these singular values (descending)."""
     n = singular_values.numel()
     if options.rank is not None:
         return max(1, min(options.rank, n))
@@ -127,12 +124,7 @@ class Factorization:
 
 
 def factorize(delta: torch.Tensor, options: LoraExportOptions) -> Factorization:
-    """Truncated float64 SVD of a 2-D delta into float32 LoRA factors (scaling 1).
-
-    The SVD runs as a Householder QR of the delta (of its transpose when wide) followed by the SVD of the small
-    triangular factor, which is how LAPACK itself reduces tall matrices but several times faster than
-    ``torch.linalg.svd`` of the whole delta; only the ``k`` kept singular vectors are formed. The relative error
-    ``||delta - b @ a||_F / ||delta||_F`` is measured with the float32 factors as stored."""
+    """Truncated float64 SVD of a 2-D delta into float32 LoRA factors (scaling 1)."""
     d = delta.to(torch.float64)
     wide = d.shape[0] < d.shape[1]
     q, r = torch.linalg.qr(d.T if wide else d)  # tall = q @ r, r square

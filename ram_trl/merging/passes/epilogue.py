@@ -50,22 +50,12 @@ def kernel_output(
 
 
 def unstepped_inputs(inputs: ChunkInputs) -> ChunkInputs:
-    """A copy of a block's kernel inputs the ``unstepped`` hook may modify (the kernel still sees the originals).
-
-    Args:
-        inputs: The block's kernel inputs.
-
-    Returns:
-        The copy (its own task vectors and scan counts).
-    """
+    """A copy of a block's kernel inputs the ``unstepped`` hook may modify (the kernel still sees the originals)."""
     return dataclasses.replace(inputs, deltas=inputs.deltas.clone(), seen=list(inputs.seen))
 
 
 def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
-    """Give merged elements that are zero where the base is zero the base's own zero (``-0.0`` stays ``-0.0``).
-
-    ``base + 0.0`` turns a base ``-0.0`` into ``+0.0``; every other sum is already the base's bits where nothing
-    changed. One integer reduction per block; the fix-up runs only in blocks whose base holds a ``-0.0``."""
+    """Give merged elements that are zero where the base is zero the base's own zero (``-0.0`` stays ``-0.0``)."""
     if base_values.dtype != torch.float32 or int(base_values.view(torch.int32).min()) != _NEGATIVE_ZERO_BITS:
         return  # -0.0 is the smallest int32 bit pattern: no -0.0 in this block
     zero = (merged == 0) & (base_values == 0)
@@ -73,9 +63,7 @@ def keep_signed_zeros(merged: torch.Tensor, base_values: torch.Tensor) -> None:
 
 
 def check_finite_output(merged: torch.Tensor, name: str, start: int, stop: int, where: str = "") -> None:
-    """Refuse merged values that overflowed (every input was finite: the parameters scaled them too far).
-
-    One sum per block decides; the values are counted only when it is not finite."""
+    """Refuse merged values that overflowed (every input was finite: the parameters scaled them too far)."""
     if math.isfinite(float(merged.sum(dtype=torch.float32))):
         return
     bad = int((~torch.isfinite(merged)).sum())

@@ -112,11 +112,7 @@ def start_chunk(
     run: RunContext, chunk: RawChunk, context: TensorContext, pool: ThreadPoolExecutor | None = None
 ) -> Callable[[], torch.Tensor]:
     """Start merging one chunk; the returned function waits for it and returns the chunk's output values (in the
-    output dtype, on the CPU).
-
-    Blocks of methods without a ``scan`` hook are queued on ``pool`` and return at once, so that the caller can
-    start the next chunk before this one is done; the returned function adds the chunk's overlap counts to
-    ``context``, so call it in chunk order. Everything else is computed before returning."""
+    output dtype, on the CPU)."""
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:
