@@ -61,6 +61,7 @@ def _accelerator() -> SimpleNamespace:
     """One process, no DeepSpeed or FSDP: what the callback asks of ``trainer.accelerator``."""
     return SimpleNamespace(
         is_main_process=True,
+        num_processes=1,
         is_fsdp2=False,
         state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None),
         wait_for_everyone=lambda: None,
