@@ -101,9 +101,12 @@ class OverlapStatistics:
         self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
+        """Add ``other``'s counts (pairs stay counted only when both count them)."""
         self.histogram += other.histogram
-        if self.counts_pairs:
+        if self.counts_pairs and other.counts_pairs:
             self.pairwise += other.pairwise
+        else:
+            self.pairwise = self.pairwise.new_zeros(0, 0)
         self.numel += other.numel
 
     def __add__(self, other: OverlapStatistics) -> OverlapStatistics:
@@ -111,7 +114,9 @@ class OverlapStatistics:
         return OverlapStatistics(
             self.num_agents,
             self.histogram + other.histogram,
-            self.pairwise + other.pairwise if self.counts_pairs else self.pairwise.clone(),
+            self.pairwise + other.pairwise
+            if self.counts_pairs and other.counts_pairs
+            else self.pairwise.new_zeros(0, 0),
             self.numel + other.numel,
         )
 
