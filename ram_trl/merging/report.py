@@ -150,11 +150,12 @@ def write_report(out_dir: Path, report: dict[str, Any], card: str) -> None:
     (out_dir / CARD_FILE).write_text(card)
 
 
-def _front_matter(front: dict[str, Any]) -> str:
+def front_matter(front: dict[str, Any]) -> str:
+    """A model card's YAML front matter."""
     return "---\n" + yaml.safe_dump(front, sort_keys=False).strip() + "\n---\n"
 
 
-def _hub_name(reference: str | None, path: str | Path) -> str:
+def hub_name(reference: str | None, path: str | Path) -> str:
     """How a card names an input: a Hub id as written (without ``@revision``), a local path by its folder's name."""
     hub = parse_reference(reference) if reference and not Path(reference).expanduser().exists() else None
     if hub is not None:
@@ -166,14 +167,14 @@ def _hub_name(reference: str | None, path: str | Path) -> str:
 def card_inputs(resolved: ResolvedConfig) -> list[str]:
     """Every input model as a card's ``base_model`` lists it: the base, then each agent (stages by their checkpoint's
     folder, a ``MODEL+ADAPTER`` by its adapter), without repeats."""
-    names = [_hub_name(resolved.base_reference, resolved.base_path)]
+    names = [hub_name(resolved.base_reference, resolved.base_path)]
     for agent in resolved.agents:
         reference = (
             agent.reference.rsplit("+", 1)[-1]
             if agent.reference and "+" in agent.reference
             else agent.reference
         )
-        names.append(_hub_name(reference, agent.path))
+        names.append(hub_name(reference, agent.path))
     return list(dict.fromkeys(names))
 
 
@@ -186,10 +187,11 @@ def model_card(report: dict[str, Any]) -> str:
         "library_name": "transformers",
         "tags": ["merge", "ram_trl", report["merge_method"]],
     }
-    return _front_matter(front) + "\n" + card_body(report) + _upload_lines()
+    return front_matter(front) + "\n" + card_body(report) + upload_lines()
 
 
-def _upload_lines() -> str:
+def upload_lines() -> str:
+    """The card's closing section: how to upload the folder to the Hub."""
     return (
         "\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL PATH/TO/THIS/FOLDER .\n```\n\n"
         "(`hf auth login` first; the folder holds everything the Hub needs.)\n"
@@ -284,8 +286,8 @@ def adapter_card(report: dict[str, Any]) -> str:
     body = _merge_card_body(report) or "# LoRA adapter exported by ram_trl\n"
     export = "\n".join(_export_lines(report, report["lora_export"]))
     head, marker, tail = body.partition("\n## Configuration")
-    card = _front_matter(front) + "\n" + head.strip("\n") + "\n" + export + (marker + tail if marker else "")
-    return card + _upload_lines()
+    card = front_matter(front) + "\n" + head.strip("\n") + "\n" + export + (marker + tail if marker else "")
+    return card + upload_lines()
 
 
 def _merge_card_body(report: dict[str, Any]) -> str:

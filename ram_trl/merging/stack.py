@@ -393,7 +393,7 @@ def _report(stack: LayerStack, shards: list[Any], output_dir: Path) -> dict[str,
         "base_model": str(stack.donor),
         **({"base_hub": hub} if (hub := describe(stack.donor, stack.donor_reference)) else {}),
         "card_inputs": list(
-            dict.fromkeys(reporting._hub_name(r, p) for r, p in zip(inputs, paths, strict=True))
+            dict.fromkeys(reporting.hub_name(r, p) for r, p in zip(inputs, paths, strict=True))
         ),
         "output_dir": str(output_dir),
         "num_hidden_layers": len(stack.layers),
@@ -450,4 +450,4 @@ def stack_card(report: dict[str, Any]) -> str:
         yaml.safe_dump(report["config"], sort_keys=False).strip(),
         "```",
     ]
-    return reporting._front_matter(front) + "\n" + "\n".join(lines) + "\n" + reporting._upload_lines()
+    return reporting.front_matter(front) + "\n" + "\n".join(lines) + "\n" + reporting.upload_lines()
