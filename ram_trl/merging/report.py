@@ -190,6 +190,13 @@ def model_card(report: dict[str, Any]) -> str:
     return front_matter(front) + "\n" + card_body(report) + upload_lines()
 
 
+def warnings_and_config_lines(report: dict[str, Any]) -> list[str]:
+    """A card's "Warnings" (when any) and "Configuration" sections, as lines."""
+    lines = ["", "## Warnings", "", *(f"- {w}" for w in report["warnings"])] if report["warnings"] else []
+    config = yaml.safe_dump(report["config"], sort_keys=False).strip()
+    return [*lines, "", "## Configuration", "", "```yaml", config, "```"]
+
+
 def upload_lines() -> str:
     """The card's closing section: how to upload the folder to the Hub."""
     return (
@@ -254,17 +261,7 @@ def card_body(report: dict[str, Any], title: str = "Merged model") -> str:
                 f"| `{agent['name']}` | {stage.get('domain') or '-'} | {stage.get('trainer') or '-'} | "
                 f"{stage.get('steps', 0)} | {stage.get('save_dtype') or '-'} | {rewards} | `{stage['manifest']}` |"
             )
-    if report["warnings"]:
-        lines += ["", "## Warnings", ""]
-        lines += [f"- {w}" for w in report["warnings"]]
-    lines += [
-        "",
-        "## Configuration",
-        "",
-        "```yaml",
-        yaml.safe_dump(report["config"], sort_keys=False).strip(),
-        "```",
-    ]
+    lines += warnings_and_config_lines(report)
     lines += [
         "",
         f"Output: {len(report['output']['files'])} safetensors file(s), {format_bytes(report['output']['bytes'])}.",

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 import ram_trl
 from ram_trl.distributed import DistContext
@@ -440,14 +439,5 @@ def stack_card(report: dict[str, Any]) -> str:
             for s in report["slices"]
         ),
     ]
-    if report["warnings"]:
-        lines += ["", "## Warnings", "", *(f"- {w}" for w in report["warnings"])]
-    lines += [
-        "",
-        "## Configuration",
-        "",
-        "```yaml",
-        yaml.safe_dump(report["config"], sort_keys=False).strip(),
-        "```",
-    ]
+    lines += reporting.warnings_and_config_lines(report)
     return reporting.front_matter(front) + "\n" + "\n".join(lines) + "\n" + reporting.upload_lines()
