@@ -523,6 +523,23 @@ def test_save_agent_false_writes_a_manifest_describing_no_weights(base, tmp_path
         ram_trl.analyze(base, [out], progress=False, figures=False)
 
 
+def _one_step_trainer(base, out, data, callbacks):
+    """A plain transformers Trainer of one CPU step on ``data`` with ``callbacks``, and its arguments."""
+    args = TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=callbacks
+    )
+    return trainer, args
+
+
 def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
     """A float16 save of weights beyond float16's range: refused in one line, nothing written, no manifest."""
     from transformers import TrainerCallback
@@ -539,22 +556,7 @@ def test_an_agent_that_overflows_save_dtype_is_not_saved(base, tmp_path):
     ids = [tokenizer("abcabcab")["input_ids"][:8] for _ in range(4)]
     data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
     callback = TaskVectorSparsityCallback(base_model=base, save_dtype="float16")
-    args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-    )
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        callbacks=[Explode(), callback],
-    )
+    trainer, args = _one_step_trainer(base, out, data, [Explode(), callback])
     callback.bind(trainer)
     with pytest.raises(NonFiniteError, match=r"NaN/Inf values in float16 .*nothing was saved"):
         trainer.train()
@@ -568,22 +570,7 @@ def test_two_callbacks_writing_one_output_dir_are_refused_naming_both(base, tmp_
     data = Dataset.from_dict({"input_ids": ids, "labels": ids, "attention_mask": [[1] * 8 for _ in ids]})
     first = TaskVectorSparsityCallback(base_model=base, stage_name="coding")
     second = TaskVectorSparsityCallback(base_model=base, stage_name="tools", prefix="other/")
-    args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-    )
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        callbacks=[first, second],
-    )
+    trainer, args = _one_step_trainer(base, out, data, [first, second])
     first.bind(trainer)
     second.bind(trainer)
     with pytest.raises(
