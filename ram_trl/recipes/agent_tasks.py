@@ -146,15 +146,29 @@ def program_output_prompts(
     return unique_rows(make, n, seed)
 
 
+#: A fenced block (its language tag, its content, its closing fence or the end of the reply: a cut-off block).
+_FENCED_BLOCK = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.S)
+#: The label a reply may put before its answer line ("Output: 9").
+_OUTPUT_LABEL = re.compile(r"^output\s*:\s*", re.I)
+
+
+def _without_code(text: str) -> str:
+    """``text`` without its fenced blocks that hold code (a ``print(`` call): the program echoed back, not an answer.
+    The generator's programs never print ``print(``, so a fenced answer (```` ```\n23\n``` ````) is kept."""
+    return _FENCED_BLOCK.sub(lambda block: "" if "print(" in block.group(1) else block.group(0), text)
+
+
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 for exactly the program's output on the completion's first line (code fences and backticks stripped),
-    0.5 when the output appears in the completion as a whole token, else 0."""
+    """1.0 when the reply's answer line is exactly the program's output, 0.5 when the output appears in the reply's
+    text as a whole token, else 0. The reply's text is the completion without fenced blocks that hold code (the
+    program echoed back earns nothing, although a list program's output is one of its own numbers); its answer line
+    is the text's first non-empty line, code fences and backticks stripped, after an optional ``Output:`` label."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
-        text = _completion(completion)
-        if _first_line(text) == want:
+        text = _strip_fences(_without_code(_completion(completion)))
+        if _OUTPUT_LABEL.sub("", _first_line(text)).strip() == want:
             rewards.append(1.0)
-        elif re.search(rf"(?<![\w]){re.escape(want)}(?![\w])", _strip_fences(text)):
+        elif re.search(rf"(?<![\w]){re.escape(want)}(?![\w])", text):
             rewards.append(0.5)
         else:
             rewards.append(0.0)

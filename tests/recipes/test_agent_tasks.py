@@ -126,6 +126,22 @@ def test_program_reward():
     assert program_output_reward([[{"role": "assistant", "content": "tobor"}]], ["tobor"]) == [1.0]
 
 
+def test_program_reward_reads_the_answer_after_an_echoed_program():
+    # revision 4: the coding agent of revision 3 echoed the program in a fence, then "Output: 9"; the first line was
+    # the program's, so 1.0 was never earned, and an echoed list program earned 0.5 for its own numbers
+    echo = "```python\nnums = [23, 4]\nprint(max(nums))\n```\n\nOutput: {}"
+    completions = [
+        echo.format("23"),  # the program, then the labelled answer
+        echo.format("4"),  # a wrong answer: the program's own 23 earns nothing
+        "```python\nnums = [23, 4]\nprint(max(nums))",  # cut off inside the echo
+        "output:23\nbecause 23 > 4",  # the label in any case, without a space
+        "Output: 236",  # not the whole token
+        "print(max([23, 4]))\n23",  # an unfenced echo is the first line
+        "```\n23\n```\n```python\nprint(23)\n```",  # a fenced answer is kept, the code block dropped
+    ]
+    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 1.0]
+
+
 def test_tool_call_prompts_show_every_schema_and_answers_validate():
     rows = json_tool_call_prompts(40, seed=0)
     names = set()
