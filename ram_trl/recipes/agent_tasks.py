@@ -126,21 +126,31 @@ def program_output_prompts(
     system: str | None = DEFAULT_SYSTEM,
     easy_share: float = 0.0,
     show_example: bool = False,
+    answer_line: bool = False,
 ) -> list[dict[str, str]]:
     """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
     print; the answer is the output of running the program; ``easy_share`` of them are one-line programs
     (``print(17 * 4)``, ``print(len("river"))``), an easier first rung so that GRPO groups of a small model carry
-    signal; ``show_example`` appends one worked example of the reply format (:data:`EXAMPLE_PROGRAM`). Neither option
-    changes which programs are drawn."""
+    signal; ``show_example`` appends one worked example of the reply format (:data:`EXAMPLE_PROGRAM`);
+    ``answer_line`` asks for any reasoning first and the answer last, on an ``Output:`` line (the marker an RLVR
+    reward extracts, as GSM8K's ``####``). No option changes which programs are drawn."""
 
     if not 0.0 <= easy_share <= 1.0:
         raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
 
     def make(rng: random.Random) -> dict[str, str]:
         source = _one_line_program(rng) if easy_share and rng.random() < easy_share else _program(rng)
-        user = f"What does this Python program print?\n```python\n{source}\n```\nReply with the output only."
-        if show_example:
-            user += f" For example, for {EXAMPLE_PROGRAM[0]} the reply is: {EXAMPLE_PROGRAM[1]}"
+        user = f"What does this Python program print?\n```python\n{source}\n```\n"
+        if answer_line:
+            user += "Think briefly if you need to, then end your reply with the line Output: followed by the output."
+            if show_example:
+                user += (
+                    f" For example, for {EXAMPLE_PROGRAM[0]} the last line is: Output: {EXAMPLE_PROGRAM[1]}"
+                )
+        else:
+            user += "Reply with the output only."
+            if show_example:
+                user += f" For example, for {EXAMPLE_PROGRAM[0]} the reply is: {EXAMPLE_PROGRAM[1]}"
         return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
 
     return unique_rows(make, n, seed)
@@ -148,8 +158,8 @@ def program_output_prompts(
 
 #: A fenced block (its language tag, its content, its closing fence or the end of the reply: a cut-off block).
 _FENCED_BLOCK = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.S)
-#: The label a reply may put before its answer line ("Output: 9").
-_OUTPUT_LABEL = re.compile(r"^output\s*:\s*", re.I)
+#: Every labelled answer line of a reply ("Output: 9"), its value captured.
+_LABELLED_LINES = re.compile(r"^\s*output\s*:[ \t]*(\S.*?)\s*$", re.I | re.M)
 
 
 def _without_code(text: str) -> str:
@@ -159,14 +169,16 @@ def _without_code(text: str) -> str:
 
 
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 when the reply's answer line is exactly the program's output, 0.5 when the output appears in the reply's
-    text as a whole token, else 0. The reply's text is the completion without fenced blocks that hold code (the
-    program echoed back earns nothing, although a list program's output is one of its own numbers); its answer line
-    is the text's first non-empty line, code fences and backticks stripped, after an optional ``Output:`` label."""
+    """1.0 when the reply's answer is exactly the program's output, 0.5 when the output appears in the reply's text
+    as a whole token, else 0. The reply's text is the completion without fenced blocks that hold code (the program
+    echoed back earns nothing, although a list program's output is one of its own numbers); its answer is the value
+    of its last ``Output:`` line when it has one (reasoning may come first), else its first non-empty line, code
+    fences and backticks stripped."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         text = _strip_fences(_without_code(_completion(completion)))
-        if _OUTPUT_LABEL.sub("", _first_line(text)).strip() == want:
+        labelled = _LABELLED_LINES.findall(text)
+        if (labelled[-1] if labelled else _first_line(text)) == want:
             rewards.append(1.0)
         elif re.search(rf"(?<![\w]){re.escape(want)}(?![\w])", text):
             rewards.append(0.5)

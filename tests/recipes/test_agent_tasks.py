@@ -142,6 +142,31 @@ def test_program_reward_reads_the_answer_after_an_echoed_program():
     assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 1.0]
 
 
+def test_program_reward_reads_the_last_output_line_after_reasoning():
+    # revision 5's prompts ask for reasoning first and an "Output:" line last (answer_line=True)
+    completions = [
+        "x is 20 and y is 3, so 20 + 3 = 23.\nOutput: 23",  # reasoning, then the labelled answer
+        "Output: 24\nNo wait.\nOutput: 23",  # the last labelled line is the answer
+        "Output: 23\n\nOutput:",  # an empty label is not an answer
+        "20 + 3 = 23\nOutput: 24",  # a wrong labelled answer; the reasoning's 23 earns partial credit
+        "It prints 23",  # no label: the first line, as before
+    ]
+    assert program_output_reward(completions, ["23"] * 5) == [1.0, 1.0, 1.0, 0.5, 0.5]
+
+
+def test_answer_line_changes_the_instruction_not_the_programs():
+    plain = program_output_prompts(20, seed=3, easy_share=0.5, show_example=True)
+    marked = program_output_prompts(20, seed=3, easy_share=0.5, show_example=True, answer_line=True)
+    assert [r["answer"] for r in plain] == [r["answer"] for r in marked]
+    for a, b in zip(plain, marked, strict=True):
+        assert a["prompt"].split("```")[1] == b["prompt"].split("```")[1]  # the same program
+        assert (
+            "Reply with the output only." in a["prompt"]
+            and "end your reply with the line Output:" in b["prompt"]
+        )
+        assert "the last line is: Output: abab" in b["prompt"]
+
+
 def test_tool_call_prompts_show_every_schema_and_answers_validate():
     rows = json_tool_call_prompts(40, seed=0)
     names = set()
