@@ -384,7 +384,7 @@ def run_recipe(
         torch.set_num_threads(recipe.torch_threads)
     run = Run(recipe, root, Path(out).resolve(), options)
     run.layout.notes.extend(notes)
-    from ram_trl.recipes.stage import StageFailure
+    from ram_trl.evaluation.rewards import StageFailure
 
     try:
         run.preparation.prepare(recipe_file)
