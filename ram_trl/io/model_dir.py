@@ -18,16 +18,8 @@ _FULL = (_SINGLE, _INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def check_one_model(path: str | Path, role: str) -> None:
-    """Refuse a directory holding two models.
-
-    Args:
-        path (`str` or `Path`): The model directory (anything else is left to the reader).
-        role (`str`): How the message names the input (``"agent 'coding'"``).
-
-    Raises:
-        CheckpointError: in one line naming the directory and the files, when it holds ``model.safetensors`` and a
-            shard index, or a full model's weights and a PEFT adapter (``adapter_config.json``).
-    """
+    """Refuse a directory holding two models: ``model.safetensors`` and a shard index, or a full model's weights
+    and a PEFT adapter. ``role`` names the input in the message (``"agent 'coding'"``)."""
     directory = Path(path)
     if not directory.is_dir():
         return

@@ -454,14 +454,7 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
 
 
 def merge_effect(path: Path) -> dict[str, Any] | None:
-    """The ``effect`` section of a merged model's report (how much of the merge survives its dtype), if any.
-
-    Args:
-        path (`Path`): The merged model's directory.
-
-    Returns:
-        `dict[str, Any] | None`: The section, ``None`` without a report.
-    """
+    """The ``effect`` section of a merged model's report (how much of the merge survives its dtype), if any."""
     import json
 
     from ram_trl.merging.report import REPORT_FILE
