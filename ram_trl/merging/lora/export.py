@@ -17,10 +17,9 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
 from ram_trl.io.hub import resolve_model
-from ram_trl.io.lora import ADAPTER_CONFIG
+from ram_trl.io.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.merging.lora.peft_layout import (
-    PEFT_PREFIX,
     AdapterPlan,
     Architecture,
     adapter_layout,
@@ -32,7 +31,6 @@ from ram_trl.merging.report import REPORT_FILE, adapter_card, write_report
 from ram_trl.output import OutputDir
 from ram_trl.sizes import format_bytes
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: Rows of a tensor copied into the adapter file at a time are about this many bytes.
 _COPY_CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -343,4 +341,4 @@ def print_export(report: dict[str, Any]) -> None:
     )  # what was not exported is among the report's warnings, printed with the summary
 
 
-__all__ = ["ADAPTER_WEIGHTS", "export_lora", "print_export"]
+__all__ = ["export_lora", "print_export"]
