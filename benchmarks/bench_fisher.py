@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.merging.planner import chunk_elements, parse_size
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 

@@ -293,7 +293,8 @@ def telemetry_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[s
 def preview_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[str, Any]]:
     """GRPO with MergePreviewCallback and one prior stage."""
     from ram_trl.callbacks import TaskVectorSparsityCallback
-    from ram_trl.callbacks.preview import MergePreviewCallback, weights_digest
+    from ram_trl.callbacks.preview import MergePreviewCallback
+    from ram_trl.digest import weights_digest
     from ram_trl.evaluation.scoring import EvalTask
     from ram_trl.recipes.schema import EvaluationSpec
 

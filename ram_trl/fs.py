@@ -13,20 +13,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _load_renameat2() -> Callable[..., int] | None:
+def libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
+    """libc's ``name`` (an ``int`` result, errno kept) on Linux; ``None`` elsewhere or where libc lacks it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.renameat2
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
     return function
 
 
-_RENAMEAT2 = _load_renameat2()
+_RENAMEAT2 = libc_function(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
@@ -85,4 +87,4 @@ def make_readable(path: Path, mode: int) -> None:
             os.chmod(file, wanted)
 
 
-__all__ = ["make_readable", "new_file_mode", "rename_noreplace"]
+__all__ = ["libc_function", "make_readable", "new_file_mode", "rename_noreplace"]

@@ -51,7 +51,7 @@ from transformers import (
 )
 
 from ram_trl.digest import text_digest
-from ram_trl.io.checkpoint import SAFE_INDEX, SAFE_SINGLE
+from ram_trl.io.model_dir import SAFE_INDEX, SAFE_SINGLE
 from ram_trl.sizes import parse_size
 
 __all__ = [

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.distributed import partition_by_bytes
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests.helpers import launch_merge, random_fisher
 

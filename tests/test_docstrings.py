@@ -8,8 +8,11 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ram_trl"
 
@@ -207,3 +210,15 @@ def test_the_args_parser():
     assert documented_args(doc) == {"first", "second", "rest", "options"}
     assert documented_args("Summary only.") is None
     assert documented_args(None) is None
+
+
+def test_the_rule_binds_the_public_api_only(tmp_path, monkeypatch):
+    """A public function without its ``Args:`` section fails the check; a helper elsewhere needs none."""
+    package = tmp_path / "ram_trl"
+    (package / "merging").mkdir(parents=True)
+    (package / "merging" / "engine.py").write_text('def merge(config, output_dir):\n    """Merge."""\n')
+    (package / "helpers.py").write_text('def helper(a, b):\n    """Add."""\n')
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert [(m, n, d) for m, n, _, d in public_functions()] == [("ram_trl/merging/engine.py", "merge", None)]
+    with pytest.raises(AssertionError, match=r"engine.py:merge: no Args: section \(config, output_dir\)"):
+        test_public_functions_document_every_parameter()

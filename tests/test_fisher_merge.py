@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import ram_trl
 import ram_trl.merging.streaming
 from ram_trl.errors import CheckpointError, ConfigError, NonFiniteError
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.merging.planner import bytes_per_element
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference

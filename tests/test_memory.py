@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ram_trl
 import ram_trl.merging.streaming
 import ram_trl.parallel
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.io.prefetch import read_ahead
 from ram_trl.merging.planner import bytes_per_element, chunk_elements
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint

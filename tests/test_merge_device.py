@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import ram_trl
 from ram_trl.errors import ConfigError
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.methods.registry import method_names
 from tests.fake_cuda import FakeCudaTensor, fake_cuda_device
 from tests.helpers import config_for, make_checkpoints, random_fisher

@@ -75,7 +75,7 @@ def test_config_errors_in_our_words(ckpts):
 
 
 def test_recipe_and_telemetry_accept_the_aliases():
-    from ram_trl.callbacks.telemetry.tracker import resolve_save_dtype
+    from ram_trl.callbacks.telemetry.precision import resolve_save_dtype
     from ram_trl.recipes.schema import WarmStartSpec
 
     assert resolve_save_dtype("bf16") is torch.bfloat16

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ram_trl.methods.ram import active_mask
+from ram_trl.statistics.counting import active_mask
 from ram_trl.statistics.magnitude import (
     MagnitudeStatistics,
     excess_kurtosis,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ram_trl.methods.ram import active_mask
+from ram_trl.statistics.counting import active_mask
 from ram_trl.statistics.overlap import OverlapStatistics
 from tests.helpers import TAUS
 

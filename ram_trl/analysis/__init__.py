@@ -12,18 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ram_trl.analysis.inputs import DEFAULT_ALPHA, DEFAULT_R, AnalysisInputs, resolve_inputs
-from ram_trl.analysis.measure import analysis_pass, as_bf16, bf16_view_agents
-from ram_trl.analysis.render import (
-    JSON_FILE,
-    MARKDOWN_FILE,
-    magnitude_rows,
-    markdown,
-    print_tables,
-    sparsity_rows,
-    write_outputs,
-)
-from ram_trl.analysis.result import build_result, clean, dtype_summary
+from ram_trl.analysis.inputs import AnalysisInputs, resolve_inputs
+from ram_trl.analysis.measure import analysis_pass, bf16_view_agents
+from ram_trl.analysis.render import JSON_FILE, print_tables, write_outputs
+from ram_trl.analysis.result import build_result
 from ram_trl.distributed import DistContext, partition_by_bytes
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.merging.config.schema import MergeConfig
@@ -198,26 +190,4 @@ def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
     return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
 
 
-__all__ = [
-    "DEFAULT_ALPHA",
-    "DEFAULT_R",
-    "JSON_FILE",
-    "MARKDOWN_FILE",
-    "AnalysisInputs",
-    "AnalysisRun",
-    "TensorAnalysis",
-    "analysis_output",
-    "analysis_pass",
-    "analyze",
-    "as_bf16",
-    "bf16_view_agents",
-    "build_result",
-    "clean",
-    "dtype_summary",
-    "magnitude_rows",
-    "markdown",
-    "print_tables",
-    "resolve_inputs",
-    "sparsity_rows",
-    "write_outputs",
-]
+__all__ = ["AnalysisRun", "analysis_output", "analyze"]

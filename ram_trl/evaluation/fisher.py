@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import RamTrlError
-from ram_trl.io.fisher_files import FISHER_FILE
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.io.hub import describe, ensure_weights, resolve_model
 from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import ADAPTER_CONFIG, is_adapter_dir
@@ -39,7 +39,6 @@ from ram_trl.output import atomic_file
 from ram_trl.sizes import check_optional_number
 
 __all__ = [
-    "FISHER_FILE",
     "Completion",
     "estimate_fisher",
     "fisher_from_completions",

@@ -20,7 +20,7 @@ from ram_trl.errors import CheckpointError
 from ram_trl.io.hub import ensure_weights, in_repo_blobs, needs_weights, remote_headers, resolve_model
 from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
-from ram_trl.io.model_dir import check_one_model
+from ram_trl.io.model_dir import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, check_one_model
 from ram_trl.io.safetensors_io import (
     SAFETENSORS_DTYPES,
     RowReader,
@@ -28,11 +28,6 @@ from ram_trl.io.safetensors_io import (
     TensorMeta,
     read_safetensors_header,
 )
-
-SAFE_INDEX = "model.safetensors.index.json"
-SAFE_SINGLE = "model.safetensors"
-PICKLE_INDEX = "pytorch_model.bin.index.json"
-PICKLE_SINGLE = "pytorch_model.bin"
 
 #: File name of an agent's diagonal Fisher beside its weights (:mod:`ram_trl.io.fisher_files`); never a weight file.
 FISHER_FILE = "fisher.safetensors"

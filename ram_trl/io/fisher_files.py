@@ -19,7 +19,6 @@ from ram_trl.io.checkpoint import FISHER_FILE, Checkpoint, open_checkpoint
 from ram_trl.io.safetensors_io import RowReader, dtype_itemsize
 
 __all__ = [
-    "FISHER_FILE",
     "check_fisher_headers",
     "default_fisher_path",
     "fill_fisher",

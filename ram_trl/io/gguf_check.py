@@ -42,21 +42,8 @@ def _tensor_map(model: Any, architecture: str) -> dict[str, str]:
 
 
 def check_gguf_parameters(file: Path, label: str, model: Any, architecture: str) -> int:
-    """Refuse a GGUF-built model any of whose parameters does not come from a GGUF tensor.
-
-    Args:
-        file (`Path`): The GGUF file.
-        label (`str`): How messages name it.
-        model (`PreTrainedModel`): The model transformers built from it (float32, before any cast).
-        architecture (`str`): The file's ``general.architecture``.
-
-    Returns:
-        `int`: The number of parameters checked.
-
-    Raises:
-        ConfigError: in one line naming the file and the tensors: a parameter no GGUF tensor provides, a GGUF tensor
-            the model does not use, a tensor whose values or size differ, or a NaN/Inf in a tensor.
-    """
+    """How many parameters of ``model`` (float32, before any cast) were checked against the GGUF tensors; refused:
+    a parameter no GGUF tensor provides, a GGUF tensor unused, values or sizes that differ, a NaN/Inf."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

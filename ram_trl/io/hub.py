@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.model_dir import SAFE_INDEX
 
 #: What a merge reads besides the weights (and all it needs to validate a config and plan a dry run).
 METADATA_PATTERNS = (
@@ -32,7 +33,6 @@ METADATA_PATTERNS = (
     "adapter_config.json",
 )
 WEIGHT_PATTERNS = ("*.safetensors",)
-_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def missing_files(folder: Path, weights: bool = True) -> list[str]:
         return ["config.json"]
     if not weights:
         return []
-    index = folder / _INDEX
+    index = folder / SAFE_INDEX
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
@@ -179,7 +179,7 @@ def remote_headers(path: Path, what: str) -> dict[str, dict[str, tuple[str, list
 
     reference = cached_revision(path)
     assert reference is not None
-    index = path / _INDEX
+    index = path / SAFE_INDEX
     if index.is_file():
         files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
     else:

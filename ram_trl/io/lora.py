@@ -21,7 +21,7 @@ from ram_trl.io.safetensors_io import RowReader, TensorInfo, read_safetensors_he
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def read_adapter(
     pairs: dict[str, dict[str, TensorInfo]] = {}
     adapter_names: dict[str | None, str] = {}
     for key, info in tensors.items():
-        name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        name = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else key
         name = name.replace(".base_layer.", ".")
         factor = _factor_key(name)
         if factor is not None:

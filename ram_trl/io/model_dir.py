@@ -11,30 +11,25 @@ from pathlib import Path
 
 from ram_trl.errors import CheckpointError
 
-__all__ = ["check_one_model"]
+__all__ = ["PICKLE_INDEX", "PICKLE_SINGLE", "SAFE_INDEX", "SAFE_SINGLE", "check_one_model"]
 
-_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
-_FULL = (_SINGLE, _INDEX, "pytorch_model.bin", "pytorch_model.bin.index.json")
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
+_FULL = (SAFE_SINGLE, SAFE_INDEX, PICKLE_SINGLE, PICKLE_INDEX)
 
 
 def check_one_model(path: str | Path, role: str) -> None:
-    """Refuse a directory holding two models.
-
-    Args:
-        path (`str` or `Path`): The model directory (anything else is left to the reader).
-        role (`str`): How the message names the input (``"agent 'coding'"``).
-
-    Raises:
-        CheckpointError: in one line naming the directory and the files, when it holds ``model.safetensors`` and a
-            shard index, or a full model's weights and a PEFT adapter (``adapter_config.json``).
-    """
+    """Refuse a directory holding two models: ``model.safetensors`` and a shard index, or a full model's weights
+    and a PEFT adapter. ``role`` names the input in the message (``"agent 'coding'"``)."""
     directory = Path(path)
     if not directory.is_dir():
         return
-    if (directory / _SINGLE).is_file() and (directory / _INDEX).is_file():
+    if (directory / SAFE_SINGLE).is_file() and (directory / SAFE_INDEX).is_file():
         raise CheckpointError(
-            f"{role}: {directory} holds both {_SINGLE} and a shard index {_INDEX}; transformers reads the first, a "
-            "merge would read the shards: remove the stale one"
+            f"{role}: {directory} holds both {SAFE_SINGLE} and a shard index {SAFE_INDEX}; transformers reads the "
+            "first, a merge would read the shards: remove the stale one"
         )
     full = [name for name in _FULL if (directory / name).is_file()]
     if full and (directory / "adapter_config.json").is_file():

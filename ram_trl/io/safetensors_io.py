@@ -14,16 +14,14 @@ little-endian.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import math
 import mmap
 import os
 import struct
-import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 
 from ram_trl.errors import CheckpointError
+from ram_trl.fs import libc_function
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -286,20 +285,9 @@ def shard_layout(
     return prefix, locations, len(prefix) + offset
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait for it
 
 

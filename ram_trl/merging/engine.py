@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ram_trl.distributed import DistContext, partition_by_bytes
-from ram_trl.errors import CheckpointError, ConfigError
+from ram_trl.errors import ConfigError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, write_chat_template
 from ram_trl.io.fisher_files import (
     check_fisher_headers,
@@ -54,7 +54,8 @@ from ram_trl.merging.context import (
     open_inputs,
     task_input_bytes,
 )
-from ram_trl.merging.lora.export import LoraExportOptions, export_lora, lora_options, print_export
+from ram_trl.merging.lora.export import export_lora, print_export
+from ram_trl.merging.lora.svd import LoraExportOptions, lora_options
 from ram_trl.merging.passes.merge import planned_tensors, write_tensors
 from ram_trl.merging.passes.statistics import method_factors, statistics_pass
 from ram_trl.merging.planner import (
@@ -482,9 +483,6 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
 
 
 __all__ = [
-    "CheckpointError",
-    "MergeOptions",
-    "MergeState",
     "check_device",
     "check_weight_sums",
     "merge",

@@ -17,7 +17,6 @@ from ram_trl import defaults
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, TensorMeta
 from ram_trl.io.safetensors_io import dtype_itemsize
-from ram_trl.sizes import format_bytes as format_bytes  # re-exported: callers import it from here
 from ram_trl.sizes import parse_size
 
 #: Default chunk budget in bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).

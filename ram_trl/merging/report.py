@@ -21,9 +21,10 @@ import yaml
 import ram_trl
 from ram_trl import defaults
 from ram_trl.io.hub import cached_revision, describe, parse_reference
-from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan, format_bytes
+from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, MergePlan
 from ram_trl.messages import processes_phrase, shown
 from ram_trl.methods import resolve_method
+from ram_trl.sizes import format_bytes
 from ram_trl.statistics.effect import effect_line, effect_report
 
 if TYPE_CHECKING:

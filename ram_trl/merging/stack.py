@@ -28,8 +28,9 @@ from ram_trl.merging.config.schema import DTYPES, MergeConfig, SliceEntry, Slice
 from ram_trl.merging.config.settings import evaluate_setting, layer_count_key, num_layers
 from ram_trl.merging.config.tokens import resolve_chat_template
 from ram_trl.merging.context import MergeOptions
-from ram_trl.merging.planner import TensorTask, format_bytes, parse_size, plan_shards, write_index
+from ram_trl.merging.planner import TensorTask, plan_shards, write_index
 from ram_trl.output import OutputDir
+from ram_trl.sizes import format_bytes, parse_size
 from ram_trl.statistics.anatomy import layer_index, module_type, with_layer
 
 logger = logging.getLogger(__name__)

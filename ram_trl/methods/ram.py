@@ -13,18 +13,7 @@ import torch
 from ram_trl import defaults
 from ram_trl.errors import ConfigError
 from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter
-from ram_trl.statistics.counting import (  # noqa: F401 - re-exported: RAM's counting maths, importable from here as before
-    DEFAULT_EPS,
-    active_flags,
-    active_mask,
-    float32_threshold,
-    masked_deltas,
-    overlap_counts,
-    overlap_unique_ratio,
-    rescale_factor,
-    soft_rescale_factor,
-    subset_codes,
-)
+from ram_trl.statistics.counting import DEFAULT_EPS, masked_deltas
 
 if TYPE_CHECKING:
     from ram_trl.statistics import OverlapStatistics

@@ -11,14 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, sce, slerp, ties
-from ram_trl.methods.base import Alias, ChunkInputs, MergeMethod, Parameter, TensorView
+from ram_trl.methods.base import Alias, MergeMethod
 
 __all__ = [
-    "Alias",
-    "ChunkInputs",
-    "MergeMethod",
-    "Parameter",
-    "TensorView",
     "alias_names",
     "method_names",
     "register",

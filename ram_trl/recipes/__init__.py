@@ -49,10 +49,7 @@ def seed_overrides(seed: int) -> dict:
     """``ram-trl demo --seed S``: every seed of the demo recipe set to ``seed`` (the base's initialisation, the
     prompt splits and warm-start rows of every stage, the warm start's batches, abstentions and acceptance sampling,
     the GRPO trainers, the merges' random draws (DARE), the evaluation's sampling and bootstrap). The demo recipe
-    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is.
-
-    Raises:
-        ConfigError: naming ``--seed`` and its range, for a seed some derived seed cannot take."""
+    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is. A seed out of range is refused."""
     from ram_trl.errors import ConfigError
     from ram_trl.evaluation.spec import MAX_SEED
 

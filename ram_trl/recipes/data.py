@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import ConfigError
+from ram_trl.evaluation.rewards import import_object
 from ram_trl.output import atomic_file
-from ram_trl.recipes.environment import import_object
 from ram_trl.recipes.schema import StageSpec
 
 __all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "split_check_rows", "write_jsonl"]

@@ -2,7 +2,7 @@
 
 :func:`validate_recipe` is what ``ram-trl run RECIPE --dry-run`` runs offline after the schema
 (:mod:`ram_trl.recipes.schema`) has accepted the file: the import paths of prompt generators and reward functions
-(:func:`~ram_trl.evaluation.rewards.import_object`, re-exported here), the trainer and PEFT configs, the accelerate/DeepSpeed config files, and the model and data
+(:func:`~ram_trl.evaluation.rewards.import_object`), the trainer and PEFT configs, the accelerate/DeepSpeed config files, and the model and data
 paths. :func:`trainer_settings` builds a stage's trainer-config keyword arguments for this machine.
 """
 
@@ -25,7 +25,6 @@ __all__ = [
     "callable_list",
     "check_finite",
     "check_trainer_config",
-    "import_object",
     "trainer_settings",
     "validate_recipe",
 ]

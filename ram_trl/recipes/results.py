@@ -54,7 +54,7 @@ def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) 
             plot_preview(stage, record, out_dir / name)
             record["figures"] = [name]
             written.append(out_dir / name)
-    from ram_trl.analysis import clean
+    from ram_trl.analysis.result import clean
 
     _atomic_write(out_dir / "results.json", json.dumps(clean(results), indent=2, sort_keys=False) + "\n")
     _atomic_write(out_dir / "results.md", markdown(results))

@@ -384,7 +384,7 @@ def run_recipe(
         torch.set_num_threads(recipe.torch_threads)
     run = Run(recipe, root, Path(out).resolve(), options)
     run.layout.notes.extend(notes)
-    from ram_trl.recipes.stage import StageFailure
+    from ram_trl.evaluation.rewards import StageFailure
 
     try:
         run.preparation.prepare(recipe_file)
@@ -454,14 +454,7 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
 
 
 def merge_effect(path: Path) -> dict[str, Any] | None:
-    """The ``effect`` section of a merged model's report (how much of the merge survives its dtype), if any.
-
-    Args:
-        path (`Path`): The merged model's directory.
-
-    Returns:
-        `dict[str, Any] | None`: The section, ``None`` without a report.
-    """
+    """The ``effect`` section of a merged model's report (how much of the merge survives its dtype), if any."""
     import json
 
     from ram_trl.merging.report import REPORT_FILE

@@ -20,19 +20,17 @@ from typing import Any
 import torch
 
 from ram_trl.errors import ConfigError
-from ram_trl.evaluation.rewards import StageFailure, wrap_reward
+from ram_trl.evaluation.rewards import StageFailure, import_object, wrap_reward
 from ram_trl.parallel import owned_process
-from ram_trl.recipes.environment import import_object, trainer_settings
+from ram_trl.recipes.environment import trainer_settings
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 
 __all__ = [
-    "StageFailure",
     "attach_telemetry",
     "build_trainer",
     "main",
     "preflight_rewards",
     "run_stage",
-    "wrap_reward",
 ]
 
 

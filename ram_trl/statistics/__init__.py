@@ -8,13 +8,8 @@ that the merge, its report, ``ram-trl analyze`` and the telemetry share.
 """
 
 from ram_trl.statistics.magnitude import (
-    MAGNITUDE_MANTISSA_BITS,
-    TOP_FRACTIONS,
     MagnitudeStatistics,
     MagnitudeWorkspace,
-    excess_kurtosis,
-    histogram_gini,
-    histogram_top_mass,
     magnitude_bin,
     magnitude_bin_edges,
     sum_of_squares,
@@ -22,16 +17,11 @@ from ram_trl.statistics.magnitude import (
 from ram_trl.statistics.overlap import MAX_SUBSET_AGENTS, OverlapStatistics, TensorAnalysis, subset_counts
 
 __all__ = [
-    "MAGNITUDE_MANTISSA_BITS",
     "MAX_SUBSET_AGENTS",
-    "TOP_FRACTIONS",
     "MagnitudeStatistics",
     "MagnitudeWorkspace",
     "OverlapStatistics",
     "TensorAnalysis",
-    "excess_kurtosis",
-    "histogram_gini",
-    "histogram_top_mass",
     "magnitude_bin",
     "magnitude_bin_edges",
     "subset_counts",

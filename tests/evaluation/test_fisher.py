@@ -17,7 +17,6 @@ import ram_trl
 from ram_trl.cli import main
 from ram_trl.errors import RamTrlError
 from ram_trl.evaluation.fisher import (
-    FISHER_FILE,
     Completion,
     estimate_fisher,
     fisher_from_completions,
@@ -26,6 +25,7 @@ from ram_trl.evaluation.fisher import (
     read_prompts,
     save_fisher,
 )
+from ram_trl.io.checkpoint import FISHER_FILE
 from ram_trl.stage.manifest import StageManifest, describe_files, write_manifest
 from ram_trl.synthetic import make_agent_set, make_base_checkpoint
 from tests import reference

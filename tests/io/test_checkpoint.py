@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError
-from ram_trl.io.checkpoint import FISHER_FILE, SAFE_INDEX, confine, open_checkpoint, write_chat_template
+from ram_trl.io.checkpoint import FISHER_FILE, confine, open_checkpoint, write_chat_template
+from ram_trl.io.model_dir import SAFE_INDEX
 from ram_trl.io.safetensors_io import RowReader
 from tests.helpers import BIAS, DOWN, EMBED, UP, base_tensors, save_checkpoint
 

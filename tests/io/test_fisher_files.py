@@ -8,9 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError, NonFiniteError
-from ram_trl.io.checkpoint import open_checkpoint
+from ram_trl.io.checkpoint import FISHER_FILE, open_checkpoint
 from ram_trl.io.fisher_files import (
-    FISHER_FILE,
     check_fisher_headers,
     default_fisher_path,
     fill_fisher,

@@ -131,7 +131,8 @@ def test_dry_run_plans_with_the_input_cache(config, tmp_path, capsys):
 def test_dry_run_summary(config, tmp_path, capsys):
     summary = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False, print_summary=True)
     # the estimate separates the fixed overhead (the same for any model) from the merge's own buffers
-    from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, format_bytes
+    from ram_trl.merging.planner import PROCESS_BASELINE_BYTES
+    from ram_trl.sizes import format_bytes
 
     assert summary["peak_memory_fixed"] == PROCESS_BASELINE_BYTES
     share = format_bytes(summary["peak_memory_estimate"] - PROCESS_BASELINE_BYTES)

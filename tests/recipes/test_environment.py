@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from ram_trl.errors import ConfigError
+from ram_trl.evaluation.rewards import import_object
 from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
-from ram_trl.recipes.environment import import_object, validate_recipe
+from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.schema import load_recipe
 from tests.helpers import check_recipe, recipe_dict
 

@@ -8,19 +8,13 @@ from __future__ import annotations
 from ram_trl.callbacks.preview.callback import MergePreviewCallback
 from ram_trl.callbacks.preview.config import PREVIEW_PREFIX, default_preview_every, preview_merge_config
 from ram_trl.callbacks.preview.scores import preview_prompt_indices
-from ram_trl.callbacks.preview.state import CHECKPOINT_DIR, LAST_DIR, STATE_FILE, WORK_DIR, check_last_dir
-from ram_trl.digest import weights_digest
+from ram_trl.callbacks.preview.state import LAST_DIR
 
 __all__ = [
-    "CHECKPOINT_DIR",
     "LAST_DIR",
     "PREVIEW_PREFIX",
-    "STATE_FILE",
-    "WORK_DIR",
     "MergePreviewCallback",
-    "check_last_dir",
     "default_preview_every",
     "preview_merge_config",
     "preview_prompt_indices",
-    "weights_digest",
 ]

@@ -3,16 +3,11 @@
 Details: docs/telemetry.md.
 """
 
-from ram_trl.callbacks.telemetry.base_weights import MappedCheckpointBase, ModelBase, SnapshotBase, base_name
-from ram_trl.callbacks.telemetry.shards import LocalShard, iter_local_shards
+from ram_trl.callbacks.telemetry.base_weights import MappedCheckpointBase, ModelBase
 from ram_trl.callbacks.telemetry.tracker import TaskVectorTracker
 
 __all__ = [
-    "LocalShard",
     "MappedCheckpointBase",
     "ModelBase",
-    "SnapshotBase",
     "TaskVectorTracker",
-    "base_name",
-    "iter_local_shards",
 ]

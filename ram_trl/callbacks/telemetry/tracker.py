@@ -37,9 +37,7 @@ from ram_trl.callbacks.telemetry.chunks import (
     sample_windows,
 )
 from ram_trl.callbacks.telemetry.layout import (
-    LoraFactorsRef,
     ModelLayout,
-    Region,
     check_layout,
     compute_device,
     local_regions,
@@ -47,7 +45,6 @@ from ram_trl.callbacks.telemetry.layout import (
 )
 from ram_trl.callbacks.telemetry.metrics import measurement_metrics
 from ram_trl.callbacks.telemetry.precision import (
-    SAVE_DTYPES,
     auto_save_dtype,
     precision_record,
     resolve_save_dtype,
@@ -56,7 +53,6 @@ from ram_trl.callbacks.telemetry.precision import (
 from ram_trl.callbacks.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
 from ram_trl.callbacks.telemetry.shards import training_context
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.methods.ram import DEFAULT_EPS, float32_threshold, masked_deltas
 from ram_trl.parallel import (
     compute_pool,
     imap_blocks,
@@ -71,6 +67,7 @@ from ram_trl.statistics import (
     magnitude_bin_edges,
     sum_of_squares,
 )
+from ram_trl.statistics.counting import DEFAULT_EPS, float32_threshold, masked_deltas
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
 CHUNK_ELEMENTS = 1 << 18
@@ -553,12 +550,6 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "DEFAULT_PREFIX",
     "MAGNITUDE_SAMPLE_ELEMENTS",
-    "SAVE_DTYPES",
     "SMALL_MODEL_ELEMENTS",
-    "LoraFactorsRef",
-    "ModelLayout",
-    "Region",
     "TaskVectorTracker",
-    "model_layout",
-    "resolve_save_dtype",
 ]

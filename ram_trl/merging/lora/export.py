@@ -17,31 +17,20 @@ import torch
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
 from ram_trl.io.hub import resolve_model
-from ram_trl.io.lora import ADAPTER_CONFIG
+from ram_trl.io.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
 from ram_trl.merging.lora.peft_layout import (
-    DUMMY_TARGET_MODULES,
-    PEFT_PREFIX,
     AdapterPlan,
     Architecture,
     adapter_layout,
     build_architecture,
     classify,
 )
-from ram_trl.merging.lora.svd import (
-    OUTPUT_FORMATS,
-    Factorization,
-    LoraExportOptions,
-    choose_rank,
-    factorize,
-    lora_options,
-    relative_error,
-)
-from ram_trl.merging.planner import format_bytes
+from ram_trl.merging.lora.svd import LoraExportOptions, factorize, lora_options
 from ram_trl.merging.report import REPORT_FILE, adapter_card, write_report
 from ram_trl.output import OutputDir
+from ram_trl.sizes import format_bytes
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: Rows of a tensor copied into the adapter file at a time are about this many bytes.
 _COPY_CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -352,22 +341,4 @@ def print_export(report: dict[str, Any]) -> None:
     )  # what was not exported is among the report's warnings, printed with the summary
 
 
-__all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
-    "DUMMY_TARGET_MODULES",
-    "OUTPUT_FORMATS",
-    "REPORT_FILE",
-    "AdapterPlan",
-    "Architecture",
-    "Factorization",
-    "LoraExportOptions",
-    "build_architecture",
-    "choose_rank",
-    "classify",
-    "export_lora",
-    "factorize",
-    "lora_options",
-    "print_export",
-    "relative_error",
-]
+__all__ = ["export_lora", "print_export"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import Checkpoint
 from ram_trl.io.hub import hub_name
-from ram_trl.io.lora import meta_model
+from ram_trl.io.lora import PEFT_PREFIX, meta_model
 from ram_trl.io.safetensors_io import TensorInfo
 from ram_trl.merging.lora.svd import LoraExportOptions
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 #: PEFT's ``target_modules`` value for an adapter without LoRA layers (only ``modules_to_save``).
 DUMMY_TARGET_MODULES = "dummy-target-modules"
 #: The prefix of every tensor name in a PEFT adapter file.
-PEFT_PREFIX = "base_model.model."
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ from ram_trl.callbacks.preview import (
     MergePreviewCallback,
     default_preview_every,
     preview_prompt_indices,
-    weights_digest,
 )
 from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
 from ram_trl.cli import main as cli
+from ram_trl.digest import weights_digest
 from ram_trl.errors import ConfigError
 from ram_trl.evaluation.retention import retention
 from ram_trl.evaluation.scoring import EvalTask, evaluate_model

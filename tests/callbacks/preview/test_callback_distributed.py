@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import ram_trl
-from ram_trl.callbacks.preview import weights_digest
 from ram_trl.callbacks.sparsity import TaskVectorSparsityCallback
+from ram_trl.digest import weights_digest
 from ram_trl.stage.manifest import read_manifest
 from ram_trl.synthetic import make_base_checkpoint
 from tests._launch import free_port, run_job

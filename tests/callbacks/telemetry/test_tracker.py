@@ -20,9 +20,9 @@ from torch import nn
 
 from ram_trl.callbacks.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.methods.ram import active_mask
 from ram_trl.stage.manifest import fingerprint_checkpoint
 from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
+from ram_trl.statistics.counting import active_mask
 from tests.callbacks.telemetry.helpers import (
     NUMEL,
     SHAPES,

@@ -182,7 +182,7 @@ def test_energy_mode_through_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     # the summary names the adapter and its size, not the temporary full model it was cut from
     assert f"-> {out}" in " ".join(err.split()) and ".ram-trl-full" not in err
-    from ram_trl.merging.planner import format_bytes
+    from ram_trl.sizes import format_bytes
 
     assert f"wrote {format_bytes((out / 'adapter_model.safetensors').stat().st_size)} in 1 file(s)" in err
     adapter_config = json.loads((out / "adapter_config.json").read_text())
