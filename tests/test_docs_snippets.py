@@ -6,9 +6,14 @@ on, which a CPU refuses), bash is valid and every ``ram-trl`` command line parse
 
 Run: each Python snippet (a fresh interpreter) and each bash line (bash, the installed ``ram-trl``), in a fresh
 directory holding tiny models built from a config under the names the docs use (``SUBSTITUTE`` maps the Hub ids and
-paths the docs name to them, and the sample counts to tiny ones), ``FILES``, and the files the page's earlier YAML
-snippets name on their first line (``# merge.yaml: ...``). A bash line matching ``LINES_NOT_RUN`` is not run (each
-pattern says why); a Python snippet that cannot run as pasted says why on the line before its fence, visibly:
+paths the docs name to them, and the sample and token counts to tiny ones), ``FILES`` (with the user's reward
+functions, ``my_pkg.rewards``), the stages a snippet's ``prior_stages=[...]`` names, and the files the page's earlier
+YAML snippets name on their first line (``# merge.yaml: ...``). The TRL training snippets train for real (GRPOTrainer
+on the CPU, 8-token completions). A snippet whose first line is ``# the end of the script above, from its LINE:`` runs
+after the page's previous Python snippet up to LINE; one whose first line is ``# ram_trl/PATH.py: at the end`` is
+appended to that file in a copy of the package (holding the page's earlier ``# ram_trl/PATH.py`` files, imported
+beside the others), which is then imported. A bash line matching ``LINES_NOT_RUN`` is not run (each pattern says
+why); a Python snippet that cannot run as pasted says why on the line before its fence, visibly:
 ``_Not run by the docs test: REASON._``"""
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = (
-    pytest.mark.slow
-)  # imports TRL and parses every command line: about 2 minutes on a loaded 2-core machine
+from tests.callbacks.telemetry.helpers import write_stage
+
+#: Imports TRL, parses every command line and trains 4 tiny GRPO runs (about 30 CPU-seconds each).
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -132,10 +138,13 @@ SUBSTITUTE = {
     "./Qwen2.5-7B-Instruct": "./base",
     "./Qwen2.5-1.5B-Instruct": "./base",
     "./grpo-coding": "./coder",
+    '"models/base"': '"./base"',
     "--num-samples 256": "--num-samples 2",
     "num_samples=256": "num_samples=2",
     "--max-new-tokens 128": "--max-new-tokens 4",
     "max_new_tokens=128": "max_new_tokens=4",
+    '"max_new_tokens": 32': '"max_new_tokens": 4',
+    "max_completion_length=256": "max_completion_length=8",
 }
 #: Files the snippets read, beside the models (a ``merge.yaml`` of the page, if it has one, replaces this one).
 FILES = {
@@ -143,6 +152,9 @@ FILES = {
     "  - model: ./memory-agent\nparameters: {r: 0.1, alpha: 2.0}\n",
     "coding_prompts.jsonl": '{"prompt": "2+3="}\n{"prompt": "4+4="}\n',
     "tool_prompts.txt": "call add(2, 3)\ncall mul(4, 4)\n",
+    "my_pkg/__init__.py": "",  # the user's reward functions (a TRL reward: one score per completion)
+    "my_pkg/rewards.py": "def coding(completions, **kwargs):\n    return [float('def ' in c) for c in completions]\n\n\n"
+    "def tools(completions, **kwargs):\n    return [float('(' in c) for c in completions]\n",
 }
 #: Bash lines that are not run, and why.
 LINES_NOT_RUN = {
@@ -154,6 +166,55 @@ LINES_NOT_RUN = {
     r"RECIPE\.yaml|runs/|convert-gguf": "a placeholder, a finished run or stage, or a downloaded file",
 }
 _NAMED_FILE = re.compile(r"^# (\S+\.ya?ml): ")
+#: The stages a Python snippet names as trained before (``prior_stages=[...]``): the run supplies them.
+_PRIOR_STAGES = re.compile(r"prior_stages=\[([^\]]*)\]")
+
+
+#: A Python snippet that ends the page's previous one: ``# the end of the script above, from its LINE:``.
+_ENDS_SCRIPT = re.compile(r"^# the end of the script above, from its (.+):\n")
+
+
+def _script(where: str, code: str) -> str:
+    """The snippet as run: after the lines of the page's previous Python snippet before LINE if it ends that one."""
+    ends = _ENDS_SCRIPT.match(code)
+    if ends is None:
+        return code
+    earlier = _earlier(where, "python")
+    assert earlier, f"{where} ends the script above, but no Python snippet is above it"
+    lines = earlier[-1].splitlines()
+    start = [line.split("#", 1)[0].strip() for line in lines]
+    assert ends.group(1) in start, f"{where}: the script above has no line {ends.group(1)}"
+    return "\n".join(lines[: start.index(ends.group(1))]) + "\n" + code
+
+
+#: A Python snippet that is a file of the package (``# ram_trl/methods/sign_mean.py``), or its end (``...: at the end``).
+_PACKAGE_FILE = re.compile(r"^# (ram_trl/\S+\.py)(: at the end)?\n")
+
+
+def _run_in_package(where: str, code: str, work: Path) -> None:
+    """The end of a package file, as pasted, in a copy of the package holding the page's earlier package files (each
+    imported beside the others where it is imported): the edited module imports in a fresh interpreter."""
+    shutil.copytree(REPO / "ram_trl", work / "ram_trl", ignore=shutil.ignore_patterns("__pycache__"))
+    target = _PACKAGE_FILE.match(code).group(1)
+    for text in _earlier(where, "python"):
+        named = _PACKAGE_FILE.match(text)
+        if named and not named.group(2):  # a new file of the package
+            (work / named.group(1)).write_text(text, encoding="utf-8")
+            package, module = named.group(1)[:-3].replace("/", ".").rsplit(".", 1)
+            edited = (work / target).read_text(encoding="utf-8")
+            beside = f"from {package} import "  # the module imported beside the others
+            assert beside in edited, f"{target} imports nothing from {package}: the page's step is stale"
+            (work / target).write_text(
+                edited.replace(beside, f"{beside}{module}\n{beside}", 1), encoding="utf-8"
+            )
+    with (work / target).open("a", encoding="utf-8") as file:
+        file.write("\n" + code)
+    module = target[:-3].replace("/", ".")  # imported from the copy: its edited lines run
+    _run(
+        [sys.executable, "-c", f"import os, {module} as m; assert m.__file__.startswith(os.getcwd())"],
+        work,
+        where,
+    )
 
 
 def _substituted(code: str) -> str:
@@ -180,21 +241,33 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def _workdir(tmp_path: Path, models: Path, where: str) -> Path:
+def _workdir(tmp_path: Path, models: Path, where: str, code: str = "") -> Path:
     work = tmp_path / "work"
     shutil.copytree(models, work)
     for name, text in FILES.items():
+        (work / name).parent.mkdir(exist_ok=True)
         (work / name).write_text(text, encoding="utf-8")
-    page = where.rsplit(":", 1)[0]
-    for other, kind, code, _ in SNIPPETS:  # the files the page's earlier snippets name
-        named = _NAMED_FILE.match(code)
-        if other.rsplit(":", 1)[0] == page and kind == "yaml" and named and _line(other) < _line(where):
-            (work / named.group(1)).write_text(_substituted(code), encoding="utf-8")
+    for stages in _PRIOR_STAGES.findall(code):  # agents trained before: stages of the tool agent on ./base
+        for path in re.findall(r"[\"']([^\"']+)[\"']", stages):
+            shutil.copytree(models / "tool-agent", work / path)
+            write_stage(work, Path(path).name, work / path, models / "base")
+    for text in _earlier(where, "yaml"):  # the files the page's earlier snippets name
+        named = _NAMED_FILE.match(text)
+        if named:
+            (work / named.group(1)).write_text(_substituted(text), encoding="utf-8")
     return work
 
 
 def _line(where: str) -> int:
     return int(where.rsplit(":", 1)[1])
+
+
+def _earlier(where: str, kind: str) -> list[str]:
+    """The snippets of ``kind`` above ``where`` on its page, in order."""
+    page = where.rsplit(":", 1)[0]
+    return [
+        c for w, k, c, _ in SNIPPETS if w.rsplit(":", 1)[0] == page and k == kind and _line(w) < _line(where)
+    ]
 
 
 def _run(command: list[str], work: Path, what: str, stdin: str | None = None) -> None:
@@ -228,7 +301,12 @@ def test_snippet(where, kind, code, not_run, models, tmp_path):
             for line in lines:
                 _run(["bash", "-e", "-c", line], work, f"{where}: `{line}`")
         return
-    _run([sys.executable, "-"], _workdir(tmp_path, models, where), where, stdin=_substituted(code))
+    named = _PACKAGE_FILE.match(code)
+    if named and named.group(2):
+        _run_in_package(where, code, _workdir(tmp_path, models, where))
+        return
+    code = _substituted(_script(where, code))
+    _run([sys.executable, "-"], _workdir(tmp_path, models, where, code), where, stdin=code)
 
 
 def test_not_run_lines_match_something():
