@@ -8,13 +8,15 @@ and base (``ram-trl demo``'s ``RUN/base_init`` and ``RUN/data``), in this proces
 
 ``--module`` compares against another revision of the module, e.g.
 ``git show REV:ram_trl/recipes/warm_start.py > /tmp/old.py``. Run the variants one after the other, each in its own
-process, under the same load. Prints one JSON line.
+process, under the same load. Prints one JSON line; each check (and, where the implementation reports them, the
+steps between checks) is a line on stderr as it happens.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -62,8 +64,22 @@ def measure(directory: Path, steps: int | None, module: Path | None, threads: in
         checks = None
     rows = mixture([read_jsonl(file) for file in preparation._warm_files()], seed=spec.seed)
     out = directory / f"bench_base_{os.getpid()}"
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    lines = {"write": say} if "write" in inspect.signature(implementation.warm_start).parameters else {}
     cpu, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    record = implementation.warm_start(layout.initial_base, out, rows, spec, progress=False, checks=checks)
+    record = implementation.warm_start(
+        layout.initial_base,
+        out,
+        rows,
+        spec,
+        progress=False,
+        checks=checks,
+        on_check=lambda phase, step, values: say(f"check ({phase}) step {step}: {values}"),
+        **lines,
+    )
     wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
     return {
         "implementation": str(module or "package"),

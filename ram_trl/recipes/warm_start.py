@@ -1,6 +1,13 @@
 """Supervised warm start: a few hundred steps of next-token training on (prompt, answer) rows, so a freshly built
 tiny base produces answers of the right shape and RL rewards are not all zero. It trains with TRL's ``SFTTrainer``;
-an :class:`AcceptanceCallback` stops it when the criterion holds (``benchmarks/bench_warm_start.py`` times it)."""
+an :class:`AcceptanceCallback` stops it when the criterion holds (``benchmarks/bench_warm_start.py`` times it).
+
+The trainer optimises exactly what the hand-written loop it replaced did: loss on the answers only, AdamW over every
+parameter, the same cosine-to-10% schedule, clipping at 1, and the same batches (each step's rows drawn on their own
+from one generator seeded with ``spec.seed``, read in order, not an epoch shuffle). Measured on the demo's rows,
+20 steps on 1 thread: losses 4.6705 -> 3.2644 with either, 13.7 s of CPU against 16.6 s for the loop. An earlier
+version shuffled by epoch; its demo run needed 1,300 steps to pass phase one's check, against 600 in the loop's last
+record (an older recipe): replaying the loop's batches makes the two the same run, so this is kept."""
 
 from __future__ import annotations
 
@@ -18,11 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from ram_trl.errors import ConfigError
 from ram_trl.output import OutputDir, guard_os_errors
+from ram_trl.recipes.progress import Progress
 from ram_trl.recipes.schema import WarmStartSpec
 
 __all__ = [
@@ -79,23 +86,57 @@ def _own_random_state() -> Iterator[None]:
         np.random.set_state(numpy)
 
 
-class _Progress(TrainerCallback):
-    """Every step's loss, and the warm start's bar (in place of the trainer's printed log lines)."""
+class _Steps(TrainerCallback):
+    """Every step's loss, and the steps up to the next check (or the end): a bar, or lines with an ETA through
+    ``write`` every tenth of the steps to the first check."""
 
-    def __init__(self, total: int, progress: bool) -> None:
-        self.losses: list[float] = []
-        self.bar = tqdm(total=total, desc="warm start", disable=not progress, leave=False)
+    def __init__(
+        self,
+        label: str,
+        max_steps: int,
+        acceptance: AcceptanceCallback | None,
+        progress: bool,
+        write: Callable[[str], None],
+    ) -> None:
+        self.label, self.max_steps, self.acceptance = label, max_steps, acceptance
+        self.progress, self.write = progress, write
+        first = max_steps if acceptance is None else acceptance.next_check
+        self.every, self.shown, self.losses = max(1, first // 10), None, []
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.shown is None or state.global_step >= self.shown.total:
+            if self.shown is not None:
+                self.shown.close()
+            end = self.max_steps if self.acceptance is None else self.acceptance.next_check
+            self.shown = Progress(
+                self.label,
+                end,
+                bar=self.progress,
+                write=self.write,
+                every_item=False,
+                first=state.global_step,
+                every=self.every,
+            )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.shown.update(state.global_step)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any
     ) -> None:
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
-            self.bar.set_postfix(loss=f"{self.losses[-1]:.3f}")
-            self.bar.update(1)
+            if self.shown is not None and self.shown.bar is not None:
+                self.shown.bar.set_postfix(loss=f"{self.losses[-1]:.3f}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.bar.close()
+        if self.shown is not None:
+            self.shown.close()
+
+
+def _draws(rng: random.Random, rows: int, size: int, steps: int) -> list[int]:
+    """Row indices of ``steps`` batches of ``size`` distinct rows, each batch drawn independently from ``rng``."""
+    return [index for _ in range(steps) for index in rng.sample(range(rows), size)]
 
 
 def _train_phase(
@@ -107,12 +148,16 @@ def _train_phase(
     max_steps: int,
     learning_rate: float,
     spec: WarmStartSpec,
+    rng: random.Random,
+    label: str,
     progress: bool,
+    write: Callable[[str], None],
     acceptance: AcceptanceCallback | None = None,
 ) -> list[float]:
     """TRL's ``SFTTrainer`` on ``encoded`` for ``max_steps`` steps (fewer when ``acceptance`` stops it): AdamW,
-    gradients clipped to norm 1, the learning rate decayed on a cosine over ``steps`` to 10% (then 10%), batches of
-    ``spec.batch_size`` rows shuffled each epoch from ``spec.seed``, on the CPU; every step's loss."""
+    gradients clipped to norm 1, the learning rate decayed on a cosine over ``steps`` to 10% (then 10%), each batch
+    ``spec.batch_size`` distinct rows drawn from ``rng`` (read in order; ``rng`` ends advanced by the batches
+    trained on), on the CPU, shown as ``label``; every step's loss."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
     from trl import SFTConfig, SFTTrainer
@@ -121,16 +166,17 @@ def _train_phase(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
     )
+    size, drawn = min(spec.batch_size, len(encoded)), rng.getstate()
     data = Dataset.from_dict(
         {"input_ids": [ids for ids, _ in encoded], "labels": [lab for _, lab in encoded]}
-    )
-    recorder = _Progress(max_steps, progress)
+    ).select(_draws(rng, len(encoded), size, max_steps))
+    recorder = _Steps(label, max_steps, acceptance, progress, write)
     with tempfile.TemporaryDirectory(prefix="ram-warm-start-") as scratch, _own_random_state():
         config = SFTConfig(
             output_dir=scratch,
             max_steps=max_steps,
-            per_device_train_batch_size=spec.batch_size,
-            dataloader_drop_last=len(encoded) >= spec.batch_size,
+            per_device_train_batch_size=size,
+            train_sampling_strategy="sequential",  # the batches as drawn above
             max_grad_norm=1.0,
             seed=spec.seed,
             bf16=False,  # TRL's defaults: bf16 autocast and activation checkpointing; the warm start trains float32
@@ -154,6 +200,8 @@ def _train_phase(
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)
         trainer.train()
+    rng.setstate(drawn)
+    _draws(rng, len(encoded), size, trainer.state.global_step)
     return recorder.losses
 
 
@@ -217,7 +265,13 @@ class _Checker:
     original model."""
 
     def __init__(
-        self, base_in: Path, model: Any, checks: list[Any], spec: WarmStartSpec, progress: bool
+        self,
+        base_in: Path,
+        model: Any,
+        checks: list[Any],
+        spec: WarmStartSpec,
+        progress: bool,
+        write: Callable[[str], None],
     ) -> None:
         import copy
 
@@ -227,17 +281,17 @@ class _Checker:
 
         self.tokenizer = generation_tokenizer(AutoTokenizer.from_pretrained(str(base_in)))
         self.checks, self.spec, self.accept, self.progress = checks, spec, spec.accept, progress
+        self.write = write
         self.saved = copy.deepcopy(model).eval()
 
-    def _tasks(self, what: str) -> Any:
-        """The check tasks, under a bar: a check generates on every stage's rows (minutes on a busy CPU)."""
-        return tqdm(
-            self.checks,
-            desc=f"warm start check ({what})",
-            unit="stage",
-            disable=not self.progress,
-            leave=False,
-        )
+    def _tasks(self, what: str) -> Iterator[Any]:
+        """The check tasks, with a bar or a line each: a check generates on every stage's rows (minutes on a busy
+        CPU)."""
+        shown = Progress(f"warm start check ({what})", len(self.checks), bar=self.progress, write=self.write)
+        for done, task in enumerate(self.checks, 1):
+            yield task
+            shown.update(done, task.stage)
+        shown.close()
 
     def _copy(self, model: Any) -> Any:
         self.saved.load_state_dict(model.state_dict())
@@ -352,8 +406,12 @@ def warm_start(
     record_extra: dict[str, Any] | None = None,
     checks: list[Any] | None = None,
     on_check: Callable[[str, int, dict[str, float]], None] | None = None,
+    write: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
+
+    Its progress is a bar when ``progress``, else lines with an ETA through ``write`` (for a log file; none without
+    it): the steps every tenth of the way to a phase's first check, then up to each check, and each check's stages.
 
     With ``spec.abstain_share``, a second phase of ``spec.abstain_steps`` steps follows on the same rows with that
     share abstaining (:func:`with_abstentions`): the tasks are learned first, the habit of declining on top, so
@@ -390,8 +448,10 @@ def warm_start(
     accept = spec.accept
     if accept is not None and not checks:
         raise ConfigError("warm start: warm_start.accept needs check rows (none were given)")
-    checker = _Checker(base_in, model, checks, spec, progress) if accept is not None else None
+    write = write or (lambda line: None)
+    checker = _Checker(base_in, model, checks, spec, progress, write) if accept is not None else None
     acceptance: dict[str, Any] = {}
+    rng = random.Random(spec.seed)  # the batches of both phases
 
     def phase(name: str, data: list[tuple[list[int], list[int]]], steps: int, lr: float) -> list[float]:
         callback = None
@@ -416,7 +476,10 @@ def warm_start(
             max_steps=steps if callback is None else callback.cap,
             learning_rate=lr,
             spec=spec,
+            rng=rng,
+            label=f"warm start ({name}): step",
             progress=progress,
+            write=write,
             acceptance=callback,
         )
 

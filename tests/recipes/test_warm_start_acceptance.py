@@ -256,7 +256,7 @@ def test_the_check_measures_the_weights_rounded_to_the_saved_dtype(tmp_path):
     )
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
     spec = WarmStartSpec(save_dtype="bfloat16", accept=WarmStartAcceptance())
-    checker = _Checker(tmp_path / "init", model, [], spec, progress=False)
+    checker = _Checker(tmp_path / "init", model, [], spec, progress=False, write=print)
     add_fused_lm_head(model)  # what SFTTrainer does to the model it trains
     with torch.no_grad():
         for parameter in model.parameters():
@@ -383,3 +383,46 @@ def test_check_rows_skip_training_prompts_and_leave_the_warm_start():
         "e",
     ]  # no row of a check prompt is trained on (the 2nd "b")
     assert split_check_rows(warm, train, 10)[1] == [r for r in warm if r["prompt"] not in "ac"]
+
+
+def test_without_a_bar_the_steps_and_checks_are_lines_with_the_time_left(tmp_path, capsys):
+    import torch
+
+    from ram_trl.evaluation.scoring import EvalTask
+    from ram_trl.recipes.warm_start import warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
+    reward = ["ram_trl.recipes.tasks:recall_reward"]
+    checks = [EvalTask("t", rows[:2], reward, split="check"), EvalTask("u", rows[2:4], reward, split="check")]
+    # pass_reward 2 is out of reach: checks at 20, 23 and the cap 26, then the final measurement
+    accept = WarmStartAcceptance(
+        check_size=2, pass_k=1, pass_reward=2.0, every=3, max_steps=26, max_new_tokens=2
+    )
+    spec = WarmStartSpec(steps=20, batch_size=8, learning_rate=1e-2, save_dtype="float32", accept=accept)
+    lines = []
+    with pytest.warns(UserWarning, match="hit its cap of 26 steps"):
+        warm_start(
+            tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks, write=lines.append
+        )
+    check = ["warm start check (answers) 1/2: t", "warm start check (answers) 2/2: u"]
+    step = "warm start (answers): step"
+    # a line every tenth of the steps to the first check (2), counted again from each check to the next
+    assert [line.rsplit(" (", 1)[0] for line in lines] == [
+        *[f"{step} {n}/20" for n in range(2, 21, 2)],
+        *check,
+        f"{step} 22/23",
+        f"{step} 23/23",
+        *check,
+        f"{step} 25/26",
+        f"{step} 26/26",
+        *check,
+        *check,
+    ]
+    ends = {"20/20", "23/23", "26/26", "2/2: u"}
+    for line in lines:  # the time left, except where a count ends
+        assert line.endswith("left)") != any(f" {end} (" in line for end in ends), line
+    assert "warm start" not in capsys.readouterr().err  # no bar
