@@ -5,7 +5,7 @@ an :class:`AcceptanceCallback` stops it when the criterion holds (``benchmarks/b
 The trainer optimises exactly what the hand-written loop it replaced did: loss on the answers only, AdamW over every
 parameter, the same cosine-to-10% schedule, clipping at 1, and the same batches (each step's rows drawn on their own
 from one generator seeded with ``spec.seed``, read in order, not an epoch shuffle). Measured on the demo's rows,
-20 steps on 1 thread: losses 4.6705 -> 3.2644 with either, 13.7 s of CPU against 16.6 s for the loop. An earlier
+20 steps on 1 thread: losses 4.6705 -> 3.2644 with either, 14.4 s of CPU against 15.8 s for the loop. An earlier
 version shuffled by epoch; its demo run needed 1,300 steps to pass phase one's check, against 600 in the loop's last
 record (an older recipe): replaying the loop's batches makes the two the same run, so this is kept."""
 
