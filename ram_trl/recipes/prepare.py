@@ -176,6 +176,7 @@ class RunPreparation:
             record_extra={"rows_digest": digest},
             checks=self.layout.check_tasks() if spec.accept is not None else None,
             on_check=self._report_check,
+            write=self.layout.say,
         )
         self.layout.timed("warm_start", start)
         self.layout.console.print(

@@ -52,18 +52,28 @@ def step_lines(interval: float = 2.0) -> Any:
 
 class Progress:
     """``done`` of ``total`` with an ETA: a tqdm bar when ``bar``, else lines through ``write`` (one per item with
-    ``every_item``, otherwise one at each tenth of the total), e.g. ``evaluation 3/14: ram (41s; about 7m left)``."""
+    ``every_item``; otherwise one every ``every`` items, or at each tenth of the total without it), e.g.
+    ``evaluation 3/14: ram (41s; about 7m left)``. With ``first``, counting starts there (``first`` items were done
+    before: the bar starts at it, the lines and the ETA count from it)."""
 
     def __init__(
-        self, label: str, total: int, bar: bool, write: Callable[[str], None], every_item: bool = True
+        self,
+        label: str,
+        total: int,
+        bar: bool,
+        write: Callable[[str], None],
+        every_item: bool = True,
+        first: int = 0,
+        every: int | None = None,
     ) -> None:
         self.label, self.total, self.write, self.every_item = label, max(total, 0), write, every_item
-        self.start, self.done, self.tenths = time.perf_counter(), 0, 0
+        self.first, self.every = first, every
+        self.start, self.done, self.mark = time.perf_counter(), first, 0
         self.bar = None
         if bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.total, desc=label, leave=False)
+            self.bar = tqdm(total=self.total, initial=first, desc=label, leave=False)
 
     def update(self, done: int, item: str | None = None) -> None:
         """``done`` items (or steps) finished so far; ``item``: the one just finished."""
@@ -73,12 +83,14 @@ class Progress:
                 self.bar.set_postfix_str(item, refresh=False)
             self.bar.update(step)
             return
-        tenths = 10 * done // self.total if self.total else 10
-        if not self.every_item and tenths <= self.tenths and done < self.total:
+        counted, span = done - self.first, self.total - self.first
+        tenths = 10 * counted // span if span > 0 else 10
+        mark = counted // self.every if self.every else tenths
+        if not self.every_item and mark <= self.mark and done < self.total:
             return
-        self.tenths = tenths
+        self.mark = mark
         elapsed = time.perf_counter() - self.start
-        left = elapsed * (self.total - done) / done if done else None
+        left = elapsed * (self.total - done) / counted if counted > 0 else None
         when = f"{duration(elapsed)}" + (
             f"; about {duration(left)} left" if left and done < self.total else ""
         )

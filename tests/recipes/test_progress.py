@@ -34,3 +34,25 @@ def test_steps_get_a_line_at_each_tenth_only():
     # the first step at or past each tenth of 95: 9.5, 19, 28.5, ...
     steps = [10, 19, 29, 38, 48, 57, 67, 76, 86, 95]
     assert [line.split(" (")[0] for line in lines] == [f"stage a: step {n}/95" for n in steps]
+
+
+def test_counting_from_first_a_line_every_n_steps_with_the_time_left():
+    lines = []
+    progress = Progress(
+        "warm start (answers): step",
+        700,
+        bar=False,
+        write=lines.append,
+        every_item=False,
+        first=600,
+        every=60,
+    )
+    progress.start -= 30  # step 660 ends 30 s after step 600
+    for step in range(601, 701):
+        progress.update(step)
+    assert [line.rsplit(" (", 1)[0] for line in lines] == [
+        "warm start (answers): step 660/700",
+        "warm start (answers): step 700/700",
+    ]
+    # 40 steps left at 60 steps per 30 s (counted from 600, not from 0: that would say 40 * 30 / 660, 2s)
+    assert lines[0].endswith("(30s; about 20s left)")

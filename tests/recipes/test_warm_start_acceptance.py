@@ -8,19 +8,30 @@ import pytest
 
 from ram_trl.recipes.schema import WarmStartAcceptance, WarmStartSpec
 from ram_trl.recipes.warm_start import (
+    AcceptanceCallback,
     acceptance_summary,
     criterion,
     decline_target,
     pass_at_k,
     phase_met,
-    train_until,
 )
 
 
-def _scripted(values: list[dict[str, float]]):
-    trained: list[int] = []
+def _train(callback: AcceptanceCallback, values: list[dict[str, float]], max_steps: int) -> int:
+    """The trainer's loop around ``callback`` (one ``on_step_end`` per optimizer step) with scripted measurements;
+    the steps trained."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
     measured = iter(values)
-    return trained, trained.append, lambda: next(measured)
+    callback.measure = lambda: next(measured)
+    state, control = TrainerState(), TrainerControl()
+    args = TrainingArguments(output_dir="unused", report_to="none")
+    for step in range(1, max_steps + 1):
+        state.global_step = step
+        callback.on_step_end(args, state, control)
+        if control.should_training_stop:
+            return step
+    return max_steps
 
 
 def test_pass_at_k_counts_rows_with_any_passing_sample():
@@ -40,38 +51,35 @@ def test_phase_met_every_stage_or_the_mean():
     assert not phase_met({}, 0.0)
 
 
-def test_train_until_stops_at_the_first_check_that_meets_the_criterion():
-    trained, train, measure = _scripted([{"a": 0.2}, {"a": 0.4}, {"a": 0.6}, {"a": 0.9}])
+def test_the_callback_stops_training_at_the_first_check_that_meets_the_criterion():
     reported = []
-    out = train_until(
-        train,
-        measure,
+    callback = AcceptanceCallback(
+        None,
         lambda v: phase_met(v, 0.5),
         first=600,
         every=100,
         cap=1500,
         on_check=lambda step, values: reported.append((step, values["a"])),
     )
-    assert trained == [600, 100, 100]
+    trained = _train(callback, [{"a": 0.2}, {"a": 0.4}, {"a": 0.6}, {"a": 0.9}], max_steps=1500)
+    assert trained == 800  # checks at 600, 700, 800: met at 800, the trainer stops there
     assert reported == [(600, 0.2), (700, 0.4), (800, 0.6)]
+    out = callback.record()
     assert out["steps"] == 800 and out["met"] is True and out["cap"] == 1500
     assert [c["step"] for c in out["checks"]] == [600, 700, 800]
     assert [c["values"]["a"] for c in out["checks"]] == [0.2, 0.4, 0.6]
 
 
-def test_train_until_stops_at_the_cap_and_flags_it():
-    trained, train, measure = _scripted([{"a": 0.1}] * 10)
-    out = train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=750)
-    assert trained == [600, 100, 50]  # the last piece is cut to the cap
+def test_the_callback_checks_at_the_cap_and_flags_it():
+    callback = AcceptanceCallback(None, lambda v: phase_met(v, 0.5), first=600, every=100, cap=750)
+    assert _train(callback, [{"a": 0.1}] * 10, max_steps=750) == 750
+    out = callback.record()
     assert out["steps"] == 750 and out["met"] is False
-    assert [c["step"] for c in out["checks"]] == [600, 700, 750]
+    assert [c["step"] for c in out["checks"]] == [600, 700, 750]  # the last check is at the cap
     # a first check past the cap is moved to the cap
-    trained, train, measure = _scripted([{"a": 0.9}])
-    assert (
-        train_until(train, measure, lambda v: phase_met(v, 0.5), first=600, every=100, cap=300)["steps"]
-        == 300
-    )
-    assert trained == [300]
+    callback = AcceptanceCallback(None, lambda v: phase_met(v, 0.5), first=600, every=100, cap=300)
+    assert _train(callback, [{"a": 0.9}], max_steps=300) == 300
+    assert callback.record()["steps"] == 300 and callback.record()["met"] is True
 
 
 def test_criterion_and_decline_target_in_words():
@@ -199,6 +207,69 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path, capsys
     assert acceptance["criterion"] == criterion(spec)
 
 
+def test_a_met_criterion_stops_the_trainer_and_the_process_random_state_is_left_alone(tmp_path):
+    import os
+    import random
+
+    import numpy as np
+    import torch
+
+    from ram_trl.evaluation.scoring import EvalTask
+    from ram_trl.recipes.warm_start import warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
+    checks = [EvalTask("t", rows[:2], ["ram_trl.recipes.tasks:recall_reward"], split="check")]
+    # min_pass 0: met at the first check (step 3); without the stop the trainer would run to the cap of 200 steps
+    accept = WarmStartAcceptance(
+        check_size=2, pass_k=1, min_pass=0.0, every=5, max_steps=200, max_new_tokens=2
+    )
+    spec = WarmStartSpec(steps=3, batch_size=8, learning_rate=1e-2, save_dtype="float32", accept=accept)
+    import rich.style  # noqa: F401  (its first import, through the trainer, draws from Python's random)
+
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    environment = dict(os.environ)
+    record = warm_start(tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks)
+    answers = record["acceptance"]["phases"]["answers"]
+    assert (answers["steps"], answers["met"], [c["step"] for c in answers["checks"]]) == (3, True, [3])
+    assert record["steps"] == 3  # the trainer logged 3 steps' losses: it stopped at the check
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
+    # the trainer seeds Python, NumPy and torch globally: the warm start restores them
+    assert after[0] == before[0] and (after[1] == before[1]).all() and torch.equal(after[2], before[2])
+    assert dict(os.environ) == environment
+
+
+def test_the_check_measures_the_weights_rounded_to_the_saved_dtype(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from ram_trl.recipes.warm_start import _Checker
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
+    spec = WarmStartSpec(save_dtype="bfloat16", accept=WarmStartAcceptance())
+    checker = _Checker(tmp_path / "init", model, [], spec, progress=False, write=print)
+    add_fused_lm_head(model)  # what SFTTrainer does to the model it trains
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 1e-3)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    rounded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32).eval()
+    rounded.load_state_dict(model.state_dict())
+    rounded.to(torch.bfloat16).to(torch.float32)
+    measured = checker._copy(model)(ids).logits
+    assert torch.equal(measured, rounded(ids).logits)
+    assert not torch.equal(measured, model.eval()(ids).logits)  # not the float32 weights being trained
+
+
 def test_accept_needs_check_rows(tmp_path):
     from ram_trl.errors import ConfigError
     from ram_trl.recipes.warm_start import warm_start
@@ -312,3 +383,46 @@ def test_check_rows_skip_training_prompts_and_leave_the_warm_start():
         "e",
     ]  # no row of a check prompt is trained on (the 2nd "b")
     assert split_check_rows(warm, train, 10)[1] == [r for r in warm if r["prompt"] not in "ac"]
+
+
+def test_without_a_bar_the_steps_and_checks_are_lines_with_the_time_left(tmp_path, capsys):
+    import torch
+
+    from ram_trl.evaluation.scoring import EvalTask
+    from ram_trl.recipes.warm_start import warm_start
+    from ram_trl.synthetic import make_base_checkpoint
+
+    make_base_checkpoint(
+        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
+    )
+    rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
+    reward = ["ram_trl.recipes.tasks:recall_reward"]
+    checks = [EvalTask("t", rows[:2], reward, split="check"), EvalTask("u", rows[2:4], reward, split="check")]
+    # pass_reward 2 is out of reach: checks at 20, 23 and the cap 26, then the final measurement
+    accept = WarmStartAcceptance(
+        check_size=2, pass_k=1, pass_reward=2.0, every=3, max_steps=26, max_new_tokens=2
+    )
+    spec = WarmStartSpec(steps=20, batch_size=8, learning_rate=1e-2, save_dtype="float32", accept=accept)
+    lines = []
+    with pytest.warns(UserWarning, match="hit its cap of 26 steps"):
+        warm_start(
+            tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks, write=lines.append
+        )
+    check = ["warm start check (answers) 1/2: t", "warm start check (answers) 2/2: u"]
+    step = "warm start (answers): step"
+    # a line every tenth of the steps to the first check (2), counted again from each check to the next
+    assert [line.rsplit(" (", 1)[0] for line in lines] == [
+        *[f"{step} {n}/20" for n in range(2, 21, 2)],
+        *check,
+        f"{step} 22/23",
+        f"{step} 23/23",
+        *check,
+        f"{step} 25/26",
+        f"{step} 26/26",
+        *check,
+        *check,
+    ]
+    ends = {"20/20", "23/23", "26/26", "2/2: u"}
+    for line in lines:  # the time left, except where a count ends
+        assert line.endswith("left)") != any(f" {end} (" in line for end in ends), line
+    assert "warm start" not in capsys.readouterr().err  # no bar
