@@ -901,6 +901,9 @@ def picollamas(tmp_path_factory) -> dict[str, str]:
         "swapped": _pico(root / "swapped", 66, ["<|im_end|>", "<|im_start|>"], 3),
         # the same two chat tokens, numbered alike, with rows of its own
         "chatml2": _pico(root / "chatml2", 66, ["<|im_start|>", "<|im_end|>"], 5),
+        # embeddings with rows past their tokenizers: two spare rows, and the chatml tokens plus one spare row
+        "spare": _pico(root / "spare", 66, [], 6),
+        "wide": _pico(root / "wide", 67, ["<|im_start|>", "<|im_end|>"], 7),
     }
 
 
@@ -1055,6 +1058,31 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
         # the rows two models add: not their plain mean (mergekit merges them from it, with the unequal weights)
         rows = [_load_dir(Path(picollamas[n]))["lm_head.weight"][64:] for n in names]
         assert not torch.allclose(ours["lm_head.weight"][64:], (rows[0] + rows[1]) / 2, atol=1e-4)
+
+
+@pytest.mark.parametrize(("names", "rows"), [(["spare", "chatml"], 66), (["wide"], 66), (["spare"], 64)])
+def test_union_leaves_out_rows_past_a_models_tokenizer_as_mergekit(names, rows, picollamas, tmp_path):
+    """A model whose embedding has rows that are no token of its tokenizer: mergekit's union leaves them out (the
+    output has one row per union token) and gives the model the default row for a token it lacks, so its spare rows
+    never enter a merged row (ram_trl wrote 67 rows for ``wide`` and mixed ``spare``'s rows 64-65 into the chat
+    tokens' rows, 0.04 off)."""
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": picollamas["base"],
+        "models": [{"model": picollamas[n], "parameters": {"weight": 0.6}} for n in names],
+        "tokenizer_source": "union",
+        "dtype": "float32",
+    }
+    ours, theirs = _run_both(config, tmp_path)
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert ours["lm_head.weight"].shape[0] == rows
+    configs = [
+        json.loads((tmp_path / d / "config.json").read_text())["vocab_size"] for d in ("ram_trl", "mergekit")
+    ]
+    assert configs == [rows, rows]
 
 
 @pytest.mark.parametrize(("method", "source"), [("task_arithmetic", None), ("ties", None), ("ties", "base")])

@@ -114,3 +114,61 @@ def test_a_merge_holds_no_pairwise_counts(tmp_path):
             patch.setattr(report, "build_report", spy)
             ram_trl.merge(config_for(ckpts, method), tmp_path / method, progress=False)
     assert seen == [0, 0]
+
+
+@pytest.mark.parametrize("num_agents", [3, 20])
+def test_the_merges_summary_counts_active_unique_and_shared_alone_beyond_12_agents(num_agents):
+    """Beyond 12 agents the merge keeps three bins per agent (none, unique, shared), not N + 1: N x 3 counts."""
+    mask = torch.rand(num_agents, 500, generator=torch.Generator().manual_seed(2)) < 0.3
+    full = OverlapStatistics.zeros(num_agents)
+    full.update(mask)
+    summary = OverlapStatistics.summary(num_agents)
+    summary.update(mask[:, :200])
+    summary.add(OverlapStatistics.summary(num_agents) + full)  # a whole histogram added is binned
+    part = OverlapStatistics.summary(num_agents)
+    part.update(mask[:, 200:])
+    summary.add(part)
+    counts = mask.sum(0)
+    for t in range(num_agents):
+        unique, active = int((mask[t] & (counts == 1)).sum()), int(mask[t].sum())
+        assert (summary.unique(t), summary.shared(t)) == (2 * unique, 2 * (active - unique))
+        assert summary.rho(t) == full.rho(t) and summary.density(t) == full.density(t)
+    if num_agents <= 12:  # the subset path: the whole histogram comes free
+        assert torch.equal(summary.histogram, 2 * full.histogram)
+    else:
+        assert summary.histogram.shape == (num_agents, 3) and summary.as_dict(0)["overlap_histogram"] is None
+        assert {k: v for k, v in summary.as_dict(0).items() if k != "overlap_histogram"} == {
+            k: v for k, v in (full + full).as_dict(0).items() if k != "overlap_histogram"
+        }
+        with pytest.raises(ValueError, match="no whole overlap histogram"):
+            summary.element_counts()
+
+
+def test_a_merge_of_many_agents_counts_linear_statistics(tmp_path):
+    """13 agents: the merge's counts are N x 3 (the overlap histogram is left out of the report), and RAM+'s
+    unique / shared counts and lambdas are those of the whole histogram."""
+    import ram_trl
+    from ram_trl.merging import report
+    from tests.helpers import config_for, make_checkpoints
+
+    shapes = []
+    original = report.build_report
+
+    def spy(resolved, plan, state, *args):
+        shapes.append(tuple(state.stats.histogram.shape))
+        return original(resolved, plan, state, *args)
+
+    ckpts = make_checkpoints(tmp_path, num_agents=13, fraction=0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report, "build_report", spy)
+        merged = ram_trl.merge(config_for(ckpts, "ram_plus"), tmp_path / "out", progress=False)
+    assert shapes == [(13, 3)]
+    full = OverlapStatistics.zeros(13)
+    for name, base in ckpts.base_tensors.items():
+        if base.is_floating_point():
+            taus = torch.stack([agent[name].float() - base.float() for agent in ckpts.agent_tensors])
+            full.update(active_mask(taus.reshape(13, -1), 1e-5))
+    for t, agent in enumerate(merged["agents"]):
+        assert (agent["unique"], agent["shared"]) == (full.unique(t), full.shared(t))
+        lambdas = full.lambdas(merged["parameters"]["r"], merged["parameters"]["alpha"])
+        assert agent["overlap_histogram"] is None and agent["lambda"] == lambdas[t]

@@ -305,7 +305,7 @@ def _run_merge(
         agents=agents,
         plan=plan,
         dist=ctx,
-        state=MergeState(stats=OverlapStatistics.zeros(len(agents), pairwise=False)),
+        state=MergeState(stats=OverlapStatistics.summary(len(agents))),
         device=ctx.device(options.device),
         tasks=[plan.tasks[i] for i in owned],
     )

@@ -65,11 +65,8 @@ def masked_deltas(
 def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
     """Number of active agents per element, ``c = sum_t m_t``."""
     dtype = torch.uint8 if mask.shape[0] < 256 else torch.int32
-    rows = mask.view(torch.uint8) if dtype == torch.uint8 else mask.to(dtype)
-    counts = rows[0].to(dtype, copy=True)
-    for row in rows[1:]:
-        counts += row
-    return counts
+    # one reduction, not one operation per agent (as fast at a few agents, far fewer calls at many)
+    return mask.view(torch.uint8).sum(dim=0, dtype=dtype)
 
 
 def overlap_unique_ratio(shared: int, unique: int) -> float:

@@ -45,7 +45,8 @@ def subset_counts(mask: torch.Tensor) -> torch.Tensor:
 @dataclass
 class OverlapStatistics:
     """Per-agent overlap histogram and pairwise co-activity of active task-vector elements (``pairwise`` is ``(0, 0)``
-    when not counted: the merge never reads it, so that its cost stays linear in the number of agents)."""
+    when not counted: the merge never reads it, so that its cost stays linear in the number of agents; ``histogram``
+    has three bins, none / unique / shared, when only those are counted, see :meth:`summary`)."""
 
     num_agents: int
     histogram: torch.Tensor
@@ -53,19 +54,31 @@ class OverlapStatistics:
     numel: int = 0
 
     @classmethod
-    def zeros(cls, num_agents: int, pairwise: bool = True) -> OverlapStatistics:
+    def zeros(cls, num_agents: int, pairwise: bool = True, histogram: bool = True) -> OverlapStatistics:
         size = num_agents if pairwise else 0
+        bins = num_agents + 1 if histogram else min(num_agents + 1, 3)
         return cls(
             num_agents,
-            torch.zeros(num_agents, num_agents + 1, dtype=torch.int64),  # host
+            torch.zeros(num_agents, bins, dtype=torch.int64),  # host
             torch.zeros(size, size, dtype=torch.int64),  # host
             0,
         )
+
+    @classmethod
+    def summary(cls, num_agents: int) -> OverlapStatistics:
+        """The counts a merge keeps, at a cost linear in the number of agents: per agent active / unique / shared
+        elements, the whole overlap histogram only up to :data:`MAX_SUBSET_AGENTS` agents, no pairwise counts."""
+        return cls.zeros(num_agents, pairwise=False, histogram=num_agents <= MAX_SUBSET_AGENTS)
 
     @property
     def counts_pairs(self) -> bool:
         """Whether :attr:`pairwise` is counted."""
         return self.pairwise.numel() > 0 or self.num_agents == 0
+
+    @property
+    def full_histogram(self) -> bool:
+        """Whether :attr:`histogram` has a bin per number of active agents (else: none, unique, shared)."""
+        return self.histogram.shape[1] == self.num_agents + 1
 
     def update(self, mask: torch.Tensor) -> None:
         """Add one chunk's activity mask (bool, or float ``0`` / ``1`` flags; shape ``(num_agents, n)``)."""
@@ -76,6 +89,12 @@ class OverlapStatistics:
         mask = mask.to(torch.bool)
         counts = counting.overlap_counts(mask)
         # the chunk's counts on the mask's device, added to the host totals once (one owner of the boundary)
+        if not self.full_histogram:
+            active = mask.sum(dim=1)
+            unique = torch.logical_and(mask, counts == 1).sum(dim=1)
+            self.histogram[:, 1:] += torch.stack([unique, active - unique], dim=1).cpu()
+            self.numel += mask.shape[-1]
+            return
         # histogram[t, k]: one bincount of (t, c) over the active elements, O(N n) (not one pass per k)
         cells = torch.arange(n_agents, device=mask.device).unsqueeze(1) * (n_agents + 1) + counts.to(
             torch.int64
@@ -94,15 +113,20 @@ class OverlapStatistics:
         """Add the elements counted per subset of active agents (:func:`subset_counts`) over ``numel`` elements."""
         members, sizes = _subset_tables(self.num_agents)
         weighted = members * subsets.cpu().to(torch.int64).unsqueeze(1)
-        self.histogram += weighted.T @ sizes
+        self.histogram += _binned(weighted.T @ sizes, self.histogram.shape[1])
         if self.counts_pairs:
             self.pairwise += weighted.T @ members
         self.histogram[:, 0] = 0
         self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
-        """Add ``other``'s counts (pairs stay counted only when both count them)."""
-        self.histogram += other.histogram
+        """Add ``other``'s counts (pairs stay counted only when both count them; a whole histogram only when both
+        have one)."""
+        if self.histogram.shape == other.histogram.shape:
+            self.histogram += other.histogram
+        else:
+            bins = min(self.histogram.shape[1], other.histogram.shape[1])
+            self.histogram = _binned(self.histogram, bins) + _binned(other.histogram, bins)
         if self.counts_pairs and other.counts_pairs:
             self.pairwise += other.pairwise
         else:
@@ -111,9 +135,10 @@ class OverlapStatistics:
 
     def __add__(self, other: OverlapStatistics) -> OverlapStatistics:
         """The counts of both, as a new object (e.g. to aggregate per-tensor statistics by module type)."""
+        bins = min(self.histogram.shape[1], other.histogram.shape[1])
         return OverlapStatistics(
             self.num_agents,
-            self.histogram + other.histogram,
+            _binned(self.histogram, bins) + _binned(other.histogram, bins),
             self.pairwise + other.pairwise
             if self.counts_pairs and other.counts_pairs
             else self.pairwise.new_zeros(0, 0),
@@ -150,13 +175,19 @@ class OverlapStatistics:
     def overlap_shares(self, t: int) -> list[float]:
         """Share of agent ``t``'s active elements that exactly ``0, 1, ..., num_agents - 1`` OTHER agents also update
         (the RAM paper's figure 2, right); all zeros for an agent with no active element."""
+        self._need_full_histogram()
         active = self.active(t)
         return [int(c) / active if active else 0.0 for c in self.histogram[t, 1:].tolist()]
 
     def element_counts(self) -> list[int]:
         """Elements updated by exactly ``k`` agents, for ``k = 0 .. num_agents`` (they sum to ``numel``)."""
+        self._need_full_histogram()
         per_k = [int(self.histogram[:, k].sum()) // k for k in range(1, self.num_agents + 1)]
         return [self.numel - sum(per_k), *per_k]
+
+    def _need_full_histogram(self) -> None:
+        if not self.full_histogram:
+            raise ValueError("these counts have no whole overlap histogram (OverlapStatistics.summary)")
 
     def union(self) -> int:
         """Elements updated by at least one agent."""
@@ -183,8 +214,15 @@ class OverlapStatistics:
             "shared": self.shared(t),
             "density": self.density(t),
             "rho": self.rho(t),
-            "overlap_histogram": self.histogram[t, 1:].tolist(),
+            "overlap_histogram": self.histogram[t, 1:].tolist() if self.full_histogram else None,
         }
+
+
+def _binned(histogram: torch.Tensor, bins: int) -> torch.Tensor:
+    """A histogram over ``0 .. N`` active agents with its bins from 2 up summed into one when ``bins`` is 3."""
+    if histogram.shape[1] == bins:
+        return histogram
+    return torch.cat([histogram[:, :2], histogram[:, 2:].sum(dim=1, keepdim=True)], dim=1)
 
 
 @dataclass

@@ -515,6 +515,23 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
         _resolve(dirs, text.replace("task_arithmetic", "fisher"))
 
 
+def test_union_leaves_out_embedding_rows_that_are_no_token(dirs):
+    """An agent's embedding padded past its tokenizer (5 rows, 4 tokens): the union has 4 rows, built before the
+    merge, so the spare row is in no merged row and the output has 4 rows, as mergekit writes it."""
+    for name, count in {"base": 3, "a": 5}.items():
+        (dirs / name / "config.json").write_text(json.dumps({"vocab_size": count}))
+    _tokenizer(dirs / "base", ["x", "y", "z"])
+    _tokenizer(dirs / "a", ["x", "y", "z", "<|im_end|>"])
+    text = "merge_method: task_arithmetic\nbase_model: base\nmodels: [{model: a}]\ntokenizer_source: union\n"
+    resolved = _resolve(dirs, text)
+    assert resolved.union_rows == UnionRows(4, {3: (1,)}) and resolved.shape_mismatch == "error"
+    assert any(
+        "has 1 embedding row(s) that are no token of its tokenizer (first: 4)" in n for n in resolved.notes
+    )
+    with pytest.raises(ConfigError, match="with fisher is not supported here.*no token of its tokenizer"):
+        _resolve(dirs, text.replace("task_arithmetic", "fisher"))
+
+
 def test_empty_parameters_of_a_slice_mean_none(dirs):
     for name in ("base", "a"):
         (dirs / name / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))

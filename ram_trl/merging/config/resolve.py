@@ -34,6 +34,7 @@ from ram_trl.merging.config.tokens import (
     padded_rows,
     resolve_chat_template,
     shares_numbering,
+    spare_rows,
     token_sources,
     tokenizer_vocabulary,
     union_donor,
@@ -267,18 +268,28 @@ def resolve_config(
         padded = padded_rows(config, union_rows.rows)
         union_rows = dataclasses.replace(union_rows, sources=sources, forced=forced, padded_rows=padded)
         shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
-        if padded or forced or sources or (union_rows.holders and (method.prepares_tensors or shared)):
+        # a row that is no token's (an embedding padded past its tokenizer) is left out of the union
+        spare = spare_rows(models)
+        if (
+            padded
+            or forced
+            or sources
+            or spare
+            or (union_rows.holders and (method.prepares_tensors or shared))
+        ):
             # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
             # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
             if method.needs_fisher:
                 raise ConfigError(
                     f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union builds "
                     "vocabulary rows that the agents' Fisher files do not have"
+                    + (f" ({spare})" if spare else "")
                 )
             notes.append(
                 f"tokenizer source 'union' ({union_rows.rows} tokens): the rows of {len(union_rows.holders)} token(s) "
                 f"that some model lacks and of {len(union_rows.forced)} forced token(s) are built in every model "
                 "before the merge, as mergekit builds them"
+                + (f"; {spare}: mergekit leaves such rows out, and so does ram_trl" if spare else "")
             )
         else:
             union_rows = None

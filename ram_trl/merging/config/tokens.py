@@ -253,6 +253,21 @@ def padded_rows(config: MergeConfig, rows: int) -> int | None:
     return -(-rows // multiple) * multiple
 
 
+def spare_rows(models: list[Path]) -> str:
+    """``""`` when every model's embedding rows are rows of tokens its tokenizer holds; else the first model with a
+    row that is no token's (padding past its tokenizer, or a gap), named with its row count. mergekit's union
+    leaves such rows out (a model lacking a token gets the default row), so the union's rows are then built."""
+    for model in models:
+        vocab, rows = tokenizer_vocabulary(model), _rows(model)
+        if vocab is None or rows is None:
+            continue
+        held = set(vocab.values())
+        spare = [i for i in range(rows) if i not in held]
+        if spare:
+            return f"{model} has {len(spare)} embedding row(s) that are no token of its tokenizer (first: {spare[0]})"
+    return ""
+
+
 def build_union_rows(models: list[Path], dtype: str | None, size: int | None = None) -> UnionRows:
     """The union's rows (models numbering their tokens alike, :func:`union_donor`): its size (the highest used id
     plus one, unless ``size`` gives it) and, for each token some model (the base first) lacks, the models that have

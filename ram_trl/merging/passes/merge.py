@@ -204,7 +204,7 @@ def merge_block(
     deltas, base_values = ready
     counts = None
     if context.stats is not None:
-        counts = OverlapStatistics.zeros(len(run.agents), pairwise=False)
+        counts = OverlapStatistics.summary(len(run.agents))
         counts.update(counting.active_flags(deltas, run.eps))
     method = resolved.method
     inputs = ChunkInputs(

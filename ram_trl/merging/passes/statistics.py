@@ -69,7 +69,7 @@ def statistics_pass(run: RunContext) -> None:
         flags = torch.gt(deltas.abs_(), counting.float32_threshold(eps), out=deltas)  # active_flags, in place
         if by_subsets:
             return subset_counts(flags)
-        counts = OverlapStatistics.zeros(len(agents), pairwise=False)
+        counts = OverlapStatistics.summary(len(agents))
         counts.update(flags)
         return counts
 
@@ -77,7 +77,7 @@ def statistics_pass(run: RunContext) -> None:
         nonlocal current, current_task, subsets, numel
         if chunk.task is not current_task:
             finish()
-            current, current_task = OverlapStatistics.zeros(len(agents), pairwise=False), chunk.task
+            current, current_task = OverlapStatistics.summary(len(agents)), chunk.task
             subsets, numel = None, 0
         assert current is not None
         for counts in results:

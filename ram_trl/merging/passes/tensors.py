@@ -148,7 +148,7 @@ def tensor_context(
         prepared=prepared,
         ordered=method.scan is not None and prepared is not None,
         seen=[0] * (len(run.agents) * method.scan_width),
-        stats=OverlapStatistics.zeros(len(run.agents), pairwise=False) if count_inline else None,
+        stats=OverlapStatistics.summary(len(run.agents)) if count_inline else None,
     )
 
 
