@@ -16,10 +16,12 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/ram-trl demo --out demo_out
 
+# DeepSpeed's CPU extension is built per virtualenv (a killed build's stale lock in the shared ~/.cache would hang
+# every later DeepSpeed test: docs/ci.md); a TORCH_EXTENSIONS_DIR the caller sets wins.
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}" $(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
