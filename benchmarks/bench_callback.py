@@ -63,9 +63,7 @@ SIZES = {
 #: GRPO settings per size where they differ from the defaults of :func:`run` (batch 4 = 1 prompt x 4 generations,
 #: 8 new tokens, lr 1e-5): the demo preset trains like a stage of recipes/demo-cpu.yaml, on one torch thread as there.
 TRAINER = {
-    "demo": dict(
-        per_device_train_batch_size=32, num_generations=8, max_completion_length=24, learning_rate=2e-5
-    ),
+    "demo": dict(per_device_train_batch_size=32, num_generations=8, max_completion_length=24, learning_rate=2e-5),
 }
 TORCH_THREADS = {"demo": 1}
 SECTION_START = "<!-- bench_callback:start -->"
@@ -107,9 +105,7 @@ def run(base: Path, out: Path, steps: int, with_callback: bool, size: str = "") 
             super().on_train_end(args, state, control, **kwargs)
             timings["end_seconds"] = time.perf_counter() - started
 
-    settings = dict(
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-5
-    )
+    settings = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-5)
     settings.update(TRAINER.get(size, {}))
     torch.set_num_threads(TORCH_THREADS.get(size, os.cpu_count() or 1))
     args = GRPOConfig(
@@ -276,9 +272,7 @@ def write_section(report: Path, text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="tiny,demo,0.5b")
-    parser.add_argument(
-        "--steps", default="tiny=20,demo=30,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10"
-    )
+    parser.add_argument("--steps", default="tiny=20,demo=30,0.5b=10", help="steps per size, e.g. tiny=20,0.5b=10")
     parser.add_argument("--repeats", default="tiny=3,demo=3,0.5b=2")
     parser.add_argument("--warmup", default="tiny,demo", help="sizes that get a discarded warm-up run first")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_callback"))
@@ -299,8 +293,7 @@ def main() -> None:
     finished = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     (parsed.workdir / "results.json").write_text(json.dumps({"results": results, "rows": rows}, indent=2))
     command = "python benchmarks/bench_callback.py " + " ".join(
-        f"--{k} {v}"
-        for k, v in [("sizes", parsed.sizes), ("steps", parsed.steps), ("repeats", parsed.repeats)]
+        f"--{k} {v}" for k, v in [("sizes", parsed.sizes), ("steps", parsed.steps), ("repeats", parsed.repeats)]
     )
     text = markdown(rows, command, started, finished, (load_before, os.getloadavg()[0]))
     print(text)

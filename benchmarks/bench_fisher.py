@@ -247,15 +247,9 @@ def main() -> None:
     parser.add_argument("--workdir", default="bench_fisher_out")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the benchmarked processes")
-    parser.add_argument(
-        "--chunk-budgets", default="256MB,128MB", help="comma-separated --chunk-budget values"
-    )
-    parser.add_argument(
-        "--skip-estimation", action="store_true", help="reuse the estimation figures saved earlier"
-    )
-    parser.add_argument(
-        "--report-only", action="store_true", help="rebuild the report from WORKDIR/results.json"
-    )
+    parser.add_argument("--chunk-budgets", default="256MB,128MB", help="comma-separated --chunk-budget values")
+    parser.add_argument("--skip-estimation", action="store_true", help="reuse the estimation figures saved earlier")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the report from WORKDIR/results.json")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -42,9 +42,7 @@ def write_inputs(root: Path, distinct: int = 8) -> tuple[Path, list[Path]]:
         if i:
             tensors = {
                 n: t
-                + (torch.rand(t.shape, generator=generator) < 0.1)
-                * 0.01
-                * torch.randn(t.shape, generator=generator)
+                + (torch.rand(t.shape, generator=generator) < 0.1) * 0.01 * torch.randn(t.shape, generator=generator)
                 for n, t in base.items()
             }
         (root / name).mkdir()
@@ -56,9 +54,7 @@ def write_inputs(root: Path, distinct: int = 8) -> tuple[Path, list[Path]]:
 def whole_merges(agents: list[int], methods: list[str]) -> None:
     import ram_trl
 
-    print(
-        "| entries | method | seconds (wall) | seconds (CPU, all threads) | output sha256 |\n|---|---|---|---|---|"
-    )
+    print("| entries | method | seconds (wall) | seconds (CPU, all threads) | output sha256 |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         base, distinct = write_inputs(Path(tmp))
         for n_agents in agents:

@@ -479,9 +479,7 @@ def ram_trl_source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def run_once(
-    command: list[str], out: Path | None, log_path: Path, env: dict, source: str | None = None
-) -> Run:
+def run_once(command: list[str], out: Path | None, log_path: Path, env: dict, source: str | None = None) -> Run:
     if out is not None and out.exists():
         shutil.rmtree(out)
     time_file = log_path.with_suffix(".time")
@@ -671,9 +669,7 @@ def comparison_table(rows: list[dict]) -> list[str]:
         "|---|---:|---:|---:|---|---|",
     ]
     for row in rows:
-        target = (
-            "-" if row["speed_target"] is None else f">= {row['speed_target']:.0f}x: {met(row['speed_met'])}"
-        )
+        target = "-" if row["speed_target"] is None else f">= {row['speed_target']:.0f}x: {met(row['speed_met'])}"
         lines.append(
             f"| {row['label']} | {f2(row['speedup'], 'x')} | {f2(row['cpu_ratio'], 'x')} | "
             f"{f2(row['rss_ratio'])} | {target} | {met(row['rss_met'])} |"
@@ -771,8 +767,7 @@ def marginal_table(rows: list[dict]) -> list[str]:
     by_key = {row["key"]: row for row in rows}
     for row in rows:
         speed = (
-            ", ".join(f"{f2(v, 'x')} vs mergekit {by_key[mk]['method']}" for mk, v in row["partners"].items())
-            or "-"
+            ", ".join(f"{f2(v, 'x')} vs mergekit {by_key[mk]['method']}" for mk, v in row["partners"].items()) or "-"
         )
         lines.append(
             f"| {row['tool']} | {row['method']} | {row['sizes']} | {row['fixed_s']:.2f} | "
@@ -810,16 +805,9 @@ def build_report(payload: dict) -> tuple[str, str]:
     started, finished = payload.get("started", "unknown"), payload.get("finished", "unknown")
     nproc, executable = payload.get("nproc", 1), payload.get("executable", "python")
     all_results = {
-        size: {key: JobResult.from_dict(job) for key, job in jobs.items()}
-        for size, jobs in payload["results"].items()
+        size: {key: JobResult.from_dict(job) for key, job in jobs.items()} for size, jobs in payload["results"].items()
     }
-    gaps = [
-        abs(r.wall - r.elapsed)
-        for res in all_results.values()
-        for j in res.values()
-        for r in j.runs
-        if r.elapsed
-    ]
+    gaps = [abs(r.wall - r.elapsed) for res in all_results.values() for j in res.values() for r in j.runs if r.elapsed]
     agreement = f"{max(gaps) * 1000:.0f} ms" if gaps else "n/a"
     md: list[str] = []
     term: list[str] = []
@@ -868,9 +856,7 @@ def build_report(payload: dict) -> tuple[str, str]:
         )
         sources = sorted({r.source for r in runs if r.source})
         if len(sources) == 1:
-            md.append(
-                f"- ram_trl sources (sha256 of `ram_trl/**/*.py`): `{sources[0]}`, the same for every run."
-            )
+            md.append(f"- ram_trl sources (sha256 of `ram_trl/**/*.py`): `{sources[0]}`, the same for every run.")
         elif sources:
             md.append(
                 f"- **ram_trl sources changed during the benchmark** ({len(sources)} versions: "
@@ -932,9 +918,7 @@ def build_report(payload: dict) -> tuple[str, str]:
         if names:
             md.append(
                 "Check, ram_trl output tensor names: "
-                + "; ".join(
-                    f"{k.removeprefix('ours_')}: {v}" for k, v in names.items() if k.startswith("ours_")
-                )
+                + "; ".join(f"{k.removeprefix('ours_')}: {v}" for k, v in names.items() if k.startswith("ours_"))
                 + "."
             )
         failures = [res for res in results.values() if any(r.returncode != 0 for r in res.runs)]
@@ -1061,9 +1045,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(json.loads(results_path.read_text(encoding="utf-8")), Path(args.report))
         log(f"report rebuilt from {results_path} and written to {args.report}")
         return 0
-    command_line = shlex.join(
-        ["python", *(sys.argv if argv is None else ["benchmarks/bench_merge.py", *argv])]
-    )
+    command_line = shlex.join(["python", *(sys.argv if argv is None else ["benchmarks/bench_merge.py", *argv])])
     if not Path("/usr/bin/time").is_file():
         sys.exit("error: /usr/bin/time (GNU time) is required: apt-get install time")
     try:
@@ -1118,9 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{size} round {round_ + 1}/{args.repeats} {res.tool:8s} {res.method:11s} "
                     f"{run.wall:7.2f} s  peak RSS {rss:>8s}  load {run.load:.2f}  {status}"
                 )
-        output_sizes = [
-            dir_bytes(outs[k]) for k in ("ours_ram_plus", "ours_ties") if k in outs and outs[k].is_dir()
-        ]
+        output_sizes = [dir_bytes(outs[k]) for k in ("ours_ram_plus", "ours_ties") if k in outs and outs[k].is_dir()]
         if output_sizes:
             sizes[size]["output_bytes"] = output_sizes[0]
         log(f"{size}: verifying outputs ...")

@@ -102,9 +102,7 @@ def main() -> None:
     for spec in specs[:-1]:
         out = work / spec.name
         if not (out / "ram_stage.json").is_file():
-            trainer = build_trainer(
-                stage(spec, args.prior_steps), base, splits[spec.name][0], out, recipe.seed
-            )
+            trainer = build_trainer(stage(spec, args.prior_steps), base, splits[spec.name][0], out, recipe.seed)
             callback = TaskVectorSparsityCallback(
                 trainer, base, stage_name=spec.name, save_dtype=spec.save_dtype, prior_stages=list(priors)
             )
@@ -140,8 +138,7 @@ def main() -> None:
     merge = statistics.median(h["merge_seconds"] for h in history)
     reference = statistics.median(c.reference_seconds for c in callbacks)
     step = statistics.median(
-        (r["wall"] - r["callback"].reference_seconds - sum(h["seconds"] for h in r["callback"].history))
-        / args.steps
+        (r["wall"] - r["callback"].reference_seconds - sum(h["seconds"] for h in r["callback"].history)) / args.steps
         for r in rows
         if r["preview"]
     )

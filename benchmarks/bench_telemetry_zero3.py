@@ -26,9 +26,7 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(
-    hidden_size=512, num_layers=8, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2
-)
+SHAPE = dict(hidden_size=512, num_layers=8, intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2)
 STRIDE = 7
 SECTION_START = "<!-- bench_telemetry_zero3:start -->"
 SECTION_END = "<!-- bench_telemetry_zero3:end -->"
@@ -151,12 +149,7 @@ def main() -> None:
             buffer.unlink(missing_ok=True)
     ranks = [json.loads((args.workdir / f"rank{r}.json").read_text()) for r in range(2)]
     skip = ("measure_seconds", "state_mb", "work_mb")
-    same = all(
-        agrees(r["metrics"][k], v, k)
-        for r in ranks
-        for k, v in one["metrics"].items()
-        if not k.endswith(skip)
-    )
+    same = all(agrees(r["metrics"][k], v, k) for r in ranks for k, v in one["metrics"].items() if not k.endswith(skip))
     numel = one["local_elements"]
     lines = [
         "## Telemetry on DeepSpeed ZeRO-3 partitions (bench_telemetry_zero3.py)",

@@ -98,9 +98,7 @@ def measure(directory: Path, steps: int | None, module: Path | None, threads: in
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--prepare", type=Path, help="draw the demo's rows and build its base into this directory"
-    )
+    parser.add_argument("--prepare", type=Path, help="draw the demo's rows and build its base into this directory")
     parser.add_argument("--run", type=Path, help="a directory made by --prepare")
     parser.add_argument("--steps", type=int, help="phase one only, this many steps, no acceptance checks")
     parser.add_argument("--module", type=Path, help="a warm_start.py to measure instead of the package's")

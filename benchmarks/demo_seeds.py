@@ -250,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("demo_seeds_out"))
     parser.add_argument("--quick", action="store_true", help="the demo's --quick sizes")
-    parser.add_argument(
-        "--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="runs, in this order"
-    )
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="runs, in this order")
     parser.add_argument("--table", action="store_true", help="only write the table from finished runs")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)

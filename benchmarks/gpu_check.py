@@ -259,9 +259,7 @@ def telemetry_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[s
     measures = [m["task_vector/measure_seconds"] for _, m in tracker.history]
     logged = tracker.last["task_vector/density_saved"]
     del trainer
-    saved = ram_trl.analyze(base, [out], eps=tracker.eps, progress=False, figures=False)["agents"][0][
-        "density"
-    ]
+    saved = ram_trl.analyze(base, [out], eps=tracker.eps, progress=False, figures=False)["agents"][0]["density"]
     step = _steady(timer.seconds)
     measure = statistics.median(measures)
     overhead = 100 * measure / (settings["interval"] * step)
@@ -337,8 +335,7 @@ def preview_rows(root: Path, device: torch.device, smoke: bool) -> list[dict[str
             "ratio": f"{preview / step:.1f} steps",
             "target": "-",
             "check": identical,
-            "note": "ram-trl merge of the kept checkpoint = the preview's merge"
-            + ("" if identical else ": DIFFERS"),
+            "note": "ram-trl merge of the kept checkpoint = the preview's merge" + ("" if identical else ": DIFFERS"),
         }
     ]
 
@@ -364,9 +361,7 @@ def _configs(base: Path, agents: list[Path]) -> dict[str, tuple[dict[str, Any], 
 
     def config(method: str, parameters: dict[str, Any] | None = None, per_model: dict | None = None) -> dict:
         out: dict[str, Any] = {"merge_method": method, "base_model": str(base), "dtype": "bfloat16"}
-        out["models"] = [
-            {"model": str(a), **({"parameters": per_model} if per_model else {})} for a in agents
-        ]
+        out["models"] = [{"model": str(a), **({"parameters": per_model} if per_model else {})} for a in agents]
         if parameters:
             out["parameters"] = parameters
         return out
@@ -481,16 +476,12 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
                 "x_faster_than_mergekit": None if theirs_s is None else round(theirs_s / ours_s, 2),
                 "byte_identical_to_cpu": identical,
                 "input_cache": kept,
-                "seconds_without_input_cache": None
-                if "no cache" not in seconds
-                else round(seconds["no cache"], 3),
+                "seconds_without_input_cache": None if "no cache" not in seconds else round(seconds["no cache"], 3),
                 "against": versus,
                 "ratio": ratio,
                 "target": "<= 1.5x floor, >= 2x faster",
                 "check": identical,
-                "note": (
-                    "byte-identical to the CPU merge" if identical else "NOT byte-identical to the CPU merge"
-                )
+                "note": ("byte-identical to the CPU merge" if identical else "NOT byte-identical to the CPU merge")
                 + cache_note
                 + (f"; {missing}" if missing else ""),
             }
@@ -611,13 +602,9 @@ def print_table(rows: list[dict[str, Any]], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny sizes on the CPU (the code paths, no figures)"
-    )
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (the code paths, no figures)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per merge timing (median; default 2)")
-    parser.add_argument(
-        "--only", default="telemetry,preview,merge,run", help="rows to run (default: all of them)"
-    )
+    parser.add_argument("--only", default="telemetry,preview,merge,run", help="rows to run (default: all of them)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument(
         "--workdir",
@@ -652,8 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_threads()
     machine = torch.cuda.get_device_name() if cuda else "CPU only (smoke)"
     title = (
-        f"gpu_check on {machine}; {plan.cores} cores; torch {torch.__version__}; "
-        f"{time.perf_counter() - started:.0f} s"
+        f"gpu_check on {machine}; {plan.cores} cores; torch {torch.__version__}; {time.perf_counter() - started:.0f} s"
     )
     print_table(table.rows, title)
     if args.json is not None:

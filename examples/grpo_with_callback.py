@@ -62,11 +62,7 @@ def main(root: str) -> None:
         metrics = {k: v for k, v in entry.items() if k.startswith("task_vector/density") or k == "reward"}
         if metrics:
             print(entry.get("step"), metrics)
-    print(
-        json.dumps(json.loads((root_path / "agent" / "ram_stage.json").read_text())["telemetry"], indent=1)[
-            :800
-        ]
-    )
+    print(json.dumps(json.loads((root_path / "agent" / "ram_stage.json").read_text())["telemetry"], indent=1)[:800])
 
 
 if __name__ == "__main__":

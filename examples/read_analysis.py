@@ -23,9 +23,7 @@ def main(path: str) -> None:
         active = agent["active"]
         unique_share = agent["unique"] / active if active else 0.0
         rho = agent["rho"]
-        regime = (
-            "sparse (RAM regime)" if agent["density"] < 0.5 and unique_share > 0.05 else "dense / overlapping"
-        )
+        regime = "sparse (RAM regime)" if agent["density"] < 0.5 and unique_share > 0.05 else "dense / overlapping"
         print(
             f"  {agent['name']:>12}: density {agent['density']:.1%}, unique {unique_share:.1%} of its active "
             f"elements, rho {rho}, RAM+ lambda {agent['lambda']['ram_plus']}: {regime}"

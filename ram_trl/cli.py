@@ -88,9 +88,7 @@ def _run_example(args: argparse.Namespace) -> int:
     try:
         paths = generate_example(temp, seed=args.seed)
         config = paths["config"]
-        config.write_text(
-            config.read_text(encoding="utf-8").replace(str(temp.resolve()), str(root)), encoding="utf-8"
-        )
+        config.write_text(config.read_text(encoding="utf-8").replace(str(temp.resolve()), str(root)), encoding="utf-8")
         (temp / EXAMPLE_MARKER).write_text("written by ram-trl example\n")
         output.commit()
     except BaseException:
@@ -268,9 +266,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     run_recipe(
         DEMO_RECIPE,
-        RunOptions(
-            out=Path(args.out), resume=args.resume, progress=not args.no_progress, overrides=overrides
-        ),
+        RunOptions(out=Path(args.out), resume=args.resume, progress=not args.no_progress, overrides=overrides),
     )
     return 0
 

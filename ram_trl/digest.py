@@ -119,7 +119,5 @@ def _weights(files: Sequence[Path]) -> str:
     digest = hashlib.sha256()
     for name in sorted(handles):
         tensor = handles[name].get_tensor(name)
-        update_tensor(
-            digest, f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|", tensor
-        )
+        update_tensor(digest, f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|", tensor)
     return digest.hexdigest()

@@ -72,9 +72,7 @@ class DistContext:
                 timeout=datetime.timedelta(minutes=timeout_minutes),
             )
             owns = True
-        ctx = cls(
-            rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=owns
-        )
+        ctx = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=owns)
         ctx._signals.enter_context(raising_signals((signal.SIGTERM,), _terminated))  # until close()
         return ctx
 
@@ -85,9 +83,7 @@ class DistContext:
 
     def _tensor_device(self) -> torch.device:
         return (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend() == "nccl"
-            else torch.device("cpu")
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -138,9 +134,7 @@ class DistContext:
         if error is not None:
             raise error
         if failed:
-            raise RankFailedError(
-                f"rank {self.rank}: another rank of the merge failed (its error is in its log)"
-            )
+            raise RankFailedError(f"rank {self.rank}: another rank of the merge failed (its error is in its log)")
         return result  # type: ignore[return-value]
 
     def close(self) -> None:

@@ -26,9 +26,7 @@ def libc_function(name: str, argtypes: list[type]) -> Callable[..., int] | None:
     return function
 
 
-_RENAMEAT2 = libc_function(
-    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-)
+_RENAMEAT2 = libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
@@ -77,9 +75,7 @@ def new_file_mode(directory: Path) -> int:
 def make_readable(path: Path, mode: int) -> None:
     """Give ``path`` (a file, or every file under a directory) ``mode``, keeping execute bits: writers that go
     through a private temporary file (safetensors' ``save_file``) leave ``0600`` whatever the umask allows."""
-    files = (
-        [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
-    )
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
     for file in files:
         current = file.stat().st_mode & 0o777
         wanted = mode | ((mode & 0o444) >> 2 if current & 0o100 else 0)

@@ -93,16 +93,12 @@ def validation_message(exc: Any, model: type | None = None) -> str:
         kind, value, msg = err["type"], err.get("input"), err["msg"]
         if kind == "extra_forbidden":
             known = _known_fields(model, loc[:-1])
-            hint = did_you_mean(str(loc[-1]), known) or (
-                f"; known fields: {', '.join(known)}" if known else ""
-            )
+            hint = did_you_mean(str(loc[-1]), known) or (f"; known fields: {', '.join(known)}" if known else "")
             problems.append(f"unknown field {where!r}{hint}; remove it or correct its name")
         elif kind == "missing":
             problems.append(f"{where} is missing; add it")
         elif kind in ("value_error", "assertion_error"):
-            problems.append(
-                f"{where}: {msg.removeprefix('Value error, ').removeprefix('Assertion failed, ')}"
-            )
+            problems.append(f"{where}: {msg.removeprefix('Value error, ').removeprefix('Assertion failed, ')}")
         elif kind in ("literal_error", "enum"):
             expected = str((err.get("ctx") or {}).get("expected", ""))
             choices = [c.strip().strip("'\"") for c in expected.replace(" or ", ", ").split(",") if c.strip()]

@@ -356,6 +356,4 @@ def check_output_file(
     if target.is_dir() or target.is_symlink():
         raise OutputError(f"{what} {target} is a directory or a symbolic link; give a new file name")
     if target.exists() and not overwrite:
-        raise OutputError(
-            f"{what} {target} already exists; pass {flag} to replace it, or choose another name"
-        )
+        raise OutputError(f"{what} {target} already exists; pass {flag} to replace it, or choose another name")

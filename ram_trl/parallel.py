@@ -166,9 +166,7 @@ def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | 
         return pool.submit(fn).result()
 
 
-def map_blocks(
-    pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
-) -> list[Result]:
+def map_blocks(pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]) -> list[Result]:
     """``[fn(item) for item in items]``, on the pool's threads when there is one; errors are raised in order."""
     if pool is None:
         return [fn(item) for item in items]

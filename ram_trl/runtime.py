@@ -63,8 +63,6 @@ def tune_for_streaming() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    )
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     logger.debug("allocator tuned for streaming: %s", applied)
     return applied

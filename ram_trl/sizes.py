@@ -19,18 +19,12 @@ __all__ = ["FLOAT32_MAX", "check_number", "check_optional_number", "format_bytes
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4}
-_UNITS.update(
-    {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3}
-)
+_UNITS.update({"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "K": 1000, "M": 1000**2, "G": 1000**3})
 
 
 def parse_size(value: str | int, *, lowercase_b_is_bits: bool = False, name: str | None = None) -> int:
     """Bytes in a size such as ``"5GB"``, ``"500MiB"``, ``"1.5GB"`` or ``1048576``."""
-    size = (
-        value
-        if isinstance(value, int) and not isinstance(value, bool)
-        else _parse(value, lowercase_b_is_bits)
-    )
+    size = value if isinstance(value, int) and not isinstance(value, bool) else _parse(value, lowercase_b_is_bits)
     if name is not None and size < 1:
         raise ConfigError(f"{name}={value!r}: give a positive size, e.g. 5GB, 500MB or 256MiB")
     return size

@@ -212,9 +212,7 @@ def write_synthetic_base(
             },
             "weight_map": dict(split.tensor_to_filename),
         }
-        (output_dir / SAFE_INDEX).write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-        )
+        (output_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     config.save_pretrained(str(output_dir))
@@ -238,9 +236,7 @@ def make_base_checkpoint(
 ) -> Path:
     """Write a randomly initialised Qwen2 causal LM with a character tokenizer and a generation config."""
     if materialize not in ("eager", "stream"):
-        raise ValueError(
-            f"materialize={materialize!r}: use 'eager' (build the model) or 'stream' (write shards)"
-        )
+        raise ValueError(f"materialize={materialize!r}: use 'eager' (build the model) or 'stream' (write shards)")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer(output_dir)
@@ -269,9 +265,7 @@ def make_base_checkpoint(
             torch.manual_seed(seed)
             model = Qwen2ForCausalLM(config)
         model = model.to(dtype)
-        model.save_pretrained(
-            str(output_dir), max_shard_size=max_shard_size if max_shard_size is not None else "50GB"
-        )
+        model.save_pretrained(str(output_dir), max_shard_size=max_shard_size if max_shard_size is not None else "50GB")
         del model
     GenerationConfig(**ids).save_pretrained(str(output_dir))
     return output_dir
@@ -294,9 +288,7 @@ def _checkpoint_shards(base_dir: Path) -> tuple[list[str], dict | None]:
         return files, index
     if (base_dir / SAFE_SINGLE).is_file():
         return [SAFE_SINGLE], None
-    raise FileNotFoundError(
-        f"{base_dir}: no {SAFE_SINGLE} or {SAFE_INDEX}; pass a safetensors checkpoint directory"
-    )
+    raise FileNotFoundError(f"{base_dir}: no {SAFE_SINGLE} or {SAFE_INDEX}; pass a safetensors checkpoint directory")
 
 
 def _steps(count: int, generator: torch.Generator, max_ulps: int) -> torch.Tensor:
@@ -433,9 +425,7 @@ def make_rl_agent(
     if index is not None:
         index = json.loads(json.dumps(index))
         index.setdefault("metadata", {})["total_size"] = total_size
-        (output_dir / SAFE_INDEX).write_text(
-            json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-        )
+        (output_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     weight_files = set(files) | {SAFE_INDEX}
     for path in sorted(base_dir.iterdir()):
         if path.is_file() and path.name not in weight_files and not path.name.endswith(".safetensors"):
@@ -445,9 +435,7 @@ def make_rl_agent(
         for key in ("dtype", "torch_dtype"):
             if key in config:
                 config[key] = _dtype_name(dtype)
-        (output_dir / "config.json").write_text(
-            json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-        )
+        (output_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return output_dir
 
 

@@ -74,9 +74,7 @@ def remove_stale(target: Path) -> list[Path]:
             continue
         pid, owner_host = _owner(entry)
         if pid is None:
-            if entry.name.startswith(f".{name}.ram-trl-tmp-") or entry.name.startswith(
-                f".{name}.ram-trl-old-"
-            ):
+            if entry.name.startswith(f".{name}.ram-trl-tmp-") or entry.name.startswith(f".{name}.ram-trl-old-"):
                 warnings.warn(
                     f"{entry} looks like the leftover of an interrupted ram_trl run (an older version, no process "
                     "id); remove it if no run is writing there",

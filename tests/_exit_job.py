@@ -37,9 +37,7 @@ if __name__ == "__main__":
     if rank == 0:
         time.sleep(LATE)
     work = dist.all_reduce(torch.ones(8), async_op=True)
-    done = work.get_future().then(
-        lambda future: future.value()
-    )  # run by the gloo thread that completes the work
+    done = work.get_future().then(lambda future: future.value())  # run by the gloo thread that completes the work
     if rank == 0:
         done.wait()
     if mode == "exit":

@@ -32,12 +32,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     tokenizer.padding_side = "left"
     policy = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    value_model = AutoModelForSequenceClassification.from_pretrained(
-        str(base), num_labels=1, dtype=torch.float32
-    )
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        str(base), num_labels=1, dtype=torch.float32
-    )
+    value_model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1, dtype=torch.float32)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1, dtype=torch.float32)
     prompts = ["ab", "cd", "ef", "gh"] * 4
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
     args = PPOConfig(
@@ -57,9 +53,7 @@ def main() -> None:
         bf16=False,
         seed=0,
     )
-    callback = TaskVectorSparsityCallback(
-        base_model=base, stage_name="ppo", domain="test", save_dtype="bfloat16"
-    )
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="ppo", domain="test", save_dtype="bfloat16")
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,

@@ -41,9 +41,7 @@ _LAUNCH_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "DEEPSPEED_", "DS_", "FSDP_"
 def launch_environment() -> dict[str, str]:
     """The process-group and launcher variables in this process's environment."""
     return {
-        key: value
-        for key, value in os.environ.items()
-        if key in _LAUNCH_VARIABLES or key.startswith(_LAUNCH_PREFIXES)
+        key: value for key, value in os.environ.items() if key in _LAUNCH_VARIABLES or key.startswith(_LAUNCH_PREFIXES)
     }
 
 

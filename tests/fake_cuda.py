@@ -230,9 +230,7 @@ class FakeCuda(TorchFunctionMode):
         if func is torch.Tensor.__setitem__ and isinstance(args[0], FakeCudaTensor):
             value = args[2]
             if type(value) is torch.Tensor and value.dim() > 0:
-                raise RuntimeError(
-                    f"{_MISMATCH} (fake CUDA: assigning a CPU tensor of shape {list(value.shape)})"
-                )
+                raise RuntimeError(f"{_MISMATCH} (fake CUDA: assigning a CPU tensor of shape {list(value.shape)})")
             with torch.no_grad():
                 args[0]._data[_unwrap(args[1])] = _unwrap(value)
             return None
@@ -245,11 +243,7 @@ class FakeCuda(TorchFunctionMode):
         if func is torch.Tensor.is_pinned:
             return False
         kwargs.pop("pin_memory", None)
-        if (
-            getattr(func, "__name__", "") in _LIKE
-            and isinstance(args[0], FakeCudaTensor)
-            and "device" not in kwargs
-        ):
+        if getattr(func, "__name__", "") in _LIKE and isinstance(args[0], FakeCudaTensor) and "device" not in kwargs:
             kwargs["device"] = CUDA  # torch's bindings would take a CUDA device guard for the new tensor
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
@@ -262,9 +256,7 @@ class FakeCuda(TorchFunctionMode):
                 raise
             source = args[0] if args else None
             if not isinstance(source, FakeCudaTensor):
-                raise NotImplementedError(
-                    f"fake CUDA: {func} needs a CUDA device guard (teach the shim)"
-                ) from error
+                raise NotImplementedError(f"fake CUDA: {func} needs a CUDA device guard (teach the shim)") from error
         # a Tensor method whose binding takes a CUDA device guard: run it on the data (results that are the data
         # itself, e.g. in-place methods, are the source; views of the data stay views of it)
         return tree_map(lambda t: _rewrap(t, source), func(*_unwrap(args), **_unwrap(kwargs)))
@@ -329,9 +321,7 @@ def fake_cuda_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     monkeypatch.setattr(
         torch,
         "_has_compatible_shallow_copy_type",
-        lambda a, b: (
-            compatible(a, b) and not isinstance(a, FakeCudaTensor) and not isinstance(b, FakeCudaTensor)
-        ),
+        lambda a, b: compatible(a, b) and not isinstance(a, FakeCudaTensor) and not isinstance(b, FakeCudaTensor),
     )
     monkeypatch.setattr(torch.nn.Module, "_apply", _apply_keeping_ties(torch.nn.Module._apply))
     with torch.no_grad(), FakeCuda() as mode:

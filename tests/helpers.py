@@ -289,9 +289,7 @@ def failing_writer(monkeypatch, exception: type[BaseException], succeed: int = 1
 # Fisher files, TensorBoard logs, LoRA models, multi-process merges
 
 
-def random_fisher(
-    state: dict[str, torch.Tensor], seed: int, zero_share: float = 0.3
-) -> dict[str, torch.Tensor]:
+def random_fisher(state: dict[str, torch.Tensor], seed: int, zero_share: float = 0.3) -> dict[str, torch.Tensor]:
     """Non-negative float32 values spanning several orders of magnitude, ``zero_share`` of them exactly zero."""
     generator = torch.Generator().manual_seed(seed)
     out = {}
@@ -587,9 +585,7 @@ def assert_telemetry_logged(
     return entries
 
 
-def assert_telemetry_is_the_analysis(
-    measured: dict[str, float], base: Path, agent: Path, kind: str | None = None
-):
+def assert_telemetry_is_the_analysis(measured: dict[str, float], base: Path, agent: Path, kind: str | None = None):
     """Check that a last measurement equals ``ram-trl analyze`` of the saved agent (eps 1e-5) to the element: its
     active elements, density, element count and every module and layer density.
 

@@ -90,7 +90,7 @@ def ram_from_task_vectors(
             return [unique_scale] * n_agents, shared, unique
         for s, u in zip(shared, unique, strict=True):
             rho = s / u if u > 0 else (math.inf if s > 0 else 0.0)
-            if soft:
+            if soft:  # noqa: SIM108 (the reference spells both branches out)
                 lam = 1 + r * (1.0 if math.isinf(rho) else rho / (1 + rho))
             else:
                 lam = 1 + r * min(max(rho, 0.0), alpha)
@@ -115,9 +115,7 @@ def ram_from_task_vectors(
     return merged, stats
 
 
-def ram_unique_reference(
-    base: dict, agents: list[dict], agent: int, eps: float = 1e-5
-) -> dict[str, torch.Tensor]:
+def ram_unique_reference(base: dict, agents: list[dict], agent: int, eps: float = 1e-5) -> dict[str, torch.Tensor]:
     """One agent's unique region: base + tau_agent where that agent alone has |tau| > eps, the base elsewhere."""
     merged = {}
     for name, tv in task_vectors(base, agents).items():

@@ -200,9 +200,7 @@ def assert_same_analysis(ours: dict, theirs: dict) -> None:
         assert ours[key] == theirs[key], key
     assert ours["bytes_read"] == theirs["bytes_read"]
     for a, b in zip(ours["agents"], theirs["agents"], strict=True):
-        assert {k: v for k, v in a.items() if k != "magnitude"} == {
-            k: v for k, v in b.items() if k != "magnitude"
-        }
+        assert {k: v for k, v in a.items() if k != "magnitude"} == {k: v for k, v in b.items() if k != "magnitude"}
         assert a["magnitude"].keys() == b["magnitude"].keys()
         for key, value in b["magnitude"].items():
             assert a["magnitude"][key] == (value if value is None else pytest.approx(value, rel=1e-12)), key
@@ -334,9 +332,7 @@ def test_cli_refuses_bad_arguments(golden, tmp_path, capsys, argv, message):
     base, agents = golden
     config = tmp_path / "merge.yaml"
     config.write_text(
-        yaml.safe_dump(
-            {"merge_method": "ram", "base_model": str(base), "models": [{"model": str(agents[0])}]}
-        )
+        yaml.safe_dump({"merge_method": "ram", "base_model": str(base), "models": [{"model": str(agents[0])}]})
     )
     paths = {
         "BASE": str(base),

@@ -42,9 +42,7 @@ def assert_fails(config, out: Path, error: type[Exception], *needles: object, in
     before = snapshot(inputs)
     with pytest.raises(RamTrlError) as info:
         ram_trl.merge(config, out, progress=False, **kwargs)
-    assert type(info.value) is error, (
-        f"expected {error.__name__}, got {type(info.value).__name__}: {info.value}"
-    )
+    assert type(info.value) is error, f"expected {error.__name__}, got {type(info.value).__name__}: {info.value}"
     message = str(info.value)
     for needle in needles:
         assert str(needle) in message, f"{needle!r} not in error message {message!r}"
@@ -292,9 +290,7 @@ def test_merge_common_rows_with_a_larger_vocabulary(tmp_path, method):
         progress=False,
     )
     reference = tmp_path / "reference"
-    ram_trl.merge(
-        config_for(ckpts, method, agents=[truncated], agent_parameters=params), reference, progress=False
-    )
+    ram_trl.merge(config_for(ckpts, method, agents=[truncated], agent_parameters=params), reference, progress=False)
 
     got, want = load_checkpoint(out), load_checkpoint(reference)
     assert got[EMBED].shape == (VOCAB + extra_rows, HIDDEN)
@@ -302,9 +298,7 @@ def test_merge_common_rows_with_a_larger_vocabulary(tmp_path, method):
     assert torch.equal(got[EMBED][VOCAB:], new_rows)
     for name in (UP, BIAS, DOWN):
         assert torch.equal(got[name], want[name]), name
-    if (
-        method == "task_arithmetic"
-    ):  # weight 1, one agent: the agent itself (up to float32 rounding of base + tau)
+    if method == "task_arithmetic":  # weight 1, one agent: the agent itself (up to float32 rounding of base + tau)
         torch.testing.assert_close(got[EMBED], ckpts.agent_tensors[0][EMBED])
     assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB + extra_rows
     assert json.loads((reference / "config.json").read_text())["vocab_size"] == VOCAB
@@ -493,9 +487,7 @@ def test_pickle_with_allow_pickle_equals_safetensors(tmp_path, method, role):
     ckpts = make_checkpoints(tmp_path / "inputs")
     params = {"density": 0.5} if method == "ties" else None
     reference = tmp_path / "reference"
-    ram_trl.merge(
-        config_for(ckpts, method, agent_parameters=params), reference, progress=False, chunk_budget="1KB"
-    )
+    ram_trl.merge(config_for(ckpts, method, agent_parameters=params), reference, progress=False, chunk_budget="1KB")
     _to_pickle(ckpts.base if role == "base" else ckpts.agents[1])
     out = tmp_path / "merged"
     with pytest.warns(UserWarning, match="pickle"):
@@ -517,9 +509,7 @@ def test_corrupt_pickle_index(ckpts, out):
     _to_pickle(ckpts.agents[0])
     index = ckpts.agents[0] / "pytorch_model.bin.index.json"
     index.write_text('{"weight_map": {')
-    assert_fails(
-        config_for(ckpts), out, CheckpointError, "agent 0", index, inputs=ckpts.root, allow_pickle=True
-    )
+    assert_fails(config_for(ckpts), out, CheckpointError, "agent 0", index, inputs=ckpts.root, allow_pickle=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -547,9 +537,7 @@ def test_unknown_parameter_warns_with_the_accepted_ones(ckpts, out):
 def test_unknown_per_agent_parameter_warns_once_and_is_ignored(ckpts, out):
     """mergekit ignores per-model parameters a method does not use; ram_trl does too, with one warning naming them."""
     with pytest.warns(UserWarning, match=r"ties does not use the parameter\(s\) 'gamma' \(models\[0\]"):
-        report = ram_trl.merge(
-            config_for(ckpts, "ties", agent_parameters={"gamma": 0.5}), out, progress=False
-        )
+        report = ram_trl.merge(config_for(ckpts, "ties", agent_parameters={"gamma": 0.5}), out, progress=False)
     assert sum("does not use" in w for w in report["warnings"]) == 1
 
 
@@ -599,9 +587,7 @@ def test_empty_models_list(ckpts, out):
 
 def test_yaml_with_unknown_field_names_the_file(ckpts, out, tmp_path):
     path = tmp_path / "merge.yaml"
-    path.write_text(
-        f"merge_method: ram\nbase_model: {ckpts.base}\nmodels:\n  - model: {ckpts.agents[0]}\nsed: 3\n"
-    )
+    path.write_text(f"merge_method: ram\nbase_model: {ckpts.base}\nmodels:\n  - model: {ckpts.agents[0]}\nsed: 3\n")
     assert_fails(path, out, ConfigError, path, "sed", inputs=ckpts.root)
 
 

@@ -57,9 +57,7 @@ def run(request, base, tmp_path_factory) -> dict:
         command += ["--dynamo_backend", "no", "--main_process_port", str(port)]
     command += [str(WORKER), str(base), str(out), str(beta)]
     result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (
-        f"GRPO ZeRO-3 job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    )
+    assert result.returncode == 0, f"GRPO ZeRO-3 job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     ranks = [json.loads((out / f"grpo_rank{r}.json").read_text()) for r in range(WORLD)]
     return {"beta": beta, "out": out, "ranks": ranks}
 

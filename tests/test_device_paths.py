@@ -68,9 +68,7 @@ def test_overlap_many_agents_counts_by_hand(device):
 def test_choose_rank(device):
     singular = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.5])
     options = LoraExportOptions(max_rank=5, energy=0.9)
-    assert (
-        choose_rank(singular.to(device), options) == choose_rank(singular, options) == 3
-    )  # 29 >= 0.9 * 30.25
+    assert choose_rank(singular.to(device), options) == choose_rank(singular, options) == 3  # 29 >= 0.9 * 30.25
 
 
 class _StubTokenizer:

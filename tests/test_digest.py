@@ -16,9 +16,7 @@ from ram_trl.digest import file_digest, key_bytes, text_digest, weights_digest
 @pytest.mark.parametrize("size", [0, 1, 4095, (1 << 24) + 3])
 def test_file_digest_is_the_sha256_of_the_bytes_on_disk(tmp_path, size):
     file = tmp_path / "model.safetensors"
-    file.write_bytes(
-        torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).byte().numpy()
-    )
+    file.write_bytes(torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(size)).byte().numpy())
     assert file_digest(file) == hashlib.sha256(file.read_bytes()).hexdigest()
 
 

@@ -105,9 +105,7 @@ def _second_rank_tensor(base_dir, agents):
     return names[owned[0]]
 
 
-@pytest.mark.parametrize(
-    "method", ["ram_plus", "task_arithmetic"]
-)  # fails in the statistics / the write pass
+@pytest.mark.parametrize("method", ["ram_plus", "task_arithmetic"])  # fails in the statistics / the write pass
 def test_failure_on_one_rank_fails_every_rank_and_leaves_no_output(inputs, tmp_path, method):
     root, base, agents = inputs
     bad = tmp_path / "bad_agent"

@@ -29,9 +29,7 @@ def table(text: str, *headers: str, where: str = "") -> list[dict[str, str]]:
             for row in lines[i + 2 :]:
                 if not row.startswith("|"):
                     break
-                rows.append(
-                    dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")), strict=True))
-                )
+                rows.append(dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|")), strict=True)))
             return rows
     raise AssertionError(f"no table with columns {headers} after {where!r}")
 
@@ -84,9 +82,7 @@ def test_the_speed_summary_row_is_the_median_of_the_runs(speed):
         values = [number(r[column]) for r in speed["runs"]]
         assert close(number(speed["median"][0][column]), statistics.median(values), places), column
     for run in speed["runs"]:  # each speedup is mergekit's median over ram_trl's
-        assert close(
-            number(run["ram_plus speedup"]), number(run["mergekit ram s"]) / number(run["ram_plus s"]), 2
-        )
+        assert close(number(run["ram_plus speedup"]), number(run["mergekit ram s"]) / number(run["ram_plus s"]), 2)
         assert close(number(run["TIES speedup"]), number(run["mergekit TIES s"]) / number(run["TIES s"]), 2)
 
 
@@ -109,19 +105,13 @@ def test_readme_and_memory_page_quote_the_median_speed_and_its_range(speed):
 
 
 def test_readme_quotes_the_telemetry_cost_of_the_current_machine_type():
-    rows = table(
-        read("BENCHMARKS.md"), "measurements", "wall overhead (with the end save)", where="## Summary"
-    )
+    rows = table(read("BENCHMARKS.md"), "measurements", "wall overhead (with the end save)", where="## Summary")
     current = [r for r in rows if "Intel" in r["machine"]]
     shares = [number(r["measurements"]) for r in current]
     readme = read("README.md")
-    assert quotes(readme, f"**{min(shares):.1f}-{max(shares):.1f}%**") and quotes(
-        readme, f"{len(current)} runs"
-    )
+    assert quotes(readme, f"**{min(shares):.1f}-{max(shares):.1f}%**") and quotes(readme, f"{len(current)} runs")
     walls = [
-        r["wall overhead (with the end save)"]
-        for r in current
-        if r["wall overhead (with the end save)"][0] == "+"
+        r["wall overhead (with the end save)"] for r in current if r["wall overhead (with the end save)"][0] == "+"
     ]
     assert len(walls) == 1 and quotes(readme, f"rose {walls[0].lstrip('+')} (1 run)")
 
@@ -169,9 +159,7 @@ def test_readme_smollm2_figures_are_real_model_tables():
     def span(column: str) -> str:
         values = [number(r[column]) for r in agents]
         return (
-            f"{min(values):.0f}-{max(values):.0f}%"
-            if min(values) >= 10
-            else f"{min(values):.1f}-{max(values):.1f}%"
+            f"{min(values):.0f}-{max(values):.0f}%" if min(values) >= 10 else f"{min(values):.1f}-{max(values):.1f}%"
         )
 
     for column in ("density (bf16 agent)", "unique", "float32 training weights above eps"):

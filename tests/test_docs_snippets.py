@@ -68,11 +68,7 @@ def _check_python(code: str) -> None:
     tree = ast.parse(code)
     classes = {}
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.split(".")[0] in ("ram_trl", "trl")
-        ):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("ram_trl", "trl"):
             if node.module.split(".")[0] == "trl":
                 pytest.importorskip("trl")
             module = importlib.import_module(node.module)
@@ -204,9 +200,7 @@ def _run_in_package(where: str, code: str, work: Path) -> None:
             edited = (work / target).read_text(encoding="utf-8")
             beside = f"from {package} import "  # the module imported beside the others
             assert beside in edited, f"{target} imports nothing from {package}: the page's step is stale"
-            (work / target).write_text(
-                edited.replace(beside, f"{beside}{module}\n{beside}", 1), encoding="utf-8"
-            )
+            (work / target).write_text(edited.replace(beside, f"{beside}{module}\n{beside}", 1), encoding="utf-8")
     with (work / target).open("a", encoding="utf-8") as file:
         file.write("\n" + code)
     module = target[:-3].replace("/", ".")  # imported from the copy: its edited lines run
@@ -265,17 +259,13 @@ def _line(where: str) -> int:
 def _earlier(where: str, kind: str) -> list[str]:
     """The snippets of ``kind`` above ``where`` on its page, in order."""
     page = where.rsplit(":", 1)[0]
-    return [
-        c for w, k, c, _ in SNIPPETS if w.rsplit(":", 1)[0] == page and k == kind and _line(w) < _line(where)
-    ]
+    return [c for w, k, c, _ in SNIPPETS if w.rsplit(":", 1)[0] == page and k == kind and _line(w) < _line(where)]
 
 
 def _run(command: list[str], work: Path, what: str, stdin: str | None = None) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    done = subprocess.run(
-        command, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run(command, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{what} failed as pasted (exit {done.returncode}):\n{done.stderr[-3000:]}"
 
 

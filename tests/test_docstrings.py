@@ -100,8 +100,7 @@ def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -
 
 def _public(module: str, name: str) -> bool:
     return any(
-        fnmatchcase(module, path) and any(fnmatchcase(name, n) for n in names)
-        for path, names in PUBLIC_API.items()
+        fnmatchcase(module, path) and any(fnmatchcase(name, n) for n in names) for path, names in PUBLIC_API.items()
     )
 
 
@@ -182,9 +181,7 @@ def test_args_sections_name_only_parameters():
             documented = documented_args(ast.get_docstring(node))
             extra = sorted((documented or set()) - set(parameters(node, method=False)))
             if extra:
-                stale.append(
-                    f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} {node.name}: {extra}"
-                )
+                stale.append(f"{path.relative_to(PACKAGE.parent).as_posix()}:{node.lineno} {node.name}: {extra}")
     assert stale == [], "\n".join(stale)
 
 

@@ -38,9 +38,7 @@ def test_host_accumulator_plus_device_sum_raises(fake_cuda: torch.device) -> Non
         lambda x: torch.searchsorted(x, torch.tensor([2.0])),  # choose_rank: host target
         lambda x: torch.cat([x, torch.ones(2)]),
         lambda x: torch.zeros(3, dtype=torch.int64).add_(torch.ones(3, dtype=torch.int64, device="cuda")),
-        lambda x: torch.zeros(2, 3, dtype=torch.int64)[0].__iadd__(
-            torch.ones((), dtype=torch.int64, device="cuda")
-        ),
+        lambda x: torch.zeros(2, 3, dtype=torch.int64)[0].__iadd__(torch.ones((), dtype=torch.int64, device="cuda")),
         lambda x: torch.nn.Linear(6, 2)(x),
     ],
 )
@@ -89,9 +87,7 @@ def test_storage_is_shared_as_on_cuda(fake_cuda: torch.device) -> None:
     x = torch.arange(6, dtype=torch.float32, device="cuda")
     copy = x.clone()
     assert x.untyped_storage().data_ptr() == x.detach().untyped_storage().data_ptr()
-    assert (
-        x.untyped_storage().data_ptr() == x[2:].untyped_storage().data_ptr() and x[2:].storage_offset() == 2
-    )
+    assert x.untyped_storage().data_ptr() == x[2:].untyped_storage().data_ptr() and x[2:].storage_offset() == 2
     assert copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     tied[1].weight = tied[0].weight

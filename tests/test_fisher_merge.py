@@ -49,8 +49,7 @@ def _config(base, agents, params=None, agent_params=None):
         "merge_method": "fisher",
         "base_model": str(base),
         "models": [
-            {"model": str(a), "parameters": (agent_params[i] if agent_params else {})}
-            for i, a in enumerate(agents)
+            {"model": str(a), "parameters": (agent_params[i] if agent_params else {})} for i, a in enumerate(agents)
         ],
         "parameters": params or {},
     }
@@ -63,9 +62,7 @@ def _assert_equal(out_dir, expected, base_state):
     for name, value in expected.items():
         want = value.to(base_state[name].dtype)
         assert merged[name].dtype == want.dtype, name
-        assert torch.equal(merged[name], want), (
-            f"{name}: max diff {(merged[name].float() - want.float()).abs().max()}"
-        )
+        assert torch.equal(merged[name], want), f"{name}: max diff {(merged[name].float() - want.float()).abs().max()}"
         changed += int((merged[name] != base_state[name]).sum())
     assert changed > 0
 
@@ -120,9 +117,7 @@ def test_zero_denominator_branch_is_exercised(inputs):
 def test_chunking_does_not_change_the_result(inputs, tmp_path):
     _, base, agents, _ = inputs
     config = _config(base, agents, {"fisher_floor": 0.0})
-    ram_trl.merge(
-        config, tmp_path / "small", chunk_budget=CHUNK_BUDGET, max_shard_size="20KB", progress=False
-    )
+    ram_trl.merge(config, tmp_path / "small", chunk_budget=CHUNK_BUDGET, max_shard_size="20KB", progress=False)
     ram_trl.merge(config, tmp_path / "whole", progress=False)
     a, b = reference.load_state_dict(tmp_path / "small"), reference.load_state_dict(tmp_path / "whole")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -134,9 +129,7 @@ def test_equal_fishers_reduce_to_weighted_average(inputs, tmp_path):
     shared = tmp_path / "shared.safetensors"
     save_file(random_fisher(state["base"], seed=7, zero_share=0.0), str(shared))
     weights = [1.0, 2.0, 1.0]
-    config = _config(
-        base, agents, {"fisher_floor": 0.0}, [{"weight": w, "fisher": str(shared)} for w in weights]
-    )
+    config = _config(base, agents, {"fisher_floor": 0.0}, [{"weight": w, "fisher": str(shared)} for w in weights])
     config["out_dtype"] = "float32"
     ram_trl.merge(config, tmp_path / "fisher", progress=False)
     merged = reference.load_state_dict(tmp_path / "fisher")

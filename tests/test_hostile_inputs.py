@@ -55,9 +55,7 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def refused_merge(
-    capsys, tmp_path: Path, config: dict[str, Any], *needles: object, args=(), inputs=None
-) -> str:
+def refused_merge(capsys, tmp_path: Path, config: dict[str, Any], *needles: object, args=(), inputs=None) -> str:
     """``ram-trl merge`` must exit 2 naming every needle, write nothing and leave the inputs unchanged."""
     inputs = inputs or tmp_path / "inputs"
     before = snapshot(inputs)
@@ -98,9 +96,7 @@ def refused_merge(
         ("fisher", {"fisher_floor": math.inf}, None, ["'fisher_floor'", "finite"]),
     ],
 )
-def test_nonfinite_and_out_of_range_parameters(
-    ckpts, tmp_path, capsys, method, global_params, agent_params, needles
-):
+def test_nonfinite_and_out_of_range_parameters(ckpts, tmp_path, capsys, method, global_params, agent_params, needles):
     config = config_for(ckpts, method, parameters=global_params, agent_parameters=agent_params)
     refused_merge(capsys, tmp_path, config, tmp_path / "merge.yaml", *needles)
 
@@ -113,9 +109,7 @@ def test_linear_weights_summing_to_zero(ckpts, tmp_path, capsys):
 
 
 def test_huge_parameters_that_overflow_the_output_are_refused(ckpts, tmp_path, capsys):
-    config = config_for(
-        ckpts, "task_arithmetic", parameters={"lambda": 3e38}, agent_parameters={"weight": 3e38}
-    )
+    config = config_for(ckpts, "task_arithmetic", parameters={"lambda": 3e38}, agent_parameters={"weight": 3e38})
     refused_merge(capsys, tmp_path, config, "overflow", "use smaller values")
 
 
@@ -206,9 +200,7 @@ def test_index_paths_outside_the_checkpoint_are_refused(ckpts, tmp_path, capsys,
         agent = _index_agent(ckpts, tmp_path, "link.safetensors")
         (agent / "link.safetensors").symlink_to(tmp_path / "elsewhere" / "weights.safetensors")
     else:
-        agent = _index_agent(
-            ckpts, tmp_path, None if how == "absolute" else "../../elsewhere/weights.safetensors"
-        )
+        agent = _index_agent(ckpts, tmp_path, None if how == "absolute" else "../../elsewhere/weights.safetensors")
     refused_merge(
         capsys,
         tmp_path,
@@ -223,9 +215,7 @@ def test_index_paths_outside_the_checkpoint_are_refused(ckpts, tmp_path, capsys,
 
 def test_an_index_naming_a_system_file_never_opens_it(ckpts, tmp_path, capsys, monkeypatch):
     agent = ckpts.agents[1]
-    (
-        agent / "model.safetensors"
-    ).unlink()  # the index is the agent's only weight source (both would be refused)
+    (agent / "model.safetensors").unlink()  # the index is the agent's only weight source (both would be refused)
     weight_map = dict.fromkeys(ckpts.base_tensors, "/etc/passwd")
     (agent / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     opened = []
@@ -243,9 +233,7 @@ def test_pickle_index_paths_outside_the_checkpoint_are_refused(ckpts, tmp_path, 
     (agent / "model.safetensors").unlink()
     weight_map = dict.fromkeys(ckpts.base_tensors, "../../outside.bin")
     (agent / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    refused_merge(
-        capsys, tmp_path, config_for(ckpts), "outside the checkpoint directory", args=["--allow-pickle"]
-    )
+    refused_merge(capsys, tmp_path, config_for(ckpts), "outside the checkpoint directory", args=["--allow-pickle"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -359,9 +347,7 @@ def test_malformed_safetensors_headers(ckpts, tmp_path, capsys, mutate, needle):
     ],
 )
 def test_malformed_index_files(ckpts, tmp_path, capsys, index, needle):
-    (
-        ckpts.agents[1] / "model.safetensors"
-    ).unlink()  # the index alone, so that its own fault is the one named
+    (ckpts.agents[1] / "model.safetensors").unlink()  # the index alone, so that its own fault is the one named
     (ckpts.agents[1] / "model.safetensors.index.json").write_text(json.dumps(index))
     refused_merge(capsys, tmp_path, config_for(ckpts), "agent 1", "index", needle)
 
@@ -383,9 +369,7 @@ def test_malformed_index_files(ckpts, tmp_path, capsys, index, needle):
 def test_malformed_adapter_configs(ckpts, tmp_path, capsys, adapter_config, needle):
     adapter = _adapter(ckpts.root / "lora", _up_factors(), adapter_config)
     config = config_for(ckpts, agents=[ckpts.agents[0], adapter])
-    refused_merge(
-        capsys, tmp_path, config, "agent 1", "adapter_config.json", needle.replace("'r'", "r must be")
-    )
+    refused_merge(capsys, tmp_path, config, "agent 1", "adapter_config.json", needle.replace("'r'", "r must be"))
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
@@ -402,9 +386,7 @@ def test_nonfinite_lora_factors_are_named(ckpts, tmp_path, capsys, bad, method):
 def test_pickles_holding_non_tensors(ckpts, tmp_path, capsys, content):
     (ckpts.agents[1] / "model.safetensors").unlink()
     torch.save(content, ckpts.agents[1] / "pytorch_model.bin")
-    refused_merge(
-        capsys, tmp_path, config_for(ckpts), "agent 1", "pytorch_model.bin", args=["--allow-pickle"]
-    )
+    refused_merge(capsys, tmp_path, config_for(ckpts), "agent 1", "pytorch_model.bin", args=["--allow-pickle"])
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:99", "tpu", "cpu:x"])
@@ -573,9 +555,7 @@ def test_malformed_stage_manifests(ckpts, tmp_path, capsys, manifest):
 def test_a_binary_prompts_file(ckpts, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(b"\xff\xfe\x00binary")
-    line = error_line(
-        capsys, main(["fisher", str(ckpts.agents[0]), "--prompts", str(prompts), "--no-progress"])
-    )
+    line = error_line(capsys, main(["fisher", str(ckpts.agents[0]), "--prompts", str(prompts), "--no-progress"]))
     assert str(prompts) in line and "UTF-8" in line
 
 

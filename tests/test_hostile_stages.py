@@ -30,9 +30,7 @@ def eval_inputs(tmp_path) -> tuple[Path, Path]:
 @pytest.mark.parametrize("target", ["model_config", "recipe", "model_dir"])
 def test_eval_json_never_writes_over_an_input(eval_inputs, capsys, target):
     model, recipe = eval_inputs
-    path = {"model_config": model / "config.json", "recipe": recipe, "model_dir": model / "scores.json"}[
-        target
-    ]
+    path = {"model_config": model / "config.json", "recipe": recipe, "model_dir": model / "scores.json"}[target]
     before = path.read_bytes() if path.exists() else None
     code = main(["eval", str(model), "--recipe", str(recipe), "--json", str(path), "--overwrite"])
     line = error_line(capsys, code)

@@ -119,9 +119,8 @@ def test_the_library_and_the_callbacks_need_neither_rich_nor_matplotlib(tmp_path
         check=True,
     )
     assert done.stdout.splitlines()[-1] == "exit 2"
-    assert (
-        "ram-trl merge: error: the command line needs rich and matplotlib (pip install 'ram-trl[cli]')"
-        in (done.stderr)
+    assert "ram-trl merge: error: the command line needs rich and matplotlib (pip install 'ram-trl[cli]')" in (
+        done.stderr
     )
     assert (tmp_path / "merged" / "model.safetensors").is_file()
 
@@ -148,9 +147,7 @@ def test_no_test_folder_shadows_a_standard_library_module():
             and p.stem in sys.stdlib_module_names
             and p.stem not in loaded_at_startup
         )
-        assert not shadowing, (
-            f"{root}: {shadowing} shadow standard-library modules for scripts run from there"
-        )
+        assert not shadowing, f"{root}: {shadowing} shadow standard-library modules for scripts run from there"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,9 +174,7 @@ def _type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(
-    name: str, path: Path, modules: set[str], type_only: bool = False
-) -> list[ast.Import | ast.ImportFrom]:
+def _imports(name: str, path: Path, modules: set[str], type_only: bool = False) -> list[ast.Import | ast.ImportFrom]:
     """Every import statement of a module, at any depth (functions included); those under ``TYPE_CHECKING`` only
     with ``type_only``."""
     found: list[ast.Import | ast.ImportFrom] = []
@@ -231,8 +226,7 @@ def _import_graph(type_only: bool = False) -> dict[str, set[str]]:
             else:
                 source = _absolute(name, path, node)
                 targets = [
-                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
-                    for alias in node.names
+                    f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source for alias in node.names
                 ]
             for target in targets:
                 owner = _owner(target, modules)
@@ -283,12 +277,8 @@ def test_the_import_graph_finds_known_edges():
     assert "ram_trl.merging.passes.merge" in graph["ram_trl.merging.engine"]
     assert "ram_trl.merging.context" in graph["ram_trl.merging.passes.statistics"]
     assert "ram_trl.merging.engine" in graph["ram_trl.cli"]  # an import inside a function counts
-    assert (
-        "ram_trl.merging.context" not in graph["ram_trl.merging.report"]
-    )  # one under TYPE_CHECKING does not
-    assert (
-        "ram_trl.merging.context" in _import_graph(type_only=True)["ram_trl.merging.report"]
-    )  # unless asked
+    assert "ram_trl.merging.context" not in graph["ram_trl.merging.report"]  # one under TYPE_CHECKING does not
+    assert "ram_trl.merging.context" in _import_graph(type_only=True)["ram_trl.merging.report"]  # unless asked
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -340,14 +330,10 @@ def test_the_preview_and_the_evaluation_reach_no_recipe_module():
     graph = _import_graph()
     assert "ram_trl.callbacks.preview" in _reachable(graph, "ram_trl.recipes.stage")
     assert "ram_trl.evaluation.scoring" in _reachable(graph, "ram_trl.callbacks.preview")
-    preview = [
-        m for m in graph if m == "ram_trl.callbacks.preview" or m.startswith("ram_trl.callbacks.preview.")
-    ]
+    preview = [m for m in graph if m == "ram_trl.callbacks.preview" or m.startswith("ram_trl.callbacks.preview.")]
     evaluation = [m for m in graph if m == "ram_trl.evaluation" or m.startswith("ram_trl.evaluation.")]
     for module in preview + evaluation:
-        reached = {
-            m for m in _reachable(graph, module) if m == "ram_trl.recipes" or m.startswith("ram_trl.recipes.")
-        }
+        reached = {m for m in _reachable(graph, module) if m == "ram_trl.recipes" or m.startswith("ram_trl.recipes.")}
         assert not reached, (module, sorted(reached))
 
 
@@ -427,9 +413,7 @@ def test_every_module_has_its_test_file():
         if not (TESTS / expected).is_file():
             missing.append(f"{module}: no tests/{expected}")
     assert missing == [], missing
-    assert needless == [], (
-        f"these modules now have mirrored test files: drop them from MIRROR_EXCEPTIONS: {needless}"
-    )
+    assert needless == [], f"these modules now have mirrored test files: drop them from MIRROR_EXCEPTIONS: {needless}"
 
 
 def test_test_modules_do_not_import_each_other():
@@ -444,8 +428,6 @@ def test_test_modules_do_not_import_each_other():
                 names = [alias.name for alias in node.names]
             else:
                 continue
-            imported = [
-                n for n in names if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")
-            ]
+            imported = [n for n in names if n.startswith("tests.") and n.rpartition(".")[2].startswith("test_")]
             found += [f"{path.relative_to(TESTS)}: {name}" for name in imported]
     assert found == [], found

@@ -45,9 +45,7 @@ class LargestBuffer(TorchDispatchMode):
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("mem")
     # a 2048-row vocabulary: embed_tokens and lm_head hold 128K elements each, 512 KB in float32
-    base = make_base_checkpoint(
-        root / "base", hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=2048
-    )
+    base = make_base_checkpoint(root / "base", hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=2048)
     return base, make_agent_set(base, root, densities=(0.03, 0.46, 0.54), seed=2)
 
 
@@ -67,9 +65,7 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
     config = {
         "merge_method": method,
         "base_model": str(base),
-        "models": [
-            {"model": str(a), "parameters": {"density": 0.5} if "dare" in method else {}} for a in agents
-        ],
+        "models": [{"model": str(a), "parameters": {"density": 0.5} if "dare" in method else {}} for a in agents],
     }
     # and compute on this thread too (a thread plan for one core: no block pool), for the same reason
     monkeypatch.setattr(ram_trl.parallel, "available_cores", lambda: 1)

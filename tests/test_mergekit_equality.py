@@ -169,9 +169,7 @@ def _config(
     base_in_models: bool = False,
 ) -> dict[str, Any]:
     models = [{"model": str(ckpts["base_dir"])}] if base_in_models else []
-    models += [
-        {"model": str(path), "parameters": p} for path, p in zip(ckpts["agents"], agent_params, strict=False)
-    ]
+    models += [{"model": str(path), "parameters": p} for path, p in zip(ckpts["agents"], agent_params, strict=False)]
     return {
         "merge_method": method,
         "base_model": str(ckpts["base_dir"]),
@@ -283,9 +281,7 @@ def _check_density_premise(config: dict[str, Any], base: dict[str, torch.Tensor]
     for entry in config["models"]:
         density = entry.get("parameters", {}).get("density", 1.0)
         values = (
-            [r["value"] for r in density]
-            if isinstance(density, list) and isinstance(density[0], dict)
-            else [density]
+            [r["value"] for r in density] if isinstance(density, list) and isinstance(density[0], dict) else [density]
         )
         # gradients: every value they take on the layered fixture's 5 layers (and t = 0 outside them)
         values = [interpolate(v, i / 4) for v in values if isinstance(v, list) for i in range(5)] + [
@@ -388,9 +384,7 @@ def test_ramplus_tl_is_tensor_local_in_both(sparse, tmp_path):
 
 SLERP_CASES = {
     "t 0.3": {"t": 0.3},
-    "t per filter": {
-        "t": [{"filter": "self_attn", "value": 0.2}, {"filter": "mlp", "value": 0.9}, {"value": 0.5}]
-    },
+    "t per filter": {"t": [{"filter": "self_attn", "value": 0.2}, {"filter": "mlp", "value": 0.9}, {"value": 0.5}]},
     "t 0 (the base)": {"t": 0.0},
     "t 1 (the other model)": {"t": 1.0},
 }
@@ -502,9 +496,7 @@ def test_breadcrumbs_equals_mergekit(case, dense, tmp_path):
 
 def test_breadcrumbs_streamed_in_small_chunks_equals_mergekit(dense, tmp_path):
     """Both cuts carried across row chunks (a 2 KB chunk budget) change nothing."""
-    method, agent_params, params, base_in_models = BREADCRUMBS_CASES[
-        "breadcrumbs_ties, 3 agents, filter lists"
-    ]
+    method, agent_params, params, base_in_models = BREADCRUMBS_CASES["breadcrumbs_ties, 3 agents, filter lists"]
     config = _config(dense, method, agent_params, params, base_in_models)
     ours, theirs = _run_both(config, tmp_path, chunk_budget=2048)
     _assert_identical(ours, theirs)
@@ -609,9 +601,7 @@ def test_lazymergekit_slerp_slices_equal_mergekit(layered, tmp_path):
     """The most published form: whole-model ``slices`` and ``t`` gradients per filter."""
     base, other = str(layered["base_dir"]), str(layered["agents"][0])
     config = {
-        "slices": [
-            {"sources": [{"model": base, "layer_range": [0, 5]}, {"model": other, "layer_range": [0, 5]}]}
-        ],
+        "slices": [{"sources": [{"model": base, "layer_range": [0, 5]}, {"model": other, "layer_range": [0, 5]}]}],
         "merge_method": "slerp",
         "base_model": base,
         "parameters": {
@@ -710,9 +700,7 @@ def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tm
     config = {
         "merge_method": method,
         "base_model": str(layered["base_dir"]),
-        "models": [
-            {"model": str(p), "parameters": {"weight": w}} for p, w in zip(agents, [0.6, 0.4], strict=False)
-        ],
+        "models": [{"model": str(p), "parameters": {"weight": w}} for p, w in zip(agents, [0.6, 0.4], strict=False)],
         "parameters": {"t": 0.35} if method == "slerp" else {},
         "dtype": "float32",
     }
@@ -740,9 +728,7 @@ def test_chat_template_equals_mergekits(template, layered, tmp_path):
     ram_trl.merge(copy.deepcopy(config), tmp_path / "ram_trl", progress=False)
     messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
     rendered = [
-        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).apply_chat_template(
-            messages, tokenize=False
-        )
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).apply_chat_template(messages, tokenize=False)
         for tool in ("ram_trl", "mergekit")
     ]
     assert rendered[0] == rendered[1]
@@ -846,9 +832,7 @@ def test_model_plus_lora_as_base_and_on_another_model_equals_mergekit(tmp_path, 
     _assert_identical(ours, theirs)
     # the adapters were applied: the merged base's q_proj and the second agent's k_proj differ from their models'
     merged_base, merged_agent = Path(report["base_model"]), Path(report["agents"][1]["path"])
-    assert (
-        merged_base.parent.parent == merged_agent.parent.parent == tmp_path
-    )  # kept under the temporary directory
+    assert merged_base.parent.parent == merged_agent.parent.parent == tmp_path  # kept under the temporary directory
     for merged, plain, module in [
         (merged_base, base, "q_proj"),
         (merged_agent, _load_dir(agent_dir), "k_proj"),
@@ -881,9 +865,7 @@ def _pico(path: Path, vocab: int, added: list[str], seed: int) -> str:
         "model": {"type": "BPE", "vocab": dict(zip(words, range(64), strict=True)), "merges": []},
     }
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": []})).save(
-            f"{scratch}/tokenizer.json"
-        )
+        tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": []})).save(f"{scratch}/tokenizer.json")
         tokenizer = transformers.LlamaTokenizerFast(tokenizer_file=f"{scratch}/tokenizer.json")
     tokenizer.add_tokens(added)
     tokenizer.save_pretrained(path)
@@ -952,15 +934,12 @@ def test_mergekit_tokenizer_configs_equal_mergekit(names, extra, picollamas, tmp
         torch.testing.assert_close(ours[name].float(), theirs[name].float(), rtol=2**-7, atol=2e-4, msg=name)
     assert not torch.equal(ours["lm_head.weight"], _load_dir(Path(picollamas["base"]))["lm_head.weight"])
     vocabularies = [
-        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).get_vocab()
-        for tool in ("ram_trl", "mergekit")
+        transformers.AutoTokenizer.from_pretrained(tmp_path / tool).get_vocab() for tool in ("ram_trl", "mergekit")
     ]
     size = 66 if extra.get("tokenizer_source") == "union" else 64
     assert vocabularies[0] == vocabularies[1] and len(vocabularies[0]) == size
     assert ours["lm_head.weight"].shape[0] == size
-    if (
-        size == 66 and "chatml2" not in names
-    ):  # the added tokens' rows are the chatml model's (rounded to bf16)
+    if size == 66 and "chatml2" not in names:  # the added tokens' rows are the chatml model's (rounded to bf16)
         chatml = _load_dir(Path(picollamas["chatml"]))
         for name in ("lm_head.weight", "model.embed_tokens.weight"):
             donor = chatml[name][64:].to(torch.bfloat16)
@@ -976,9 +955,7 @@ def _token_rules(models: dict[str, str]) -> dict[str, Any]:
             "source": {"kind": "model_token", "model": models["base"], "token": "_tok_3"},
             "force": True,
         },
-        "_tok_11": {
-            "source": {"kind": "model_token", "model": models["chatml2"], "token_id": 65}
-        },  # no effect
+        "_tok_11": {"source": {"kind": "model_token", "model": models["chatml2"], "token_id": 65}},  # no effect
     }
 
 
@@ -1023,9 +1000,7 @@ def test_union_rows_built_before_the_merge_equal_mergekit(case, picollamas, tmp_
     config = {
         "merge_method": method,
         "base_model": picollamas["base"],
-        "models": [
-            {"model": picollamas[n], "parameters": p} for n, p in zip(names, agent_params, strict=True)
-        ],
+        "models": [{"model": picollamas[n], "parameters": p} for n, p in zip(names, agent_params, strict=True)],
         "parameters": params,
         "tokenizer_source": "union",
         "dtype": "float32",
@@ -1079,9 +1054,7 @@ def test_union_leaves_out_rows_past_a_models_tokenizer_as_mergekit(names, rows, 
         assert ours[name].shape == theirs[name].shape, name
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-6, atol=1e-7, msg=name)
     assert ours["lm_head.weight"].shape[0] == rows
-    configs = [
-        json.loads((tmp_path / d / "config.json").read_text())["vocab_size"] for d in ("ram_trl", "mergekit")
-    ]
+    configs = [json.loads((tmp_path / d / "config.json").read_text())["vocab_size"] for d in ("ram_trl", "mergekit")]
     assert configs == [rows, rows]
 
 
@@ -1331,9 +1304,7 @@ dtype: float16
     assert sorted(ours) == sorted(theirs) and len({n.split(".")[2] for n in ours if ".layers." in n}) == 6
     for name, value in theirs.items():
         assert value.dtype == ours[name].dtype == torch.float16 and torch.equal(ours[name], value), name
-    mine, mergekits = (
-        json.loads((tmp_path / d / "config.json").read_text()) for d in ("ram_trl", "mergekit")
-    )
+    mine, mergekits = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("ram_trl", "mergekit"))
     assert mine == mergekits and mine["num_hidden_layers"] == 6
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ram_trl", dtype=torch.float32)
     assert torch.isfinite(model(torch.tensor([[3, 1, 4, 1, 5]])).logits).all()

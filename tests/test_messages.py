@@ -54,24 +54,14 @@ def _refused(config: dict) -> str:
 def test_config_errors_in_our_words(ckpts):
     good = config_for(ckpts, "ram_plus")
     message = _refused({**good, "model": good["models"][0]["model"]})
-    assert (
-        message
-        == "merge config: unknown field 'model' (did you mean 'models'?); remove it or correct its name"
-    )
+    assert message == "merge config: unknown field 'model' (did you mean 'models'?); remove it or correct its name"
     message = _refused({**good, "out_dtype": "bf17"})
-    assert message.startswith(
-        "merge config: out_dtype: unknown dtype 'bf17' (did you mean 'bf16'?); use one of"
-    )
+    assert message.startswith("merge config: out_dtype: unknown dtype 'bf17' (did you mean 'bf16'?); use one of")
     message = _refused({**good, "seed": "soon"})
-    assert (
-        message
-        == "merge config: seed = 'soon': must be a valid integer, unable to parse string as an integer"
-    )
+    assert message == "merge config: seed = 'soon': must be a valid integer, unable to parse string as an integer"
     assert "Value error" not in _refused({**good, "out_dtype": "bf17"})
     message = _refused({**good, "merge_method": "ram_pluss"})
-    assert message.startswith(
-        "merge config: unknown merge_method 'ram_pluss' (did you mean 'ram_plus'?); available:"
-    )
+    assert message.startswith("merge config: unknown merge_method 'ram_pluss' (did you mean 'ram_plus'?); available:")
 
 
 def test_recipe_and_telemetry_accept_the_aliases():
@@ -85,9 +75,7 @@ def test_recipe_and_telemetry_accept_the_aliases():
 
 def test_convert_gguf_accepts_the_aliases(tmp_path, capsys):
     missing = tmp_path / "missing.gguf"
-    assert (
-        main(["convert-gguf", str(missing), str(tmp_path / "out"), "--dtype", "bf16", "--no-progress"]) == 2
-    )
+    assert main(["convert-gguf", str(missing), str(tmp_path / "out"), "--dtype", "bf16", "--no-progress"]) == 2
     assert "missing.gguf" in capsys.readouterr().err  # refused for the file, not for the dtype
 
 
@@ -109,9 +97,7 @@ def test_the_library_still_warns_through_python_warnings(ckpts, tmp_path):
         ram_trl.merge(config, Path(tmp_path / "out"), progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert (
-            main(["methods"]) == 0
-        )  # the command line's voice leaves the host's warning filters as they were
+        assert main(["methods"]) == 0  # the command line's voice leaves the host's warning filters as they were
 
 
 def test_deepspeed_cpu_notice_is_dropped_only_in_the_command_lines_process():
@@ -125,9 +111,7 @@ def test_deepspeed_cpu_notice_is_dropped_only_in_the_command_lines_process():
     logger = logging.getLogger("DeepSpeed")
     logger.addHandler(handler)
     try:
-        notice = (
-            "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
-        )
+        notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
         with one_voice():
             logger.warning(notice)
             logger.warning("another DeepSpeed warning")

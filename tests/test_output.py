@@ -197,9 +197,7 @@ def test_a_kill_9_run_is_cleaned_up_by_the_next_run(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_catchable_signals_remove_the_temporary_directory(tmp_path, signum):
     target = tmp_path / "x" / "out"
-    ignored = signal.signal(
-        signum, signal.SIG_DFL
-    )  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
+    ignored = signal.signal(signum, signal.SIG_DFL)  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
     try:
         out = OutputDir(target)
         with pytest.raises(Interrupted) as info:
@@ -232,9 +230,7 @@ def test_a_signalled_cli_merge_leaves_nothing(tmp_path, monkeypatch, capsys, sig
         os.kill(os.getpid(), signum)  # delivered to the main thread, whichever thread writes
 
     monkeypatch.setattr(safetensors_io.ShardFile, "write_rows", write_rows)
-    ignored = signal.signal(
-        signum, signal.SIG_DFL
-    )  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
+    ignored = signal.signal(signum, signal.SIG_DFL)  # under nohup SIGHUP is ignored, and stays so (test_signals.py)
     try:
         assert main(["merge", str(config), str(out), "--no-progress"]) == 128 + signum
     finally:
@@ -281,9 +277,7 @@ def test_merge_mode_moves_files_into_an_existing_directory_marker_last(tmp_path,
     (target / "stage.json").write_text("old")
     order = []
     rename = os.rename
-    monkeypatch.setattr(
-        output.os, "rename", lambda a, b: (order.append((Path(a).name, Path(b).parent)), rename(a, b))
-    )
+    monkeypatch.setattr(output.os, "rename", lambda a, b: (order.append((Path(a).name, Path(b).parent)), rename(a, b)))
     out = OutputDir(target, merge=True, markers=("stage.json",))
     out.check()  # an existing directory is not refused in merge mode
     temp = out.begin()
@@ -348,11 +342,7 @@ def test_outputs_are_as_readable_as_the_umask_allows(tmp_path, umask, mask, mode
         os.chmod(tmp / "run.sh", 0o700)
     with atomic_file(tmp_path / "fisher.safetensors") as temp:
         save_file({"w": torch.zeros(2)}, str(temp))
-    modes = {
-        p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777
-        for p in tmp_path.rglob("*")
-        if p.is_file()
-    }
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*") if p.is_file()}
     assert modes == {
         "out/model.safetensors": mode,
         "out/sub/x.safetensors": mode,

@@ -238,9 +238,7 @@ def test_the_compute_pool_follows_the_thread_plan(cores, simulated, workers):
     before = torch.get_num_threads()
     with compute_pool(torch.device("cpu")) as pool:
         assert (
-            (None if pool is None else pool._max_workers)
-            == workers
-            == (plan_threads().compute if workers else None)
+            (None if pool is None else pool._max_workers) == workers == (plan_threads().compute if workers else None)
         )
         if pool is not None:
             names = set(map_blocks(pool, lambda _: threading.current_thread().name, range(4 * simulated)))

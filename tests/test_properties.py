@@ -47,9 +47,7 @@ json_scalars = st.one_of(
 )
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
     max_leaves=8,
 )
 
@@ -227,9 +225,7 @@ methods = st.sampled_from(
 @given(
     method=methods,
     global_params=st.dictionaries(parameter_names, parameter_values, max_size=3),
-    agent_params=st.lists(
-        st.dictionaries(parameter_names, parameter_values, max_size=2), min_size=2, max_size=2
-    ),
+    agent_params=st.lists(st.dictionaries(parameter_names, parameter_values, max_size=2), min_size=2, max_size=2),
     extra=st.dictionaries(
         st.sampled_from(["seed", "out_dtype", "shape_mismatch", "dtype", "tokenizer_source"]),
         json_scalars,

@@ -26,9 +26,7 @@ def test_the_project_venvs_are_found():
     assert {".venv", ".venv-ci", ".venv-ppo"} <= _created_venvs()
 
 
-@pytest.mark.skipif(
-    shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout"
-)
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout")
 def test_every_created_venv_is_ignored_by_git():
     venvs = sorted(_created_venvs())
     ignored = subprocess.run(

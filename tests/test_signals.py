@@ -81,9 +81,7 @@ def test_a_save_under_nohup_survives_a_sighup(tmp_path):
         print(during, *after)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True", "True", "True"]
     assert (tmp_path / "out.json").read_text() == "{}"

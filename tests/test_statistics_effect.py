@@ -135,9 +135,7 @@ def test_issue_32_ram_plus_in_bf16_is_ram_and_says_so(tmp_path, one_step_agents)
 
 
 def test_issue_32_ram_plus_in_float32_differs_where_the_report_says(tmp_path, one_step_agents):
-    report, written = _merge(
-        tmp_path, *one_step_agents, "ram_plus", {"r": 0.1, "alpha": 2.0}, out_dtype="float32"
-    )
+    report, written = _merge(tmp_path, *one_step_agents, "ram_plus", {"r": 0.1, "alpha": 2.0}, out_dtype="float32")
     _, ram = _merge(tmp_path, *one_step_agents, "ram", out_dtype="float32")
     differ = int((written["w"] != ram["w"]).sum())
     effect = report["effect"]

@@ -84,9 +84,7 @@ def test_bins_are_ordered_and_relative_width_bounded():
 
 def _lognormal(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, generator=g) * 2.0 - 9.0).exp() * torch.where(
-        torch.rand(n, generator=g) < 0.5, -1, 1
-    )
+    return (torch.randn(n, generator=g) * 2.0 - 9.0).exp() * torch.where(torch.rand(n, generator=g) < 0.5, -1, 1)
 
 
 def _histogram(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

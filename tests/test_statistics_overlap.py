@@ -75,9 +75,7 @@ def test_subset_encoding_equals_direct_counts(monkeypatch):
             assert fast.histogram[t, k] == int((mask[t] & (counts == k)).sum())
         for s in range(5):
             assert fast.pairwise[s, t] == int((mask[s] & mask[t]).sum())
-    assert fast.jaccard(1, 2) == pytest.approx(
-        int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum())
-    )
+    assert fast.jaccard(1, 2) == pytest.approx(int((mask[1] & mask[2]).sum()) / int((mask[1] | mask[2]).sum()))
 
 
 @pytest.mark.parametrize("num_agents", [3, 20])  # the subset path, and the bincount path beyond 12 agents

@@ -64,13 +64,9 @@ def resolve_inputs(
             )
         found = []
         for label, path in [("base model", base), *((f"agent {i}", a) for i, a in enumerate(agents))]:
-            found.append(
-                resolve_model(path, what=label, weights=False)
-            )  # a path, or a Hub id's cache snapshot
+            found.append(resolve_model(path, what=label, weights=False))  # a path, or a Hub id's cache snapshot
             if not found[-1].exists():
-                raise ConfigError(
-                    f"{label}: {path} does not exist (neither a local path nor a Hub id ORG/NAME)"
-                )
+                raise ConfigError(f"{label}: {path} does not exist (neither a local path nor a Hub id ORG/NAME)")
         if all(a.resolve() == found[0].resolve() for a in found[1:]):
             raise ConfigError(f"every agent is the base model {base}: there is no task vector to analyse")
         entries = [{"stage" if is_stage(path) else "model": str(path)} for path in agents]

@@ -28,11 +28,7 @@ def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[Ten
     return [
         base_wide
         or agent.kind == "lora"
-        or any(
-            dtype_itemsize(agent.tensors[t.name].dtype) > BF16_ITEMSIZE
-            for t in tasks
-            if t.name in agent.tensors
-        )
+        or any(dtype_itemsize(agent.tensors[t.name].dtype) > BF16_ITEMSIZE for t in tasks if t.name in agent.tensors)
         for agent in agents
     ]
 

@@ -196,9 +196,7 @@ def print_tables(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(
-        f"{result['num_agents']} agents, {result['total_elements']:,} elements, {result['tensors']} tensors"
-    )
+    console.print(f"{result['num_agents']} agents, {result['total_elements']:,} elements, {result['tensors']} tensors")
     for title, (header, rows) in [
         (
             f"Task-vector sparsity at eps = {result['parameters']['eps']:g}",

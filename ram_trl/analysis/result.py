@@ -115,9 +115,7 @@ def build_result(
                 "numel": record.eps.numel,
                 "dtypes": {
                     "base": _dtype_name(base.tensors[name].dtype),
-                    "agents": [
-                        _dtype_name(a.tensors[name].dtype) if name in a.tensors else None for a in agents
-                    ],
+                    "agents": [_dtype_name(a.tensors[name].dtype) if name in a.tensors else None for a in agents],
                 },
                 "active": [record.eps.active(t) for t in range(n)],
                 "changed": [record.exact.active(t) for t in range(n)],

@@ -16,6 +16,4 @@ if TYPE_CHECKING:
 
 __all__ = ["MergePreviewCallback", "TaskVectorSparsityCallback", "save_agent"]
 
-__getattr__, __dir__ = lazy_exports(
-    __name__, globals(), {"MergePreviewCallback": "ram_trl.callbacks.preview"}
-)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), {"MergePreviewCallback": "ram_trl.callbacks.preview"})

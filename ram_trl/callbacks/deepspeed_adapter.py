@@ -38,9 +38,7 @@ class Partition:
 
 def is_engine(model: Any) -> bool:
     """Whether ``model`` is a ``deepspeed.DeepSpeedEngine`` (checked by name: DeepSpeed need not be importable)."""
-    return type(model).__name__ == "DeepSpeedEngine" and isinstance(
-        getattr(model, "module", None), torch.nn.Module
-    )
+    return type(model).__name__ == "DeepSpeedEngine" and isinstance(getattr(model, "module", None), torch.nn.Module)
 
 
 def is_partitioned(param: torch.Tensor) -> bool:

@@ -170,11 +170,7 @@ class TaskVectorSparsityCallback(TrainerCallback):
         self.trainer = trainer
         self.base_model = self.tracker.base_model
         # a Hub id is recorded as written, with the commit it resolved to
-        hub = (
-            cached_revision(self.base_model)
-            if self.base_model and parse_reference(base_model or "")
-            else None
-        )
+        hub = cached_revision(self.base_model) if self.base_model and parse_reference(base_model or "") else None
         self.base_reference = (str(base_model), hub.revision) if hub is not None else None
         self.every_n_steps = every_n_steps
         self.prefix = prefix
@@ -381,9 +377,7 @@ def check_policy_starts_from_base(tracker: TaskVectorTracker, model: torch.nn.Mo
         ours = policy.head(name, numel)
         if not bool(torch.isfinite(theirs.float()).all()):
             raise NonFiniteError(f"base_model {tracker.base_model}: tensor {name!r} holds NaN/Inf values")
-        coarse = max(
-            [theirs.dtype, *dtypes], key=lambda d: torch.finfo(d).eps if d.is_floating_point else 0.0
-        )
+        coarse = max([theirs.dtype, *dtypes], key=lambda d: torch.finfo(d).eps if d.is_floating_point else 0.0)
         if not torch.equal(ours.cpu().to(coarse), theirs.cpu().to(coarse)):
             warnings.warn(
                 f"base_model {tracker.base_model}: tensor {name!r} differs from the policy's at train begin, so the "
@@ -431,9 +425,7 @@ def check_callback_arguments(arguments: Mapping[str, Any], where: str = "TaskVec
         fail("base_model", base, "give the base checkpoint's directory (a path)")
     prior = arguments.get("prior_stages", ())
     if isinstance(prior, str | bytes | os.PathLike) or not isinstance(prior, Sequence):
-        fail(
-            "prior_stages", prior, "give a list of stage manifests or their directories, e.g. ['runs/coding']"
-        )
+        fail("prior_stages", prior, "give a list of stage manifests or their directories, e.g. ['runs/coding']")
     for item in prior:
         if not isinstance(item, str | os.PathLike):
             fail("prior_stages", prior, "every entry must be a path")
@@ -447,8 +439,6 @@ def check_callback_arguments(arguments: Mapping[str, Any], where: str = "TaskVec
         if not isinstance(value, str) or not value.strip():
             fail(name, value, "give a non-empty string (or None)")
         if any(ord(c) < 32 or ord(c) == 127 for c in value) or len(value) > 200:
-            fail(
-                name, value, "give one line of at most 200 characters, without control characters (newlines)"
-            )
+            fail(name, value, "give one line of at most 200 characters, without control characters (newlines)")
         if name == "stage_name" and any(c in value for c in "/\\|"):
             fail(name, value, "a stage name may not hold '/', '\\' or '|' (it labels files, rows and tables)")

@@ -160,16 +160,12 @@ def fisher_from_completions(
         with torch.enable_grad():
             for item in iterator:
                 if item.completion_ids.numel() == 0 or item.prompt_ids.numel() == 0:
-                    raise ValueError(
-                        "a sample has an empty prompt or completion: nothing to condition or score"
-                    )
+                    raise ValueError("a sample has an empty prompt or completion: nothing to condition or score")
                 ids = torch.cat([item.prompt_ids, item.completion_ids]).unsqueeze(0).to(device)
                 start = item.prompt_ids.numel()
                 logits = model(input_ids=ids, **extra).logits[0, start - 1 : -1].float()
                 log_likelihood = (
-                    torch.log_softmax(logits, dim=-1)
-                    .gather(-1, item.completion_ids.to(device).unsqueeze(-1))
-                    .sum()
+                    torch.log_softmax(logits, dim=-1).gather(-1, item.completion_ids.to(device).unsqueeze(-1)).sum()
                 )
                 gradients = torch.autograd.grad(log_likelihood, [p for _, p in params], allow_unused=True)
                 for (name, _), gradient in zip(params, gradients, strict=True):
@@ -218,9 +214,7 @@ def save_fisher(
     for name, value in fisher.items():
         value = value.detach().to("cpu", torch.float32).contiguous()
         if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
-            raise RamTrlError(
-                f"save_fisher: tensor {name!r} holds negative or NaN/Inf values; a Fisher cannot"
-            )
+            raise RamTrlError(f"save_fisher: tensor {name!r} holds negative or NaN/Inf values; a Fisher cannot")
         tensors[name] = value
     meta = {"format": "pt", "content": "ram_trl diagonal Fisher"}
     meta.update({str(k): v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
@@ -253,9 +247,7 @@ def read_prompts(path: str | os.PathLike) -> list[str]:
         except json.JSONDecodeError as exc:
             raise RamTrlError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise RamTrlError(
-                f"{path}:{number}: a JSONL prompts file needs a string 'prompt' field on every line"
-            )
+            raise RamTrlError(f"{path}:{number}: a JSONL prompts file needs a string 'prompt' field on every line")
         prompts.append(record["prompt"])
     return prompts
 
@@ -314,17 +306,13 @@ def load_agent(
         return model, AutoTokenizer.from_pretrained(agent_dir)
     from peft import PeftModel
 
-    claimed = read_json_object(agent_dir / ADAPTER_CONFIG, f"agent {agent_dir}").get(
-        "base_model_name_or_path"
-    )
+    claimed = read_json_object(agent_dir / ADAPTER_CONFIG, f"agent {agent_dir}").get("base_model_name_or_path")
     if claimed is not None and not isinstance(claimed, str):
         raise RamTrlError(f"agent {agent_dir}: base_model_name_or_path must be a path, got {claimed!r}")
     if base is not None:
         base_path: Path | None = resolve_model(base, what="base model")
     else:  # a stage's base (its manifest, read beside it) before the adapter config's own claim (a Hub id too)
-        base_path = stage_base or (
-            resolve_model(claimed, what="the adapter's base model") if claimed else None
-        )
+        base_path = stage_base or (resolve_model(claimed, what="the adapter's base model") if claimed else None)
     if base_path is None or not base_path.is_dir():
         raise RamTrlError(
             f"agent {agent_dir} is a LoRA adapter whose base ({base_path}) is not a local directory; pass --base "

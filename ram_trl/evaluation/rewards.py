@@ -67,9 +67,7 @@ def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., 
 def check_reward_values(values: Any, count: int, where: str) -> list[float | None]:
     """A reward function's output: one finite number (or ``None``, TRL's "does not apply") per completion."""
     if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
-        raise ConfigError(
-            f"{where} returned {type(values).__name__}; return a list with one float per completion"
-        )
+        raise ConfigError(f"{where} returned {type(values).__name__}; return a list with one float per completion")
     if len(values) != count:
         raise ConfigError(
             f"{where} returned {len(values)} values for {count} completions; return one float per completion"

@@ -44,8 +44,7 @@ class EvalTask:
 
     def functions(self) -> list[Any]:
         return [
-            wrap_reward(import_object(p, f"stage {self.stage!r}: reward function"), p, self.stage)
-            for p in self.paths
+            wrap_reward(import_object(p, f"stage {self.stage!r}: reward function"), p, self.stage) for p in self.paths
         ]
 
 
@@ -93,9 +92,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
         )
         # the model's device, not the tokenizer's host tensors (transformers 5 moves them itself, 4.x does not)
         batch = {key: value.to(device) for key, value in encoded.items()}
-        sampling = (
-            {"do_sample": True, "temperature": spec.temperature} if spec.do_sample else {"do_sample": False}
-        )
+        sampling = {"do_sample": True, "temperature": spec.temperature} if spec.do_sample else {"do_sample": False}
         output = model.generate(
             **batch,
             max_new_tokens=spec.max_new_tokens,
@@ -108,9 +105,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
     return completions
 
 
-def score_completions(
-    functions: list[Any], rows: list[dict[str, Any]], completions: list[str]
-) -> list[float]:
+def score_completions(functions: list[Any], rows: list[dict[str, Any]], completions: list[str]) -> list[float]:
     """Per completion, the sum of the reward functions (called TRL-style with the rows' columns)."""
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"} if rows else {}
     totals = [0.0] * len(completions)
@@ -133,9 +128,7 @@ def evaluate_model(
     """Score one model on every task."""
     start = time.perf_counter()
     model, tokenizer = load_model(path, spec.dtype, base)
-    result = evaluate_loaded(
-        model, tokenizer, tasks, spec, name=Path(path).name, samples=samples, progress=progress
-    )
+    result = evaluate_loaded(model, tokenizer, tasks, spec, name=Path(path).name, samples=samples, progress=progress)
     result["seconds"] = round(time.perf_counter() - start, 2)
     return result
 

@@ -219,9 +219,7 @@ def _from_index(path: Path, role: str, index: Path, allow_external: bool = False
     infos: dict[str, TensorInfo] = {}
     for name, file in file_of.items():
         if name not in headers[file]:
-            raise CheckpointError(
-                f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it"
-            )
+            raise CheckpointError(f"{role}: {index.name} maps tensor {name!r} to {file}, which does not hold it")
         infos[name] = headers[file][name]
     return _checkpoint(path, role, infos, files)
 
@@ -239,9 +237,7 @@ def _from_safetensors_files(path: Path, role: str, files: list[Path]) -> Checkpo
     for file in files:
         for name, info in _read_header(file, role).items():
             if name in infos:
-                raise CheckpointError(
-                    f"{role}: tensor {name!r} appears in both {infos[name].file} and {file}"
-                )
+                raise CheckpointError(f"{role}: tensor {name!r} appears in both {infos[name].file} and {file}")
             infos[name] = info
     return _checkpoint(path, role, infos, files)
 
@@ -256,18 +252,14 @@ def _read_header(file: Path, role: str) -> dict[str, TensorInfo]:
 
 def _checkpoint(path: Path, role: str, infos: dict[str, TensorInfo], files: list[Path]) -> Checkpoint:
     metas = {n: TensorMeta(n, i.dtype, i.shape) for n, i in infos.items()}
-    return Checkpoint(
-        path=path, role=role, tensors=metas, format="safetensors", files=files, _safetensors=infos
-    )
+    return Checkpoint(path=path, role=role, tensors=metas, format="safetensors", files=files, _safetensors=infos)
 
 
 def _load_pickle(file: Path, role: str) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
-        raise CheckpointError(
-            f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})"
-        ) from exc
+        raise CheckpointError(f"{role}: cannot load pickle checkpoint {file} with weights_only=True ({exc})") from exc
     return check_pickle_state(state, file, role)
 
 
@@ -296,9 +288,7 @@ def _from_pickle(path: Path, role: str, allow_external: bool = False) -> Checkpo
             metas[name] = TensorMeta(name, tensor.dtype, tuple(tensor.shape))
             pickle_files[name] = file
         del state
-    return Checkpoint(
-        path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files
-    )
+    return Checkpoint(path=path, role=role, tensors=metas, format="pickle", files=files, _pickle_files=pickle_files)
 
 
 def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> Path:
@@ -315,9 +305,7 @@ def confine(path: Path, root: Path, what: str, allow_external: bool = False) -> 
     return path
 
 
-def check_weight_map(
-    data: Any, index: Path, root: Path, role: str, allow_external: bool = False
-) -> dict[str, Path]:
+def check_weight_map(data: Any, index: Path, root: Path, role: str, allow_external: bool = False) -> dict[str, Path]:
     """The ``weight_map`` of a checkpoint index: tensor name to a shard file inside ``root``."""
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):

@@ -58,9 +58,7 @@ def check_fisher_headers(fisher: Checkpoint, agent: Checkpoint, base: Checkpoint
                 "on a model of this architecture?"
             )
         if not meta.dtype.is_floating_point:
-            raise CheckpointError(
-                f"{fisher.role}: tensor {name!r} has dtype {meta.dtype}; a Fisher is floating"
-            )
+            raise CheckpointError(f"{fisher.role}: tensor {name!r} has dtype {meta.dtype}; a Fisher is floating")
         base_shape = base.tensors[name].shape
         own = agent.tensors.get(name)
         if meta.shape != base_shape and (own is None or meta.shape != own.shape):
@@ -80,9 +78,7 @@ def fisher_nbytes(fisher: Checkpoint, names: list[str]) -> int:
     return sum(fisher.tensors[n].nbytes for n in names)
 
 
-def read_fisher_rows(
-    fisher: Checkpoint, name: str, reader: RowReader, start: int, stop: int
-) -> torch.Tensor | None:
+def read_fisher_rows(fisher: Checkpoint, name: str, reader: RowReader, start: int, stop: int) -> torch.Tensor | None:
     """Rows ``start:stop`` of one Fisher tensor in its stored dtype (fewer where it has fewer rows; ``None``: none)."""
     shape = fisher.tensors[name].shape
     have = min(stop, shape[0] if shape else 1)
@@ -91,9 +87,7 @@ def read_fisher_rows(
     return fisher.read_rows(name, reader, start, have)
 
 
-def fill_fisher(
-    out: torch.Tensor, raw: torch.Tensor | None, fisher: Checkpoint, name: str, start: int
-) -> None:
+def fill_fisher(out: torch.Tensor, raw: torch.Tensor | None, fisher: Checkpoint, name: str, start: int) -> None:
     """Write one agent's float32 Fisher of a chunk into ``out`` (flat, the chunk's length); zero on rows it lacks."""
     n = 0 if raw is None else raw.numel()
     if raw is not None:

@@ -156,9 +156,7 @@ def _describe(file: Path, label: str) -> dict[str, Any]:
         types = sorted({tensor.tensor_type.name for tensor in reader.tensors})
         count = len(reader.tensors)
     except Exception as exc:  # noqa: BLE001 - any parse failure of a corrupt file is the user's input error
-        raise ConfigError(
-            f"GGUF source {label} is not a readable GGUF file ({type(exc).__name__}: {exc})"
-        ) from None
+        raise ConfigError(f"GGUF source {label} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     if architecture is None:
         raise ConfigError(f"GGUF source {label} names no general.architecture")
     if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
@@ -260,9 +258,7 @@ def _convert_quietly(
     info = _describe(file, found.label)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(file.parent), gguf_file=file.name, dtype=torch.float32
-        )
+        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - a tensor of the wrong shape, a broken tokenizer: the user's input
         detail = " ".join(str(exc).split())[:300]
         raise ConfigError(
@@ -311,9 +307,7 @@ def _convert_quietly(
                 f"by up to {same:g}; the conversion was discarded"
             )
         del written
-        weights_only = _logits(
-            AutoModelForCausalLM.from_pretrained(str(temp), dtype=torch.float32).eval(), ids
-        )
+        weights_only = _logits(AutoModelForCausalLM.from_pretrained(str(temp), dtype=torch.float32).eval(), ids)
         diff = [(a - b).abs() for a, b in zip(got, reference, strict=True)]
         agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, reference, strict=True))
         tokens = sum(a.shape[0] for a in got)

@@ -94,9 +94,7 @@ def _snapshot(reference: HubReference, what: str, weights: bool, commit: str | N
     revision = commit or reference.revision
     try:
         folder: Path | None = Path(
-            snapshot_download(
-                reference.repo_id, revision=revision, allow_patterns=patterns, local_files_only=True
-            )
+            snapshot_download(reference.repo_id, revision=revision, allow_patterns=patterns, local_files_only=True)
         )
     except Exception:  # noqa: BLE001 - not in the cache (any reason): ask the Hub below
         folder = None
@@ -183,9 +181,7 @@ def remote_headers(path: Path, what: str) -> dict[str, dict[str, tuple[str, list
     if index.is_file():
         files = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
     else:
-        files = [
-            "adapter_model.safetensors" if (path / "adapter_config.json").is_file() else "model.safetensors"
-        ]
+        files = ["adapter_model.safetensors" if (path / "adapter_config.json").is_file() else "model.safetensors"]
     api = HfApi()
     out: dict[str, dict[str, tuple[str, list[int], list[int]]]] = {}
     for name in files:
@@ -196,9 +192,7 @@ def remote_headers(path: Path, what: str) -> dict[str, dict[str, tuple[str, list
                 f"{what}: the headers of {reference.repo_id}'s {name} are not in the cache and cannot be read "
                 f"from the Hub ({type(exc).__name__}); fetch it with `{reference.fetch_command()}`"
             ) from exc
-        out[name] = {
-            t: (info.dtype, list(info.shape), list(info.data_offsets)) for t, info in meta.tensors.items()
-        }
+        out[name] = {t: (info.dtype, list(info.shape), list(info.data_offsets)) for t, info in meta.tensors.items()}
     return out
 
 

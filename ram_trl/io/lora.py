@@ -190,9 +190,7 @@ def read_adapter(
         )
     for feature in ("layer_replication", "trainable_token_indices", "target_parameters"):
         if config.get(feature):
-            raise CheckpointError(
-                f"{role}: {path} uses the LoRA option {feature!r}, which ram_trl does not support"
-            )
+            raise CheckpointError(f"{role}: {path} uses the LoRA option {feature!r}, which ram_trl does not support")
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         if (path / "adapter_model.bin").is_file():
@@ -230,19 +228,13 @@ def read_adapter(
             if len(adapter_names) > 1:
                 break
             if part in pairs.get(module, {}):
-                raise CheckpointError(
-                    f"{role}: {path}: tensor {key!r} repeats the {part} of module {module!r}"
-                )
+                raise CheckpointError(f"{role}: {path}: tensor {key!r} repeats the {part} of module {module!r}")
             pairs.setdefault(module, {})[part] = info
             continue
         if "lora_magnitude_vector" in name:
-            raise CheckpointError(
-                f"{role}: {path} holds DoRA magnitude vectors ({key}); DoRA is not supported"
-            )
+            raise CheckpointError(f"{role}: {path} holds DoRA magnitude vectors ({key}); DoRA is not supported")
         if re.search(r"\.lora_[A-Za-z_]+", name):
-            raise CheckpointError(
-                f"{role}: {path}: tensor {key!r} is a LoRA variant ram_trl does not understand"
-            )
+            raise CheckpointError(f"{role}: {path}: tensor {key!r} is a LoRA variant ram_trl does not understand")
         name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
         content.full[name] = info
     if len(adapter_names) > 1:
@@ -258,16 +250,12 @@ def read_adapter(
         scaling = module_alpha / math.sqrt(r) if rslora else module_alpha / r
         if "lora_A" in parts and "lora_B" in parts:
             a, b = parts["lora_A"], parts["lora_B"]
-            layout: Literal["linear", "transposed"] = _layout(
-                module, a, b, fan_in_fan_out, base_shapes, conv1d
-            )
+            layout: Literal["linear", "transposed"] = _layout(module, a, b, fan_in_fan_out, base_shapes, conv1d)
         elif "lora_embedding_A" in parts and "lora_embedding_B" in parts:
             a, b = parts["lora_embedding_A"], parts["lora_embedding_B"]
             layout = "transposed"
         else:
-            raise CheckpointError(
-                f"{role}: {path}: module {module!r} has {sorted(parts)} but not both LoRA factors"
-            )
+            raise CheckpointError(f"{role}: {path}: module {module!r} has {sorted(parts)} but not both LoRA factors")
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
             raise CheckpointError(
                 f"{role}: {path}: module {module!r} has LoRA factors of shapes {list(a.shape)} and {list(b.shape)}, "
@@ -317,12 +305,7 @@ def check_lora_config(config: Any, path: Path, role: str) -> LoraSettings:
         raise CheckpointError(f"{where}: an adapter config must be a JSON object")
 
     def rank(value: Any, field: str) -> int:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not float(value).is_integer()
-            or value < 1
-        ):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer() or value < 1:
             raise CheckpointError(f"{where}: {field} must be a positive integer rank, got {value!r}")
         return int(value)
 

@@ -17,11 +17,7 @@ from ram_trl.io.hub import METADATA_PATTERNS
 CACHE_NAME = "ram_trl-lora-merged"
 _DONE = ".complete"
 #: The model's files copied beside the merged weights (not its config, index or weights: those are written anew).
-_TRAVEL = [
-    p
-    for p in METADATA_PATTERNS
-    if p not in ("config.json", "*.safetensors.index.json", "adapter_config.json")
-]
+_TRAVEL = [p for p in METADATA_PATTERNS if p not in ("config.json", "*.safetensors.index.json", "adapter_config.json")]
 
 
 def _fingerprint(model: Path, adapter: Path) -> str:

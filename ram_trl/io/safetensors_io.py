@@ -214,9 +214,7 @@ class RowReader:
         handle = self._acquire(info.file)
         try:
             if os.fstat(handle.fd).st_size < offset + nbytes:  # a mapping past the end would fault (SIGBUS)
-                raise CheckpointError(
-                    f"{info.file}: unexpected end of file while reading tensor {info.name!r}"
-                )
+                raise CheckpointError(f"{info.file}: unexpected end of file while reading tensor {info.name!r}")
             skip = offset % mmap.ALLOCATIONGRANULARITY
             # the mapping keeps its own duplicate of the descriptor: releasing ours afterwards is safe
             mapped = mmap.mmap(handle.fd, nbytes + skip, access=mmap.ACCESS_COPY, offset=offset - skip)
@@ -285,9 +283,7 @@ def shard_layout(
     return prefix, locations, len(prefix) + offset
 
 
-_SYNC_FILE_RANGE = libc_function(
-    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-)
+_SYNC_FILE_RANGE = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait for it
 
 
@@ -300,9 +296,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 class ShardFile:
     """One output safetensors file whose layout is fixed by the plan; tensors are written by row range at fixed offsets."""
 
-    def __init__(
-        self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
-    ):
+    def __init__(self, path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
         self.path = Path(path)
         self._planned = {t.name: t for t in tensors}
         _, self._locations, self.file_size = shard_layout(tensors, metadata)
@@ -310,9 +304,7 @@ class ShardFile:
         self.bytes_written = 0
 
     @staticmethod
-    def create(
-        path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
-    ) -> None:
+    def create(path: str | Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None) -> None:
         """Write the header and size the file; tensor data is filled in by :meth:`write_rows`."""
         prefix, _, size = shard_layout(tensors, metadata)
         with open(path, "wb") as handle:
@@ -325,13 +317,9 @@ class ShardFile:
         if planned is None:
             raise RuntimeError(f"{self.path}: tensor {name!r} is not planned in this file")
         if chunk.dtype != planned.dtype:
-            raise RuntimeError(
-                f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}"
-            )
+            raise RuntimeError(f"{self.path}: {name!r} chunk has dtype {chunk.dtype}, planned {planned.dtype}")
         begin, end = self._locations[name]
-        row_bytes = (math.prod(planned.shape[1:]) if len(planned.shape) > 1 else 1) * dtype_itemsize(
-            planned.dtype
-        )
+        row_bytes = (math.prod(planned.shape[1:]) if len(planned.shape) > 1 else 1) * dtype_itemsize(planned.dtype)
         offset = begin + row_start * row_bytes
         data = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
         if data.device.type != "cpu":
@@ -403,9 +391,7 @@ def check_safetensors_header(
     return entries, dict(metadata)
 
 
-def _check_entry(
-    name: str, entry: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]
-) -> HeaderEntry:
+def _check_entry(name: str, entry: Any, path: Path, data_bytes: int, itemsizes: Mapping[str, int]) -> HeaderEntry:
     where = f"{path}: corrupt safetensors header entry for tensor {name!r}"
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: expected an object with dtype, shape, data_offsets")

@@ -126,9 +126,7 @@ class PaddedCheckpoint(Checkpoint):
         meta = self.tensors[name]
         out = torch.empty((stop - start, *meta.shape[1:]), dtype=meta.dtype)
         if stop > self.defaults.union.rows:
-            out[max(start, self.defaults.union.rows) - start :] = self.defaults.padding_row(
-                name, self, reader
-            )
+            out[max(start, self.defaults.union.rows) - start :] = self.defaults.padding_row(name, self, reader)
             stop_own = max(start, self.defaults.union.rows)
             if stop_own > start:
                 out[: stop_own - start] = self.read_rows(name, reader, start, stop_own)
@@ -171,8 +169,7 @@ def pad_vocabularies(base: Checkpoint, agents: list[Checkpoint], union: UnionRow
             tensors[name] = TensorMeta(name, torch.promote_types(dtype, load), shape)
         wrapped.append(
             PaddedCheckpoint(
-                **{f.name: getattr(model, f.name) for f in dataclasses.fields(Checkpoint)}
-                | {"tensors": tensors},
+                **{f.name: getattr(model, f.name) for f in dataclasses.fields(Checkpoint)} | {"tensors": tensors},
                 inner=model,
                 position=position,
                 defaults=defaults,

@@ -191,9 +191,7 @@ def prepare(
         resolved.method.check(resolved.params, [a.name for a in resolved.agents], where)
     if not options.dry_run:
         output_for(resolved, output_dir, options.overwrite).check()
-    if not options.dry_run and any(
-        needs_weights(p) for p in [resolved.base_path, *(a.path for a in resolved.agents)]
-    ):
+    if not options.dry_run and any(needs_weights(p) for p in [resolved.base_path, *(a.path for a in resolved.agents)]):
         _open_and_plan(resolved, options, fetch=False)  # every header checked before a weight file is fetched
     return _open_and_plan(resolved, options, fetch=not options.dry_run)
 
@@ -237,9 +235,7 @@ def open_fishers(resolved: ResolvedConfig) -> list[Checkpoint]:
     fishers = []
     for spec in resolved.agents:
         where = spec.parameters.get("fisher") or default_fisher_path(spec.path)
-        fisher = open_fisher(
-            where, f"agent {spec.index} ({spec.name})", str(cached_revision(spec.path) or spec.path)
-        )
+        fisher = open_fisher(where, f"agent {spec.index} ({spec.name})", str(cached_revision(spec.path) or spec.path))
         spec.parameters["fisher"] = str(fisher.files[0])
         fishers.append(fisher)
     return fishers
@@ -282,9 +278,7 @@ def run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions)
         ctx.close()
 
 
-def _run_merge(
-    resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, ctx: DistContext
-) -> dict[str, Any]:
+def _run_merge(resolved: ResolvedConfig, output_dir: Path, options: MergeOptions, ctx: DistContext) -> dict[str, Any]:
     started = time.perf_counter()
     base, agents, plan = ctx.guarded(lambda: prepare(resolved, output_dir, options))
     if options.dry_run:
@@ -387,9 +381,7 @@ def run_lora_merge(
         full_dir = output_dir.parent / ctx.broadcast_object(name)
         try:
             # the temporary full model is not what the user asked for: the summary names the adapter, after it
-            merged_report = run_merge(
-                resolved, full_dir, dataclasses.replace(merge_options, print_summary=False)
-            )
+            merged_report = run_merge(resolved, full_dir, dataclasses.replace(merge_options, print_summary=False))
 
             def export() -> dict[str, Any] | None:
                 if not ctx.is_main:
@@ -463,9 +455,7 @@ def finalize_output(
 def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePlan, out_dir: Path) -> None:
     """Copy the base's ``config.json`` with the output dtype and any resized vocabulary."""
     if base.config_path is None:
-        warnings.warn(
-            f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2
-        )
+        warnings.warn(f"base model {resolved.base_path} has no config.json; the output has none either", stacklevel=2)
         return
     config = json.loads(base.config_path.read_text())
     if resolved.out_dtype is not None:

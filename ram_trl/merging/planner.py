@@ -136,9 +136,7 @@ class MergePlan:
         total = self.input_bytes * self.passes
         if self.trims_by_magnitude:
             total += sum(
-                t.base.numel * dtype_itemsize(t.base.dtype) * (self.num_agents + 1)
-                for t in self.tasks
-                if t.floating
+                t.base.numel * dtype_itemsize(t.base.dtype) * (self.num_agents + 1) for t in self.tasks if t.floating
             )
         return total
 
@@ -209,9 +207,7 @@ def build_plan(
                 if agent.kind == "lora":  # a tensor the adapter does not touch: zero task vector
                     rows.append(0)
                     continue
-                raise CheckpointError(
-                    f"{agent.role}: tensor {name!r} of the base model is missing in {agent.path}"
-                )
+                raise CheckpointError(f"{agent.role}: tensor {name!r} of the base model is missing in {agent.path}")
             if floating and not other.dtype.is_floating_point:
                 raise CheckpointError(
                     f"{agent.role}: tensor {name!r} has dtype {other.dtype} in {agent.path}, the base has {meta.dtype}"
@@ -248,8 +244,7 @@ def build_plan(
         dtype = out_dtype if (out_dtype is not None and floating) else meta.dtype
         row_numel = math.prod(meta.shape[1:]) if len(meta.shape) > 1 else 1
         in_size = max(
-            [dtype_itemsize(meta.dtype)]
-            + [dtype_itemsize(a.tensors[name].dtype) for a in agents if name in a.tensors]
+            [dtype_itemsize(meta.dtype)] + [dtype_itemsize(a.tensors[name].dtype) for a in agents if name in a.tensors]
         )
         elements = chunk_elements(
             chunk_budget, num_agents, in_size, dtype_itemsize(dtype), fisher_itemsize, merges_weights
@@ -298,9 +293,7 @@ def plan_shards(tasks: list[TensorTask], max_shard_size: int) -> list[ShardPlan]
     if len(groups) == 1:
         return [ShardPlan("model.safetensors", groups[0])]
     total = len(groups)
-    return [
-        ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)
-    ]
+    return [ShardPlan(f"model-{i + 1:05d}-of-{total:05d}.safetensors", group) for i, group in enumerate(groups)]
 
 
 def write_index(shards: list[ShardPlan], out_dir: Path) -> None:

@@ -136,9 +136,7 @@ def _check_coverage(ranges: Sequence[FlatRange], tasks: dict[str, TensorTask], c
                 f"{task.base.numel} elements (shape {tuple(task.base.shape)} in the base)"
             )
         if not r.values.dtype.is_floating_point:
-            raise ConfigError(
-                f"tensor {r.name!r}: the in-memory agent's values are {r.values.dtype}, not floating"
-            )
+            raise ConfigError(f"tensor {r.name!r}: the in-memory agent's values are {r.values.dtype}, not floating")
         if r.counted:
             counted[r.name] = counted.get(r.name, 0) + r.values.numel()
     totals: dict[str, int] = {}

@@ -137,9 +137,7 @@ def build_report(
         "bytes_read": state.read.bytes,
         "input_cache": None if state.cache is None else state.cache.summary(),
         "effect": effect,
-        "warnings": list(state.warnings)
-        + list(resolved.notes)
-        + ([effect["warning"]] if effect["warning"] else []),
+        "warnings": list(state.warnings) + list(resolved.notes) + ([effect["warning"]] if effect["warning"] else []),
         "config": resolved.raw,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform()},
     }
@@ -171,9 +169,7 @@ def card_inputs(resolved: ResolvedConfig) -> list[str]:
     names = [hub_name(resolved.base_reference, resolved.base_path)]
     for agent in resolved.agents:
         reference = (
-            agent.reference.rsplit("+", 1)[-1]
-            if agent.reference and "+" in agent.reference
-            else agent.reference
+            agent.reference.rsplit("+", 1)[-1] if agent.reference and "+" in agent.reference else agent.reference
         )
         names.append(hub_name(reference, agent.path))
     return list(dict.fromkeys(names))

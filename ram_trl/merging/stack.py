@@ -144,9 +144,7 @@ def resolve_stack(config: MergeConfig, config_path: Path | None = None) -> Layer
         size = stop - start
         out_range = [len(layers), len(layers) + size]
         slices.append({"model": source.model, "layer_range": [start, stop], "output_layers": out_range})
-        layers += [
-            _Source(index, start + i, i / (size - 1) if size > 1 else 1.0, scopes) for i in range(size)
-        ]
+        layers += [_Source(index, start + i, i / (size - 1) if size > 1 else 1.0, scopes) for i in range(size)]
         edges.append(_Source(index, None, 0.0, scopes))
     unused = sorted({key for s in edges for scope in s.scopes for key in scope} - {"scale"})
     donor_reference = config.base_model or out_slices[0].sources[0].model
@@ -155,16 +153,12 @@ def resolve_stack(config: MergeConfig, config_path: Path | None = None) -> Layer
     else:  # the base gives config and tokenizer only: its weights are never read
         donor = full_model(donor_reference, config_dir, f"{where}: base_model")
         if not (donor / "config.json").is_file():
-            raise ConfigError(
-                f"{where}: base_model {donor_reference!r} has no config.json (resolved to {donor})"
-            )
+            raise ConfigError(f"{where}: base_model {donor_reference!r} has no config.json (resolved to {donor})")
     if layer_count_key(json.loads((donor / "config.json").read_text())) is None:
         raise ConfigError(f"{where}: {donor_reference} ({donor}) has no config.json with num_hidden_layers")
     out_name = config.out_dtype or config.dtype
     chat_template = (
-        resolve_chat_template(
-            config.chat_template, list(dict.fromkeys([donor, *models])), f"{where}: chat_template"
-        )
+        resolve_chat_template(config.chat_template, list(dict.fromkeys([donor, *models])), f"{where}: chat_template")
         if config.chat_template
         else None
     )
@@ -338,9 +332,7 @@ def _write(
                 raise
 
 
-def _converted(
-    rows: torch.Tensor, scale: float | None, task: TensorTask, dtype: torch.dtype | None
-) -> torch.Tensor:
+def _converted(rows: torch.Tensor, scale: float | None, task: TensorTask, dtype: torch.dtype | None) -> torch.Tensor:
     """mergekit's passthrough of one input: loaded in ``dtype``, times ``scale``, saved in ``out_dtype``."""
     if not task.floating:
         return rows
@@ -358,8 +350,7 @@ def _finish(stack: LayerStack, shards: list[Any], out_dir: Path, report: dict[st
     if isinstance(kinds, list) and len(kinds) == old:  # transformers checks one entry per layer
         sources = [json.loads((p / "config.json").read_text()) for p in stack.models]
         scope["layer_types"] = [
-            (layer_count_key(sources[s.model]) or ({}, ""))[0].get("layer_types", kinds)[s.layer]
-            for s in stack.layers
+            (layer_count_key(sources[s.model]) or ({}, ""))[0].get("layer_types", kinds)[s.layer] for s in stack.layers
         ]
     if stack.out_dtype is not None:
         dtype_key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
@@ -376,11 +367,7 @@ def _finish(stack: LayerStack, shards: list[Any], out_dir: Path, report: dict[st
 def _report(stack: LayerStack, shards: list[Any], output_dir: Path) -> dict[str, Any]:
     slices = [
         {**s, "path": str(stack.models[stack.references.index(s["model"])])}
-        | (
-            {"hub": h}
-            if (h := describe(stack.models[stack.references.index(s["model"])], s["model"]))
-            else {}
-        )
+        | ({"hub": h} if (h := describe(stack.models[stack.references.index(s["model"])], s["model"])) else {})
         for s in stack.slices
     ]
     inputs = [stack.donor_reference, *stack.references]
@@ -392,9 +379,7 @@ def _report(stack: LayerStack, shards: list[Any], output_dir: Path) -> dict[str,
         "method_pretty_name": "Passthrough (layer stacking)",
         "base_model": str(stack.donor),
         **({"base_hub": hub} if (hub := describe(stack.donor, stack.donor_reference)) else {}),
-        "card_inputs": list(
-            dict.fromkeys(reporting.hub_name(r, p) for r, p in zip(inputs, paths, strict=True))
-        ),
+        "card_inputs": list(dict.fromkeys(reporting.hub_name(r, p) for r, p in zip(inputs, paths, strict=True))),
         "output_dir": str(output_dir),
         "num_hidden_layers": len(stack.layers),
         "slices": slices,

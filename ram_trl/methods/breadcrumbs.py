@@ -55,9 +55,7 @@ class OutlierCut:
     scale: torch.Tensor | None = None
 
 
-def outlier_cut(
-    magnitudes: torch.Tensor, density: float, gamma: float, rescale: bool, map_blocks=None
-) -> OutlierCut:
+def outlier_cut(magnitudes: torch.Tensor, density: float, gamma: float, rescale: bool, map_blocks=None) -> OutlierCut:
     """The :class:`OutlierCut` of one agent's whole tensor.
 
     Args:
@@ -124,9 +122,7 @@ def prepare(view: TensorView) -> list[OutlierCut | None]:
             continue
         magnitudes, _ = view.magnitudes(t)
         cuts.append(
-            outlier_cut(
-                magnitudes, density, view.agent_value(t, "gamma"), view.params["rescale"], view.map_blocks
-            )
+            outlier_cut(magnitudes, density, view.agent_value(t, "gamma"), view.params["rescale"], view.map_blocks)
         )
         del magnitudes
     return cuts

@@ -42,9 +42,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_uniform(
-    key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def hashed_uniform(key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Uniform floats in ``[0, 1)`` for flat element indices ``start .. start + count - 1`` of one key's stream.
 
     Args:
@@ -136,9 +134,7 @@ DARE_LINEAR = MergeMethod(
     name="dare_linear",
     pretty_name="DARE + Task Arithmetic",
     description="random drop (p = 1 - density), rescale 1/(1-p), then task arithmetic",
-    parameters=sparsified_parameters(
-        False, "divide by the sum of weights", True, _RESCALE_HELP, _DENSITY_HELP
-    ),
+    parameters=sparsified_parameters(False, "divide by the sum of weights", True, _RESCALE_HELP, _DENSITY_HELP),
     merge=merge_linear,
     unstepped=unstepped_linear,
     step="drop and rescale",

@@ -38,9 +38,7 @@ def rank_fraction(magnitudes: torch.Tensor) -> torch.Tensor:
     ranks.scatter_(
         1,
         order,
-        torch.arange(size, device=magnitudes.device)
-        .reshape((1, size) + (1,) * (order.dim() - 2))
-        .expand_as(order),
+        torch.arange(size, device=magnitudes.device).reshape((1, size) + (1,) * (order.dim() - 2)).expand_as(order),
     )
     if size == 1:
         return torch.zeros(magnitudes.shape, dtype=torch.float32, device=magnitudes.device)
@@ -123,12 +121,8 @@ def prepare(view: TensorView) -> tuple[tuple[int, ...], list[DellaCut | None]]:
             after = torch.zeros((), dtype=torch.float64, device=magnitudes.device)
             for lo in range(0, view.numel, step):
                 part = magnitudes[lo : lo + step]
-                part_fraction = (
-                    fraction[lo : lo + step] if fraction is not None else rank_fraction(_rows(part, shape))
-                )
-                after += (part * keep_mask(part, part_fraction, density, epsilon, key, lo)).sum(
-                    dtype=torch.float64
-                )
+                part_fraction = fraction[lo : lo + step] if fraction is not None else rank_fraction(_rows(part, shape))
+                after += (part * keep_mask(part, part_fraction, density, epsilon, key, lo)).sum(dtype=torch.float64)
             if not (before < RESCALE_EPS or after < RESCALE_EPS):
                 scale = (before / after).to(torch.float32)
         del magnitudes

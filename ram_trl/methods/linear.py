@@ -49,9 +49,7 @@ def task_arithmetic(
     return merged
 
 
-def linear(
-    deltas: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, normalize: bool = True
-) -> torch.Tensor:
+def linear(deltas: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, normalize: bool = True) -> torch.Tensor:
     """Linear merging (a weighted average of the models), returned as a task vector on ``base``.
 
     With ``normalize`` the result is ``sum_t w_t theta_t / sum_t w_t``, i.e. ``base + sum_t w_t tau_t / sum_t w_t``.

@@ -64,13 +64,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor, norm_a: torch.Tensor, norm_b: torch
 def prepare(view: TensorView) -> StockFactor:
     """Model Stock's per-tensor preparation hook: the tensor's factor ``t`` (two task vectors in memory at a time)."""
     filter_wise = view.params["filter_wise"]
-    shape = (
-        view.shape
-        if filter_wise and len(view.shape) >= 2
-        else (1, view.numel)
-        if filter_wise
-        else (view.numel,)
-    )
+    shape = view.shape if filter_wise and len(view.shape) >= 2 else (1, view.numel) if filter_wise else (view.numel,)
     base = view.base()
 
     def offset(t: int) -> torch.Tensor:

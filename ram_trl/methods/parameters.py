@@ -31,9 +31,7 @@ LAMBDA = Parameter(
 #: Each agent's weight ``w_t``.
 WEIGHT = Parameter("weight", float, defaults.WEIGHT, "agent", "per-agent weight w_t")
 #: mergekit's ``int8_mask``, accepted so that mergekit YAMLs load.
-INT8_MASK = Parameter(
-    "int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect"
-)
+INT8_MASK = Parameter("int8_mask", bool, False, "global", "accepted for mergekit compatibility; has no effect")
 
 
 def normalize(default: bool, help: str) -> Parameter:

@@ -39,9 +39,7 @@ def soft_factors(stats: OverlapStatistics, params: dict[str, Any]) -> list[float
     return stats.lambdas(params["r"], None, soft=True)
 
 
-def ram_merge(
-    deltas: torch.Tensor, lambdas: torch.Tensor | list[float], eps: float = DEFAULT_EPS
-) -> torch.Tensor:
+def ram_merge(deltas: torch.Tensor, lambdas: torch.Tensor | list[float], eps: float = DEFAULT_EPS) -> torch.Tensor:
     """Selective merging (eq. 7) of one chunk of task vectors.
 
     Args:
@@ -120,9 +118,7 @@ RHO_SCOPE = Parameter(
     "count shared/unique elements over the whole model (the paper) or per tensor (mergekit's ramplus_tl)",
     choices=("global", "tensor"),
 )
-R = Parameter(
-    "r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0
-)
+R = Parameter("r", float, defaults.R, "global", "rescale strength r of lambda_t = 1 + r * f(rho_t)", minimum=0.0)
 ALPHA = Parameter("alpha", float, defaults.ALPHA, "global", "clip bound alpha of rho_t", minimum=0.0)
 UNIQUE_SCALE = Parameter(
     "unique_scale",
@@ -133,9 +129,7 @@ UNIQUE_SCALE = Parameter(
     "shared mean unchanged)",
     minimum=0.0,
 )
-AGENT = Parameter(
-    "agent", str, "", "global", "the agent whose unique region is kept: its name, or its index from 0"
-)
+AGENT = Parameter("agent", str, "", "global", "the agent whose unique region is kept: its name, or its index from 0")
 
 REFERENCE = "https://arxiv.org/abs/2601.13572"
 

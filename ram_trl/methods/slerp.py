@@ -52,10 +52,7 @@ def slerp_coefficients(
     )
     norm_a = torch.where(norm_a > eps, norm_a, 1)
     norm_b = torch.where(norm_b > eps, norm_b, 1)
-    dots = [
-        ((a[:, s : s + PART] / norm_a) * (b[:, s : s + PART] / norm_b)).sum(dim=1, keepdim=True)
-        for s in parts
-    ]
+    dots = [((a[:, s : s + PART] / norm_a) * (b[:, s : s + PART] / norm_b)).sum(dim=1, keepdim=True) for s in parts]
     dot = torch.stack(dots).sum(dim=0).clamp(-1, 1)
     linear = dot.abs() > dot_threshold
     theta = torch.acos(torch.where(linear, 0, dot))

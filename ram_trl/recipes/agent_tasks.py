@@ -144,9 +144,7 @@ def program_output_prompts(
         if answer_line:
             user += "Think briefly if you need to, then end your reply with the line Output: followed by the output."
             if show_example:
-                user += (
-                    f" For example, for {EXAMPLE_PROGRAM[0]} the last line is: Output: {EXAMPLE_PROGRAM[1]}"
-                )
+                user += f" For example, for {EXAMPLE_PROGRAM[0]} the last line is: Output: {EXAMPLE_PROGRAM[1]}"
         else:
             user += "Reply with the output only."
             if show_example:
@@ -251,14 +249,11 @@ EXAMPLE_CALL = '{"name": "set_timer", "arguments": {"minutes": 120, "label": "br
 def _tool_list() -> str:
     # "name: schema" lines, not {"name": ..., "parameters": ...} objects: a small model copies the listing's shape
     return "\n".join(
-        f"{name}: {json.dumps(spec['schema'], separators=(',', ':'))}"
-        for name, spec in sorted(AGENT_TOOLS.items())
+        f"{name}: {json.dumps(spec['schema'], separators=(',', ':'))}" for name, spec in sorted(AGENT_TOOLS.items())
     )
 
 
-def json_tool_call_prompts(
-    n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM
-) -> list[dict[str, str]]:
+def json_tool_call_prompts(n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM) -> list[dict[str, str]]:
     """A request that one of :data:`AGENT_TOOLS` answers, with the tools' JSON schemas in the prompt; the answer
     is the call as compact JSON."""
     tools = _tool_list()
@@ -316,9 +311,7 @@ def json_tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **k
         expected = json.loads(want)
         call = _json_object(_completion(completion))
         if not (
-            isinstance(call, dict)
-            and isinstance(call.get("name"), str)
-            and isinstance(call.get("arguments"), dict)
+            isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
         ):
             rewards.append(0.0)
             continue

@@ -163,9 +163,7 @@ def _roots_of(obj: Any, modules: set[str], arguments: list[str], depth: int = 0)
         return
     if inspect.ismethod(obj):
         _roots_of(obj.__func__, modules, arguments, depth + 1)
-        _roots_of(
-            type(obj.__self__) if not inspect.isclass(obj.__self__) else obj.__self__, modules, arguments
-        )
+        _roots_of(type(obj.__self__) if not inspect.isclass(obj.__self__) else obj.__self__, modules, arguments)
         return
     module = getattr(obj, "__module__", None) if (inspect.isroutine(obj) or inspect.isclass(obj)) else None
     if module is None and not inspect.isroutine(obj):  # a callable object: its class's code

@@ -36,9 +36,7 @@ def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict
 
 
 #: Keyword arguments TRL passes to reward functions itself: a prompt column of one of these names would clash.
-RESERVED_COLUMNS = frozenset(
-    {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
-)
+RESERVED_COLUMNS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
 
 
 def check_rows(rows: Any, where: str, what: str, expected: int | None = None) -> list[dict[str, Any]]:
@@ -103,9 +101,7 @@ def draw_splits(
         for key in ("train_file", "eval_file", "val_file"):
             name = getattr(spec, key)
             path = _resolve(name, root) if name else None
-            files[key] = (
-                check_rows(read_jsonl(path, f"{where}: {key}"), where, f"{key} {path}") if path else []
-            )
+            files[key] = check_rows(read_jsonl(path, f"{where}: {key}"), where, f"{key} {path}") if path else []
         train, held, val = files["train_file"], files["eval_file"], files["val_file"]
         if spec.train_file and not train:
             raise ConfigError(f"{where}: train_file {spec.train_file} holds no rows")

@@ -186,9 +186,7 @@ def check_trainer_config(stage: StageSpec) -> None:
             raise ConfigError(f"stage {stage.name!r}: invalid {cls.__name__}: {exc}") from None
 
 
-def validate_recipe(
-    recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe"
-) -> list[str]:
+def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe") -> list[str]:
     """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths."""
     from ram_trl.merging.config.settings import check_parameter
     from ram_trl.methods import resolve_method
@@ -211,9 +209,7 @@ def validate_recipe(
         try:
             require_gguf()
             if check_paths:
-                open_gguf_source(
-                    _check_path(recipe.base.gguf, root, "base.gguf", []), recipe.base.gguf_member
-                )
+                open_gguf_source(_check_path(recipe.base.gguf, root, "base.gguf", []), recipe.base.gguf_member)
         except ConfigError as exc:
             problems.append(f"base.gguf: {exc}")
     if recipe.base.build is not None:
@@ -223,9 +219,7 @@ def validate_recipe(
 
         accepted = set(inspect.signature(make_base_checkpoint).parameters) - {"output_dir"}
         for key in sorted(set(recipe.base.build) - accepted):
-            problems.append(
-                f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}"
-            )
+            problems.append(f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}")
         for key in (
             "hidden_size",
             "num_layers",
@@ -240,9 +234,7 @@ def validate_recipe(
                     problems.append(str(exc))
         if recipe.base.build.get("vocab_size") is not None:
             try:
-                check_number(
-                    recipe.base.build["vocab_size"], "base.build", "vocab_size", minimum=1, integer=True
-                )
+                check_number(recipe.base.build["vocab_size"], "base.build", "vocab_size", minimum=1, integer=True)
             except ConfigError as exc:
                 problems.append(str(exc))
         build = recipe.base.build
@@ -254,9 +246,7 @@ def validate_recipe(
         if not problems and heads % kv:
             problems.append(f"base.build: num_key_value_heads {kv} must divide num_attention_heads {heads}")
         if recipe.base.build.get("dtype", "bfloat16") not in ("bfloat16", "float16", "float32"):
-            problems.append(
-                f"base.build.dtype: {recipe.base.build['dtype']!r}; use bfloat16, float16 or float32"
-            )
+            problems.append(f"base.build.dtype: {recipe.base.build['dtype']!r}; use bfloat16, float16 or float32")
     for stage in recipe.stages:
         where = f"stage {stage.name!r}"
         if stage.checkpoint is not None and check_paths:
@@ -269,9 +259,7 @@ def validate_recipe(
             if stage.prompts.generator is not None:
                 try:
                     if not callable(import_object(stage.prompts.generator, f"{where}: prompt generator")):
-                        problems.append(
-                            f"{where}: prompt generator {stage.prompts.generator!r} is not callable"
-                        )
+                        problems.append(f"{where}: prompt generator {stage.prompts.generator!r} is not callable")
                 except ConfigError as exc:
                     problems.append(str(exc))
             for key in ("train_file", "eval_file", "val_file"):
@@ -335,13 +323,7 @@ def validate_recipe(
             problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
         fewest, most = method.agents
         if len(recipe.stages) < fewest or (most is not None and len(recipe.stages) > most):
-            wanted = (
-                f"exactly {fewest}"
-                if fewest == most
-                else f"{fewest} to {most}"
-                if most
-                else f"at least {fewest}"
-            )
+            wanted = f"exactly {fewest}" if fewest == most else f"{fewest} to {most}" if most else f"at least {fewest}"
             problems.append(
                 f"merge {row.name!r}: method {row.method!r} merges {wanted} model(s) besides the base; the recipe "
                 f"has {len(recipe.stages)} stage(s)"
@@ -369,9 +351,7 @@ def validate_recipe(
         for stage in recipe.stages:
             if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
                 notes.append(f"stage {stage.name!r} has no held-out prompts: it gets no evaluation column")
-            elif (
-                stage.prompts.val_file if stage.prompts.generator is None else stage.prompts.validation_size
-            ) in (
+            elif (stage.prompts.val_file if stage.prompts.generator is None else stage.prompts.validation_size) in (
                 None,
                 0,
             ):
@@ -432,9 +412,7 @@ def _check_preview_launch(
     merge partitions element by element and full-weight (not PEFT) stages (docs/merge-preview.md)."""
     where = f"stage {stage.name!r}: preview"
     if str(distributed_type).upper() == "FSDP":
-        problems.append(
-            f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3"
-        )
+        problems.append(f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3")
         return
     if str(distributed_type).upper() != "DEEPSPEED" or str(zero_stage) != "3":
         return

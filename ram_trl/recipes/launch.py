@@ -157,9 +157,7 @@ class StageLauncher:
         output = self.stage_output(stage)
         work = output.begin()  # removes a killed run's leftovers of this stage
         try:
-            (work / STAGE_RECORD).write_text(
-                json.dumps(self.stage_record(stage), indent=2, sort_keys=True) + "\n"
-            )
+            (work / STAGE_RECORD).write_text(json.dumps(self.stage_record(stage), indent=2, sort_keys=True) + "\n")
             code, log, tail, started = self._run_stage_process(stage, work)
             complete = code == 0 and stage_complete(work)
             if complete:
@@ -243,9 +241,7 @@ class StageLauncher:
                     elif text:
                         tail.append(text)
                         if steps is None:
-                            status.update(
-                                f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}"
-                            )
+                            status.update(f"stage {stage.name} ({time.perf_counter() - start:.0f}s): {text[-100:]}")
                 code = process.wait()
             except BaseException:  # interrupted: stop the stage process before its directory is removed
                 _stop(process)
@@ -289,9 +285,7 @@ def _first_difference(recorded: Any, wanted: Any, path: str = "") -> str:
     if isinstance(recorded, dict) and isinstance(wanted, dict):
         for key in sorted(set(recorded) | set(wanted), key=str):
             if recorded.get(key) != wanted.get(key):
-                return _first_difference(
-                    recorded.get(key), wanted.get(key), f"{path}.{key}" if path else str(key)
-                )
+                return _first_difference(recorded.get(key), wanted.get(key), f"{path}.{key}" if path else str(key))
     return f"{path or 'record'}: {recorded!r} -> {wanted!r}"
 
 

@@ -133,9 +133,7 @@ class RunLayout:
         for key in ("path", "gguf"):
             if key in data["base"]:
                 path = resolve_path(data["base"][key], self.root)
-                hub_id = (
-                    key == "path" and not path.exists() and parse_reference(data["base"][key]) is not None
-                )
+                hub_id = key == "path" and not path.exists() and parse_reference(data["base"][key]) is not None
                 data["base"][key] = data["base"][key] if hub_id else str(path)  # a Hub id stays as written
         for stage in data["stages"]:
             for key in ("checkpoint", "accelerate_config"):

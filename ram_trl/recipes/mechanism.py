@@ -36,18 +36,12 @@ def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     n = max(len(results["stages"]), 1)
     found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None}
-    ram = [
-        r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) == 1.0
-    ]
-    scaled = [
-        r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) < 1.0
-    ]
+    ram = [r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) == 1.0]
+    scaled = [r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) < 1.0]
     tas = [r for r in merges if _method(r) == "task_arithmetic" and not r["parameters"].get("normalize")]
     found["ram"] = ram[0]["name"] if ram else None
     found["ram_1n"] = (
-        min(scaled, key=lambda r: abs(float(r["parameters"]["unique_scale"]) - 1 / n))["name"]
-        if scaled
-        else None
+        min(scaled, key=lambda r: abs(float(r["parameters"]["unique_scale"]) - 1 / n))["name"] if scaled else None
     )
     stages = results["stages"]
     found["ta_val"] = stats.select_best({r["name"]: row_average(val_block(r), stages) for r in tas})
@@ -68,9 +62,7 @@ def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _comparison(
-    results: dict[str, Any], question: str, first: str | None, second: str | None
-) -> dict[str, Any]:
+def _comparison(results: dict[str, Any], question: str, first: str | None, second: str | None) -> dict[str, Any]:
     entry: dict[str, Any] = {"question": question, "first": first, "second": second, "difference": None}
     if first is None or second is None:
         return entry
@@ -93,12 +85,8 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
     try:
         comparisons = [
             _comparison(results, "unique region at full strength vs at 1/N", found["ram"], found["ram_1n"]),
-            _comparison(
-                results, "RAM vs task arithmetic chosen on validation", found["ram"], found["ta_val"]
-            ),
-            _comparison(
-                results, "RAM vs magnitude-matched task arithmetic", found["ram"], found["ta_matched"]
-            ),
+            _comparison(results, "RAM vs task arithmetic chosen on validation", found["ram"], found["ta_val"]),
+            _comparison(results, "RAM vs magnitude-matched task arithmetic", found["ram"], found["ta_matched"]),
         ]
     finally:
         results.pop("_samples", None)
@@ -113,15 +101,12 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
     if found["ta_matched"] is None and found["ram"] is not None:
         lam = found["matched_lambda"]
         if lam is not None and math.isfinite(lam):
-            missing.append(
-                f"- {{method: task_arithmetic, name: ta_matched, parameters: {{lambda: {lam:.4g}}}}}"
-            )
+            missing.append(f"- {{method: task_arithmetic, name: ta_matched, parameters: {{lambda: {lam:.4g}}}}}")
     if found["ties_full"] is None:
         missing.append("- {method: ties, name: ties_density_1, parameters: {density: 1.0}}")
     if not found["unique"]:
         missing += [
-            f"- {{method: ram_unique, name: unique_{s}, parameters: {{agent: {s}}}}}"
-            for s in results["stages"]
+            f"- {{method: ram_unique, name: unique_{s}, parameters: {{agent: {s}}}}}" for s in results["stages"]
         ]
     return {**found, "comparisons": comparisons, "missing": missing}
 
@@ -164,8 +149,7 @@ def mechanism_section(results: dict[str, Any]) -> list[str]:
         lines.append(f"- TIES at density 1 (sign election, no trim): row {found['ties_full']}")
     if found.get("unique"):
         lines.append(
-            "- each agent's unique region alone: "
-            + ", ".join(f"{a}: {n}" for a, n in found["unique"].items())
+            "- each agent's unique region alone: " + ", ".join(f"{a}: {n}" for a, n in found["unique"].items())
         )
     if found.get("matched_lambda"):
         lines.append(

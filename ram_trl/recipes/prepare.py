@@ -93,9 +93,7 @@ class RunPreparation:
         build = dict(self.layout.recipe.base.build)
         if isinstance(build.get("dtype"), str):
             build["dtype"] = getattr(torch, build["dtype"])
-        output = OutputDir(
-            target, markers=("ram_build.json",), replace_previous=True, what="base model directory"
-        )
+        output = OutputDir(target, markers=("ram_build.json",), replace_previous=True, what="base model directory")
         with output as tmp:
             make_base_checkpoint(tmp, **build)
             (tmp / "ram_build.json").write_text(spec, encoding="utf-8")
@@ -126,9 +124,7 @@ class RunPreparation:
                 return
         start = time.perf_counter()
         self.layout.console.print(f"converting the GGUF base {source.label} ...")
-        result = convert_gguf(
-            source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True
-        )
+        result = convert_gguf(source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True)
         self.layout.timed("convert_base", start)
         self.layout.console.print(
             f"[green]converted[/] {result['gguf_file']} -> {target} ({result['parameters']:,} parameters, "
@@ -227,11 +223,7 @@ class RunPreparation:
         from ram_trl.recipes.warm_start import WARM_START_RECORD
 
         path = self.layout.base / WARM_START_RECORD
-        if (
-            self.layout.recipe.warm_start is None
-            or self.layout.recipe.warm_start.accept is None
-            or not path.is_file()
-        ):
+        if self.layout.recipe.warm_start is None or self.layout.recipe.warm_start.accept is None or not path.is_file():
             return None
         record = json.loads(path.read_text(encoding="utf-8"))
         if "acceptance" not in record:
@@ -244,9 +236,7 @@ class RunPreparation:
         warm = [self.layout.dir / "data" / s.name / "warm.jsonl" for s in self.layout.recipe.stages]
         if any(f.is_file() and f.stat().st_size for f in warm):
             return [f for f in warm if f.is_file()]
-        return [
-            self.layout.dir / "data" / s.name / "train.jsonl" for s in self.layout.recipe.stages if s.trained
-        ]
+        return [self.layout.dir / "data" / s.name / "train.jsonl" for s in self.layout.recipe.stages if s.trained]
 
     def _rows_digest(self) -> str:
         from ram_trl.digest import hasher

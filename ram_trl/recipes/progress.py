@@ -91,9 +91,7 @@ class Progress:
         self.mark = mark
         elapsed = time.perf_counter() - self.start
         left = elapsed * (self.total - done) / counted if counted > 0 else None
-        when = f"{duration(elapsed)}" + (
-            f"; about {duration(left)} left" if left and done < self.total else ""
-        )
+        when = f"{duration(elapsed)}" + (f"; about {duration(left)} left" if left and done < self.total else "")
         self.write(f"{self.label} {done}/{self.total}" + (f": {item}" if item else "") + f" ({when})")
 
     def close(self) -> None:

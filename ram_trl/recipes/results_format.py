@@ -35,9 +35,7 @@ def pct_ci(value: float | None, interval: Any) -> str:
     return text
 
 
-def value_range(
-    values: list[float | None], scale: float = 1.0, spec: str = ".0f", unit: str = ""
-) -> str | None:
+def value_range(values: list[float | None], scale: float = 1.0, spec: str = ".0f", unit: str = "") -> str | None:
     """The range of the defined, finite values, scaled: ``5-15%``, or one value when both ends print the same."""
     present = [scale * v for v in values if v is not None and not math.isinf(v)]
     if not present:

@@ -42,11 +42,7 @@ def _score_table(results: dict[str, Any], split: str) -> list[str]:
         cells.append(pct_ci(retention["mean"], retention.get("interval")) if retention else "")
         if split == "test":
             info = regime.get(row["name"]) if row["kind"] == "agent" else None
-            cells += (
-                [pct(info["density"]), pct(info["unique_share"]), fmt_rho(info["rho"])]
-                if info
-                else ["", "", ""]
-            )
+            cells += [pct(info["density"]), pct(info["unique_share"]), fmt_rho(info["rho"])] if info else ["", "", ""]
         kind = row["kind"] + (" (ship)" if row["name"] == selection["ship"] else "")
         lines.append("| " + " | ".join([row["name"], kind, *cells]) + " |")
     return lines
@@ -170,9 +166,7 @@ def _warm_start_section(results: dict[str, Any]) -> list[str]:
     warm = results.get("warm_start")
     if not warm:
         return []
-    verdict = (
-        "accepted" if warm["accepted"] else "**NOT ACCEPTED: a phase hit its cap with the criterion unmet**"
-    )
+    verdict = "accepted" if warm["accepted"] else "**NOT ACCEPTED: a phase hit its cap with the criterion unmet**"
     lines = [
         "## Warm start",
         "",
@@ -229,9 +223,7 @@ def print_table(results: dict[str, Any]) -> None:
     stages = results["stages"]
     selection = results["selection"]
     regime = results.get("regime") or {}
-    table = Table(
-        title=f"{results.get('recipe', 'recipe')}: test scores, 95% intervals (bold: chosen on validation)"
-    )
+    table = Table(title=f"{results.get('recipe', 'recipe')}: test scores, 95% intervals (bold: chosen on validation)")
     for column in ("model", "kind", *stages, "average", "retention", "density", "unique", "rho"):
         table.add_column(
             column,
@@ -248,9 +240,7 @@ def print_table(results: dict[str, Any]) -> None:
         retention = row.get("retention")
         cells.append(pct_ci(retention["mean"], retention.get("interval")) if retention else "")
         info = regime.get(row["name"]) if row["kind"] == "agent" else None
-        cells += (
-            [pct(info["density"]), pct(info["unique_share"]), fmt_rho(info["rho"])] if info else ["", "", ""]
-        )
+        cells += [pct(info["density"]), pct(info["unique_share"]), fmt_rho(info["rho"])] if info else ["", "", ""]
         kind = row["kind"] + (" (ship)" if row["name"] == selection["ship"] else "")
         table.add_row(row["name"], kind, *cells)
     console = Console()

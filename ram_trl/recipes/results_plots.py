@@ -98,8 +98,7 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
         [
             [
                 np.nan
-                if (v := (r["retention"]["per_stage"].get(c) if c != "mean" else r["retention"]["mean"]))
-                is None
+                if (v := (r["retention"]["per_stage"].get(c) if c != "mean" else r["retention"]["mean"])) is None
                 else v
                 for c in columns
             ]
@@ -148,9 +147,7 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
     rewards = [(h["step"], h["reward"]) for h in history if h.get("reward") is not None]
     if rewards:
         twin = ax.twinx()
-        twin.plot(
-            *zip(*rewards, strict=True), "^:", color="#7f7f7f", label="agent: training reward (last logged)"
-        )
+        twin.plot(*zip(*rewards, strict=True), "^:", color="#7f7f7f", label="agent: training reward (last logged)")
         twin.set_ylabel("training reward")
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]

@@ -184,9 +184,7 @@ class Run:
                 f"evaluation: scoring every model again, earlier scores cannot be matched: {unsound}"
             )
         reused = 0
-        progress = Progress(
-            "evaluation", len(models), bar=self.layout.options.progress, write=self.layout.say
-        )
+        progress = Progress("evaluation", len(models), bar=self.layout.options.progress, write=self.layout.say)
         for name, kind, path, method, parameters in models:
             file = self.layout.dir / "eval" / f"{safe_name(name)}.json"
             digest = base_digest if Path(path) == Path(self.layout.base) else model_digest(path)
@@ -237,9 +235,7 @@ class Run:
 
         evaluation = self.layout.recipe.evaluation
         decoding = (
-            "greedy decoding"
-            if not evaluation.do_sample
-            else f"sampling at temperature {evaluation.temperature:g}"
+            "greedy decoding" if not evaluation.do_sample else f"sampling at temperature {evaluation.temperature:g}"
         )
         results: dict[str, Any] = {
             "recipe": self.layout.recipe.name,
@@ -319,9 +315,7 @@ class Run:
         return out
 
 
-def run_recipe(
-    recipe_path: str | os.PathLike | dict[str, Any], options: RunOptions | None = None
-) -> dict[str, Any]:
+def run_recipe(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptions | None = None) -> dict[str, Any]:
     """Run a recipe end to end (or validate it with ``options.dry_run``).
 
     Args:
@@ -375,9 +369,7 @@ def run_recipe(
         for note in notes:
             console.print(f"  note: {note}")
         return plan
-    out = options.out or (
-        resolve_path(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name
-    )
+    out = options.out or (resolve_path(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name)
     if recipe.torch_threads is not None:
         import torch
 
@@ -392,9 +384,7 @@ def run_recipe(
         raise ConfigError(f"{where}: {exc}") from exc
     run.launcher.train_stages()
     if options.only is not None:
-        console.print(
-            f"stage {options.only} done; run without --only (with --resume) for the merges and evaluation"
-        )
+        console.print(f"stage {options.only} done; run without --only (with --resume) for the merges and evaluation")
         return {"recipe": recipe.name, "only": options.only}
     analysis = run.analyze()
     merged = run.merges()
@@ -423,8 +413,7 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
         raise ConfigError("--seeds runs the whole pipeline once per seed; it does not combine with --only")
     recipe, root = load_recipe(recipe_path, options.overrides)
     out = Path(
-        options.out
-        or (resolve_path(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name)
+        options.out or (resolve_path(recipe.output_dir, root) if recipe.output_dir else Path("runs") / recipe.name)
     ).resolve()
     seeds = [recipe.seed + k for k in range(options.seeds)]
     runs = []

@@ -130,11 +130,7 @@ class WarmStartSpec(_Strict):
                 f"accept.max_steps ({self.accept.max_steps}) caps phase one below its first check at steps "
                 f"({self.steps}): make it at least steps"
             )
-        if (
-            self.accept is not None
-            and self.abstain_share
-            and self.accept.abstain_max_steps < self.abstain_steps
-        ):
+        if self.accept is not None and self.abstain_share and self.accept.abstain_max_steps < self.abstain_steps:
             raise ValueError(
                 f"accept.abstain_max_steps ({self.accept.abstain_max_steps}) caps phase two below its first check at "
                 f"abstain_steps ({self.abstain_steps}): make it at least abstain_steps"
@@ -145,9 +141,7 @@ class WarmStartSpec(_Strict):
     @classmethod
     def _one_line(cls, value: str | None) -> str | None:
         if value is not None and ("\n" in value or not value.strip()):
-            raise ValueError(
-                "abstain_reply must be one non-blank line (rewards read a completion's first line)"
-            )
+            raise ValueError("abstain_reply must be one non-blank line (rewards read a completion's first line)")
         return value
 
 
@@ -173,9 +167,7 @@ class PromptSpec(_Strict):
         if self.generator is not None and files:
             raise ValueError("give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:', not both")
         if self.generator is None and not files:
-            raise ValueError(
-                "give 'generator: package.module:function' or 'train_file:'/'eval_file:' (JSON Lines)"
-            )
+            raise ValueError("give 'generator: package.module:function' or 'train_file:'/'eval_file:' (JSON Lines)")
         if self.generator is None and self.val_size:
             raise ValueError("val_size applies to a generator; with files, give 'val_file:' (JSON Lines)")
         return self
@@ -221,9 +213,7 @@ class StageSpec(_Strict):
             raise ValueError("config.output_dir is set by the runner (RUN_DIR/stages/NAME); remove it")
         if self.checkpoint is None:
             if self.prompts is None:
-                raise ValueError(
-                    "a trained stage needs 'prompts:' (or give 'checkpoint:' for an existing agent)"
-                )
+                raise ValueError("a trained stage needs 'prompts:' (or give 'checkpoint:' for an existing agent)")
             if not self.rewards:
                 raise ValueError("a trained stage needs 'rewards: [package.module:function, ...]'")
         elif self.preview is not None:
@@ -263,9 +253,7 @@ class MergeSpec(_Strict):
             if isinstance(item, list) and not item:
                 raise ValueError(f"parameter {key!r} sweeps an empty list; give at least one value")
             if isinstance(item, dict):
-                raise ValueError(
-                    f"parameter {key!r}: give a value or a list of values to sweep, not a mapping"
-                )
+                raise ValueError(f"parameter {key!r}: give a value or a list of values to sweep, not a mapping")
         return value
 
 
@@ -327,9 +315,7 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _warm_start_needs_answers(self) -> Recipe:
         if self.warm_start is not None and not any(s.trained for s in self.stages):
-            raise ValueError(
-                "warm_start needs at least one trained stage (its prompts are the warm-start data)"
-            )
+            raise ValueError("warm_start needs at least one trained stage (its prompts are the warm-start data)")
         return self
 
     @model_validator(mode="after")
@@ -342,9 +328,7 @@ class Recipe(_Strict):
             if stage.preview is None:
                 continue
             if not self.evaluation.enabled:
-                raise ValueError(
-                    f"stage {stage.name!r}: 'preview:' scores prompts; evaluation.enabled is false"
-                )
+                raise ValueError(f"stage {stage.name!r}: 'preview:' scores prompts; evaluation.enabled is false")
             for other in trained:
                 if not other.has_validation:
                     raise ValueError(
@@ -434,8 +418,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         current = out.get(key)
         if key == "stages" and isinstance(value, dict) and isinstance(current, list):
             out[key] = [
-                apply_overrides(stage, value.get("*", {})) if isinstance(stage, dict) else stage
-                for stage in current
+                apply_overrides(stage, value.get("*", {})) if isinstance(stage, dict) else stage for stage in current
             ]
         elif isinstance(value, dict) and isinstance(current, dict):
             out[key] = apply_overrides(current, value)

@@ -218,9 +218,7 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
     def split_block(rows: list[dict[str, Any]], split: str) -> dict[str, Any]:
         blocks = [r if split == "test" else r.get("val") or {"scores": {}} for r in rows]
         per_seed = {
-            s: [b["scores"][s] for b in blocks]
-            for s in stages
-            if all(b["scores"].get(s) is not None for b in blocks)
+            s: [b["scores"][s] for b in blocks] for s in stages if all(b["scores"].get(s) is not None for b in blocks)
         }
         return {"scores": {s: math.fsum(v) / len(v) for s, v in per_seed.items()}, "per_seed": per_seed}
 
@@ -263,9 +261,7 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
         "rows": rows,
         "regime": regime,
         "runs": [f"seed_{s}" for s in seeds],
-        "timings": {
-            f"seed_{s}": (run.get("timings") or {}).get("total") for s, run in zip(seeds, runs, strict=True)
-        },
+        "timings": {f"seed_{s}": (run.get("timings") or {}).get("total") for s, run in zip(seeds, runs, strict=True)},
         "notes": [f"every score is the mean over seeds {', '.join(map(str, seeds))} (runs in seed_S/)"],
         "figures": [],
     }
@@ -291,9 +287,7 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
         return ""
     diff, interval = found
     if interval is None:
-        return (
-            f"On test it differs from {label} by {diff:+.3f} (no interval: per-prompt rewards are missing)."
-        )
+        return f"On test it differs from {label} by {diff:+.3f} (no interval: per-prompt rewards are missing)."
     if diff == 0 and interval[0] == interval[1] == 0:
         return f"On test it scores the same as {label} in every resample."
     resolved = interval[0] > 0 or interval[1] < 0
@@ -376,7 +370,9 @@ def verdict(results: dict[str, Any]) -> str:
         )
     else:
         gain = (results.get("statistics") or {}).get("retention_min_gain", stats.MIN_GAIN)
-        text += f" Its retention is undefined: no specialist beat the base on its own test prompts by at least {gain:g}."
+        text += (
+            f" Its retention is undefined: no specialist beat the base on its own test prompts by at least {gain:g}."
+        )
     merges = [r for r in results["rows"] if r["kind"] == "merge"]
     others = {r["name"]: row_average(val_block(r), stages) for r in merges if r["name"] != ship}
     tied = [name for name, value in others.items() if value is not None and value == val_average]

@@ -75,8 +75,7 @@ def build_trainer(stage: StageSpec, base: Path, rows: list[dict[str, Any]], out:
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     rewards = [
-        wrap_reward(import_object(p, f"stage {stage.name!r}: reward function"), p, stage.name)
-        for p in stage.rewards
+        wrap_reward(import_object(p, f"stage {stage.name!r}: reward function"), p, stage.name) for p in stage.rewards
     ]
     peft_config = None
     if stage.peft is not None:
@@ -184,16 +183,12 @@ def run_stage(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the stage process; exit code 0 on success, 1 with the reason on stderr otherwise."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ram_trl.recipes.stage", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m ram_trl.recipes.stage", description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", required=True, type=Path)
     parser.add_argument("--stage", required=True)
     parser.add_argument("--base", required=True, type=Path, help="the base checkpoint the stage starts from")
     parser.add_argument("--train-file", required=True, type=Path, help="training prompts (JSON Lines)")
-    parser.add_argument(
-        "--out", required=True, type=Path, help="the stage directory (agent + ram_stage.json)"
-    )
+    parser.add_argument("--out", required=True, type=Path, help="the stage directory (agent + ram_stage.json)")
     parser.add_argument("--prior", nargs="*", type=Path, default=[], help="earlier stages' manifests")
     parser.add_argument(
         "--val", nargs="*", default=[], metavar="STAGE=FILE", help="validation prompts of the merge preview"

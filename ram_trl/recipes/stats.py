@@ -105,9 +105,7 @@ def bootstrap_scores(
     for stage in stages:
         sizes = {len(r[stage]) for r in rewards.values() if r.get(stage)}
         if len(sizes) > 1:
-            raise ValueError(
-                f"stage {stage!r}: models were scored on different numbers of prompts {sorted(sizes)}"
-            )
+            raise ValueError(f"stage {stage!r}: models were scored on different numbers of prompts {sorted(sizes)}")
         if sizes:
             indices[stage] = resample_indices(sizes.pop(), resamples, seed, stream=zlib.crc32(stage.encode()))
     out: dict[str, dict[str, np.ndarray]] = {}

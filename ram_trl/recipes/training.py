@@ -34,9 +34,7 @@ def _finite(value: Any) -> float | None:
 def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector/") -> list[dict[str, Any]]:
     """The telemetry measurements of one training run, in step order (``reward``: the batch reward logged last at or
     before the step; GRPO's and RLOO's ``log`` put it in the telemetry's own entry when that is logged first)."""
-    rewards = sorted(
-        (int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e
-    )
+    rewards = sorted((int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e)
     points = []
     for entry in log_history:
         if prefix + "density" not in entry:

@@ -57,9 +57,7 @@ def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[i
     encoded = []
     for index, row in enumerate(rows):
         if not isinstance(row.get("answer"), str):
-            raise ConfigError(
-                f"warm start: row {index} ({row.get('prompt')!r}) has no string 'answer' to train on"
-            )
+            raise ConfigError(f"warm start: row {index} ({row.get('prompt')!r}) has no string 'answer' to train on")
         prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((prompt + answer, [-100] * len(prompt) + answer))
@@ -121,9 +119,7 @@ class _Steps(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.shown.update(state.global_step)
 
-    def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any
-    ) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
             if self.shown is not None and self.shown.bar is not None:
@@ -167,9 +163,9 @@ def _train_phase(
         optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
     )
     size, drawn = min(spec.batch_size, len(encoded)), rng.getstate()
-    data = Dataset.from_dict(
-        {"input_ids": [ids for ids, _ in encoded], "labels": [lab for _, lab in encoded]}
-    ).select(_draws(rng, len(encoded), size, max_steps))
+    data = Dataset.from_dict({"input_ids": [ids for ids, _ in encoded], "labels": [lab for _, lab in encoded]}).select(
+        _draws(rng, len(encoded), size, max_steps)
+    )
     recorder = _Steps(label, max_steps, acceptance, progress, write)
     with tempfile.TemporaryDirectory(prefix="ram-warm-start-") as scratch, _own_random_state():
         config = SFTConfig(
@@ -318,9 +314,7 @@ class _Checker:
         copy, k, out = self._copy(model), self.accept.pass_k, {}
         for task in self._tasks("answers"):
             rows = [row for row in task.rows for _ in range(k)]
-            scores = score_completions(
-                task.functions(), rows, self._generate(copy, [r["prompt"] for r in rows], True)
-            )
+            scores = score_completions(task.functions(), rows, self._generate(copy, [r["prompt"] for r in rows], True))
             passed = [score >= self.accept.pass_reward for score in scores]
             out[task.stage] = round(pass_at_k([passed[i : i + k] for i in range(0, len(passed), k)]), 4)
         return out
@@ -374,9 +368,7 @@ def acceptance_summary(acceptance: dict[str, Any]) -> list[str]:
     for name, phase in acceptance["phases"].items():
         last = phase["checks"][-1]["values"]
         if phase["met"]:
-            lines.append(
-                f"{names[name]} met after {phase['steps']} steps (cap {phase['cap']}): {_values(last)}"
-            )
+            lines.append(f"{names[name]} met after {phase['steps']} steps (cap {phase['cap']}): {_values(last)}")
         else:
             lines.append(
                 f"WARNING: {names[name]} NOT met: the cap of {phase['cap']} steps was hit ({_values(last)}); "
@@ -487,9 +479,7 @@ def warm_start(
     if spec.abstain_share:
         mixed = with_abstentions(rows, spec.abstain_share, spec.abstain_reply, spec.seed)
         abstaining = sum(row["answer"] == spec.abstain_reply for row in mixed)
-        losses += phase(
-            "abstain", encode_rows(tokenizer, mixed), spec.abstain_steps, spec.abstain_learning_rate
-        )
+        losses += phase("abstain", encode_rows(tokenizer, mixed), spec.abstain_steps, spec.abstain_learning_rate)
     acceptance = {name: callback.record() for name, callback in acceptance.items()}
     record = {
         "steps": len(losses),

@@ -73,9 +73,7 @@ class StageManifest(BaseModel):
     files: dict[str, str] | None = None
     trainer: str | None = None
     steps: int = 0
-    processes: int | None = (
-        None  # how many processes trained the agent (None: written before it was recorded)
-    )
+    processes: int | None = None  # how many processes trained the agent (None: written before it was recorded)
     save_dtype: str | None = None
     telemetry: dict[str, float] = Field(default_factory=dict)
     rewards: dict[str, float] = Field(default_factory=dict)
@@ -180,21 +178,14 @@ def fingerprint_heads(
     chosen = list(names)
     for name in chosen:
         shape, head = get_head(name)
-        head = (
-            head.detach()
-            .reshape(-1)[:FINGERPRINT_ELEMENTS]
-            .to(device="cpu", dtype=torch.float32)
-            .contiguous()
-        )
+        head = head.detach().reshape(-1)[:FINGERPRINT_ELEMENTS].to(device="cpu", dtype=torch.float32).contiguous()
         digest.update(name.encode())
         digest.update(json.dumps(list(shape)).encode())
         digest.update(head.numpy().tobytes())
     return BaseFingerprint(tensors=chosen, sha256=digest.hexdigest())
 
 
-def fingerprint_state(
-    tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
-) -> BaseFingerprint:
+def fingerprint_state(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> BaseFingerprint:
     """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
     if names is None:
         names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
@@ -232,9 +223,7 @@ def unchecked_base(
     )
 
 
-def check_base(
-    manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike
-) -> None:
+def check_base(manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike) -> None:
     """Check that a stage was trained from ``base_path``; one without a fingerprint naming another base is warned
     about (:func:`unchecked_base`)."""
     if manifest.base_fingerprint is None:
@@ -315,9 +304,7 @@ def _check_kind(manifest: StageManifest, directory: Path, where: str) -> None:
         )
 
 
-def verify_stage(
-    manifest: StageManifest, manifest_file: str | os.PathLike, *, allow_external: bool = False
-) -> Path:
+def verify_stage(manifest: StageManifest, manifest_file: str | os.PathLike, *, allow_external: bool = False) -> Path:
     """Check that a stage's checkpoint directory holds exactly what its manifest describes; return the directory."""
     file = manifest_path(manifest_file)
     where = f"stage {manifest.stage!r} ({file})"

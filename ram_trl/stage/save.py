@@ -133,9 +133,7 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
-def check_finite_agent(
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike
-) -> None:
+def check_finite_agent(tensors: dict[str, torch.Tensor], dtype: torch.dtype, out_dir: str | os.PathLike) -> None:
     """Refuse to save an agent holding NaN or Inf values (a diverged run, or trained values beyond ``dtype``)."""
     bad: list[tuple[str, int]] = []
     for name, tensor in tensors.items():

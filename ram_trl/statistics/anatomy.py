@@ -107,9 +107,7 @@ def classify(name: str) -> TensorPlace:
     return TensorPlace(module_type(name), layer_index(name))
 
 
-def aggregate(
-    items: Iterable[tuple[str, T]], key: Callable[[str], K], add: Callable[[T, T], T]
-) -> dict[K, T]:
+def aggregate(items: Iterable[tuple[str, T]], key: Callable[[str], K], add: Callable[[T, T], T]) -> dict[K, T]:
     """Combine per-tensor values by bucket."""
     buckets: dict[K, T] = {}
     for name, value in items:

@@ -53,9 +53,7 @@ def active_flags(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor
     return deltas.abs().gt_(float32_threshold(eps))
 
 
-def masked_deltas(
-    deltas: torch.Tensor, eps: float = DEFAULT_EPS, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def masked_deltas(deltas: torch.Tensor, eps: float = DEFAULT_EPS, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The task vectors with inactive elements (``|tau| <= eps``) set to 0, as a new tensor (or in ``out``)."""
     if out is not None:
         return torch.hardshrink(deltas, float32_threshold(eps), out=out)

@@ -121,9 +121,7 @@ def histogram_top_mass(counts: torch.Tensor, sums: torch.Tensor, fraction: float
     c = counts.flip(0)
     s = sums.to(torch.float64).flip(0)
     cumulative = torch.cumsum(c, 0)
-    j = int(
-        torch.searchsorted(cumulative, torch.tensor([k], dtype=cumulative.dtype, device=cumulative.device))
-    )
+    j = int(torch.searchsorted(cumulative, torch.tensor([k], dtype=cumulative.dtype, device=cumulative.device)))
     taken = int(cumulative[j] - c[j])
     mass = float(s[:j].sum()) + (k - taken) * float(s[j]) / int(c[j])
     return mass / total
@@ -240,9 +238,7 @@ class MagnitudeStatistics:
         self._unpack()
         lower, unit = _bin_lower_edges_and_units(self.mantissa_bits)
         counts = self._counts
-        sums = counts.to(torch.float64) * lower.repeat(2) + self._remainders.to(torch.float64) * unit.repeat(
-            2
-        )
+        sums = counts.to(torch.float64) * lower.repeat(2) + self._remainders.to(torch.float64) * unit.repeat(2)
         return sums.where(counts > 0, 0.0)  # empty bins of inf / NaN magnitudes: 0
 
     def _power_sums(self, sums: torch.Tensor) -> torch.Tensor:
@@ -308,9 +304,9 @@ class MagnitudeStatistics:
                 if arrived:  # take NaN and inf out again, then put the infs back (remainder 0)
                     accumulator[nonfinite_bins] = nonfinite_before
                     positive, negative = int((part == math.inf).sum()), int((part == -math.inf).sum())
-                    positive_bin, negative_bin = (
-                        255 << self.mantissa_bits
-                    ) + layout.magnitude_bins * torch.arange(2)  # host
+                    positive_bin, negative_bin = (255 << self.mantissa_bits) + layout.magnitude_bins * torch.arange(
+                        2
+                    )  # host
                     accumulator[positive_bin] += positive << layout.shift
                     accumulator[negative_bin] += negative << layout.shift
                     added += positive + negative - arrived
@@ -415,9 +411,7 @@ class MagnitudeStatistics:
         nonempty bins of any agent, for plots."""
         bits = int(math.log2(bins_per_octave))
         if 2**bits != bins_per_octave or bits > self.mantissa_bits:
-            raise ValueError(
-                f"bins_per_octave={bins_per_octave} must be a power of two up to {2**self.mantissa_bits}"
-            )
+            raise ValueError(f"bins_per_octave={bins_per_octave} must be a power of two up to {2**self.mantissa_bits}")
         group = 2 ** (self.mantissa_bits - bits)
         coarse = self.counts.reshape(self.num_agents, -1, group).sum(dim=2)
         nonempty = coarse.sum(dim=0).nonzero().flatten()

@@ -96,12 +96,8 @@ class OverlapStatistics:
             self.numel += mask.shape[-1]
             return
         # histogram[t, k]: one bincount of (t, c) over the active elements, O(N n) (not one pass per k)
-        cells = torch.arange(n_agents, device=mask.device).unsqueeze(1) * (n_agents + 1) + counts.to(
-            torch.int64
-        )
-        histogram = torch.bincount(cells[mask], minlength=n_agents * (n_agents + 1)).view(
-            n_agents, n_agents + 1
-        )
+        cells = torch.arange(n_agents, device=mask.device).unsqueeze(1) * (n_agents + 1) + counts.to(torch.int64)
+        histogram = torch.bincount(cells[mask], minlength=n_agents * (n_agents + 1)).view(n_agents, n_agents + 1)
         self.histogram += histogram.cpu()
         if self.counts_pairs:
             # pairwise[s, t]: one matrix product of the 0/1 rows, exact in float64 (a chunk holds < 2**53 elements)
@@ -245,6 +241,4 @@ class TensorAnalysis:
 
     def __add__(self, other: TensorAnalysis) -> TensorAnalysis:
         bf16 = self.bf16 + other.bf16 if self.bf16 is not None and other.bf16 is not None else None
-        return TensorAnalysis(
-            self.eps + other.eps, self.exact + other.exact, bf16, self.tensors + other.tensors
-        )
+        return TensorAnalysis(self.eps + other.eps, self.exact + other.exact, bf16, self.tensors + other.tensors)

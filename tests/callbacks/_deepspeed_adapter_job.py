@@ -21,15 +21,11 @@ CONFIG = {
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     with deepspeed.zero.Init(config_dict_or_path=CONFIG):
-        net = torch.nn.Sequential(
-            torch.nn.Linear(5, 3), torch.nn.Linear(3, 1, bias=False)
-        )  # 15, 3, 3 elements
+        net = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1, bias=False))  # 15, 3, 3 elements
     for index, param in enumerate(net.parameters()):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
             if dist.get_rank() == 0:
-                param.copy_(
-                    torch.arange(param.numel(), dtype=torch.float32).reshape(param.shape) + 100 * index
-                )
+                param.copy_(torch.arange(param.numel(), dtype=torch.float32).reshape(param.shape) + 100 * index)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, config=CONFIG)
     out: dict = {

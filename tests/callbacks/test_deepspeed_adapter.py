@@ -20,9 +20,7 @@ WORKER = Path(__file__).with_name("_deepspeed_adapter_job.py")
 def test_the_installed_deepspeed_is_a_tested_version():
     pytest.importorskip("deepspeed")
     installed = importlib.metadata.version("deepspeed")
-    assert ".".join(installed.split(".")[:2]) in TESTED_VERSIONS, (
-        f"DeepSpeed {installed}: run the tests below"
-    )
+    assert ".".join(installed.split(".")[:2]) in TESTED_VERSIONS, f"DeepSpeed {installed}: run the tests below"
 
 
 @pytest.mark.slow
@@ -43,9 +41,7 @@ def test_partitions_release_and_regather_of_a_real_zero3_engine(tmp_path):
     command += [str(WORKER)]
     result = run_job(command, port, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    ranks = [
-        json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line
-    ]
+    ranks = [json.loads(line.split("RESULT ", 1)[1]) for line in result.stdout.splitlines() if "RESULT " in line]
     # the ranks print in whichever order they finish: put them in rank order (their partitions tile in that order)
     ranks.sort(key=lambda out: out["rank"])
     assert [out["rank"] for out in ranks] == [0, 1]

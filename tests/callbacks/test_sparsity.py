@@ -100,9 +100,7 @@ def check_run(trainer, callback: TaskVectorSparsityCallback, base: Path, out: Pa
 
 def test_grpo_full_finetune_base_from_disk(base, tmp_path):
     out = tmp_path / "grpo"
-    callback = TaskVectorSparsityCallback(
-        base_model=base, stage_name="coding", domain="code", save_dtype="bfloat16"
-    )
+    callback = TaskVectorSparsityCallback(base_model=base, stage_name="coding", domain="code", save_dtype="bfloat16")
     trainer = grpo_run(base, out, callback)
     assert callback.tracker.base_description.startswith(f"base checkpoint {base}")
     assert callback.tracker.state_bytes == 0
@@ -157,9 +155,7 @@ def test_grpo_lora_needs_no_base(base, tmp_path):
 def test_rloo(base, tmp_path):
     out = tmp_path / "rloo"
     callback = TaskVectorSparsityCallback(base_model=base, save_dtype="bfloat16")
-    trainer = train_rl(
-        RLOOTrainer, base, rl_args(RLOOConfig, out), callback, distinct_char_count, rl_prompts(4)
-    )
+    trainer = train_rl(RLOOTrainer, base, rl_args(RLOOConfig, out), callback, distinct_char_count, rl_prompts(4))
     # RLOO's default beta > 0 loads a reference model
     assert callback.tracker.base_description == "reference model"
     check_run(trainer, callback, base, out, "full")
@@ -189,17 +185,13 @@ def test_the_trainers_log_adds_its_rewards_to_the_telemetry_entries(base, tmp_pa
     reward = {e["step"]: e["reward"] for e in every_step.state.log_history if "reward" in e}
     assert sorted(reward) == list(range(1, 8))
     out = tmp_path / "measured"
-    callback = TaskVectorSparsityCallback(
-        base_model=base, every_n_steps=3, save_agent=False, write_stage=False
-    )
+    callback = TaskVectorSparsityCallback(base_model=base, every_n_steps=3, save_agent=False, write_stage=False)
     measured = run(out, [callback])
 
     def mean(*steps: int) -> float:
         return sum(reward[s] for s in steps) / len(steps)
 
-    found = [
-        (e["step"], f"{P}density" in e, e["reward"]) for e in measured.state.log_history if "reward" in e
-    ]
+    found = [(e["step"], f"{P}density" in e, e["reward"]) for e in measured.state.log_history if "reward" in e]
     assert found == [(2, False, mean(1, 2)), (3, True, mean(3)), (4, False, mean(4)), (6, True, mean(5, 6)),
                      (7, True, mean(7))]  # fmt: skip
     # the trainer's own entries at its logging steps (without the callback its train-end summary entry would carry
@@ -421,9 +413,7 @@ def test_save_into_an_existing_output_dir_is_all_or_nothing(base, tmp_path, monk
     assert read_manifest(out).stage == "first"
     assert leftovers(out) == []
 
-    grpo_run(
-        base, out, TaskVectorSparsityCallback(base_model=base, stage_name="third"), max_steps=1, report_to=[]
-    )
+    grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="third"), max_steps=1, report_to=[])
     assert read_manifest(out).stage == "third"
     assert (out / "notes.txt").read_text() == "the user's file\n"
     assert not (out / LOCK_FILE).exists()
@@ -486,9 +476,7 @@ def test_trainer_save_model_after_the_callback_is_refused_by_the_merge(base, tmp
 
 def test_a_lora_save_into_a_full_agent_directory_leaves_only_the_adapter(base, tmp_path):
     out = tmp_path / "agent"
-    grpo_run(
-        base, out, TaskVectorSparsityCallback(base_model=base, stage_name="full"), max_steps=1, report_to=[]
-    )
+    grpo_run(base, out, TaskVectorSparsityCallback(base_model=base, stage_name="full"), max_steps=1, report_to=[])
     assert (out / "model.safetensors").is_file()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="lora")
@@ -506,9 +494,7 @@ def test_foreign_weights_in_output_dir_are_refused_before_training(base, tmp_pat
     out = tmp_path / "agent"
     out.mkdir()
     (out / "adapter_model.safetensors").write_bytes(b"someone else's")
-    with pytest.raises(
-        OutputError, match="adapter_model.safetensors, which no ram_stage.json there describes"
-    ):
+    with pytest.raises(OutputError, match="adapter_model.safetensors, which no ram_stage.json there describes"):
         grpo_run(base, out, TaskVectorSparsityCallback(base_model=base), max_steps=1, report_to=[])
     assert (out / "adapter_model.safetensors").read_bytes() == b"someone else's"
 
@@ -573,9 +559,7 @@ def test_two_callbacks_writing_one_output_dir_are_refused_naming_both(base, tmp_
     trainer, args = _one_step_trainer(base, out, data, [first, second])
     first.bind(trainer)
     second.bind(trainer)
-    with pytest.raises(
-        ConfigError, match=r"2 TaskVectorSparsityCallback instances \(stages 'coding' and 'tools'\)"
-    ):
+    with pytest.raises(ConfigError, match=r"2 TaskVectorSparsityCallback instances \(stages 'coding' and 'tools'\)"):
         trainer.train()
     assert not (out / MANIFEST_NAME).exists()
     second.save_agent = second.write_stage = False  # one writer: measuring twice is allowed

@@ -67,9 +67,7 @@ def test_bigram_fisher_by_hand():
 def test_repeated_row_gradients_add_before_squaring():
     """Two positions using the same row: the sample's gradient is their sum, squared once (not a sum of squares)."""
     p = torch.full((2, 2), 0.5)
-    fisher = fisher_from_completions(Bigram(p), [Completion(torch.tensor([0]), torch.tensor([0, 1]))])[
-        "table"
-    ]
+    fisher = fisher_from_completions(Bigram(p), [Completion(torch.tensor([0]), torch.tensor([0, 1]))])["table"]
     # row 0 predicts 0 then (input 0) predicts 1: gradient (0.5, -0.5) + (-0.5, 0.5) = 0
     assert fisher.tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
@@ -111,9 +109,7 @@ def _independent_fisher(model, tokenizer, prompts, max_new_tokens):
         target = sequence[len(ids) :]
         log_likelihood = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).sum()
         grads = torch.autograd.grad(log_likelihood, params, allow_unused=True)
-        squares = [
-            torch.zeros_like(p) if g is None else g.float() ** 2 for p, g in zip(params, grads, strict=True)
-        ]
+        squares = [torch.zeros_like(p) if g is None else g.float() ** 2 for p, g in zip(params, grads, strict=True)]
         total = squares if total is None else [a + b for a, b in zip(total, squares, strict=True)]
     return {n: t / len(prompts) for n, t in zip(names, total, strict=True)}
 
@@ -214,9 +210,7 @@ def test_read_prompts(tmp_path):
 
 
 def _digest(directory):
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 def test_cli_writes_a_loadable_fisher_and_the_merge_uses_it(tiny, tmp_path, capsys):
@@ -227,10 +221,7 @@ def test_cli_writes_a_loadable_fisher_and_the_merge_uses_it(tiny, tmp_path, caps
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     before = {a: _digest(a) for a in agents}
     for agent in agents:
-        assert (
-            main(["fisher", str(agent), "--prompts", str(prompts), "--max-new-tokens", "3", "--no-progress"])
-            == 0
-        )
+        assert main(["fisher", str(agent), "--prompts", str(prompts), "--max-new-tokens", "3", "--no-progress"]) == 0
         after = _digest(agent)
         assert set(after) == set(before[agent]) | {FISHER_FILE}
         assert {k: v for k, v in after.items() if k != FISHER_FILE} == before[agent]
@@ -264,9 +255,7 @@ def test_cli_errors(tiny, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\n")
-    assert (
-        main(["fisher", str(untied), "--prompts", str(prompts), "--num-samples", "3", "--no-progress"]) == 2
-    )
+    assert main(["fisher", str(untied), "--prompts", str(prompts), "--num-samples", "3", "--no-progress"]) == 2
     assert "greedy decoding would repeat" in capsys.readouterr().err
     assert not (untied / FISHER_FILE).exists()
 

@@ -42,9 +42,7 @@ def test_a_task_imports_and_wraps_its_reward_functions():
     (fn,) = task.functions()
     assert fn.__name__ == "arithmetic_reward"
     assert score_completions(task.functions(), ROWS, ["82", "6", "0"]) == [1.0, 1.0, 1.0]
-    with pytest.raises(
-        StageFailure, match="stage 'math': reward function ram_trl.recipes.tasks:arithmetic_reward"
-    ):
+    with pytest.raises(StageFailure, match="stage 'math': reward function ram_trl.recipes.tasks:arithmetic_reward"):
         score_completions(task.functions(), ROWS, ["82"])  # one completion for three rows
 
 
@@ -56,9 +54,7 @@ def test_a_model_with_non_finite_weights_is_named_before_it_is_scored(tmp_path):
     from ram_trl.synthetic import make_base_checkpoint
 
     path = make_base_checkpoint(tmp_path / "model", hidden_size=16, num_layers=1, intermediate_size=32)
-    load_model(
-        path
-    )  # finite: no warning (pytest's filterwarnings would not catch one, so check the next one)
+    load_model(path)  # finite: no warning (pytest's filterwarnings would not catch one, so check the next one)
     tensors = load_file(str(path / "model.safetensors"))
     name = sorted(tensors)[-1]
     tensors[name] = torch.full_like(tensors[name], float("nan"))

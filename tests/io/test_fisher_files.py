@@ -45,9 +45,7 @@ def test_default_path_is_beside_the_agent(tmp_path):
 
 
 def test_missing_file_names_the_agent_and_how_to_make_it(tmp_path):
-    with pytest.raises(
-        CheckpointError, match=r"agent 0 \(coder\): Fisher file .* does not exist; estimate it with "
-    ):
+    with pytest.raises(CheckpointError, match=r"agent 0 \(coder\): Fisher file .* does not exist; estimate it with "):
         open_fisher(tmp_path / "coder", "agent 0 (coder)", tmp_path / "coder")
 
 
@@ -97,9 +95,7 @@ def test_rows_are_read_as_stored_and_missing_rows_are_zero(tmp_path):
         reader.close()
 
 
-@pytest.mark.parametrize(
-    "bad, what", [(float("nan"), "1 NaN/Inf"), (float("inf"), "1 NaN/Inf"), (-1.0, "1 negative")]
-)
+@pytest.mark.parametrize("bad, what", [(float("nan"), "1 NaN/Inf"), (float("inf"), "1 NaN/Inf"), (-1.0, "1 negative")])
 def test_nonfinite_or_negative_values_name_the_file_and_tensor(tmp_path, bad, what):
     values = torch.ones(2, 3)
     values[1, 2] = bad

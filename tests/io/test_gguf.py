@@ -328,9 +328,7 @@ def test_round_trip_logits_equal_the_gguf_model_in_bf16(converted, smollm2_wheel
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    assert (
-        tokenizer.chat_template == gguf_tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
-    )
+    assert tokenizer.chat_template == gguf_tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     prompts = CHECK_PROMPTS[1:]  # not the converter's own check prompt
     ids = _chat_ids(tokenizer, prompts)
     for got, want in zip(ids, _chat_ids(gguf_tokenizer, prompts), strict=True):

@@ -104,9 +104,7 @@ def test_merge_by_id_is_byte_identical_to_merge_by_path_and_records_the_revision
 def test_a_snapshot_folder_given_as_a_path_reads_its_links_into_the_repos_blobs(hub):
     cache, _ = hub
     snapshot = cache / "models--acme--base" / "snapshots" / COMMITS["acme/base"]
-    checkpoint = open_checkpoint(
-        snapshot, "base model"
-    )  # shards are links to ../../blobs: no external-shard flag
+    checkpoint = open_checkpoint(snapshot, "base model")  # shards are links to ../../blobs: no external-shard flag
     assert len(checkpoint.files) > 1
     assert cached_revision(snapshot).revision == COMMITS["acme/base"]
 
@@ -225,9 +223,7 @@ def online(hub, monkeypatch):
     _Hub.folders, _Hub.served = dict(local), []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    endpoint = (
-        f"http://127.0.0.1:{server.server_port}"  # as HF_ENDPOINT sets them at huggingface_hub's import
-    )
+    endpoint = f"http://127.0.0.1:{server.server_port}"  # as HF_ENDPOINT sets them at huggingface_hub's import
     monkeypatch.setattr(hub_constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(
         hub_constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
@@ -320,17 +316,13 @@ def test_passthrough_by_id_is_byte_identical_to_passthrough_by_path(hub, tmp_pat
         sources = [[{"model": first, "layer_range": [0, 2]}], [{"model": second, "layer_range": [1, 2]}]]
         return {"merge_method": "passthrough", "slices": [{"sources": s} for s in sources]}
 
-    ram_trl.merge(
-        stack(str(local["acme/base"]), str(local["acme/coder"])), tmp_path / "by_path", progress=False
-    )
+    ram_trl.merge(stack(str(local["acme/base"]), str(local["acme/coder"])), tmp_path / "by_path", progress=False)
     report = ram_trl.merge(stack("acme/base", "acme/coder"), tmp_path / "by_id", progress=False)
     written = sorted(p.name for p in (tmp_path / "by_path").iterdir())
     assert written == sorted(p.name for p in (tmp_path / "by_id").iterdir())
     for name in written:
         if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
-            assert (tmp_path / "by_id" / name).read_bytes() == (tmp_path / "by_path" / name).read_bytes(), (
-                name
-            )
+            assert (tmp_path / "by_id" / name).read_bytes() == (tmp_path / "by_path" / name).read_bytes(), name
     assert json.loads((tmp_path / "by_id" / "config.json").read_text())["num_hidden_layers"] == 3
     assert report["slices"][1]["hub"] == {"repo_id": "acme/coder", "revision": COMMITS["acme/coder"]}
     front = yaml.safe_load((tmp_path / "by_id" / "README.md").read_text().split("---")[1])

@@ -113,9 +113,7 @@ def test_mixed_full_and_lora_ram_merge_equals_reference(tmp_path):
     (tmp_path / "full").mkdir()
     save_file(full_state, str(tmp_path / "full" / "model.safetensors"), metadata={"format": "pt"})
     (tmp_path / "full" / "config.json").write_text((base / "config.json").read_text())
-    peft_model = lora_adapter(
-        qwen_model(), tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]
-    )
+    peft_model = lora_adapter(qwen_model(), tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
     lora_deltas = dense_lora_deltas(peft_model)
     report = ram_trl.merge(
         _merge_config(base, [tmp_path / "full", tmp_path / "lora"], "ram_plus", r=0.1, alpha=2.0),
@@ -159,12 +157,8 @@ def test_other_peft_method_is_named(tmp_path):
 
 def test_adapter_for_another_shape_names_module_and_shapes(tmp_path):
     base = save_base(qwen_model(), tmp_path / "base")
-    lora_adapter(
-        qwen_model(hidden_size=48, intermediate_size=64), tmp_path / "wide", r=4, target_modules=["q_proj"]
-    )
-    with pytest.raises(
-        CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*\[48, 48\].*\[32, 32\]"
-    ):
+    lora_adapter(qwen_model(hidden_size=48, intermediate_size=64), tmp_path / "wide", r=4, target_modules=["q_proj"])
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight.*\[48, 48\].*\[32, 32\]"):
         ram_trl.merge(_merge_config(base, [tmp_path / "wide"]), tmp_path / "out", progress=False)
 
 
@@ -198,9 +192,9 @@ def test_several_adapter_names_in_one_file_are_refused(tmp_path):
         value,
     ) in factors.items():  # the same factors under two adapter names, as a raw state dict holds them
         for adapter in ("default", "other"):
-            both[
-                key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")
-            ] = value.clone()
+            both[key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")] = (
+                value.clone()
+            )
     save_file(both, str(tmp_path / "adapter" / "adapter_model.safetensors"))
     with pytest.raises(CheckpointError, match=r"several adapters \('default', 'other'.*selected_adapters"):
         ram_trl.merge(_merge_config(base, [tmp_path / "adapter"]), tmp_path / "out", progress=False)
@@ -292,12 +286,10 @@ def test_conv1d_model_types_are_those_transformers_builds_with_conv1d():
 
 
 def test_conv1d_modules_of_a_base(tmp_path):
-    GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=96, n_positions=64).save_pretrained(
-        tmp_path / "gpt2"
+    GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=96, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(
+        tmp_path / "llama"
     )
-    LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
-    ).save_pretrained(tmp_path / "llama")
     assert conv1d_modules(tmp_path / "gpt2" / "config.json") == {
         "transformer.h.0.attn.c_attn",
         "transformer.h.0.attn.c_proj",

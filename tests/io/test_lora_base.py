@@ -14,9 +14,7 @@ from tests.helpers import lora_adapter, qwen_model, save_base
 def test_the_merged_model_is_peft_merge_and_unload_and_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     base = save_base(qwen_model(seed=0), tmp_path / "base")
-    peft_model = lora_adapter(
-        qwen_model(seed=0), tmp_path / "adapter", seed=3, r=4, target_modules=["q_proj"]
-    )
+    peft_model = lora_adapter(qwen_model(seed=0), tmp_path / "adapter", seed=3, r=4, target_modules=["q_proj"])
     merged = merged_model(base, tmp_path / "adapter", "base_model")
     assert merged.parent == tmp_path / CACHE_NAME
     expected = peft_model.merge_and_unload().state_dict()

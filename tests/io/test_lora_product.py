@@ -30,9 +30,7 @@ def _tie_factors() -> tuple[torch.Tensor, torch.Tensor]:
     """
     tiny = 2.0**-54
     row = [tiny, tiny, tiny, 2.0**-24, 1.0]
-    b = torch.tensor(
-        [row, [-x for x in row], torch.randn(5, generator=torch.Generator().manual_seed(1)).tolist()]
-    )
+    b = torch.tensor([row, [-x for x in row], torch.randn(5, generator=torch.Generator().manual_seed(1)).tolist()])
     a = torch.ones(5, 3)
     return b, a
 

@@ -43,9 +43,7 @@ def test_a_full_model_beside_an_adapter_is_refused_by_every_reader(tmp_path):
     path = _full(tmp_path / "agent")
     (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 1, "lora_alpha": 1}')
     for read in _readers(path):
-        with pytest.raises(
-            CheckpointError, match=r"both a full model \(model.safetensors\) and a PEFT adapter"
-        ):
+        with pytest.raises(CheckpointError, match=r"both a full model \(model.safetensors\) and a PEFT adapter"):
             read()
 
 

@@ -57,9 +57,7 @@ def test_several_readers_read_at_once_in_order_and_hold_no_more_items(readers):
     results = read_ahead(range(12), read, depth=depth, readers=readers)
     assert next(results) == 0
     time.sleep(0.05)
-    assert (
-        max(started) <= depth
-    )  # the consumer holds item 0; items 1..depth may have been read, nothing beyond
+    assert max(started) <= depth  # the consumer holds item 0; items 1..depth may have been read, nothing beyond
     assert [0, *results] == [i * i for i in range(12)]
     assert len(threads) == readers
 

@@ -90,9 +90,7 @@ def test_mapped_and_copied_reads_agree(file, map_min_bytes):
             assert torch.equal(reader.read_rows(infos[name]), value)
         for start in range(7):
             for stop in range(start + 1, 8):
-                assert torch.equal(
-                    reader.read_rows(infos["matrix"], start, stop), TENSORS["matrix"][start:stop]
-                )
+                assert torch.equal(reader.read_rows(infos["matrix"], start, stop), TENSORS["matrix"][start:stop])
 
 
 def test_mapped_rows_are_copy_on_write(tmp_path):
@@ -145,9 +143,7 @@ def test_truncated_file_is_named(file, tmp_path):
     data = file.read_bytes()
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(data[:-3])
-    with pytest.raises(
-        CheckpointError, match=r"cut\.safetensors: truncated.*'(matrix|bias|scalar|ids|cube|empty)'"
-    ):
+    with pytest.raises(CheckpointError, match=r"cut\.safetensors: truncated.*'(matrix|bias|scalar|ids|cube|empty)'"):
         read_safetensors_header(cut)
 
 

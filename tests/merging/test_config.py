@@ -58,9 +58,7 @@ dtype: bfloat16
 
 
 def test_aliases_and_defaults(dirs):
-    resolved = _resolve(
-        dirs, "merge_method: ramplus_tl\nbase_model: base\nmodels: [{model: a}, {model: b}]\n"
-    )
+    resolved = _resolve(dirs, "merge_method: ramplus_tl\nbase_model: base\nmodels: [{model: a}, {model: b}]\n")
     assert resolved.method.name == "ram_plus"
     assert resolved.params == {"eps": 1e-5, "r": 0.1, "alpha": 0.2, "rho_scope": "tensor"}
     paper = _resolve(dirs, "merge_method: ram_plus\nbase_model: base\nmodels: [{model: a}, {model: b}]\n")
@@ -108,9 +106,7 @@ models:
         dirs,
         "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: [{filter: '*', value: 0.3}]}}]\n",
     )
-    assert (
-        star.agent_value(star.agents[0], "density", "lm_head.weight") == 0.3
-    )  # mergekit: '*' matches everything
+    assert star.agent_value(star.agents[0], "density", "lm_head.weight") == 0.3  # mergekit: '*' matches everything
 
 
 def _layered(dirs, layers=5):
@@ -360,9 +356,7 @@ def test_model_plus_adapter_is_the_adapter(dirs):
 
 
 def test_tokenizer_block_and_sources(dirs):
-    resolved = _resolve(
-        dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a}]\ntokenizer: {source: a}\n"
-    )
+    resolved = _resolve(dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a}]\ntokenizer: {source: a}\n")
     assert resolved.tokenizer_source == dirs / "a"
     for extra, needle in [
         (
@@ -427,9 +421,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_naming_its_origin(dirs
     (dirs / "a" / "chat_template.jinja").write_text("{{ messages[0]['content'] }\n")
     with pytest.raises(ConfigError, match=r"from 'auto' \(.*a\) does not compile"):
         template("auto")
-    generation = (
-        "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}"
-    )
+    generation = "{% for m in messages %}{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{% endfor %}"
     assert template(generation) == generation  # transformers' own tags and filters compile
 
 
@@ -444,9 +436,7 @@ def test_bad_dtype_and_choice(dirs):
 
 
 def test_dict_config_round_trip(dirs):
-    data = yaml.safe_load(
-        f"merge_method: linear\nbase_model: {dirs / 'base'}\nmodels: [{{model: {dirs / 'a'}}}]\n"
-    )
+    data = yaml.safe_load(f"merge_method: linear\nbase_model: {dirs / 'base'}\nmodels: [{{model: {dirs / 'a'}}}]\n")
     resolved = resolve_config(*load_config(data))
     assert resolved.method.name == "linear"
     assert resolved.raw["merge_method"] == "linear"
@@ -459,9 +449,7 @@ def test_numbers_written_as_strings_are_numbers_as_in_mergekit(dirs):
     )
     assert resolved.agents[0].parameters["density"] == 0.5 and resolved.params["lambda"] == 0.1
     with pytest.raises(ConfigError, match="parameter 'density' must be a number, got 'half'"):
-        _resolve(
-            dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: half}}]\n"
-        )
+        _resolve(dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: half}}]\n")
 
 
 def _tokenizer(path, tokens):
@@ -481,9 +469,7 @@ def test_an_explicit_tokenizer_keeps_the_base_rows_only_when_every_model_numbers
     _tokenizer(dirs / "b", ["x", "y", "z"])
     text = "merge_method: ties\nbase_model: base\nmodels: [{model: a}, {model: b}]\n"
     assert _resolve(dirs, text + "tokenizer_source: base\n").shape_mismatch == "tokenizer_rows"
-    assert (
-        _resolve(dirs, text).shape_mismatch == "error"
-    )  # no tokenizer named: mergekit does not re-index either
+    assert _resolve(dirs, text).shape_mismatch == "error"  # no tokenizer named: mergekit does not re-index either
     _tokenizer(dirs / "b", ["y", "x", "z"])  # another numbering
     assert _resolve(dirs, text + "tokenizer_source: base\n").shape_mismatch == "error"
     _tokenizer(dirs / "b", ["x", "y", "z"])
@@ -497,7 +483,9 @@ def test_union_without_reindexing_takes_the_tokenizer_that_holds_every_used_toke
     _tokenizer(dirs / "base", ["x", "y", "z"])
     _tokenizer(dirs / "a", ["x", "y", "z", "<|im_end|>"])
     _tokenizer(dirs / "b", ["x", "y", "z", "<unused>"])  # its token 3 has no row: not in the union
-    text = "merge_method: task_arithmetic\nbase_model: base\nmodels: [{model: a}, {model: b}]\ntokenizer_source: union\n"
+    text = (
+        "merge_method: task_arithmetic\nbase_model: base\nmodels: [{model: a}, {model: b}]\ntokenizer_source: union\n"
+    )
     resolved = _resolve(dirs, text)
     assert resolved.tokenizer_source == dirs / "a" and resolved.shape_mismatch == "merge_common_rows"
     _tokenizer(dirs / "b", ["y", "x", "z"])  # another numbering: the union would re-index rows
@@ -525,9 +513,7 @@ def test_union_leaves_out_embedding_rows_that_are_no_token(dirs):
     text = "merge_method: task_arithmetic\nbase_model: base\nmodels: [{model: a}]\ntokenizer_source: union\n"
     resolved = _resolve(dirs, text)
     assert resolved.union_rows == UnionRows(4, {3: (1,)}) and resolved.shape_mismatch == "error"
-    assert any(
-        "has 1 embedding row(s) that are no token of its tokenizer (first: 4)" in n for n in resolved.notes
-    )
+    assert any("has 1 embedding row(s) that are no token of its tokenizer (first: 4)" in n for n in resolved.notes)
     with pytest.raises(ConfigError, match="with fisher is not supported here.*no token of its tokenizer"):
         _resolve(dirs, text.replace("task_arithmetic", "fisher"))
 

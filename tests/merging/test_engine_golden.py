@@ -78,9 +78,7 @@ def test_global_rho_uses_counts_of_the_whole_model(golden):
 def test_tensor_local_rho_differs_from_global(golden):
     # Tensor A: agent 0 unique 1 / shared 2 -> rho 2 -> lambda 1 + 0.1 * 1.5; agents 1, 2 have no unique element.
     # Tensor B: agents 0 and 1 only unique elements -> rho 0 -> lambda 1.
-    ram_trl.merge(
-        _config(golden, "ram_plus", r=0.1, alpha=1.5, rho_scope="tensor"), golden / "out", progress=False
-    )
+    ram_trl.merge(_config(golden, "ram_plus", r=0.1, alpha=1.5, rho_scope="tensor"), golden / "out", progress=False)
     merged = _merged(golden, golden / "out")
     assert torch.equal(merged, _expected([1.15, 1.15, 1.15], [1.0, 1.0, 1.0]))
     global_merged = ram_trl.merge(_config(golden, "ram_plus", r=0.1, alpha=1.5), golden / "g", progress=False)
@@ -159,9 +157,7 @@ def test_a_library_merge_prints_nothing_and_logs_one_line(golden, capfd, caplog)
         ram_trl.merge(config, golden / "plan", progress=False, dry_run=True)
     assert capfd.readouterr() == ("", "")
     lines = [r.getMessage() for r in caplog.records if r.name == "ram_trl.merging.engine"]
-    assert lines == [
-        f"ram_plus merge of 3 agents -> {golden / 'out'}: 28 bytes in 1 file(s) in " + lines[0][-5:]
-    ]
+    assert lines == [f"ram_plus merge of 3 agents -> {golden / 'out'}: 28 bytes in 1 file(s) in " + lines[0][-5:]]
     ram_trl.merge(config, golden / "out", progress=False, overwrite=True, print_summary=True)
     ram_trl.merge(config, golden / "plan", progress=False, dry_run=True, print_summary=True)
     err = capfd.readouterr().err
@@ -185,9 +181,7 @@ def test_chat_template_without_a_tokenizer_is_not_written(tmp_path):
     assert any("chat_template not written" in w for w in report["warnings"])
     (ckpts.base / "tokenizer_config.json").write_text("{}")
     ram_trl.merge(config, tmp_path / "with", progress=False)
-    assert (
-        tmp_path / "with" / "chat_template.jinja"
-    ).read_text() == "{{ messages[0]['content'] }} and more text"
+    assert (tmp_path / "with" / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }} and more text"
 
 
 def test_a_merge_leaves_the_validated_config_as_it_was(golden, monkeypatch):
@@ -214,9 +208,7 @@ def test_a_merge_leaves_the_validated_config_as_it_was(golden, monkeypatch):
 def test_weight_sums():
     check_weight_sums({"a": 1.0, "b": -2.0, "c": 1e-8}, "m.yaml", "linear")
     for bad in (0.0, 5e-9, float("nan"), float("inf")):
-        with pytest.raises(
-            ConfigError, match=r"^m.yaml: linear with normalize: the agents' weights for tensor 'b'"
-        ):
+        with pytest.raises(ConfigError, match=r"^m.yaml: linear with normalize: the agents' weights for tensor 'b'"):
             check_weight_sums({"a": 1.0, "b": bad}, "m.yaml", "linear")
 
 

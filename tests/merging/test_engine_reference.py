@@ -42,8 +42,7 @@ def _config(base, agents, method, params=None, agent_params=None, **extra):
         "merge_method": method,
         "base_model": str(base),
         "models": [
-            {"model": str(a), "parameters": (agent_params[i] if agent_params else {})}
-            for i, a in enumerate(agents)
+            {"model": str(a), "parameters": (agent_params[i] if agent_params else {})} for i, a in enumerate(agents)
         ],
         "parameters": params or {},
         **extra,
@@ -58,9 +57,7 @@ def _assert_matches(out_dir, expected: dict[str, torch.Tensor], base_state, out_
         dtype = out_dtype or base_state[name].dtype
         want = value.to(dtype)
         assert merged[name].dtype == dtype, name
-        assert torch.equal(merged[name], want), (
-            f"{name}: max diff {(merged[name].float() - want.float()).abs().max()}"
-        )
+        assert torch.equal(merged[name], want), f"{name}: max diff {(merged[name].float() - want.float()).abs().max()}"
         changed += int((merged[name] != base_state[name].to(dtype)).sum())
     assert changed > 0  # the merge did something
 
@@ -224,9 +221,7 @@ def test_blocks_on_threads_match_reference(rl_checkpoints, tmp_path, tiny_blocks
         expected = reference.ties_reference(state["base"], state["agents"], weights, densities, lam=0.9)
     elif method == "dare_ties":
         config = {**_config(base, agents, method, {}, agent_params), "seed": 5}
-        expected = reference.dare_reference(
-            state["base"], state["agents"], weights, densities, seed=5, ties=True
-        )
+        expected = reference.dare_reference(state["base"], state["agents"], weights, densities, seed=5, ties=True)
     else:
         config = _config(base, agents, method, {"lambda": 0.8}, [{"weight": w} for w in weights])
         expected = reference.task_arithmetic_reference(state["base"], state["agents"], weights, lam=0.8)
@@ -260,8 +255,7 @@ def test_ram_unique_scale_matches_reference(rl_checkpoints, tmp_path, out_dtype)
     differ = sum(
         int(
             (
-                expected[n].to(out_dtype or state["base"][n].dtype)
-                != plain[n].to(out_dtype or state["base"][n].dtype)
+                expected[n].to(out_dtype or state["base"][n].dtype) != plain[n].to(out_dtype or state["base"][n].dtype)
             ).sum()
         )
         for n in expected

@@ -86,9 +86,7 @@ def test_plan_tasks_chunks_and_shards(tmp_path):
 
 
 def test_plan_with_the_defaults_bf16_output_and_ties(tmp_path):
-    plan = _plan(
-        make_checkpoints(tmp_path), out_dtype=torch.bfloat16, needs_statistics=False, trims_by_magnitude=True
-    )
+    plan = _plan(make_checkpoints(tmp_path), out_dtype=torch.bfloat16, needs_statistics=False, trims_by_magnitude=True)
     assert plan.chunk_budget == 256_000_000
     assert [s.file_name for s in plan.shards] == ["model.safetensors"]
     assert [t.rows_per_chunk for t in plan.tasks] == [457_142, 152_380, 3_657_142, 457_142]
@@ -130,17 +128,13 @@ def test_tokenizer_rows_keep_the_base_rows_and_leave_added_rows_out(tmp_path):
     save_checkpoint(tmp_path / "big", base_tensors(seed=5, vocab=20), vocab_size=20)
     save_checkpoint(tmp_path / "small", base_tensors(seed=6, vocab=12), vocab_size=12)
     base, agents = open_ckpts(ckpts)
-    plan = plan_for(
-        base, [*agents, open_checkpoint(tmp_path / "big", "agent 2")], shape_mismatch="tokenizer_rows"
-    )
+    plan = plan_for(base, [*agents, open_checkpoint(tmp_path / "big", "agent 2")], shape_mismatch="tokenizer_rows")
     embed = next(t for t in plan.tasks if t.name == EMBED)
     assert plan.resized == [] and embed.out_rows == 16 and embed.out_shape == (16, 8)
     assert embed.chunks()[-1][1] == 16  # no chunk reads past the base's rows
     # an agent with fewer rows than the base has no row for some of the tokenizer's tokens: refused
     with pytest.raises(CheckpointError, match=r"shape \[12, 8\]"):
-        plan_for(
-            base, [*agents, open_checkpoint(tmp_path / "small", "agent 2")], shape_mismatch="tokenizer_rows"
-        )
+        plan_for(base, [*agents, open_checkpoint(tmp_path / "small", "agent 2")], shape_mismatch="tokenizer_rows")
 
 
 def test_input_mismatches_name_the_agent_tensor_and_file(tmp_path):

@@ -34,9 +34,7 @@ def _resolved(config: dict):
     return resolve_config(load_config(config)[0])
 
 
-def _partitions(
-    tensors: dict[str, torch.Tensor], parts: int, dtype: torch.dtype | None = None
-) -> list[FlatRange]:
+def _partitions(tensors: dict[str, torch.Tensor], parts: int, dtype: torch.dtype | None = None) -> list[FlatRange]:
     """Every tensor cut into ``parts`` flat ranges of ``ceil(numel / parts)`` elements (ZeRO-3's partitioning)."""
     ranges = []
     for name, value in tensors.items():
@@ -95,9 +93,7 @@ def test_ranges_merge_to_the_engine_output_bit_for_bit(tmp_path, method, paramet
         assert result.factors is None
 
 
-@pytest.mark.filterwarnings(
-    "ignore:.*differ from the base"
-)  # a bf16 agent of a float32 base differs everywhere
+@pytest.mark.filterwarnings("ignore:.*differ from the base")  # a bf16 agent of a float32 base differs everywhere
 def test_bf16_saved_agent_is_merged_as_saved(tmp_path):
     """The in-memory float32 agent, given rounded to bfloat16, merges as its bfloat16 checkpoint does."""
     ckpts = make_checkpoints(tmp_path, 2, fraction=0.5)

@@ -34,9 +34,7 @@ def config(tmp_path):
 
 def test_report_counts_rho_and_lambda(config, tmp_path):
     report = ram_trl.merge(config, tmp_path / "out", progress=False)
-    assert json.loads((tmp_path / "out" / "ram_merge_report.json").read_text()) == json.loads(
-        json.dumps(report)
-    )
+    assert json.loads((tmp_path / "out" / "ram_merge_report.json").read_text()) == json.loads(json.dumps(report))
     assert report["merge_method"] == "ram_plus" and report["method_pretty_name"]
     assert report["parameters"] == {"eps": 1e-5, "r": 0.1, "alpha": 2.0, "rho_scope": "global"}
     assert report["total_elements"] == 7 and report["num_agents"] == 3
@@ -77,9 +75,7 @@ def test_model_card(config, tmp_path):
         in card
     )
     assert "- `r`: 0.1" in card and "## Configuration" in card
-    assert (
-        "Output: 1 safetensors file(s), 28 B.\n\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL" in card
-    )
+    assert "Output: 1 safetensors file(s), 28 B.\n\n## Upload\n\n```bash\nhf upload YOUR_ORG/YOUR_MODEL" in card
     assert "## Stages" not in card
     assert "](http" not in card.replace(f"]({report['reference']})", "")  # no link but the paper's
     assert f"## Warnings\n\n- no tokenizer files found in {config['base_model']}" in card
@@ -113,9 +109,7 @@ def test_dry_run_plans_with_the_input_cache(config, tmp_path, capsys):
     # the statistics pass keeps all 4 * 28 input bytes: the merge pass reads none again, and they are held
     assert cached["input_cache"] == 4 * 28 and cached["bytes_read"] == 4 * 28
     assert cached["peak_memory_estimate"] == off["peak_memory_estimate"] + 4 * 28
-    ram_trl.merge(
-        config, tmp_path / "out", dry_run=True, progress=False, input_cache="1MB", print_summary=True
-    )
+    ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False, input_cache="1MB", print_summary=True)
     printed = " ".join(w for w in capsys.readouterr().err.split() if w != "│")
     assert "input cache up to 112 B of inputs kept for the merge pass" in printed, printed
     linear = ram_trl.merge(
@@ -137,10 +131,7 @@ def test_dry_run_summary(config, tmp_path, capsys):
     assert summary["peak_memory_fixed"] == PROCESS_BASELINE_BYTES
     share = format_bytes(summary["peak_memory_estimate"] - PROCESS_BASELINE_BYTES)
     printed = " ".join(w for w in capsys.readouterr().err.split() if w != "│")
-    assert (
-        f"{format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + {share} for this"
-        in printed
-    )
+    assert f"{format_bytes(PROCESS_BASELINE_BYTES)} fixed (Python, torch, libraries) + {share} for this" in printed
     assert not (tmp_path / "out").exists()
     assert summary["dry_run"] is True and summary["merge_method"] == "ram_plus"
     assert (summary["tensors"], summary["merged_tensors"], summary["chunked_tensors"]) == (2, 2, 0)

@@ -43,9 +43,7 @@ def _llama(path: Path, seed: int, tokenizer: bool = False, **overrides: Any) -> 
     if tokenizer:
         from tokenizers import Tokenizer, models, pre_tokenizers
 
-        words = Tokenizer(
-            models.WordLevel({f"w{i}": i for i in range(63)} | {"<unk>": 63}, unk_token="<unk>")
-        )
+        words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(63)} | {"<unk>": 63}, unk_token="<unk>"))
         words.pre_tokenizer = pre_tokenizers.Whitespace()
         transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(path)
     return path
@@ -72,9 +70,7 @@ def _stack(llamas: dict[str, Path], **extra: Any) -> dict[str, Any]:
 def _mergekit(config: dict[str, Any], out: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        pytest.importorskip(
-            "mergekit", reason="mergekit is a test-only extra: pip install 'ram-trl[mergekit]'"
-        )
+        pytest.importorskip("mergekit", reason="mergekit is a test-only extra: pip install 'ram-trl[mergekit]'")
         from mergekit.config import MergeConfiguration
         from mergekit.merge import run_merge
         from mergekit.options import MergeOptions
@@ -102,18 +98,14 @@ def test_layer_stacking_equals_mergekit_and_transformers_runs_it(llamas, tmp_pat
     _assert_same_tensors(ours, theirs)
     # by hand: output layer 9 is b's layer 5, the embeddings a's, the final norm and lm_head b's (the last slice)
     a, b = _tensors(llamas["a"]), _tensors(llamas["b"])
-    assert torch.equal(
-        ours["model.layers.9.mlp.up_proj.weight"], b["model.layers.5.mlp.up_proj.weight"].half()
-    )
+    assert torch.equal(ours["model.layers.9.mlp.up_proj.weight"], b["model.layers.5.mlp.up_proj.weight"].half())
     assert torch.equal(
         ours["model.layers.7.self_attn.q_proj.weight"], a["model.layers.7.self_attn.q_proj.weight"].half()
     )
     assert torch.equal(ours["model.embed_tokens.weight"], a["model.embed_tokens.weight"].half())
     assert torch.equal(ours["lm_head.weight"], b["lm_head.weight"].half())
     assert len({n for n in ours if n.startswith("model.layers.")}) == 16 * 9
-    assert (
-        len(report["output"]["files"]) > 1 and (tmp_path / "ours" / "model.safetensors.index.json").is_file()
-    )
+    assert len(report["output"]["files"]) > 1 and (tmp_path / "ours" / "model.safetensors.index.json").is_file()
     mine = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert mine == json.loads((tmp_path / "mergekit" / "config.json").read_text())
     assert mine["num_hidden_layers"] == 16 and mine["dtype"] == "float16"
@@ -133,9 +125,7 @@ def test_scale_filters_and_gradients_equal_mergekit(llamas, tmp_path):
     """mergekit's scale: per source, per slice and global, filters matched on the input tensor's name, gradients
     over the slice's layers (the zeroed o_proj/down_proj of depth up-scaling configs)."""
     config = _stack(llamas, parameters={"scale": [{"filter": "lm_head", "value": 0.5}]})
-    config["slices"][0]["sources"][0]["parameters"] = {
-        "scale": [{"filter": "q_proj", "value": [1.0, 0.25, 2.0]}]
-    }
+    config["slices"][0]["sources"][0]["parameters"] = {"scale": [{"filter": "q_proj", "value": [1.0, 0.25, 2.0]}]}
     config["slices"][1]["parameters"] = {
         "scale": [{"filter": "o_proj", "value": 0.0}, {"filter": "layers.6.", "value": -1.5}]
     }
@@ -145,13 +135,9 @@ def test_scale_filters_and_gradients_equal_mergekit(llamas, tmp_path):
     _assert_same_tensors(ours, theirs)
     a, b = _tensors(llamas["a"]), _tensors(llamas["b"])
     assert not ours["model.layers.9.self_attn.o_proj.weight"].any()
-    assert torch.equal(
-        ours["model.layers.10.mlp.up_proj.weight"], -1.5 * b["model.layers.6.mlp.up_proj.weight"]
-    )
+    assert torch.equal(ours["model.layers.10.mlp.up_proj.weight"], -1.5 * b["model.layers.6.mlp.up_proj.weight"])
     q = "model.layers.{}.self_attn.q_proj.weight"
-    assert torch.equal(ours[q.format(0)], a[q.format(0)]) and torch.equal(
-        ours[q.format(7)], 2 * a[q.format(7)]
-    )
+    assert torch.equal(ours[q.format(0)], a[q.format(0)]) and torch.equal(ours[q.format(7)], 2 * a[q.format(7)])
     assert torch.equal(ours["lm_head.weight"], 0.5 * b["lm_head.weight"])
 
 
@@ -182,9 +168,7 @@ def test_one_model_in_models_is_copied_whole_as_mergekit_copies_it(llamas, tmp_p
         ),
     ],
 )
-def test_bad_stacks_are_refused_in_one_line_before_anything_is_written(
-    change, needle, llamas, tmp_path, monkeypatch
-):
+def test_bad_stacks_are_refused_in_one_line_before_anything_is_written(change, needle, llamas, tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -214,9 +198,7 @@ def test_layers_of_another_architecture_are_refused(llamas, tmp_path):
 def test_per_layer_config_lists_follow_the_stacked_layers(tmp_path):
     """Qwen2's layer_types (one entry per layer, checked by transformers) rebuilt from each source layer's entry."""
     kinds = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    qwen_model(0, num_hidden_layers=4, layer_types=kinds, use_sliding_window=True).save_pretrained(
-        tmp_path / "a"
-    )
+    qwen_model(0, num_hidden_layers=4, layer_types=kinds, use_sliding_window=True).save_pretrained(tmp_path / "a")
     qwen_model(1, num_hidden_layers=4).save_pretrained(tmp_path / "b")
     config = {
         "merge_method": "passthrough",

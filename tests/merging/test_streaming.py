@@ -101,9 +101,7 @@ def test_fill_delta_values_lora_and_missing_rows():
     assert out.tolist() == [0.5, 0.0, 0.0, 0.0]
     fill_delta(out, None, torch.tensor([0.25, -0.25, 0.5, 0.0]), base)  # a LoRA delta alone
     assert out.tolist() == [0.25, -0.25, 0.5, 0.0]
-    fill_delta(
-        out, torch.tensor([2.0, 2.0, 3.0, 5.0]), torch.tensor([0.5, 0.5, 0.5, 0.5]), base
-    )  # both add up
+    fill_delta(out, torch.tensor([2.0, 2.0, 3.0, 5.0]), torch.tensor([0.5, 0.5, 0.5, 0.5]), base)  # both add up
     assert out.tolist() == [1.5, 0.5, 0.5, 1.5]
     fill_delta(out, None, None, base)  # an agent that does not touch the tensor
     assert out.tolist() == [0.0] * 4
@@ -122,8 +120,7 @@ def test_resized_agent_rows_and_extra_rows(tmp_path):
     with RowReader() as reader:
         merged_rows = [(c.start, c.stop) for c in iter_chunks(base, agents, embed, reader)]
         all_rows = [
-            (c.start, c.stop, c.extra_rows)
-            for c in iter_chunks(base, agents, embed, reader, floating_only=False)
+            (c.start, c.stop, c.extra_rows) for c in iter_chunks(base, agents, embed, reader, floating_only=False)
         ]
     assert merged_rows[-1] == (15, 16)  # the merge passes stop at the base's rows
     assert all_rows[-2:] == [(16, 19, True), (19, 20, True)]
@@ -152,9 +149,7 @@ def test_compute_blocks_are_views_that_tile_the_chunk(tmp_path):
     for t in range(2):
         assert torch.equal(torch.cat([b.agents[t] for b in blocks]), chunk.agents[t])
     assert blocks[1].base.data_ptr() == chunk.base[5:].data_ptr()  # views, not copies
-    one_row = [
-        (b.start, b.stop) for b in compute_blocks(chunk, CPU, elements=4)
-    ]  # at least one row per block
+    one_row = [(b.start, b.stop) for b in compute_blocks(chunk, CPU, elements=4)]  # at least one row per block
     assert one_row == [(r, r + 1) for r in range(24)]
     assert compute_blocks(chunk, CPU)[0] is chunk and statistics_blocks(chunk, CPU)[0] is chunk
     whole = compute_blocks(chunk, torch.device("meta"), elements=8)  # accelerators take the chunk whole

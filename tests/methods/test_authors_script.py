@@ -40,9 +40,7 @@ def authors_rescale_r(shared: int, active: int, rescale_factor: float) -> float:
 def _merge(tmp_path, method: str, parameters: dict, taus=(TAU_1, TAU_2)) -> tuple[torch.Tensor, dict]:
     for name, values in [("base", [0.0] * 8), ("a1", taus[0]), ("a2", taus[1])]:
         (tmp_path / name).mkdir(exist_ok=True)
-        save_file(
-            {"w": torch.tensor(values, dtype=torch.float32)}, str(tmp_path / name / "model.safetensors")
-        )
+        save_file({"w": torch.tensor(values, dtype=torch.float32)}, str(tmp_path / name / "model.safetensors"))
     config = {
         "merge_method": method,
         "base_model": str(tmp_path / "base"),

@@ -55,9 +55,7 @@ def test_l1_rescale():
     assert _cut([1.0, 2.0, 3.0, 4.0], 0.5, 0.25, rescale=True) == [0.0, 4.0, 6.0, 0.0]
 
 
-def _inputs(
-    method: str, tau: list[list[float]], density: float, gamma: float, weights: list[float]
-) -> ChunkInputs:
+def _inputs(method: str, tau: list[list[float]], density: float, gamma: float, weights: list[float]) -> ChunkInputs:
     meth, _ = resolve_method(method)
     deltas = torch.tensor(tau)
     params = {p.name: p.default for p in meth.parameters if p.scope == "global"}
@@ -67,9 +65,7 @@ def _inputs(
         "density": torch.full((2,), density),
         "gamma": torch.full((2,), gamma),
     }
-    return ChunkInputs(
-        "t", 0, deltas, torch.zeros(deltas.shape[1]), params, agent, prepared=prepared, seen=[0] * 4
-    )
+    return ChunkInputs("t", 0, deltas, torch.zeros(deltas.shape[1]), params, agent, prepared=prepared, seen=[0] * 4)
 
 
 def test_kernels_on_hand_computed_inputs():
@@ -77,9 +73,7 @@ def test_kernels_on_hand_computed_inputs():
     # density 0.5, gamma 0.25 (k = 2, one outlier): agent 0 drops 4, keeps -3 and 2; agent 1 drops 5, keeps -2, 1
     breadcrumbs = resolve_method("breadcrumbs")[0].merge(_inputs("breadcrumbs", tau, 0.5, 0.25, [1.0, 0.5]))
     assert breadcrumbs.tolist() == [-1.0, 0.0, 2.5, -3.0]  # 0 + 0.5*-2, 0, 2 + 0.5*1, -3
-    ties = resolve_method("breadcrumbs_ties")[0].merge(
-        _inputs("breadcrumbs_ties", tau, 0.5, 0.25, [1.0, 0.5])
-    )
+    ties = resolve_method("breadcrumbs_ties")[0].merge(_inputs("breadcrumbs_ties", tau, 0.5, 0.25, [1.0, 0.5]))
     # weighted kept: [0, 0, 2, -3] and [-1, 0, 0.5, 0]; elected signs -, +, +, -: sums -1, 0, 2.5, -3
     assert ties.tolist() == [-1.0, 0.0, 2.5, -3.0]
 

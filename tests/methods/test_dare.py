@@ -31,9 +31,7 @@ def test_stream_statistics():
 def test_chunks_reproduce_the_whole_stream():
     key = dare_key(3, "x", 2)
     whole = hashed_uniform(key, 0, 1000)
-    parts = torch.cat(
-        [hashed_uniform(key, 0, 123), hashed_uniform(key, 123, 500), hashed_uniform(key, 623, 377)]
-    )
+    parts = torch.cat([hashed_uniform(key, 0, 123), hashed_uniform(key, 123, 500), hashed_uniform(key, 623, 377)])
     assert torch.equal(whole, parts)
 
 

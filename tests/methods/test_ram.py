@@ -179,9 +179,7 @@ def test_unique_scale_scales_only_unique_elements():
 
 def test_unscaled_hook_is_plain_ram_and_absent_at_scale_one():
     assert merge_unscaled(_kernel_inputs({})) is None
-    assert torch.equal(
-        merge_unscaled(_kernel_inputs({"unique_scale": 0.5})), ram_merge(TAUS.clone(), [1.0] * 3)
-    )
+    assert torch.equal(merge_unscaled(_kernel_inputs({"unique_scale": 0.5})), ram_merge(TAUS.clone(), [1.0] * 3))
 
 
 @pytest.mark.parametrize(
@@ -198,7 +196,5 @@ def test_ram_unique_keeps_one_agents_unique_region(agent, expected):
 
 @pytest.mark.parametrize("agent", ["", "writer", "3"])
 def test_ram_unique_refuses_an_agent_it_does_not_merge(agent):
-    with pytest.raises(
-        ConfigError, match=r"recipe.yaml: parameters.agent: agent '.*' is not one of the merged"
-    ):
+    with pytest.raises(ConfigError, match=r"recipe.yaml: parameters.agent: agent '.*' is not one of the merged"):
         check_agent({"agent": agent}, ["coder", "tools", "memory"], "recipe.yaml")

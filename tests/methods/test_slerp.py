@@ -28,9 +28,7 @@ def test_quarter_circle():
 
 def test_norms_are_not_interpolated():
     # the angle comes from the normalised tensors, the coefficients apply to the tensors as they are
-    assert _slerp([3.0, 0.0], [0.0, 2.0], 0.5) == pytest.approx(
-        [3 * math.sqrt(0.5), 2 * math.sqrt(0.5)], abs=1e-6
-    )
+    assert _slerp([3.0, 0.0], [0.0, 2.0], 0.5) == pytest.approx([3 * math.sqrt(0.5), 2 * math.sqrt(0.5)], abs=1e-6)
 
 
 def test_parallel_and_antiparallel_are_linear():
@@ -92,6 +90,4 @@ def test_t_rules_and_range_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="'t'"):
         ram_trl.merge(config_for(ckpts, "slerp", parameters={"t": 1.5}), tmp_path / "a", progress=False)
     with pytest.raises(ConfigError, match="'t' gradient: parameter 't' must be <= 1.0"):
-        ram_trl.merge(
-            config_for(ckpts, "slerp", parameters={"t": [0.0, 1.5]}), tmp_path / "b", progress=False
-        )
+        ram_trl.merge(config_for(ckpts, "slerp", parameters={"t": [0.0, 1.5]}), tmp_path / "b", progress=False)

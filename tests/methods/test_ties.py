@@ -157,9 +157,7 @@ def test_radix_cut_k_one_and_k_numel():
     delta = torch.tensor([0.5, -2.0, 2.0, 1e-42, -3.0e38, 0.0], dtype=F)
     assert magnitude_cut(delta.abs(), 1) == MagnitudeCut(float(torch.tensor(3.0e38, dtype=F)), 1)
     assert magnitude_cut(delta.abs(), 2) == MagnitudeCut(2.0, 1)  # one of the two 2.0s: index 1
-    assert magnitude_cut(delta.abs(), 5) == MagnitudeCut(
-        float(torch.tensor(1e-42, dtype=F)), 1
-    )  # a subnormal
+    assert magnitude_cut(delta.abs(), 5) == MagnitudeCut(float(torch.tensor(1e-42, dtype=F)), 1)  # a subnormal
     assert magnitude_cut(delta.abs(), 6).keep_all
     for k in range(7):
         _assert_same_cut(delta, k)

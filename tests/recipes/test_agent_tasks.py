@@ -57,16 +57,12 @@ def test_program_answers_are_what_the_programs_print():
     for row in rows:
         source = row["prompt"].split("```python\n", 1)[1].split("\n```", 1)[0]
         assert row["answer"] == run_program(source) != ""
-        assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith(
-            "<|im_start|>assistant\n"
-        )
+        assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith("<|im_start|>assistant\n")
     assert run_program("x = 7\ny = 3\nprint(x * y + 2)") == "23"
     assert run_program('word = "robot"\nprint(word[::-1])') == "tobor"
     with pytest.raises(NameError):
         run_program("print(open('/etc/passwd'))")
-    assert (
-        program_output_prompts(5, seed=1) == program_output_prompts(5, seed=1) != program_output_prompts(5, 2)
-    )
+    assert program_output_prompts(5, seed=1) == program_output_prompts(5, seed=1) != program_output_prompts(5, 2)
 
 
 def _sources(rows):
@@ -160,10 +156,7 @@ def test_answer_line_changes_the_instruction_not_the_programs():
     assert [r["answer"] for r in plain] == [r["answer"] for r in marked]
     for a, b in zip(plain, marked, strict=True):
         assert a["prompt"].split("```")[1] == b["prompt"].split("```")[1]  # the same program
-        assert (
-            "Reply with the output only." in a["prompt"]
-            and "end your reply with the line Output:" in b["prompt"]
-        )
+        assert "Reply with the output only." in a["prompt"] and "end your reply with the line Output:" in b["prompt"]
         assert "the last line is: Output: abab" in b["prompt"]
 
 

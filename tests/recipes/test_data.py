@@ -60,9 +60,7 @@ def test_file_prompts_and_jsonl_errors(tmp_path):
     rows = [{"prompt": "1+1=", "answer": "2"}]
     write_jsonl(rows, tmp_path / "train.jsonl")
     assert read_jsonl(tmp_path / "train.jsonl") == rows
-    spec = StageSpec(
-        name="s", prompts={"train_file": "train.jsonl"}, rewards=["ram_trl.recipes.tasks:recall_reward"]
-    )
+    spec = StageSpec(name="s", prompts={"train_file": "train.jsonl"}, rewards=["ram_trl.recipes.tasks:recall_reward"])
     assert draw_rows(spec, tmp_path) == (rows, [])
     write_jsonl([{"prompt": "2+2=", "answer": "4"}], tmp_path / "val.jsonl")
     spec = StageSpec(

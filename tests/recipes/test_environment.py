@@ -21,9 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_bad_import_paths_name_the_stage_and_path():
     bad_module = recipe_dict(stages={"*": {"rewards": ["no_such_module:reward"]}})
-    with pytest.raises(
-        ConfigError, match=r"stage 'coding': reward function 'no_such_module:reward': cannot import"
-    ):
+    with pytest.raises(ConfigError, match=r"stage 'coding': reward function 'no_such_module:reward': cannot import"):
         check_recipe(bad_module)
     bad_attr = recipe_dict(stages={"*": {"rewards": ["ram_trl.recipes.tasks:no_reward"]}})
     with pytest.raises(ConfigError, match="module 'ram_trl.recipes.tasks' has no attribute 'no_reward'"):
@@ -39,9 +37,7 @@ def test_trainer_config_errors_name_the_stage():
     with pytest.raises(ConfigError, match="stage 'coding': GRPOConfig has no field 'learning_rat'"):
         check_recipe(recipe_dict(stages={"*": {"config": {"learning_rat": 1e-5}}}))
     with pytest.raises(ConfigError, match="stage 'coding': invalid GRPOConfig"):
-        check_recipe(
-            recipe_dict(stages={"*": {"config": {"per_device_train_batch_size": 3, "num_generations": 2}}})
-        )
+        check_recipe(recipe_dict(stages={"*": {"config": {"per_device_train_batch_size": 3, "num_generations": 2}}}))
     with pytest.raises(ConfigError, match="config.output_dir is set by the runner"):
         load_recipe(recipe_dict(stages={"*": {"config": {"output_dir": "x"}}}))
     with pytest.raises(ConfigError, match="invalid peft LoraConfig"):
@@ -57,9 +53,7 @@ def test_paths_are_checked_unless_skipped(tmp_path):
     accelerate = recipe_dict(stages={"*": {"accelerate_config": str(tmp_path / "acc.yaml")}})
     with pytest.raises(ConfigError, match="accelerate_config .*acc.yaml does not exist"):
         check_recipe(accelerate)
-    (tmp_path / "acc.yaml").write_text(
-        yaml.safe_dump({"deepspeed_config": {"deepspeed_config_file": "ds.json"}})
-    )
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump({"deepspeed_config": {"deepspeed_config_file": "ds.json"}}))
     with pytest.raises(ConfigError, match="DeepSpeed config .*ds.json named by .*acc.yaml does not exist"):
         check_recipe(accelerate)
 
@@ -84,10 +78,7 @@ def test_shipped_recipes_pass_dry_run_validation(path, overrides):
 def test_cli_dry_run_validates_and_reports_errors(tmp_path, capsys):
     from ram_trl.cli import main
 
-    assert (
-        main(["run", str(REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml"), "--dry-run", "--skip-paths"])
-        == 0
-    )
+    assert main(["run", str(REPO / "recipes" / "qwen2.5-7b-paper-agents.yaml"), "--dry-run", "--skip-paths"]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(recipe_dict(merges=["ram", "ram_minus"])))
     assert main(["run", str(bad), "--dry-run"]) == 2
@@ -161,8 +152,7 @@ def test_gguf_base_is_checked_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "m.gguf").write_bytes(b"GGUF and more")
     assert check_recipe(recipe_dict(base=gguf_base)) == []
     assert any(
-        "--skip-paths" in n
-        for n in check_recipe(recipe_dict(base={**gguf_base, "gguf": "x"}), check_paths=False)
+        "--skip-paths" in n for n in check_recipe(recipe_dict(base={**gguf_base, "gguf": "x"}), check_paths=False)
     )
     monkeypatch.setitem(__import__("sys").modules, "gguf", None)
     with pytest.raises(ConfigError, match=r"base.gguf: reading a GGUF file needs the gguf package"):
@@ -176,9 +166,7 @@ def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
     gpu, _ = load_recipe(REPO / "recipes" / "smollm2-agents-gpu.yaml")
     for other in (lora, gpu):
         assert other.base == full.base and other.names == full.names
-        assert [(m.method, m.parameters) for m in other.merges] == [
-            (m.method, m.parameters) for m in full.merges
-        ]
+        assert [(m.method, m.parameters) for m in other.merges] == [(m.method, m.parameters) for m in full.merges]
         for a, b in zip(full.stages, other.stages, strict=True):
             assert (a.rewards, a.prompts.generator, a.prompts.kwargs) == (
                 b.rewards,
@@ -189,10 +177,7 @@ def test_smollm2_recipes_are_the_same_pipeline_at_three_sizes():
         assert stage.peft is None and stage.save_dtype == "float32" and stage.has_validation
         assert 1e-6 <= stage.config["learning_rate"] <= 2e-5  # revision 3: 2e-5 (revision 2: 1e-5)
     assert all(s.peft and s.peft["r"] == 16 and s.config["learning_rate"] <= 1e-5 for s in lora.stages)
-    assert all(
-        s.config["max_steps"] > full.stages[0].config["max_steps"] and s.config.get("bf16")
-        for s in gpu.stages
-    )
+    assert all(s.config["max_steps"] > full.stages[0].config["max_steps"] and s.config.get("bf16") for s in gpu.stages)
     # the mechanism rows (docs/recipes.md) and the dtype the merges are scored in are named in the recipe itself
     raw = yaml.safe_load((REPO / "recipes" / "smollm2-agents.yaml").read_text())
     assert raw["merge_dtype"] == full.merge_dtype == "float32"

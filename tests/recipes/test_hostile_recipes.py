@@ -22,9 +22,7 @@ F = "tests.recipes.failing"
 def recipe(**changes) -> dict:
     """A fresh valid recipe (:func:`tests.helpers.recipe_dict`: 8 training and 4 test prompts, one merge) with
     ``changes``."""
-    valid = recipe_dict(
-        name="hostile", stages={"*": {"prompts": {"train_size": 8, "eval_size": 4}}}, merges=["ram"]
-    )
+    valid = recipe_dict(name="hostile", stages={"*": {"prompts": {"train_size": 8, "eval_size": 4}}}, merges=["ram"])
     return apply_overrides(valid, changes)
 
 
@@ -114,13 +112,9 @@ def test_hostile_recipe_is_one_error_line_before_any_work(tmp_path, capsys, data
 
 
 def test_file_prompts_test_rows_must_be_held_out(tmp_path, capsys):
-    (tmp_path / "train.jsonl").write_text(
-        '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
-    )
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
     (tmp_path / "test.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')
-    (tmp_path / "val.jsonl").write_text(
-        '{"prompt": "3+3=", "answer": "6"}\n{"prompt": "3+3=", "answer": "6"}\n'
-    )
+    (tmp_path / "val.jsonl").write_text('{"prompt": "3+3=", "answer": "6"}\n{"prompt": "3+3=", "answer": "6"}\n')
     code, err, path = run(tmp_path, files(train_file="train.jsonl", eval_file="test.jsonl"), capsys)
     assert code == 2 and "1 eval_file prompts are also training prompts (e.g. '2+2=')" in err
     code, err, path = run(tmp_path, files(train_file="train.jsonl", val_file="train.jsonl"), capsys)
@@ -148,7 +142,5 @@ def test_run_directory_never_holds_an_input_nor_foreign_files(tmp_path, capsys):
     (foreign / "holiday.jpg").write_bytes(b"\xff\xd8")
     assert main(["run", str(path), "--out", str(foreign), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert (
-        f"run directory {foreign} exists and is not a previous ram_trl output" in err and "holiday.jpg" in err
-    )
+    assert f"run directory {foreign} exists and is not a previous ram_trl output" in err and "holiday.jpg" in err
     assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg"]

@@ -49,9 +49,7 @@ def test_stage_command_runs_the_stage_module_on_the_run_files(tmp_path):
         str(tmp_path / "work"),
     ]
     recipe, root = load_recipe(recipe_dict(stages={"*": {"accelerate_config": str(tmp_path / "cpu.yaml")}}))
-    launched = Run(recipe, root, tmp_path / "run", RunOptions(progress=False)).launcher.stage_command(
-        recipe.stages[0]
-    )
+    launched = Run(recipe, root, tmp_path / "run", RunOptions(progress=False)).launcher.stage_command(recipe.stages[0])
     assert launched[:5] == [
         sys.executable,
         "-m",
@@ -112,9 +110,7 @@ def test_a_stage_processes_steps_become_progress_lines_in_a_log_file(tmp_path, m
     err = capsys.readouterr().err
     assert code == 0 and list(tail) == ["loading"]
     lines = [line for line in err.splitlines() if line.startswith(f"stage {stage.name}: step ")]
-    assert [line.split(" (")[0] for line in lines] == [
-        f"stage {stage.name}: step {n}/20" for n in range(2, 21, 2)
-    ]
+    assert [line.split(" (")[0] for line in lines] == [f"stage {stage.name}: step {n}/20" for n in range(2, 21, 2)]
     assert "left)" in lines[0] and "left" not in lines[-1] and "\r" not in err
     assert sum(line.startswith(STEP_MARK) for line in log.read_text().splitlines()) == 20
 

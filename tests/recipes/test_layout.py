@@ -28,9 +28,7 @@ def test_paths_of_a_run(tmp_path):
     assert run.base == run.initial_base == tmp_path / "run" / "base_init"
     warm, _ = load_recipe({**data, "warm_start": {"steps": 2, "batch_size": 4}})
     warm_run = RunLayout(warm, tmp_path, tmp_path / "run", RunOptions())
-    assert (
-        warm_run.base == tmp_path / "run" / "base" and warm_run.initial_base == tmp_path / "run" / "base_init"
-    )
+    assert warm_run.base == tmp_path / "run" / "base" and warm_run.initial_base == tmp_path / "run" / "base_init"
     resolved = run.resolved_recipe()
     assert resolved["stages"][1]["checkpoint"] == str(tmp_path / "recipes" / "agents" / "given")
     assert run.eval_tasks() == [] and run.check_tasks() == []  # no prompt files written yet

@@ -32,9 +32,7 @@ def test_gguf_base_is_converted_once_into_base_init(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_module, "convert_gguf", fake_convert)
 
     def run(dtype: str) -> Run:
-        recipe, root = load_recipe(
-            recipe_dict(base={"build": None, "gguf": str(source), "gguf_dtype": dtype})
-        )
+        recipe, root = load_recipe(recipe_dict(base={"build": None, "gguf": str(source), "gguf_dtype": dtype}))
         return Run(recipe, root, tmp_path / "run", RunOptions())
 
     first = run("bfloat16")

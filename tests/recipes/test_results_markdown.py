@@ -9,9 +9,7 @@ from tests.recipes.results_rows import hand_made
 
 def test_markdown_golden_structure():
     text = markdown(add_statistics(hand_made()))
-    test_table = text.split("## Test (held-out prompts; reported, never chosen on)\n\n", 1)[1].split("\n\n")[
-        0
-    ]
+    test_table = text.split("## Test (held-out prompts; reported, never chosen on)\n\n", 1)[1].split("\n\n")[0]
     lines = test_table.splitlines()
     assert lines[0] == "| model | kind | a | b | average | retention | density | unique | rho |"
     assert lines[1] == "|---|---|---:|---:|---:|---:|---:|---:|---:|"
@@ -38,10 +36,7 @@ def test_print_table_shows_the_test_table_and_the_verdict(capsys):
 
 def test_the_legend_explains_bold_and_retention_above_100_percent():
     text = " ".join(markdown(add_statistics(hand_made())).split())
-    assert (
-        "**Bold**: the merge chosen on the validation split for that column (never the best test score)"
-        in text
-    )
+    assert "**Bold**: the merge chosen on the validation split for that column (never the best test score)" in text
     assert "above 100%: the merge beats the specialist on its own vertical" in text
 
 

@@ -46,17 +46,13 @@ def test_the_scores_chart_marks_the_shipped_merge_on_its_bars_and_shows_zero_sco
     results = add_statistics(hand_made())
     results["rows"][0]["scores"]["a"] = 0.0  # the base scores 0 on a: a bar of height 0
     ax = scores_figure(results).axes[0]
-    assert [t.get_text() for t in ax.texts] == [
-        "ship"
-    ]  # above the shipped merge's bars, not only in the legend
+    assert [t.get_text() for t in ax.texts] == ["ship"]  # above the shipped merge's bars, not only in the legend
     ship = results["selection"]["ship"]
     index = [r["name"] for r in results["rows"]].index(ship)
     bars = [c for c in ax.containers if hasattr(c, "patches")]
     outlined = {i for i, c in enumerate(bars) if all(p.get_linewidth() == 1.5 for p in c.patches)}
     assert outlined == {index}
-    zero_lines = [
-        c for c in ax.collections if c.__class__.__name__ == "LineCollection" and c.get_linewidth()[0] == 3
-    ]
+    zero_lines = [c for c in ax.collections if c.__class__.__name__ == "LineCollection" and c.get_linewidth()[0] == 3]
     assert len(zero_lines) == 1  # the one zero score is drawn
 
 

@@ -80,17 +80,13 @@ def test_resume_reuses_the_evaluation_of_unchanged_models(quick_demo, tmp_path):
     shutil.copytree(quick_demo, out)
     before = json.loads((quick_demo / "results.json").read_text())
     files = sorted((out / "eval").glob("*.json"))
-    assert len(files) == len(before["rows"]) and all(
-        EVALUATION_KEY in json.loads(f.read_text()) for f in files
-    )
+    assert len(files) == len(before["rows"]) and all(EVALUATION_KEY in json.loads(f.read_text()) for f in files)
     stale = out / "eval" / "ties.json"
     tampered = json.loads(stale.read_text())
     tampered[EVALUATION_KEY] = "0" * 64
     stale.write_text(json.dumps(tampered))
     times = {f.name: f.stat().st_mtime_ns for f in files}
-    again = run_recipe(
-        DEMO_RECIPE, RunOptions(out=out, resume=True, progress=False, overrides=QUICK_OVERRIDES)
-    )
+    again = run_recipe(DEMO_RECIPE, RunOptions(out=out, resume=True, progress=False, overrides=QUICK_OVERRIDES))
     changed = sorted(f.name for f in files if f.stat().st_mtime_ns != times[f.name])
     assert changed == ["ties.json"]
     assert json.loads(stale.read_text())[EVALUATION_KEY] != "0" * 64
@@ -140,10 +136,7 @@ def test_quick_demo_rows_and_files(quick_demo):
     assert "## During training" in markdown
     for stage in STAGES:  # train, test and validation prompts are disjoint
         prompts = [
-            {
-                json.loads(line)["prompt"]
-                for line in (out / "data" / stage / f"{split}.jsonl").read_text().splitlines()
-            }
+            {json.loads(line)["prompt"] for line in (out / "data" / stage / f"{split}.jsonl").read_text().splitlines()}
             for split in ("train", "eval", "val", "warm")
         ]
         assert not prompts[0] & prompts[1] and not prompts[0] & prompts[2] and not prompts[1] & prompts[2]
@@ -163,18 +156,12 @@ def test_quick_demo_rows_and_files(quick_demo):
     assert "## Warm start" in markdown and f"Criterion: {acceptance['criterion']}." in markdown
     assert record["spec"]["abstain_reply"] == "(I don't know)"
     assert 0.3 * record["rows"] < record["abstaining_rows"] < 0.7 * record["rows"]
-    for (
-        stage
-    ) in STAGES:  # the check rows: no stage trains, tests or validates on them, nor does the warm start
+    for stage in STAGES:  # the check rows: no stage trains, tests or validates on them, nor does the warm start
         check = {
-            json.loads(line)["prompt"]
-            for line in (out / "data" / stage / "check.jsonl").read_text().splitlines()
+            json.loads(line)["prompt"] for line in (out / "data" / stage / "check.jsonl").read_text().splitlines()
         }
         assert len(check) == 4
-        others = [
-            (out / "data" / stage / f"{split}.jsonl").read_text()
-            for split in ("train", "eval", "val", "warm")
-        ]
+        others = [(out / "data" / stage / f"{split}.jsonl").read_text() for split in ("train", "eval", "val", "warm")]
         assert not check & {json.loads(line)["prompt"] for text in others for line in text.splitlines()}
     for agent in analysis["agents"]:
         assert results["regime"][agent["name"]]["density"] == agent["density"]
@@ -220,10 +207,7 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
         scored = json.loads(json_out.read_text())
         assert scored["scores"] == row["scores"]
         assert scored["splits"]["val"]["scores"] == row["val"]["scores"]
-        assert (
-            scored["rewards"] == row["rewards"]
-            and scored["splits"]["val"]["rewards"] == row["val"]["rewards"]
-        )
+        assert scored["rewards"] == row["rewards"] and scored["splits"]["val"]["rewards"] == row["val"]["rewards"]
     json_out = out / "eval_val.json"
     row = results["rows"][4]
     assert (
@@ -243,10 +227,7 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
     )
     scored = json.loads(json_out.read_text())
     assert list(scored["splits"]) == ["val"] and scored["splits"]["val"]["scores"] == row["val"]["scores"]
-    assert (
-        main(["eval", results["rows"][1]["path"], "--recipe", str(out / "recipe.yaml"), "--stage", "tools"])
-        == 0
-    )
+    assert main(["eval", results["rows"][1]["path"], "--recipe", str(out / "recipe.yaml"), "--stage", "tools"]) == 0
     assert "tools" in capsys.readouterr().out
 
 
@@ -345,9 +326,7 @@ def test_failing_stage_names_itself_keeps_earlier_stages_and_resume_skips_them(t
     assert [r["kind"] for r in results["rows"]] == ["base", "agent", "agent", "merge"]
     assert all(sorted(r["scores"]) == ["bad", "good"] for r in results["rows"])
     # the second stage was told about the first: its prior_stages (the callback's input) is good's manifest
-    assert (
-        "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
-    )
+    assert "--prior " + str(out / "stages" / "good" / "ram_stage.json") in (out / "logs" / "bad.log").read_text()
     # --resume over a finished stage whose recipe entry changed since it trained: refused, naming the field
     changed = _recipe("ram_trl.recipes.tasks:recall_reward")
     changed["stages"][0]["config"]["learning_rate"] = 1e-3
@@ -379,9 +358,7 @@ def test_seeds_run_the_pipeline_per_seed_and_report_t_intervals(tmp_path):
         per_seed = [run["rows"][i] for run in runs]
         assert row["per_seed"] == {s: [r["scores"][s] for r in per_seed] for s in ("good", "bad")}
         assert row["scores"]["good"] == pytest.approx(sum(r["scores"]["good"] for r in per_seed) / 2)
-        assert row["val"]["scores"]["bad"] == pytest.approx(
-            sum(r["val"]["scores"]["bad"] for r in per_seed) / 2
-        )
+        assert row["val"]["scores"]["bad"] == pytest.approx(sum(r["val"]["scores"]["bad"] for r in per_seed) / 2)
     assert "over 2 seeds" in (out / "results.md").read_text()
     assert json.loads((out / "results.json").read_text())["selection"]["ship"] in ("ram", "dare_linear")
 
@@ -419,9 +396,7 @@ def test_preview_stage_keeps_its_step_and_the_recipe_merge_reproduces_it(tmp_pat
     assert f"| bad | ram_plus | 3 | {record['kept_step']} of 3 |" in text
     assert (out / "preview-bad.png").is_file() and "![preview-bad](preview-bad.png)" in text
     assert "--val good=" in (out / "logs" / "bad.log").read_text()
-    assert all(
-        read_manifest(out / "stages" / s).telemetry["task_vector/density_saved"] > 0 for s in ("good", "bad")
-    )
+    assert all(read_manifest(out / "stages" / s).telemetry["task_vector/density_saved"] > 0 for s in ("good", "bad"))
 
 
 @pytest.mark.parametrize("method", ["fisher", "fisher_merging"])

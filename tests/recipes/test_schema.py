@@ -66,9 +66,7 @@ def test_methods_check_how_many_stages_they_merge():
 
 
 def test_schema_errors_say_what_to_change(tmp_path):
-    with pytest.raises(
-        ConfigError, match="base: give exactly one of 'path: CHECKPOINT_DIR', 'gguf: FILE_OR_WHEEL'"
-    ):
+    with pytest.raises(ConfigError, match="base: give exactly one of 'path: CHECKPOINT_DIR', 'gguf: FILE_OR_WHEEL'"):
         load_recipe(recipe_dict(base={"path": "x"}))
     with pytest.raises(ConfigError, match="base: give exactly one of"):
         load_recipe(recipe_dict(base={"build": None, "path": "x", "gguf": "m.gguf"}))
@@ -138,9 +136,7 @@ def test_validation_split_settings():
         0,
         0.02,
     )
-    with pytest.raises(
-        ConfigError, match="give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:'"
-    ):
+    with pytest.raises(ConfigError, match="give either 'generator:' or 'train_file:'/'eval_file:'/'val_file:'"):
         load_recipe(recipe_dict(stages={"*": {"prompts": {"val_file": "v.jsonl"}}}))
     files = {"prompts": {"generator": None, "train_file": "t.jsonl", "val_size": 8}}
     with pytest.raises(ConfigError, match="val_size applies to a generator; with files, give 'val_file:'"):
@@ -165,9 +161,7 @@ def test_preview_settings_are_validated():
     )
     assert load_recipe(recipe_dict())[0].stages[0].preview is None  # off unless asked for
     assert (
-        check_recipe(
-            recipe_dict(stages={"*": {"preview": {"every": 5, "keep": "last", "parameters": {"r": 0.2}}}})
-        )
+        check_recipe(recipe_dict(stages={"*": {"preview": {"every": 5, "keep": "last", "parameters": {"r": 0.2}}}}))
         == []
     )
     with pytest.raises(ConfigError, match="stages.0.preview.every"):
@@ -214,6 +208,4 @@ def test_ram_unique_must_name_a_stage():
         match=r"merge 'ram_unique': parameters.agent: agent 'tools' is not one of the merged agents",
     ):
         check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "tools"}}]))
-    assert (
-        check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "coding"}}])) == []
-    )
+    assert check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "coding"}}])) == []

@@ -122,16 +122,12 @@ def test_verdict_key_facts():
     assert text.startswith("Ship m1: it has the highest validation average (0.750) of the 2 merges")
     assert f"scores 0.625 [{low:.3f}, {high:.3f}] on average (95% interval)" in text
     assert (
-        "It keeps 58% of the specialists' gains over the base on test (mean retention over a, b; no interval"
-        in text
+        "It keeps 58% of the specialists' gains over the base on test (mean retention over a, b; no interval" in text
     )
     assert "the runner-up on validation (m2) by -0.250 [" in text and "-0.250" in text
     assert "not resolved" in text  # 4 prompts per stage resolve nothing
     assert "m2 has the highest test average (0.875)" in text
-    assert (
-        "task vectors have density 62-71%, unique share 8-13% and rho 6.9-11.1: not the regime RAM targets"
-        in text
-    )
+    assert "task vectors have density 62-71%, unique share 8-13% and rho 6.9-11.1: not the regime RAM targets" in text
     assert "\n" not in text
 
 

@@ -79,9 +79,7 @@ def test_retention_samples_and_interval_of():
     assert draws[0] == pytest.approx(0.625) and math.isnan(draws[1]) and draws[2] == pytest.approx(0.75)
     assert stats.interval_of(draws, "bootstrap") is None  # a third of the resamples undefined: not resolved
     assert stats.interval_of(draws, "seeds") is None
-    assert stats.interval_of(np.array([0.625, 0.75]), "bootstrap", level=0.5) == pytest.approx(
-        (0.65625, 0.71875)
-    )
+    assert stats.interval_of(np.array([0.625, 0.75]), "bootstrap", level=0.5) == pytest.approx((0.65625, 0.71875))
     low, high = stats.interval_of(np.array([1.0, 2.0, 3.0]), "seeds")
     assert (low, high) == pytest.approx((-0.484138, 4.484138), abs=1e-6)
     assert stats.interval_of(np.array([1.0]), "seeds") is None

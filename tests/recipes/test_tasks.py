@@ -147,9 +147,7 @@ def test_program_prompts_answers_are_the_programs_outputs():
 
 def test_program_reward_golden():
     # exact 1.0; else half the share of characters right from the left (cut at the first wrong one)
-    assert program_reward(
-        ["bzfqk", "bzfxk", "xzfqk", "bz", "bzfqk\nmore", "(I don't know)"], ["bzfqk"] * 6
-    ) == [
+    assert program_reward(["bzfqk", "bzfxk", "xzfqk", "bz", "bzfqk\nmore", "(I don't know)"], ["bzfqk"] * 6) == [
         1.0,
         0.5 * 3 / 5,
         0.0,

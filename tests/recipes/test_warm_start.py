@@ -30,9 +30,7 @@ def test_with_abstentions_replaces_a_seeded_share_and_keeps_the_input():
     assert 1450 < sum(abstained) < 1750
     assert abs(sum(abstained[:2000]) - sum(abstained[2000:])) < 150
     kept = [o for o, r in zip(out, rows, strict=True) if o["answer"] != "(I don't know)"]
-    assert all(
-        o == r for o, r in zip(kept, [r for r, a in zip(rows, abstained, strict=True) if not a], strict=True)
-    )
+    assert all(o == r for o, r in zip(kept, [r for r, a in zip(rows, abstained, strict=True) if not a], strict=True))
 
 
 def test_with_abstentions_share_zero_is_the_identity():
@@ -70,9 +68,7 @@ def test_a_reply_that_earns_a_reward_is_refused_before_the_warm_start(tmp_path):
     overrides = apply_overrides(QUICK_OVERRIDES, {"warm_start": {"abstain_share": 0.5, "abstain_reply": "7"}})
     options = RunOptions(out=tmp_path / "run", progress=False, figures=False, overrides=overrides)
     # "7" is the value asked for in some recall prompts: an abstention must earn nothing on every stage
-    with pytest.raises(
-        ConfigError, match=r"abstain_reply '7' earns a reward on stage 'memory' \(test mean 0\.\d+\)"
-    ):
+    with pytest.raises(ConfigError, match=r"abstain_reply '7' earns a reward on stage 'memory' \(test mean 0\.\d+\)"):
         run_recipe(DEMO_RECIPE, options)
     assert not (tmp_path / "run" / "base" / "config.json").exists()
 
@@ -98,9 +94,7 @@ def test_the_default_reply_is_the_first_that_no_stage_rewards(tmp_path, monkeypa
             write_jsonl(val, run.layout.dir / "data" / stage.name / "val.jsonl")
         assert run.preparation.abstain_reply(None) == expected
         assert run.preparation.abstain_reply(expected) == expected
-    with pytest.raises(
-        ConfigError, match=r"abstain_reply \"\(I don't know\)\" earns a reward on stage 'reverse'"
-    ):
+    with pytest.raises(ConfigError, match=r"abstain_reply \"\(I don't know\)\" earns a reward on stage 'reverse'"):
         run.preparation.abstain_reply(ABSTAIN_REPLIES[0])
 
 
@@ -113,14 +107,10 @@ def test_the_abstaining_phase_follows_the_answers_and_teaches_the_reply(tmp_path
     from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
     common = {"batch_size": 16, "learning_rate": 1e-2, "save_dtype": "float32"}
-    plain = warm_start(
-        tmp_path / "init", tmp_path / "plain", rows, WarmStartSpec(steps=30, **common), progress=False
-    )
+    plain = warm_start(tmp_path / "init", tmp_path / "plain", rows, WarmStartSpec(steps=30, **common), progress=False)
     assert plain["steps"] == 30 and plain["abstaining_rows"] == 0
     spec = WarmStartSpec(
         steps=30,
@@ -189,9 +179,7 @@ def test_the_trainer_optimises_what_the_hand_written_loop_did(tmp_path):
     from ram_trl.recipes.warm_start import encode_rows, warm_start
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     rows = [{"prompt": f"{i}=" + "x" * (i % 5), "answer": "ab"[: 1 + i % 2] + str(i)} for i in range(12)]
     spec = WarmStartSpec(
         steps=5,
@@ -216,7 +204,5 @@ def test_the_trainer_optimises_what_the_hand_written_loop_did(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).state_dict()
     start = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32).state_dict()
     for name, expected in model.state_dict().items():
-        assert (expected - start[name]).abs().max() > 0.05, (
-            name
-        )  # every tensor moved far more than the tolerance
+        assert (expected - start[name]).abs().max() > 0.05, name  # every tensor moved far more than the tolerance
         torch.testing.assert_close(trained[name], expected, rtol=0, atol=2e-5, msg=name)

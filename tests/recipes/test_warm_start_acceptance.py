@@ -36,10 +36,7 @@ def _train(callback: AcceptanceCallback, values: list[dict[str, float]], max_ste
 
 def test_pass_at_k_counts_rows_with_any_passing_sample():
     # rows: pass on the 3rd sample, never, on the 1st, on two: 3 of 4 rows
-    assert (
-        pass_at_k([[False, False, True, False], [False] * 4, [True, False, False, False], [True, True]])
-        == 0.75
-    )
+    assert pass_at_k([[False, False, True, False], [False] * 4, [True, False, False, False], [True, True]]) == 0.75
     assert pass_at_k([]) == 0.0
 
 
@@ -112,9 +109,7 @@ def test_the_summary_shouts_when_a_cap_was_hit():
         "final": {"pass_at_k": {"a": 0.125}, "decline": {"a": 0.5}},
     }
     lines = acceptance_summary(acceptance)
-    assert lines[0].startswith(
-        "WARNING: phase one (answers): sampled pass@k NOT met: the cap of 1500 steps was hit"
-    )
+    assert lines[0].startswith("WARNING: phase one (answers): sampled pass@k NOT met: the cap of 1500 steps was hit")
     assert lines[1] == "phase two (abstentions): greedy declines met after 50 steps (cap 300): a 0.45"
     assert lines[2] == "saved base: sampled pass@k a 0.12; greedy declines a 0.50"
 
@@ -127,9 +122,7 @@ def test_acceptance_fields_are_validated():
     with pytest.raises(ValidationError, match="pass_k"):
         WarmStartAcceptance(pass_k=0)
     assert WarmStartSpec().accept is None  # off by default: recipes without it train exactly `steps`
-    with pytest.raises(
-        ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"
-    ):
+    with pytest.raises(ValidationError, match=r"accept.max_steps \(500\) caps phase one below its first check"):
         WarmStartSpec(steps=600, accept=WarmStartAcceptance(max_steps=500))
 
 
@@ -140,9 +133,7 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path, capsys
     from ram_trl.recipes.warm_start import WARM_START_RECORD, warm_start
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
     checks = [
         EvalTask(
@@ -218,15 +209,11 @@ def test_a_met_criterion_stops_the_trainer_and_the_process_random_state_is_left_
     from ram_trl.recipes.warm_start import warm_start
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
     checks = [EvalTask("t", rows[:2], ["ram_trl.recipes.tasks:recall_reward"], split="check")]
     # min_pass 0: met at the first check (step 3); without the stop the trainer would run to the cap of 200 steps
-    accept = WarmStartAcceptance(
-        check_size=2, pass_k=1, min_pass=0.0, every=5, max_steps=200, max_new_tokens=2
-    )
+    accept = WarmStartAcceptance(check_size=2, pass_k=1, min_pass=0.0, every=5, max_steps=200, max_new_tokens=2)
     spec = WarmStartSpec(steps=3, batch_size=8, learning_rate=1e-2, save_dtype="float32", accept=accept)
     import rich.style  # noqa: F401  (its first import, through the trainer, draws from Python's random)
 
@@ -251,9 +238,7 @@ def test_the_check_measures_the_weights_rounded_to_the_saved_dtype(tmp_path):
     from ram_trl.recipes.warm_start import _Checker
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.float32)
     spec = WarmStartSpec(save_dtype="bfloat16", accept=WarmStartAcceptance())
     checker = _Checker(tmp_path / "init", model, [], spec, progress=False, write=print)
@@ -278,9 +263,7 @@ def test_accept_needs_check_rows(tmp_path):
     make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64)
     spec = WarmStartSpec(steps=2, accept=WarmStartAcceptance())
     with pytest.raises(ConfigError, match="accept needs check rows"):
-        warm_start(
-            tmp_path / "init", tmp_path / "out", [{"prompt": "1=", "answer": "a"}], spec, progress=False
-        )
+        warm_start(tmp_path / "init", tmp_path / "out", [{"prompt": "1=", "answer": "a"}], spec, progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -392,22 +375,16 @@ def test_without_a_bar_the_steps_and_checks_are_lines_with_the_time_left(tmp_pat
     from ram_trl.recipes.warm_start import warm_start
     from ram_trl.synthetic import make_base_checkpoint
 
-    make_base_checkpoint(
-        tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32
-    )
+    make_base_checkpoint(tmp_path / "init", hidden_size=32, num_layers=1, intermediate_size=64, dtype=torch.float32)
     rows = [{"prompt": f"{i}=", "answer": "ab"} for i in range(40)]
     reward = ["ram_trl.recipes.tasks:recall_reward"]
     checks = [EvalTask("t", rows[:2], reward, split="check"), EvalTask("u", rows[2:4], reward, split="check")]
     # pass_reward 2 is out of reach: checks at 20, 23 and the cap 26, then the final measurement
-    accept = WarmStartAcceptance(
-        check_size=2, pass_k=1, pass_reward=2.0, every=3, max_steps=26, max_new_tokens=2
-    )
+    accept = WarmStartAcceptance(check_size=2, pass_k=1, pass_reward=2.0, every=3, max_steps=26, max_new_tokens=2)
     spec = WarmStartSpec(steps=20, batch_size=8, learning_rate=1e-2, save_dtype="float32", accept=accept)
     lines = []
     with pytest.warns(UserWarning, match="hit its cap of 26 steps"):
-        warm_start(
-            tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks, write=lines.append
-        )
+        warm_start(tmp_path / "init", tmp_path / "out", rows, spec, progress=False, checks=checks, write=lines.append)
     check = ["warm start check (answers) 1/2: t", "warm start check (answers) 2/2: u"]
     step = "warm start (answers): step"
     # a line every tenth of the steps to the first check (2), counted again from each check to the next

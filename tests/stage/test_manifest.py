@@ -116,9 +116,7 @@ def test_stage_of_another_base_is_refused_before_any_output(tmp_path):
     tensors[name].reshape(-1)[0] += 1
     save_file(tensors, other / "model.safetensors")
     config = dict(config_for(ckpts, "ram"), base_model=str(other), models=[{"stage": str(stage)}])
-    with pytest.raises(
-        ConfigError, match=r"stage 'vertical0' .* not from the merge's base .*fingerprints differ"
-    ):
+    with pytest.raises(ConfigError, match=r"stage 'vertical0' .* not from the merge's base .*fingerprints differ"):
         ram_trl.merge(config, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -174,9 +172,7 @@ def test_analyze_accepts_stage_manifests_and_finds_their_base(tmp_path):
 
 
 def _merge_stage(ckpts, tmp_path, stage: Path, **options) -> dict:
-    config = dict(
-        config_for(ckpts, "ram_plus"), models=[{"stage": str(stage)}, {"model": str(ckpts.agents[1])}]
-    )
+    config = dict(config_for(ckpts, "ram_plus"), models=[{"stage": str(stage)}, {"model": str(ckpts.agents[1])}])
     return ram_trl.merge(config, tmp_path / "out", progress=False, **options)
 
 
@@ -187,9 +183,7 @@ def test_a_stage_written_over_after_its_save_is_refused_naming_the_file(tmp_path
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] + 1  # e.g. trainer.save_model into the stage's directory
     save_file(tensors, stage / "model.safetensors")
-    with pytest.raises(
-        ConfigError, match=r"model\.safetensors no longer matches the manifest's SHA-256"
-    ) as exc:
+    with pytest.raises(ConfigError, match=r"model\.safetensors no longer matches the manifest's SHA-256") as exc:
         _merge_stage(ckpts, tmp_path, stage)
     assert "\n" not in str(exc.value) and str(stage / "model.safetensors") in str(exc.value)
     assert not (tmp_path / "out").exists()
@@ -228,9 +222,7 @@ def test_a_checkpoint_outside_the_manifest_directory_is_refused_unless_allowed(t
         files=describe_files(ckpts.agents[0]),
     )
     write_manifest(manifest, directory)
-    with pytest.raises(
-        ConfigError, match=r"resolves outside the manifest's directory .*allow-external-shards"
-    ):
+    with pytest.raises(ConfigError, match=r"resolves outside the manifest's directory .*allow-external-shards"):
         _merge_stage(ckpts, tmp_path, directory)
     report = _merge_stage(ckpts, tmp_path, directory, allow_external_shards=True)
     assert report["agents"][0]["name"] == "outside"

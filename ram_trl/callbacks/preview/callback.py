@@ -141,13 +141,9 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         from ram_trl.evaluation.spec import EvaluationSpec
 
         if base_model is None:
-            raise ConfigError(
-                "MergePreviewCallback needs base_model=PATH: the merge reads the base checkpoint"
-            )
+            raise ConfigError("MergePreviewCallback needs base_model=PATH: the merge reads the base checkpoint")
         if not stage_name:
-            raise ConfigError(
-                "MergePreviewCallback needs stage_name=...: it names this stage's validation prompts"
-            )
+            raise ConfigError("MergePreviewCallback needs stage_name=...: it names this stage's validation prompts")
         for name, value in (("preview_every", preview_every), ("prompts", prompts)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name}={value!r} must be a positive integer (or None for the default)")
@@ -155,9 +151,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             raise ConfigError(f"keep={keep!r}: use 'best' or 'last'")
         super().__init__(trainer, base_model, prior_stages=prior_stages, stage_name=stage_name, **telemetry)
         if not self.save_agent:
-            raise ConfigError(
-                "MergePreviewCallback saves the agent it previews: save_agent=False is not supported"
-            )
+            raise ConfigError("MergePreviewCallback saves the agent it previews: save_agent=False is not supported")
         if isinstance(evaluation, EvaluationSpec):
             self.evaluation = evaluation
         else:
@@ -214,13 +208,8 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
                 policy_of(self.trainer.model),
                 self.evaluation.dtype,
             )
-        if (
-            getattr(accelerator, "is_fsdp2", False)
-            or getattr(accelerator.state, "fsdp_plugin", None) is not None
-        ):
-            raise ConfigError(
-                "the merge preview does not support FSDP yet; use DDP or train without the preview"
-            )
+        if getattr(accelerator, "is_fsdp2", False) or getattr(accelerator.state, "fsdp_plugin", None) is not None:
+            raise ConfigError("the merge preview does not support FSDP yet; use DDP or train without the preview")
         self.every = self.preview_every or default_preview_every(state.max_steps)
         saved = self._saved_state(args, state) if state.global_step > 0 else None
         accelerator.wait_for_everyone()  # every rank checked the scratch directory
@@ -310,9 +299,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             raise
         remove_work_dir(self.work_dir)
 
-    def on_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Keep the preview's state in the trainer checkpoint just saved (``checkpoint-N/ram_preview``): the history
         and hard links to the best and last previewed checkpoints, for :meth:`on_train_begin` of a resumed run."""
         if not self.trainer.accelerator.is_main_process or not self.history:

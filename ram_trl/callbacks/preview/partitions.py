@@ -152,9 +152,7 @@ def score_gathered(preview: PartitionPreview, tasks: list[Any]) -> dict[str, flo
         model.eval()
         try:
             with training_rng_kept():
-                scored = evaluate_loaded(
-                    model, preview.tokenizer(), tasks, preview.evaluation, progress=False
-                )
+                scored = evaluate_loaded(model, preview.tokenizer(), tasks, preview.evaluation, progress=False)
         finally:
             model.train(training)
     scores = dict(scored["splits"]["val"]["scores"])

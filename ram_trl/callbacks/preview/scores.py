@@ -87,9 +87,7 @@ def reference_scores(
     base = evaluate_model(base_model, scored, evaluation, progress=False)["splits"]["val"]["scores"]
     specialists = {}
     for prior in priors:
-        scored = evaluate_model(
-            prior.checkpoint, [tasks[prior.name]], evaluation, base=base_model, progress=False
-        )
+        scored = evaluate_model(prior.checkpoint, [tasks[prior.name]], evaluation, base=base_model, progress=False)
         specialists[prior.name] = scored["splits"]["val"]["scores"][prior.name]
     return dict(base), specialists
 
@@ -146,10 +144,7 @@ def record_retention(
     from ram_trl.evaluation.retention import retention
 
     specialists = {**specialist_scores, stages[-1]: record["agent_score"]}
-    return {
-        name: retention(record["scores"][name], base_scores[name], specialists[name], min_gain)
-        for name in stages
-    }
+    return {name: retention(record["scores"][name], base_scores[name], specialists[name], min_gain) for name in stages}
 
 
 def training_rng_kept() -> contextlib.AbstractContextManager:

@@ -101,9 +101,7 @@ def open_work_dir(work_dir: str | os.PathLike) -> Path:
     check_work_dir(work_dir)
     remove_work_dir(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / WORK_MARKER).write_text(
-        "scratch directory of ram_trl's merge preview; removed at train end\n"
-    )
+    (work_dir / WORK_MARKER).write_text("scratch directory of ram_trl's merge preview; removed at train end\n")
     return work_dir
 
 

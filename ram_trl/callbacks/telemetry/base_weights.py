@@ -185,9 +185,7 @@ class DeviceBase(ModelBase):
 
 def resident_bytes(source: BaseSource, ranges: dict[str, tuple[int, int]]) -> int:
     """Bytes a :class:`DeviceBase` of these ranges would hold (stored dtypes)."""
-    return sum(
-        source.read(name, offset, 1).element_size() * numel for name, (offset, numel) in ranges.items()
-    )
+    return sum(source.read(name, offset, 1).element_size() * numel for name, (offset, numel) in ranges.items())
 
 
 class MappedCheckpointBase:

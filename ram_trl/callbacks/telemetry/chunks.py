@@ -69,11 +69,7 @@ class Workspace:
             self.saved_flags,
         )
         staged = sum(t.numel() * t.element_size() for t in self._staging.values())
-        return (
-            sum(t.numel() * t.element_size() for t in (*buffers, self.rounded))
-            + self.magnitude.nbytes
-            + staged
-        )
+        return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded)) + self.magnitude.nbytes + staged
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,7 @@ def read_prior_stages(paths: Sequence[str | os.PathLike]) -> list[PriorStage]:
         except ConfigError as exc:
             raise ConfigError(f"prior stage: {exc}") from None
         if not checkpoint.exists():
-            raise ConfigError(
-                f"prior stage {manifest.stage!r} ({file}): its checkpoint {checkpoint} does not exist"
-            )
+            raise ConfigError(f"prior stage {manifest.stage!r} ({file}): its checkpoint {checkpoint} does not exist")
         priors.append(PriorStage(manifest.stage, file, manifest, checkpoint))
     names = [p.name for p in priors]
     duplicates = sorted({n for n in names if names.count(n) > 1})

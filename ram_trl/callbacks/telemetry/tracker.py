@@ -147,9 +147,7 @@ class TaskVectorTracker:
                 "(or None: every element)"
             )
         if base_model is not None and not os.path.exists(base_model):
-            raise ConfigError(
-                f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)"
-            )
+            raise ConfigError(f"base_model: {base_model} does not exist (the telemetry reads local checkpoints)")
         self.base_model = None if base_model is None else os.fspath(base_model)
         self.reference_model = reference_model
         self.eps = float(eps)
@@ -175,9 +173,7 @@ class TaskVectorTracker:
         self._zero_fill = self._threshold >= float(magnitude_bin_edges(1, 1)[0])
         self._workspaces: list[Workspace] = []
         self._spare_workspaces: dict[torch.device, list[Workspace]] = {}
-        self._host_worker: ThreadPoolExecutor | None = (
-            None  # the single-threaded host work, started on first use
-        )
+        self._host_worker: ThreadPoolExecutor | None = None  # the single-threaded host work, started on first use
 
     # -- setup ---------------------------------------------------------------------------------------------------
 
@@ -386,9 +382,7 @@ class TaskVectorTracker:
             magnitudes.square_sums[0] += squares
             return magnitudes, torch.tensor(totals, dtype=torch.int64).reshape(len(names), 4)  # host
 
-        if (
-            device.type != "cpu"
-        ):  # the device's histograms into their host totals, on the calling thread (its device)
+        if device.type != "cpu":  # the device's histograms into their host totals, on the calling thread (its device)
             for ws in self._workspaces:
                 ws.histogram.settle()
         magnitudes, counts = single_threaded_call(reduce_locally, self._host_worker)
@@ -432,15 +426,11 @@ class TaskVectorTracker:
             if magnitudes:
                 part.square_sum, part.active = self._chunk_magnitudes(tau, ws)
             if not magnitudes or (saved is None and self.priors is not None):
-                flags = torch.gt(
-                    torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count]
-                )
+                flags = torch.gt(torch.abs(tau, out=ws.scratch[:count]), self._threshold, out=ws.flags[:count])
                 part.active = flag_count(flags)
             saved_flags, part.active_saved = flags, part.active
             if saved is not None:
-                saved_flags = torch.gt(
-                    torch.abs(saved, out=saved), self._threshold, out=ws.saved_flags[:count]
-                )
+                saved_flags = torch.gt(torch.abs(saved, out=saved), self._threshold, out=ws.saved_flags[:count])
                 part.active_saved = flag_count(saved_flags)
             if self.priors is not None:
                 assert saved_flags is not None
@@ -460,9 +450,7 @@ class TaskVectorTracker:
                     0, values, zero_filled=True, finite=True, workspace=ws.magnitude
                 )
         values = tau[torch.abs(tau) > self._threshold]  # NaN is not above the threshold
-        return sum_of_squares(values, ws.magnitude), ws.histogram.add_histogram(
-            0, values, workspace=ws.magnitude
-        )
+        return sum_of_squares(values, ws.magnitude), ws.histogram.add_histogram(0, values, workspace=ws.magnitude)
 
     def _chunk_overlap(self, chunk: Chunk, saved_flags: torch.Tensor) -> OverlapStatistics:
         """The overlap statistics of a chunk: its saved-view activity flags (float32, CPU) with the priors'."""
@@ -508,9 +496,7 @@ class TaskVectorTracker:
             if self.save_dtype == torch.float32 and lora.a.dtype in _FLOAT32_EXACT:
                 return tau, None
             saved = ws.saved[:count]
-            saved.copy_(
-                lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[skip : skip + count]
-            )
+            saved.copy_(lora.delta_rows(row_start, row_stop, self.save_dtype).reshape(-1)[skip : skip + count])
             return tau, saved
         assert self.source is not None
         trained = shard.values[chunk.start : chunk.start + count]

@@ -92,9 +92,7 @@ def resolve_config(
     except KeyError:
         refused = _REFUSED_METHODS.get(config.merge_method.strip().lower())
         if refused:
-            raise ConfigError(
-                f"{where}: merge_method {config.merge_method!r} is not supported: {refused}"
-            ) from None
+            raise ConfigError(f"{where}: merge_method {config.merge_method!r} is not supported: {refused}") from None
         raise ConfigError(
             f"{where}: unknown merge_method {config.merge_method!r}{did_you_mean(config.merge_method, method_names())}; "
             f"available: {', '.join(method_names())} "
@@ -104,9 +102,7 @@ def resolve_config(
     entries, scopes, slice_base, ranges, slice_settings = config_entries(config, where)
     base_model = config.base_model
     if slice_base is not None and base_model is not None and slice_base != base_model:
-        raise ConfigError(
-            f"{where}: the slice's base_model {slice_base!r} differs from base_model {base_model!r}"
-        )
+        raise ConfigError(f"{where}: the slice's base_model {slice_base!r} differs from base_model {base_model!r}")
     base_model = base_model or slice_base
     if base_model is None:
         first = entries[0]
@@ -143,9 +139,7 @@ def resolve_config(
             model, adapter = split_lora(entry.model, config_dir)
             path = resolve_model_ref(model, config_dir, label)
             if adapter is not None and path.exists() and path.resolve() == base_path.resolve():
-                path = resolve_model_ref(
-                    adapter, config_dir, label
-                )  # a LoRA agent of the base: its delta streams
+                path = resolve_model_ref(adapter, config_dir, label)  # a LoRA agent of the base: its delta streams
             elif adapter is not None:  # an adapter of another model: merged into it, as mergekit does
                 path = full_model(entry.model, config_dir, label)
         if not path.exists():
@@ -214,11 +208,7 @@ def resolve_config(
     fewest, most = method.agents
     if len(agents) < fewest or (most is not None and len(agents) > most):
         wanted = (
-            f"exactly {fewest}"
-            if fewest == most
-            else f"at least {fewest}"
-            if most is None
-            else f"{fewest} to {most}"
+            f"exactly {fewest}" if fewest == most else f"at least {fewest}" if most is None else f"{fewest} to {most}"
         )
         raise ConfigError(
             f"{where}: {method.name} merges {wanted} model(s) besides base_model; 'models' lists {len(agents)} "
@@ -270,20 +260,13 @@ def resolve_config(
         shared = any(len(h) > 1 and 0 not in h for h in union_rows.holders.values())
         # a row that is no token's (an embedding padded past its tokenizer) is left out of the union
         spare = spare_rows(models)
-        if (
-            padded
-            or forced
-            or sources
-            or spare
-            or (union_rows.holders and (method.prepares_tensors or shared))
-        ):
+        if padded or forced or sources or spare or (union_rows.holders and (method.prepares_tensors or shared)):
             # rows some model lacks enter the method's whole-tensor step, or are merged from several models' rows:
             # every model gets mergekit's rows before the merge (ram_trl.io.vocabulary)
             if method.needs_fisher:
                 raise ConfigError(
                     f"{where}: tokenizer source 'union' with {method.name} is not supported here: the union builds "
-                    "vocabulary rows that the agents' Fisher files do not have"
-                    + (f" ({spare})" if spare else "")
+                    "vocabulary rows that the agents' Fisher files do not have" + (f" ({spare})" if spare else "")
                 )
             notes.append(
                 f"tokenizer source 'union' ({union_rows.rows} tokens): the rows of {len(union_rows.holders)} token(s) "
@@ -299,9 +282,7 @@ def resolve_config(
         if not tokenizer_source.is_dir():
             raise ConfigError(f"{where}: tokenizer source {tokenizer_name!r} is not a directory")
     if config.tokenizer is not None and config.tokenizer.tokens and tokenizer_name != "union":
-        check_token_rules(
-            config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where
-        )
+        check_token_rules(config.tokenizer.tokens, tokenizer_source, [base_path, *(a.path for a in agents)], where)
     if tokenizer_name == "base" and config.tokenizer is not None and config.tokenizer.pad_to_multiple_of:
         models = [base_path, *(a.path for a in agents)]
         if not shares_numbering(base_path, models):
@@ -327,16 +308,12 @@ def resolve_config(
         # the base's rows and leaves out an agent's added-token rows past them
         shape_mismatch = "tokenizer_rows"
     chat_template = (
-        resolve_chat_template(
-            config.chat_template, [base_path, *(a.path for a in agents)], f"{where}: chat_template"
-        )
+        resolve_chat_template(config.chat_template, [base_path, *(a.path for a in agents)], f"{where}: chat_template")
         if config.chat_template
         else None
     )
     if config.chat_template == "auto" and chat_template is None:
-        notes.append(
-            "chat_template 'auto': no input model has a chat template; none is set, as mergekit does"
-        )
+        notes.append("chat_template 'auto': no input model has a chat template; none is set, as mergekit does")
     layers = None
     if gradient:
         layers = num_layers(base_path)

@@ -185,9 +185,7 @@ class MergeConfig(BaseModel):
     @classmethod
     def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value.lower() not in DTYPES:
-            raise ValueError(
-                f"unknown dtype {value!r}{did_you_mean(value, DTYPES)}; use one of {sorted(set(DTYPES))}"
-            )
+            raise ValueError(f"unknown dtype {value!r}{did_you_mean(value, DTYPES)}; use one of {sorted(set(DTYPES))}")
         return value
 
     @field_validator("slices")
@@ -228,9 +226,7 @@ def load_config(source: str | os.PathLike | dict[str, Any] | MergeConfig) -> tup
 
         data = read_yaml_file(path, "merge config")
         if not isinstance(data, dict):
-            raise ConfigError(
-                f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models"
-            )
+            raise ConfigError(f"{path}: a merge config must be a YAML mapping with merge_method, base_model, models")
     where = str(path) if path else "merge config"
     try:
         return MergeConfig.model_validate(data), path

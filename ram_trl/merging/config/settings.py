@@ -123,9 +123,7 @@ class ResolvedConfig:
             return params
         t = self.layer_position(tensor_name)
         return {
-            name: evaluate_setting(value, tensor_name, t, f"parameter {name!r}")
-            if isinstance(value, list)
-            else value
+            name: evaluate_setting(value, tensor_name, t, f"parameter {name!r}") if isinstance(value, list) else value
             for name, value in params.items()
         }
 
@@ -254,12 +252,8 @@ def _check_gradient(parameter: Parameter, value: list[Any], where: str) -> list[
             "numbers, for numeric parameters)"
         )
     if not value:
-        raise ConfigError(
-            f"{where}: parameter {parameter.name!r}: a gradient needs at least one number, got []"
-        )
-    return [
-        _check_value(parameter, item, f"{where}: parameter {parameter.name!r} gradient") for item in value
-    ]
+        raise ConfigError(f"{where}: parameter {parameter.name!r}: a gradient needs at least one number, got []")
+    return [_check_value(parameter, item, f"{where}: parameter {parameter.name!r} gradient") for item in value]
 
 
 def _check_agent_value(parameter: Parameter, value: Any, where: str) -> Any:
@@ -394,9 +388,7 @@ def agent_settings(
             ignored.setdefault(key, []).append(place)
             continue
         if parameter.scope == "global":
-            raise ConfigError(
-                f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'"
-            )
+            raise ConfigError(f"{label}: {key!r} is a global parameter: put it under the top-level 'parameters'")
         own[parameter.name] = _check_agent_value(parameter, value, label)
         gradient = gradient or has_gradient(own[parameter.name])
     values = _chain([own, agent_defaults])

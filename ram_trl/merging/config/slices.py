@@ -43,8 +43,7 @@ def slice_entries(
     entries = [ModelEntry(model=source.model, parameters=source.parameters) for source in first.sources]
     if len(slices) == 1:
         ranges = [
-            (f"{label}[0].sources[{i}]", source.model, source.layer_range)
-            for i, source in enumerate(first.sources)
+            (f"{label}[0].sources[{i}]", source.model, source.layer_range) for i, source in enumerate(first.sources)
         ]
         return entries, first.parameters, first.base_model, ranges, None
     frankenmerge = (
@@ -57,9 +56,7 @@ def slice_entries(
     for k, out_slice in enumerate(slices):
         theirs = [source.model for source in out_slice.sources]
         if theirs != models:
-            raise ConfigError(
-                f"{where}: {label}[{k}] takes the models {theirs}, {label}[0] {models}: {frankenmerge}"
-            )
+            raise ConfigError(f"{where}: {label}[{k}] takes the models {theirs}, {label}[0] {models}: {frankenmerge}")
         if out_slice.base_model != first.base_model:
             raise ConfigError(
                 f"{where}: {label}[{k}].base_model {out_slice.base_model!r} differs from {label}[0]'s "
@@ -77,9 +74,7 @@ def slice_entries(
                 f"{where}: {label}[{k}] takes layer_range {list(layer_range)} after layer {stop}: {frankenmerge}"
             )
         stop = layer_range[1]
-        settings.append(
-            (layer_range, out_slice.parameters, [source.parameters for source in out_slice.sources])
-        )
+        settings.append((layer_range, out_slice.parameters, [source.parameters for source in out_slice.sources]))
     ranges = [(f"{label}[*].sources[{i}]", model, (0, stop)) for i, model in enumerate(models)]
     return entries, first.parameters, first.base_model, ranges, settings
 
@@ -115,9 +110,7 @@ def config_entries(
     return entries, [params, module.parameters], base, ranges, settings
 
 
-def check_layer_ranges(
-    ranges: list[tuple[str, str, tuple[int, int]]], config_dir: Path | None, where: str
-) -> None:
+def check_layer_ranges(ranges: list[tuple[str, str, tuple[int, int]]], config_dir: Path | None, where: str) -> None:
     """Each slice source must cover every layer of its model, ``[0, N)`` (mergekit's ``models:`` equivalent)."""
     for label, model, (start, stop) in ranges:
         path = resolve_model_ref(split_lora(model, config_dir)[0], config_dir, f"{where}: {label}")

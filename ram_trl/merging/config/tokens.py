@@ -150,9 +150,7 @@ def check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: lis
     """mergekit's ``tokenizer.tokens`` rules, accepted where mergekit never applies them: a rule without ``force``
     for a token that every model (the base included) and the output tokenizer hold with one id, inside every model's
     embedding rows (mergekit builds a row from a rule only for a token some model lacks, or a forced one)."""
-    vocabularies = {
-        model: (tokenizer_vocabulary(model), _rows(model)) for model in [tokenizer_source, *models]
-    }
+    vocabularies = {model: (tokenizer_vocabulary(model), _rows(model)) for model in [tokenizer_source, *models]}
     for token, rule in rules.items():
         label = f"{where}: tokenizer.tokens[{token!r}]"
         _check_rule(rule, label)
@@ -206,9 +204,7 @@ def token_sources(
         if isinstance(source, dict) and source.get("kind") == "zero" and set(source) == {"kind"}:
             sources[token_id] = ("zero",)
         elif isinstance(source, dict) and source.get("kind") == "model_token":
-            if set(source) - {"kind", "model", "token", "token_id"} or ("token" in source) == (
-                "token_id" in source
-            ):
+            if set(source) - {"kind", "model", "token", "token_id"} or ("token" in source) == ("token_id" in source):
                 raise ConfigError(
                     f"{label}: a model_token source takes model and one of token, token_id; got {source}"
                 )

@@ -51,9 +51,7 @@ class _StagedTensors:
         data = tensor.detach().to(torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy()
         begin = self._handle.tell()
         self._handle.write(memoryview(data))
-        self.infos[key] = TensorInfo(
-            key, torch.float32, tuple(tensor.shape), self.path, begin, begin + data.size
-        )
+        self.infos[key] = TensorInfo(key, torch.float32, tuple(tensor.shape), self.path, begin, begin + data.size)
 
     def close(self) -> None:
         if not self._handle.closed:
@@ -216,9 +214,7 @@ def _factorize_all(
     return plan
 
 
-def _write_adapter(
-    path: Path, entries: dict[str, TensorInfo | str], merged: Checkpoint, reader: RowReader
-) -> int:
+def _write_adapter(path: Path, entries: dict[str, TensorInfo | str], merged: Checkpoint, reader: RowReader) -> int:
     """Assemble ``adapter_model.safetensors`` from staged factors and merged tensors, a row chunk at a time."""
     sources: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, entry in entries.items():
@@ -309,9 +305,7 @@ def _adapter_report(
     }
     report["lora_export"] = section
     found = list(report.get("warnings", []))
-    found += [
-        f"LoRA export: {item['tensor']} is not exported: {item['reason']}" for item in section["not_exported"]
-    ]
+    found += [f"LoRA export: {item['tensor']} is not exported: {item['reason']}" for item in section["not_exported"]]
     if not tokenizer_files and not any("tokenizer files" in w for w in found):
         found.append("no tokenizer files found beside the merged model; the adapter has none")
     report["warnings"] = found

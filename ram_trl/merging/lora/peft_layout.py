@@ -49,9 +49,7 @@ class Architecture:
 
     def is_leaf(self, module_name: str) -> bool:
         module = self.modules[module_name]
-        return not any(
-            next(child.parameters(), None) is not None for child in module.modules() if child is not module
-        )
+        return not any(next(child.parameters(), None) is not None for child in module.modules() if child is not module)
 
     def direct_parameters(self, module_name: str) -> list[str]:
         module = self.modules[module_name]

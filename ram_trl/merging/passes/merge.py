@@ -147,9 +147,7 @@ def start_chunk(
         # order): scan every block first (in parallel), so that each knows what came before it, then merge the
         # blocks in parallel
         def prepare(block: RawChunk) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-            deltas, base_values = to_deltas(
-                block, run.device, run.base, run.agents, run.require_reader(), run.checked
-            )
+            deltas, base_values = to_deltas(block, run.device, run.base, run.agents, run.require_reader(), run.checked)
             return deltas, base_values, scan(deltas, context.prepared)
 
         prepared = map_blocks(pool, prepare, blocks)
@@ -157,9 +155,7 @@ def start_chunk(
         for _, _, counts in prepared:
             seen.append(list(context.seen))
             context.seen[:] = [a + b for a, b in zip(context.seen, counts, strict=True)]
-        work = [
-            (block, ready[:2], before) for block, ready, before in zip(blocks, prepared, seen, strict=True)
-        ]
+        work = [(block, ready[:2], before) for block, ready, before in zip(blocks, prepared, seen, strict=True)]
         del prepared
         parallel = pool
     elif context.ordered:
@@ -251,9 +247,7 @@ def extra_rows(
 
 def _models(chunk: RawChunk, base_values: torch.Tensor) -> torch.Tensor:
     """The agents' float32 weights of a block of the base's rows, shape ``(num_agents, n)``."""
-    models = torch.empty(
-        (len(chunk.agents), base_values.numel()), dtype=torch.float32, device=base_values.device
-    )
+    models = torch.empty((len(chunk.agents), base_values.numel()), dtype=torch.float32, device=base_values.device)
     for t, (values, lora) in enumerate(zip(chunk.agents, chunk.lora, strict=True)):
         fill_weights(models[t], values, lora, base_values)
     return models

@@ -48,9 +48,7 @@ def statistics_pass(run: RunContext) -> None:
     by_subsets = len(agents) <= MAX_SUBSET_AGENTS
     current: OverlapStatistics | None = None
     current_task: TensorTask | None = None
-    subsets: torch.Tensor | None = (
-        None  # the current tensor's subset counts so far (converted once, at its end)
-    )
+    subsets: torch.Tensor | None = None  # the current tensor's subset counts so far (converted once, at its end)
     numel = 0
 
     def finish() -> None:

@@ -127,9 +127,7 @@ def tensor_factors(run: RunContext, task: TensorTask) -> list[float] | None:
     return run.state.lambdas
 
 
-def tensor_context(
-    run: RunContext, task: TensorTask, pool: ThreadPoolExecutor | None = None
-) -> TensorContext:
+def tensor_context(run: RunContext, task: TensorTask, pool: ThreadPoolExecutor | None = None) -> TensorContext:
     """Prepare one tensor for the merge pass (its parameters, factors and the method's ``prepare_tensor``)."""
     resolved = run.resolved
     method = resolved.method

@@ -29,9 +29,7 @@ def _train(
 
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     config = rl_config(GRPOConfig, out, max_steps=STEPS, learning_rate=learning_rate, seed=seed, **saving)
-    return train_rl(
-        GRPOTrainer, base, config, callback, distinct_chars, rl_prompts(8), resume_from_checkpoint=resume
-    )
+    return train_rl(GRPOTrainer, base, config, callback, distinct_chars, rl_prompts(8), resume_from_checkpoint=resume)
 
 
 @pytest.fixture

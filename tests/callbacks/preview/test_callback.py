@@ -86,9 +86,7 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, train, tmp_pat
     config = tmp_path / "merge.yaml"
     models = [{"stage": str(first)}, {"stage": str(second)}]
     config.write_text(
-        json.dumps(
-            {"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"}
-        )
+        json.dumps({"merge_method": "ram_plus", "base_model": str(base), "models": models, "out_dtype": "float32"})
     )
     merged = tmp_path / "merged"
     assert cli(["merge", str(config), str(merged), "--no-progress"]) == 0
@@ -139,13 +137,9 @@ def test_every_logged_preview_is_the_merge_of_that_step(base, first, train, tmp_
 
 
 def test_prior_stage_of_another_base_is_refused(first, tmp_path):
-    other = make_base_checkpoint(
-        tmp_path / "other", hidden_size=32, num_layers=2, intermediate_size=64, seed=7
-    )
+    other = make_base_checkpoint(tmp_path / "other", hidden_size=32, num_layers=2, intermediate_size=64, seed=7)
     with pytest.raises(ConfigError, match="stage 'first' .* was trained from .*not from the merge's base"):
-        MergePreviewCallback(
-            base_model=other, prior_stages=[first], stage_name="second", tasks=preview_tasks()
-        )
+        MergePreviewCallback(base_model=other, prior_stages=[first], stage_name="second", tasks=preview_tasks())
 
 
 @pytest.mark.parametrize(

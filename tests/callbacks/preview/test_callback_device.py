@@ -101,16 +101,12 @@ def _run(base: Path, first: Path, out: Path, device: torch.device) -> tuple[list
     if cuda_rng is not None:
         assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
     callback.on_train_end(args, state, control, model=policy)
-    files = {
-        f.name: f.read_bytes() for f in sorted(out.iterdir()) if f.is_file() and f.name != "ram_stage.json"
-    }
+    files = {f.name: f.read_bytes() for f in sorted(out.iterdir()) if f.is_file() and f.name != "ram_stage.json"}
     manifest = json.loads((out / "ram_stage.json").read_text())
     drop = ("seconds", "_mb")
     logged = [{k: v for k, v in e.items() if not k.endswith(drop)} for e in trainer.logged]
     history = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in callback.history]
-    preview = {
-        k: v for k, v in manifest["extra"]["preview"].items() if k not in ("history", "reference_seconds")
-    }
+    preview = {k: v for k, v in manifest["extra"]["preview"].items() if k not in ("history", "reference_seconds")}
     telemetry = {k: v for k, v in manifest["telemetry"].items() if not k.endswith(drop)}
     telemetry.update({k: v for k, v in manifest.items() if k in ("steps", "base_model")})
     return logged, history, {"files": files, "preview": preview, "telemetry": telemetry}

@@ -44,9 +44,7 @@ def test_ddp_preview_agrees_on_every_rank_and_is_the_merge(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
     command += ["--master_port", str(port), str(WORKER), str(base), str(first), str(second)]
     result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (
-        f"DDP preview job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    )
+    assert result.returncode == 0, f"DDP preview job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     ranks = [json.loads((second / f"preview_rank{r}.json").read_text()) for r in range(WORLD)]
     assert all(r["world_size"] == WORLD and r["distributed_type"].endswith("MULTI_CPU") for r in ranks)
     assert ranks[0]["history"] == ranks[1]["history"] and ranks[0]["kept_step"] == ranks[1]["kept_step"]

@@ -50,9 +50,7 @@ def launch(base: Path, first: Path, out: Path, *extra: str) -> None:
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
     command += ["--master_port", str(port), str(WORKER), str(base), str(first), str(out), *extra]
     result = run_job(command, port, cwd=WORKER.parent, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, (
-        f"ZeRO-3 preview job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    )
+    assert result.returncode == 0, f"ZeRO-3 preview job failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +79,7 @@ def merged_partitions(second: Path, step: int) -> dict[str, torch.Tensor]:
     """The merged elements both ranks computed at ``step``, put together into flat tensors."""
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for rank in range(WORLD):
-        for key, values in load_checkpoint_file(
-            second / "ranges" / f"rank{rank}-step{step}.safetensors"
-        ).items():
+        for key, values in load_checkpoint_file(second / "ranges" / f"rank{rank}-step{step}.safetensors").items():
             name, offset = key.rsplit("|", 1)
             parts.setdefault(name, []).append((int(offset), values))
     out = {}

@@ -79,9 +79,7 @@ def test_missing_validation_prompts_are_refused(base, first):
     with pytest.raises(ConfigError, match="stage 'first' has no validation prompts"):
         MergePreviewCallback(base_model=base, prior_stages=[first], stage_name="second", tasks=empty)
     with pytest.raises(ConfigError, match="stage 'second' has no validation prompts"):
-        MergePreviewCallback(
-            base_model=base, prior_stages=[first], stage_name="second", tasks=[preview_tasks()[0]]
-        )
+        MergePreviewCallback(base_model=base, prior_stages=[first], stage_name="second", tasks=[preview_tasks()[0]])
 
 
 @pytest.mark.slow

@@ -81,9 +81,7 @@ def test_a_users_scratch_directory_survives_a_preview_run(base, first, train, tm
         tasks=preview_tasks(),
         evaluation=EVALUATION,
     )
-    with pytest.raises(
-        ConfigError, match=rf"^{out / WORK_DIR} exists and is not a merge preview's scratch"
-    ) as err:
+    with pytest.raises(ConfigError, match=rf"^{out / WORK_DIR} exists and is not a merge preview's scratch") as err:
         train(base, out, callback)
     assert "\n" not in str(err.value)
     assert (out / WORK_DIR / "notes.txt").read_text() == "mine\n"
@@ -154,9 +152,7 @@ def test_a_users_output_last_directory_is_never_taken_for_the_previews(tmp_path)
     (out / "last" / "notes.txt").write_text("mine\n")
     with pytest.raises(ConfigError, match=rf"{out / 'last'} exists and is not an earlier merge preview's"):
         check_last_dir(out)
-    manifest = StageManifest(
-        stage="s", base_model="b", checkpoint=".", extra={"preview": {"last_checkpoint": "."}}
-    )
+    manifest = StageManifest(stage="s", base_model="b", checkpoint=".", extra={"preview": {"last_checkpoint": "."}})
     write_manifest(manifest, out)
     with pytest.raises(ConfigError, match="not an earlier merge preview's"):
         check_last_dir(out)  # a preview that kept its last step wrote no last/

@@ -68,9 +68,7 @@ def train(model: nn.Module, tau: dict[str, list[float]] = TAU) -> nn.Module:
 
 def write_base(directory: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {n: torch.ones(s, dtype=dtype) for n, s in SHAPES.items()}, str(directory / "model.safetensors")
-    )
+    save_file({n: torch.ones(s, dtype=dtype) for n, s in SHAPES.items()}, str(directory / "model.safetensors"))
     return directory
 
 

@@ -72,16 +72,12 @@ def test_bad_requests_name_the_source(tmp_path):
     tensors = base_tensors()
     mapped = MappedCheckpointBase(save_checkpoint(tmp_path / "base", tensors))
     numel = tensors[EMBED].numel()
-    with pytest.raises(
-        CheckpointError, match=rf"tensor '{EMBED}' has {numel} elements, elements \[{numel - 1}, "
-    ):
+    with pytest.raises(CheckpointError, match=rf"tensor '{EMBED}' has {numel} elements, elements \[{numel - 1}, "):
         mapped.read(EMBED, numel - 1, 2)
     with pytest.raises(CheckpointError, match="has no tensor 'nope'"):
         mapped.read("nope", 0, 1)
     partial = {UP: LocalShard(UP, tensors[UP].reshape(-1)[:10], tuple(tensors[UP].shape), 0, True)}
-    with pytest.raises(
-        CheckpointError, match=r"reference model: holds elements \[0, 10\) .* partitioned differently"
-    ):
+    with pytest.raises(CheckpointError, match=r"reference model: holds elements \[0, 10\) .* partitioned differently"):
         ModelBase(partial, "reference model").read(UP, 8, 4)
     with pytest.raises(CheckpointError, match="reference model: has no parameter 'nope'"):
         ModelBase(partial, "reference model").read("nope", 0, 1)

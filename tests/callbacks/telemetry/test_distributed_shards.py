@@ -41,9 +41,7 @@ def launch(mode: str, base: Path, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     port = free_port()
     if mode.startswith("zero"):
-        pytest.importorskip(
-            "deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')"
-        )
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[distributed]')")
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD)]
         command += ["--master_port", str(port)]
     else:
@@ -97,9 +95,7 @@ def test_shards_of_all_ranks_tile_every_parameter(job) -> None:
         pieces = [rank_shards[name] for rank_shards in shards]
         assert all(p["shape"] == list(job["base"][name].shape) for p in pieces)
         if job["mode"] in ("ddp", "zero2"):  # full replicas on every rank
-            assert [(p["offset"], p["numel"], p["partitioned"]) for p in pieces] == [
-                (0, numel, False)
-            ] * WORLD
+            assert [(p["offset"], p["numel"], p["partitioned"]) for p in pieces] == [(0, numel, False)] * WORLD
             continue
         assert all(p["partitioned"] for p in pieces), name
         ranges = sorted((p["offset"], p["offset"] + p["numel"]) for p in pieces if p["numel"])
@@ -160,9 +156,7 @@ def test_tracker_on_every_rank_equals_the_tracker_in_one_process(job) -> None:
             single = job["single_metrics"]["sampled" if key == "sampled" else "disk"]
             assert set(metrics) == set(single), key
             for name, value in single.items():
-                if name.endswith(
-                    ("measure_seconds", "state_mb", "work_mb")
-                ):  # per process: buffers per worker
+                if name.endswith(("measure_seconds", "state_mb", "work_mb")):  # per process: buffers per worker
                     continue
                 if "/magnitude/" in name:  # float64 sums added in another order
                     assert metrics[name] == pytest.approx(value, rel=1e-12, abs=1e-15), (key, name)

@@ -40,9 +40,7 @@ def test_layout_regions_of_a_peft_model():
         "lm_head.weight": "dense",
     }
     assert layout.peft and layout.frozen_base is not None
-    assert set(layout.frozen_base.names()) >= set(
-        kinds
-    )  # the frozen base covers every region, lm_head included
+    assert set(layout.frozen_base.names()) >= set(kinds)  # the frozen base covers every region, lm_head included
 
 
 def test_peft_layouts_that_are_refused():
@@ -81,9 +79,7 @@ def test_partitioned_regions_stay_and_replicated_ones_are_dealt_out():
     layout = model_layout(tiny_model())
     layout.regions = [_region(f"r{i}", partitioned=i in (1, 4)) for i in range(6)]
     assert local_regions(layout, DistContext()) == layout.regions  # one process measures everything
-    shares = [
-        [r.name for r in local_regions(layout, DistContext(rank=rank, world_size=2))] for rank in range(2)
-    ]
+    shares = [[r.name for r in local_regions(layout, DistContext(rank=rank, world_size=2))] for rank in range(2)]
     assert shares == [
         ["r0", "r1", "r3", "r4"],
         ["r1", "r2", "r4", "r5"],
@@ -101,15 +97,11 @@ def test_the_layout_is_checked_against_the_base():
     check_layout(base, model_layout(tiny_model()))
     model = tiny_model()
     model.extra = torch.nn.Linear(2, 2, bias=False)
-    with pytest.raises(
-        CheckpointError, match=r"^reference model: has no tensor 'extra.weight' for the trained"
-    ):
+    with pytest.raises(CheckpointError, match=r"^reference model: has no tensor 'extra.weight' for the trained"):
         check_layout(base, model_layout(model))
     model = tiny_model()
     model.lm_head = torch.nn.Linear(2, 4, bias=False)
-    with pytest.raises(
-        CheckpointError, match=r"tensor 'lm_head.weight' has shape \[3, 2\], the trained .* \[4, 2\]"
-    ):
+    with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' has shape \[3, 2\], the trained .* \[4, 2\]"):
         check_layout(base, model_layout(model))
     layout = model_layout(peft_model())
     check_layout(layout.frozen_base, layout)
@@ -117,7 +109,5 @@ def test_the_layout_is_checked_against_the_base():
     assert lora.lora is not None
     wrong = LoraFactorsRef(lora.lora.module, lora.lora.a, torch.zeros(3, 1), 1.0, "linear")  # a (3, 2) delta
     layout.regions = [Region(lora.name, lora.shard, "lora", wrong)]
-    with pytest.raises(
-        ConfigError, match=r"factors give a delta of shape \[3, 2\], its base weight has \[2, 2\]"
-    ):
+    with pytest.raises(ConfigError, match=r"factors give a delta of shape \[3, 2\], its base weight has \[2, 2\]"):
         check_layout(layout.frozen_base, layout)

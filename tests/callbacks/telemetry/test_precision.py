@@ -116,10 +116,7 @@ def test_a_bf16_save_rounds_three_moves_in_four_away(base, tmp_path):
     last = callback.tracker.last
     numel = int(last[f"{P}numel"])
     assert last[f"{P}active"] == VOCAB * HIDDEN and last[f"{P}density"] == VOCAB * HIDDEN / numel
-    assert (
-        last[f"{P}active_saved"] == VOCAB * HIDDEN / 4
-        and last[f"{P}density_saved"] == VOCAB * HIDDEN / 4 / numel
-    )
+    assert last[f"{P}active_saved"] == VOCAB * HIDDEN / 4 and last[f"{P}density_saved"] == VOCAB * HIDDEN / 4 / numel
     telemetry = read_manifest(out).extra["telemetry"]
     assert telemetry["training_dtype"] == "float32" and telemetry["save_dtype"] == "bfloat16"
     assert telemetry["densities"] == {

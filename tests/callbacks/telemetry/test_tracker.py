@@ -122,9 +122,7 @@ def test_default_workers_follow_the_thread_plan_and_change_no_value(tmp_path, mo
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tracker_module, "SMALL_MODEL_ELEMENTS", 0)  # this small model uses the pool too
     base = random_model()
-    save_file(
-        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
-    )
+    save_file({n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors"))
     model = random_training(random_model(), "dense")
     single = TaskVectorTracker(base_model=tmp_path, threads=1, chunk_elements=64).measure(model)
     monkeypatch.setattr(parallel, "available_cores", lambda: simulated)
@@ -147,9 +145,7 @@ def test_default_workers_follow_the_thread_plan_and_change_no_value(tmp_path, mo
     assert values(planned) == values(single)
 
 
-def reference_counts(
-    model: nn.Module, base: nn.Module, eps: float, save_dtype: torch.dtype
-) -> dict[str, float]:
+def reference_counts(model: nn.Module, base: nn.Module, eps: float, save_dtype: torch.dtype) -> dict[str, float]:
     """The metrics the tracker must report, computed on whole tensors with MagnitudeStatistics.update."""
     trained = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     original = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
@@ -182,9 +178,7 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_d
     base = random_model()
     with torch.no_grad():
         base.model.layers[0].mlp.up_proj.weight[3, 5] = 0.0
-    save_file(
-        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
-    )
+    save_file({n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors"))
     model = random_training(random_model(), case)
     outs = []
     for threads, chunk, magnitudes in [(1, 1 << 18, True), (1, 64, True), (3, 64, True), (3, 64, False)]:
@@ -201,9 +195,7 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_d
     expected = reference_counts(model, base, eps, save_dtype)
     counts = {k: v for k, v in outs.pop().items() if not k.endswith(("_seconds", "_mb"))}
     assert not any("/magnitude/" in k for k in counts)
-    whole, sequential, parallel = (
-        {k: v for k, v in o.items() if not k.endswith(("_seconds", "_mb"))} for o in outs
-    )
+    whole, sequential, parallel = ({k: v for k, v in o.items() if not k.endswith(("_seconds", "_mb"))} for o in outs)
     assert parallel == sequential  # chunk results are added in chunk order, whatever the workers
     for key, value in expected.items():
         if math.isnan(value):
@@ -221,26 +213,19 @@ def test_workers_and_chunks_count_like_whole_tensors(tmp_path, case, eps, save_d
 
 def test_magnitudes_of_a_systematic_sample_of_windows(tmp_path):
     base = random_model()
-    save_file(
-        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
-    )
+    save_file({n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors"))
     model = random_training(random_model(), "dense")
     numel = sum(p.numel() for p in model.parameters())  # 4768: with windows of 64, every 4th is sampled
     exact = TaskVectorTracker(base_model=tmp_path, chunk_elements=64).measure(model)
     outs = [
-        TaskVectorTracker(base_model=tmp_path, chunk_elements=64, magnitude_sample=1000, threads=t).measure(
-            model
-        )
+        TaskVectorTracker(base_model=tmp_path, chunk_elements=64, magnitude_sample=1000, threads=t).measure(model)
         for t in (1, 3)
     ]
     assert exact[f"{P}magnitude/sample_fraction"] == 1.0
     assert outs[0][f"{P}magnitude/sample_fraction"] == 1 / (numel // 1000) == 0.25
     # the reference: the model's task vector laid end to end in parameter order, windows 0, 4, 8, ... of 64
     tau = torch.cat(
-        [
-            (p.detach() - q.detach()).reshape(-1)
-            for p, q in zip(model.parameters(), base.parameters(), strict=True)
-        ]
+        [(p.detach() - q.detach()).reshape(-1) for p, q in zip(model.parameters(), base.parameters(), strict=True)]
     )
     window = torch.arange(tau.numel()) // 64
     sample = tau[window % 4 == 0]
@@ -258,9 +243,7 @@ def test_magnitudes_of_a_systematic_sample_of_windows(tmp_path):
 
 
 def test_eps_is_strict(tmp_path):
-    tracker = TaskVectorTracker(
-        base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32"
-    )
+    tracker = TaskVectorTracker(base_model=write_base(tmp_path / "base", torch.float32), eps=L, save_dtype="float32")
     out = tracker.measure(train(tiny_model()))
     assert out[f"{P}active"] == 0 and out[f"{P}changed"] == 10
     assert f"{P}magnitude/mean_abs" not in out  # undefined without active elements: left out
@@ -301,25 +284,19 @@ def test_prior_stage_overlap_rho_and_lambda(tmp_path):
     # one bit per element and prior kept
     assert tracker.priors.nbytes == sum(2 * math.ceil(math.prod(s) / 8) for s in SHAPES.values())
     assert tracker.summary()["prior_stages"] == ["full", "lora"]
-    alpha_capped = TaskVectorTracker(
-        save_dtype="bfloat16", base_model=base, prior_stages=stages, r=0.5, alpha=1.0
-    )
+    alpha_capped = TaskVectorTracker(save_dtype="bfloat16", base_model=base, prior_stages=stages, r=0.5, alpha=1.0)
     assert alpha_capped.measure(train(tiny_model()))[f"{P}prior/lambda_ram_plus"] == 1.5
     # saving in float32 changes nothing: the saved view is the float32 one (8 active elements, the same 3 shared)
     exact = TaskVectorTracker(base_model=base, prior_stages=stages, save_dtype="float32")
     out = exact.measure(train(tiny_model()))
-    assert (
-        out[f"{P}active_saved"] == 8 and out[f"{P}prior/overlap"] == 3 / 8 and out[f"{P}prior/rho"] == 3 / 5
-    )
+    assert out[f"{P}active_saved"] == 8 and out[f"{P}prior/overlap"] == 3 / 8 and out[f"{P}prior/rho"] == 3 / 5
 
 
 def test_prior_rho_is_inf_when_nothing_is_unique(tmp_path):
     base = write_base(tmp_path / "base")
     agent = tmp_path / "same"
     agent.mkdir()
-    tensors = {
-        n: (torch.ones(s) + torch.tensor(TAU[n]).reshape(s)).to(torch.bfloat16) for n, s in SHAPES.items()
-    }
+    tensors = {n: (torch.ones(s) + torch.tensor(TAU[n]).reshape(s)).to(torch.bfloat16) for n, s in SHAPES.items()}
     save_file(tensors, str(agent / "model.safetensors"))
     tracker = TaskVectorTracker(
         save_dtype="bfloat16", base_model=base, prior_stages=[write_stage(tmp_path, "twin", agent, base)]
@@ -350,9 +327,7 @@ def test_a_base_with_one_nan_outside_the_fingerprint_is_warned_about_once(tmp_pa
     tensors[outside].view(-1)[-1] = float("nan")
     save_file(tensors, str(base / "model.safetensors"))
     tracker = TaskVectorTracker(base_model=base)
-    with pytest.warns(
-        UserWarning, match=rf"base checkpoint {base} .*tensor '{outside}' holds 1 NaN/Inf value"
-    ):
+    with pytest.warns(UserWarning, match=rf"base checkpoint {base} .*tensor '{outside}' holds 1 NaN/Inf value"):
         tracker.measure(train(tiny_model()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -366,9 +341,7 @@ def test_prior_stage_without_a_fingerprint_from_another_base_is_warned_about(tmp
     manifest = json.loads((stage / "ram_stage.json").read_text())
     del manifest["base_fingerprint"]
     (stage / "ram_stage.json").write_text(json.dumps(manifest))
-    with pytest.warns(
-        UserWarning, match=rf"prior stage 'old' \({stage}/ram_stage.json\) has no base fingerprint"
-    ):
+    with pytest.warns(UserWarning, match=rf"prior stage 'old' \({stage}/ram_stage.json\) has no base fingerprint"):
         TaskVectorTracker(base_model=base, prior_stages=[stage]).setup(tiny_model())
     manifest["base_model"] = str(base)  # the same base by name: nothing to warn about
     (stage / "ram_stage.json").write_text(json.dumps(manifest))
@@ -494,7 +467,7 @@ def test_a_prior_stage_finds_its_relative_base_beside_its_manifest(tmp_path, mon
     expected = TaskVectorTracker(save_dtype="bfloat16", base_model=base, prior_stages=[stage]).measure(
         train(tiny_model())
     )
-    out = TaskVectorTracker(
-        save_dtype="bfloat16", reference_model=tiny_model(), prior_stages=[stage]
-    ).measure(train(tiny_model()))
+    out = TaskVectorTracker(save_dtype="bfloat16", reference_model=tiny_model(), prior_stages=[stage]).measure(
+        train(tiny_model())
+    )
     assert out[f"{P}prior/full/overlap"] == expected[f"{P}prior/full/overlap"] == 2 / 5

@@ -34,9 +34,7 @@ def _numbers(out: dict[str, float]) -> dict[str, float]:
 @pytest.mark.parametrize("source", ["disk", "reference", "snapshot"])
 def test_device_model_measures_like_the_cpu_one(tmp_path, device, case, source):
     base = random_model()
-    save_file(
-        {n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors")
-    )
+    save_file({n: p.detach().clone() for n, p in base.named_parameters()}, str(tmp_path / "model.safetensors"))
     kwargs = {"chunk_elements": 64, "magnitude_sample": None}
 
     def tracker(model_base: torch.nn.Module | None) -> TaskVectorTracker:

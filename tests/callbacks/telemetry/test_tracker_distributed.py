@@ -64,9 +64,7 @@ def test_two_processes_equal_one(tmp_path):
         str(write_stage(tmp_path, "full", write_full_prior(tmp_path / "agent_full"), base)),
         str(write_stage(tmp_path, "lora", write_lora_prior(tmp_path / "agent_lora"), base)),
     ]
-    single = tracker_module.TaskVectorTracker(base_model=base, prior_stages=stages).measure(
-        train(tiny_model())
-    )
+    single = tracker_module.TaskVectorTracker(base_model=base, prior_stages=stages).measure(train(tiny_model()))
     mp.spawn(worker, args=(str(tmp_path), stages), nprocs=2, join=True)
     for rank in range(2):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -62,9 +62,7 @@ def _low_rank(shape: tuple[int, int], singular_values: list[float], seed: int) -
 
 
 def _load_adapter(base: Path, adapter: Path):
-    return peft.PeftModel.from_pretrained(
-        Qwen2ForCausalLM.from_pretrained(base).float().eval(), adapter
-    ).eval()
+    return peft.PeftModel.from_pretrained(Qwen2ForCausalLM.from_pretrained(base).float().eval(), adapter).eval()
 
 
 def _leftovers(parent: Path) -> list[str]:
@@ -93,9 +91,7 @@ def test_round_trip_of_an_exactly_rank_4_merge(tmp_path):
     }
     assert _leftovers(tmp_path) == []  # the temporary full merge is gone
     modules = [
-        f"model.layers.{i}.{m}"
-        for i in (0, 1)
-        for m in ("mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj")
+        f"model.layers.{i}.{m}" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj")
     ]
     section = report["lora_export"]
     assert [t["module"] for t in section["tensors"]] == modules
@@ -104,10 +100,7 @@ def test_round_trip_of_an_exactly_rank_4_merge(tmp_path):
         assert item["relative_error"] < 1e-5, item
     assert section["modules_to_save"] == [] and section["not_exported"] == [] and section["biases"] == []
     assert section["unchanged_tensors"] == 21
-    assert (
-        json.loads((adapter / "ram_merge_report.json").read_text())["lora_export"]["tensors"]
-        == section["tensors"]
-    )
+    assert json.loads((adapter / "ram_merge_report.json").read_text())["lora_export"]["tensors"] == section["tensors"]
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and adapter_config["task_type"] == "CAUSAL_LM"
     assert (adapter_config["r"], adapter_config["lora_alpha"], adapter_config["rank_pattern"]) == (4, 4, {})
@@ -305,9 +298,7 @@ def test_a_resized_vocabulary_is_reported_not_exported(tmp_path):
     (tmp_path / "agent" / "config.json").write_text(json.dumps({**agent_config, "vocab_size": 100}))
     config = _config(base, [tmp_path / "agent"], shape_mismatch="merge_common_rows")
     with pytest.warns(UserWarning, match="lm_head.weight is not exported"):
-        report = ram_trl.merge(
-            config, tmp_path / "adapter", progress=False, output_format="lora", lora_rank=1
-        )
+        report = ram_trl.merge(config, tmp_path / "adapter", progress=False, output_format="lora", lora_rank=1)
     reasons = {item["tensor"]: item["reason"] for item in report["lora_export"]["not_exported"]}
     assert set(reasons) == {"model.embed_tokens.weight", "lm_head.weight"}
     assert "shape [100, 32] differs from the base's [96, 32]" in reasons["lm_head.weight"]
@@ -343,8 +334,7 @@ def test_no_linear_changed_and_a_tensor_without_a_module(tmp_path):
     assert section["tensors"] == [] and [s["module"] for s in section["modules_to_save"]] == ["model.norm"]
     assert [item["tensor"] for item in section["not_exported"]] == ["model.extra_scale"]
     assert (
-        "Qwen2ForCausalLM (built from the base's config.json) has no parameter"
-        in section["not_exported"][0]["reason"]
+        "Qwen2ForCausalLM (built from the base's config.json) has no parameter" in section["not_exported"][0]["reason"]
     )
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["target_modules"] == "dummy-target-modules"
@@ -405,9 +395,7 @@ def test_an_existing_output_is_refused_before_merging(tmp_path):
     _full_agent(base, tmp_path / "agent", {"model.norm.weight": torch.ones(32)})
     (tmp_path / "out").mkdir()
     with pytest.raises(ram_trl.RamTrlError, match="already exists"):
-        ram_trl.merge(
-            _config(base, [tmp_path / "agent"]), tmp_path / "out", output_format="lora", lora_rank=2
-        )
+        ram_trl.merge(_config(base, [tmp_path / "agent"]), tmp_path / "out", output_format="lora", lora_rank=2)
     assert list((tmp_path / "out").iterdir()) == [] and _leftovers(tmp_path) == []
 
 
@@ -445,9 +433,7 @@ def test_dry_run_plans_the_float32_merge_and_writes_nothing(tmp_path):
     )
     assert summary["dry_run"] and summary["output_format"] == "lora"
     assert summary["lora_export"] == {"mode": "energy", "rank": None, "max_rank": 8, "energy": 0.5}
-    assert summary["bytes_written"] == 4 * sum(
-        v.numel() for v in load_file(str(base / "model.safetensors")).values()
-    )
+    assert summary["bytes_written"] == 4 * sum(v.numel() for v in load_file(str(base / "model.safetensors")).values())
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

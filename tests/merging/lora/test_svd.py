@@ -106,9 +106,7 @@ def test_factorize_a_diagonal_by_hand():
     # diag(3, 2, 1): rank 2 keeps 3 and 2; energy (9 + 4) / 14, error sqrt(1 / 14)
     delta = torch.diag(torch.tensor([3.0, 2.0, 1.0]))
     result = factorize(delta, LoraExportOptions(rank=2))
-    torch.testing.assert_close(
-        result.b @ result.a, torch.diag(torch.tensor([3.0, 2.0, 0.0])), rtol=0, atol=1e-6
-    )
+    torch.testing.assert_close(result.b @ result.a, torch.diag(torch.tensor([3.0, 2.0, 0.0])), rtol=0, atol=1e-6)
     assert result.energy_kept == pytest.approx(13 / 14, rel=1e-12)
     assert result.relative_error == pytest.approx(math.sqrt(1 / 14), rel=1e-6)
 

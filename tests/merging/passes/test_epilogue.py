@@ -30,9 +30,7 @@ def test_blocks_without_negative_zeros_are_left_alone():
     bf16 = torch.tensor([-0.0, 1.0], dtype=torch.bfloat16)  # only float32 blocks are fixed up
     merged = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
     keep_signed_zeros(merged, bf16)
-    assert torch.equal(
-        merged.view(torch.int16), torch.tensor([0.0, 1.0], dtype=torch.bfloat16).view(torch.int16)
-    )
+    assert torch.equal(merged.view(torch.int16), torch.tensor([0.0, 1.0], dtype=torch.bfloat16).view(torch.int16))
 
 
 def test_finite_output_passes():

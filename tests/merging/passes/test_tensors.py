@@ -60,9 +60,7 @@ def test_methods_without_statistics_count_while_merging(tmp_path):
 def test_fill_magnitudes_is_the_absolute_task_vector_in_any_pool(tmp_path, monkeypatch, workers):
     import ram_trl.statistics.counting
 
-    monkeypatch.setattr(
-        ram_trl.statistics.counting, "HISTOGRAM_BLOCK", 40
-    )  # several blocks per tensor on the pool
+    monkeypatch.setattr(ram_trl.statistics.counting, "HISTOGRAM_BLOCK", 40)  # several blocks per tensor on the pool
     ckpts = make_checkpoints(tmp_path, num_agents=1, fraction=0.5)
     base, agent = ckpts.base_tensors[UP], ckpts.agent_tensors[0][UP]
     out = torch.empty(base.numel())
