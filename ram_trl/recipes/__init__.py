@@ -1,7 +1,6 @@
 """Specialize-then-merge recipes: ``ram-trl run RECIPE.yaml``, ``ram-trl eval``, ``ram-trl demo``.
 
-Details: docs/recipes.md.
-"""
+Details: docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -46,16 +45,12 @@ QUICK_OVERRIDES: dict = {
 
 
 def seed_overrides(seed: int) -> dict:
-    """``ram-trl demo --seed S``: every seed of the demo recipe set to ``seed`` (the base's initialisation, the
-    prompt splits and warm-start rows of every stage, the warm start's batches, abstentions and acceptance sampling,
-    the GRPO trainers, the merges' random draws (DARE), the evaluation's sampling and bootstrap). The demo recipe
-    sets every one of them to 0, so ``seed_overrides(0)`` leaves it as it is. A seed out of range is refused."""
+    """``ram-trl demo --seed S``: every seed of the demo recipe (all 0 in it) set to ``seed`` (range checked)."""
     from ram_trl.errors import ConfigError
     from ram_trl.evaluation.spec import MAX_SEED
 
-    highest = (
-        MAX_SEED - 2
-    )  # the lowest limit of the seeds it sets (a stage's prompt seed: its splits draw from later ones)
+    # the lowest limit of the seeds it sets (a stage's prompt seed: its splits draw from later ones)
+    highest = MAX_SEED - 2
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= highest:
         raise ConfigError(f"--seed {seed}: must be an integer from 0 to {highest}")
     return {

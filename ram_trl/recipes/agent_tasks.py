@@ -1,7 +1,6 @@
 """Verifiable tasks for a real instruct model, asked through its chat template (``recipes/smollm2-agents.yaml``).
 
-Details: docs/small-model-rl.md.
-"""
+Details: docs/small-model-rl.md."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 
 
 def chat_prompt(user: str, system: str | None = DEFAULT_SYSTEM) -> str:
-    """``user`` rendered through a ChatML template with the generation prompt, as SmolLM2-Instruct's
-    ``apply_chat_template(..., add_generation_prompt=True)`` renders a one-message conversation."""
+    """``user`` in ChatML with the generation prompt, as SmolLM2-Instruct's ``apply_chat_template`` renders it."""
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     return f"{head}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -58,28 +56,13 @@ def _completion(completion: Any) -> str:
     return str(completion)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # coding: what does the program print?
 
-_WORDS = (
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "tiger",
-    "lemon",
-    "piano",
-    "robot",
-    "maple",
-    "ocean",
-    "pixel",
-    "delta",
-)
+_WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "robot", "maple", "ocean", "pixel", "delta")
 
 
 def run_program(source: str) -> str:
-    """Execute a generated program (no builtins beyond ``print``, ``len``, ``sum``, ``max``, ``min``, ``sorted``,
-    ``range``, ``str``) and return what it printed, without the trailing newline."""
+    """What a generated program prints (builtins: print, len, sum, max, min, sorted, range, str), newline stripped."""
     buffer = io.StringIO()
     allowed = {f.__name__: f for f in (len, sum, max, min, sorted, range, str)}
     allowed["print"] = functools.partial(print, file=buffer)  # no process-wide stdout redirection
@@ -128,12 +111,8 @@ def program_output_prompts(
     show_example: bool = False,
     answer_line: bool = False,
 ) -> list[dict[str, str]]:
-    """Programs of 2-4 lines (arithmetic, list functions, string slicing, a loop, sorting) and the question what they
-    print; the answer is the output of running the program; ``easy_share`` of them are one-line programs
-    (``print(17 * 4)``, ``print(len("river"))``), an easier first rung so that GRPO groups of a small model carry
-    signal; ``show_example`` appends one worked example of the reply format (:data:`EXAMPLE_PROGRAM`);
-    ``answer_line`` asks for any reasoning first and the answer last, on an ``Output:`` line (the marker an RLVR
-    reward extracts, as GSM8K's ``####``). No option changes which programs are drawn."""
+    """Programs of 2-4 lines (``easy_share`` of one line) and the question what they print; the answer is their
+    output. ``show_example`` and ``answer_line`` change the wording only, never which programs are drawn."""
 
     if not 0.0 <= easy_share <= 1.0:
         raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
@@ -161,17 +140,13 @@ _LABELLED_LINES = re.compile(r"^\s*output\s*:[ \t]*(\S.*?)\s*$", re.I | re.M)
 
 
 def _without_code(text: str) -> str:
-    """``text`` without its fenced blocks that hold code (a ``print(`` call): the program echoed back, not an answer.
-    The generator's programs never print ``print(``, so a fenced answer (```` ```\n23\n``` ````) is kept."""
+    """``text`` without fenced blocks that hold a ``print(`` call (the program echoed back); fenced answers stay."""
     return _FENCED_BLOCK.sub(lambda block: "" if "print(" in block.group(1) else block.group(0), text)
 
 
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 when the reply's answer is exactly the program's output, 0.5 when the output appears in the reply's text
-    as a whole token, else 0. The reply's text is the completion without fenced blocks that hold code (the program
-    echoed back earns nothing, although a list program's output is one of its own numbers); its answer is the value
-    of its last ``Output:`` line when it has one (reasoning may come first), else its first non-empty line, code
-    fences and backticks stripped."""
+    """1.0 when the answer (last ``Output:`` line, else first non-empty line) is the output exactly, 0.5 when
+    the output is a whole token of the reply (echoed code blocks removed), else 0."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         text = _strip_fences(_without_code(_completion(completion)))
@@ -185,7 +160,6 @@ def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **k
     return rewards
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # tool use: JSON calls checked against a schema
 
 _CITIES = ("Oslo", "Lima", "Rome", "Paris", "Tokyo", "Cairo", "Berlin", "Madrid", "Dublin", "Seoul")
@@ -228,10 +202,7 @@ AGENT_TOOLS: dict[str, dict[str, Any]] = {
             "properties": {"minutes": {"type": "integer"}, "label": {"type": "string"}},
             "required": ["minutes", "label"],
         },
-        "requests": (
-            "Set a {minutes} minute timer for {label}.",
-            "Remind me about {label} in {minutes} minutes.",
-        ),
+        "requests": ("Set a {minutes} minute timer for {label}.", "Remind me about {label} in {minutes} minutes."),
         "draw": lambda rng: {
             "minutes": rng.randint(1, 90),
             "label": rng.choice(["tea", "pasta", "laundry", "a call", "the oven", "a break"]),
@@ -254,8 +225,7 @@ def _tool_list() -> str:
 
 
 def json_tool_call_prompts(n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM) -> list[dict[str, str]]:
-    """A request that one of :data:`AGENT_TOOLS` answers, with the tools' JSON schemas in the prompt; the answer
-    is the call as compact JSON."""
+    """A request one of :data:`AGENT_TOOLS` answers, the schemas in the prompt; the answer is the compact JSON call."""
     tools = _tool_list()
 
     def make(rng: random.Random) -> dict[str, str]:
@@ -288,8 +258,7 @@ def _json_object(text: str) -> Any:
 
 
 def schema_valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
-    """Whether ``arguments`` satisfies a tool's (flat) JSON schema: required keys present, no other keys, each value
-    of its type (a bool is not an integer) and in its enum."""
+    """Whether ``arguments`` fit a flat JSON schema: required keys, no others, types (a bool is no integer), enums."""
     properties = schema["properties"]
     if set(schema["required"]) - set(arguments) or set(arguments) - set(properties):
         return False
@@ -304,8 +273,7 @@ def schema_valid(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
 
 
 def json_tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """0.25 each for: a JSON call object, the right tool, arguments valid under its schema, exactly the expected
-    arguments (see the module docstring)."""
+    """0.25 each: a JSON call object, the right tool, schema-valid arguments, exactly the expected arguments."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         expected = json.loads(want)
@@ -326,7 +294,6 @@ def json_tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **k
     return rewards
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # memory: recall a fact from a longer context
 
 _NAMES = (
@@ -356,8 +323,7 @@ def fact_recall_prompts(
 
 
 def fact_recall_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 when the completion's first number is the asked value, 0.5 when the value is another of its numbers,
-    else 0."""
+    """1.0 when the completion's first number is the asked value, 0.5 when another of its numbers is, else 0."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         numbers = re.findall(r"\d+", _completion(completion))

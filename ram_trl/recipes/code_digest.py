@@ -1,13 +1,5 @@
-"""The digest of a reward function's code closure, for ``ram-trl run --resume``'s evaluation reuse.
-
-A reward ``package.module:name`` depends on more than its own file: the module it is defined in and every
-project-local module that module imports (transitively, imports inside functions included), the wrapper a decorator
-adds (``__wrapped__`` is followed, and both the wrapper's and the wrapped function's modules count), a callable
-object's class, a ``functools.partial``'s function and arguments. Installed libraries (site-packages, the standard
-library) are keyed by their versions instead (:func:`library_versions`). Whatever cannot be keyed soundly (a
-project-local module without Python source, a partial argument whose ``repr`` is an address) makes the digest
-``None`` with the reason: the caller scores again and says why.
-"""
+"""The digest of a reward function's code closure (project-local modules, wrappers, partials), for
+``ram-trl run --resume``'s evaluation reuse; installed libraries are keyed by version. Details: docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -56,8 +48,7 @@ def _is_installed(file: Path, roots: tuple[Path, ...]) -> bool:
 
 
 def _module_file(name: str) -> Path | None | bool:
-    """The source file of module ``name``; ``None`` when it has no file (built-in, frozen, namespace package),
-    ``False`` when it cannot be found (an optional import that is absent, or an attribute ``from m import name``)."""
+    """Module ``name``'s source file; ``None`` when it has none (built-in, frozen), ``False`` when not found."""
     module = sys.modules.get(name)
     if module is not None:
         origin = getattr(module, "__file__", None)
@@ -73,8 +64,7 @@ def _module_file(name: str) -> Path | None | bool:
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Every module an AST imports: ``import a.b`` gives ``a`` and ``a.b``; ``from .c import d`` gives the resolved
-    package, and ``package.c.d`` in case ``d`` is itself a module."""
+    """Every module an AST imports (``import a.b``: ``a`` and ``a.b``; ``from .c import d`` also ``pkg.c.d``)."""
     names: set[str] = set()
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
@@ -114,8 +104,7 @@ def _top_installed(top: str, roots: tuple[Path, ...]) -> bool:
 
 
 def _closure(modules: set[str]) -> dict[str, str]:
-    """The SHA-256 of every project-local module's source reachable from ``modules`` by imports, by module name
-    (``"absent"`` for a module that cannot be found: its later appearance changes the digest)."""
+    """SHA-256 of each project-local module's source reachable by imports (``"absent"`` if not found)."""
     roots = _installed_roots()
     installed: dict[str, bool] = {}
     digests: dict[str, str] = {}

@@ -13,7 +13,7 @@ from ram_trl.evaluation.rewards import import_object
 from ram_trl.output import atomic_file
 from ram_trl.recipes.schema import StageSpec
 
-__all__ = ["draw_rows", "draw_splits", "draw_warm_rows", "read_jsonl", "split_check_rows", "write_jsonl"]
+__all__ = ["draw_splits", "draw_warm_rows", "read_jsonl", "split_check_rows", "write_jsonl"]
 
 
 def read_jsonl(path: str | os.PathLike, what: str = "prompts file") -> list[dict[str, Any]]:
@@ -40,8 +40,7 @@ RESERVED_COLUMNS = frozenset({"prompts", "completions", "completion_ids", "train
 
 
 def check_rows(rows: Any, where: str, what: str, expected: int | None = None) -> list[dict[str, Any]]:
-    """Validate prompt rows (from a generator or a file): a list of objects with a non-empty string ``prompt``,
-    values JSON can write, no column TRL reserves, and (``expected``) as many rows as asked for."""
+    """Validate prompt rows: objects with a non-empty string ``prompt``, JSON-writable, no TRL-reserved column."""
     if isinstance(rows, dict | str | bytes) or rows is None or not hasattr(rows, "__iter__"):
         raise ConfigError(f"{where}: {what} must return a list of rows, got {type(rows).__name__}")
     rows = list(rows)
@@ -78,13 +77,6 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | os.PathLike) -> Path:
 def _resolve(path: str, root: Path) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else root / p
-
-
-def draw_rows(stage: StageSpec, root: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The training and held-out (test) rows of a stage (see :func:`draw_splits`, which also gives the validation
-    rows)."""
-    train, held, _ = draw_splits(stage, root)
-    return train, held
 
 
 def draw_splits(
@@ -149,9 +141,7 @@ def draw_splits(
 
 
 def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The stage's warm-start rows: ``prompts.warm_size`` rows from its generator (seed ``seed + 2``), none of
-    them a prompt of ``held`` (pass the test and validation rows; ``[]`` without a generator or with
-    ``warm_size: 0``)."""
+    """The stage's ``prompts.warm_size`` warm-start rows (generator seed ``seed + 2``), none a prompt of ``held``."""
     spec = stage.prompts
     if spec is None or spec.generator is None or spec.warm_size == 0:
         return []
@@ -171,9 +161,7 @@ def draw_warm_rows(stage: StageSpec, held: list[dict[str, Any]]) -> list[dict[st
 def split_check_rows(
     warm: list[dict[str, Any]], train: list[dict[str, Any]], size: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Hold the warm start's check rows out of its rows: the first ``size`` warm-start rows whose prompt is not a
-    training prompt (the warm rows never hold a test or validation prompt), so no stage ever sees a check row and
-    the warm start does not train on one."""
+    """Split off the warm start's check rows: the first ``size`` warm rows that are not training prompts."""
     training = {row["prompt"] for row in train}
     check: list[dict[str, Any]] = []
     for row in warm:

@@ -1,15 +1,9 @@
-"""The checks of a recipe that touch the environment, and what the stages import from it.
-
-:func:`validate_recipe` is what ``ram-trl run RECIPE --dry-run`` runs offline after the schema
-(:mod:`ram_trl.recipes.schema`) has accepted the file: the import paths of prompt generators and reward functions
-(:func:`~ram_trl.evaluation.rewards.import_object`), the trainer and PEFT configs, the accelerate/DeepSpeed config files, and the model and data
-paths. :func:`trainer_settings` builds a stage's trainer-config keyword arguments for this machine.
-"""
+"""The recipe checks that touch the environment (:func:`validate_recipe`, what ``--dry-run`` runs after the
+schema) and a stage's trainer settings (:func:`trainer_settings`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +16,6 @@ from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec,
 
 __all__ = [
     "TRAINER_BOUNDS",
-    "callable_list",
     "check_finite",
     "check_trainer_config",
     "trainer_settings",
@@ -57,10 +50,8 @@ def _cuda() -> bool:
 
 
 def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -> dict[str, Any]:
-    """Keyword arguments of the stage's trainer config: the recipe's ``config`` over the runner's defaults
-    (no reporting integrations, no intermediate checkpoints, no progress bar, the recipe's seed). Without a GPU, ``bf16`` defaults to
-    off (TRL's configs default it on); with ``validate_only`` (checking a GPU recipe on a CPU machine), ``bf16`` and
-    ``fp16`` are turned off whatever the recipe says, since the config refuses them without a GPU."""
+    """The stage trainer config's keyword arguments: the recipe's ``config`` over the runner's defaults; ``bf16``
+    defaults off without a GPU; ``validate_only`` turns ``bf16``/``fp16`` off (the config refuses them on a CPU)."""
     settings: dict[str, Any] = {
         "report_to": [],
         "save_strategy": "no",
@@ -76,8 +67,8 @@ def trainer_settings(stage: StageSpec, seed: int, validate_only: bool = False) -
 
 
 def _new_checkpointing_names(cls: type, settings: dict[str, Any]) -> dict[str, Any]:
-    """``gradient_checkpointing*`` said as ``activation_checkpointing*`` where the config knows the new names: TRL's
-    configs default the old name on, and transformers warns about it (a FutureWarning the user cannot act on)."""
+    """``gradient_checkpointing*`` renamed ``activation_checkpointing*`` where the config knows the new names
+    (TRL defaults the old one on, and transformers warns with a FutureWarning the user cannot act on)."""
     import dataclasses
 
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -152,9 +143,7 @@ def check_finite(value: Any, where: str) -> None:
 
 
 def check_trainer_config(stage: StageSpec) -> None:
-    """Validate the stage's ``GRPOConfig``/``RLOOConfig`` keys and values: known fields, numbers where the config
-    takes numbers (finite, whole where it takes integers, within :data:`TRAINER_BOUNDS`), then build it in a
-    scratch directory for the trainer's own checks."""
+    """Validate the stage's GRPOConfig/RLOOConfig keys and values (:data:`TRAINER_BOUNDS`), then build it."""
     import dataclasses
     import tempfile
 
@@ -220,13 +209,7 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, whe
         accepted = set(inspect.signature(make_base_checkpoint).parameters) - {"output_dir"}
         for key in sorted(set(recipe.base.build) - accepted):
             problems.append(f"base.build: unknown argument {key!r}; use some of {', '.join(sorted(accepted))}")
-        for key in (
-            "hidden_size",
-            "num_layers",
-            "intermediate_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
+        for key in ("hidden_size", "num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
             if key in recipe.base.build:
                 try:
                     check_number(recipe.base.build[key], "base.build", key, minimum=1, integer=True)
@@ -401,15 +384,9 @@ def _check_accelerate(stage: StageSpec, root: Path, problems: list[str]) -> None
 
 
 def _check_preview_launch(
-    stage: StageSpec,
-    distributed_type: Any,
-    zero_stage: Any,
-    saves_16bit: Any,
-    path: Path,
-    problems: list[str],
+    stage: StageSpec, distributed_type: Any, zero_stage: Any, saves_16bit: Any, path: Path, problems: list[str]
 ) -> None:
-    """The merge preview under the stage's launch: refused under FSDP; under DeepSpeed ZeRO-3 only for methods that
-    merge partitions element by element and full-weight (not PEFT) stages (docs/merge-preview.md)."""
+    """The merge preview under the stage's launch: no FSDP; ZeRO-3 only element-wise and full-weight."""
     where = f"stage {stage.name!r}: preview"
     if str(distributed_type).upper() == "FSDP":
         problems.append(f"{where}: the merge preview does not support FSDP ({path}); use DDP or DeepSpeed ZeRO-3")
@@ -436,8 +413,3 @@ def _check_preview_launch(
             "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config (zero3_save_16bit_model: true "
             "in the accelerate config)"
         )
-
-
-def callable_list(paths: list[str], what: str) -> list[Callable[..., Any]]:
-    """Import each path of ``paths`` (see :func:`import_object`)."""
-    return [import_object(p, what) for p in paths]

@@ -1,12 +1,5 @@
-"""Stage launching for ``ram-trl run``: each trained stage runs in its own process (``python -m
-ram_trl.recipes.stage``, or under ``accelerate launch``), writing into a temporary sibling of its directory that is
-committed when the process finished with a manifest (:class:`StageLauncher`, a part of
-:class:`~ram_trl.recipes.runner.Run`).
-
-``--resume`` skips complete stages (:func:`~ram_trl.recipes.layout.stage_complete`) after checking that they were
-trained with the recipe's config (``STAGE/ram_recipe_stage.json``). A failed stage stops the run with a
-:class:`StageError` naming the stage and its log; finished stages are kept.
-"""
+"""Stage launching for ``ram-trl run``: each trained stage in its own process, committed when it finished
+with a manifest; ``--resume`` checks a complete stage's ``ram_recipe_stage.json`` against the recipe."""
 
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ class StageLauncher:
         self.layout = layout
 
     def train_stages(self) -> None:
-        """Train every stage without a given checkpoint (only ``options.only`` when set; complete stages skipped
-        with ``options.resume``)."""
+        """Train every stage without a given checkpoint (``options.only``, ``options.resume`` honoured)."""
         stages = [s for s in self.layout.recipe.stages if s.trained]
         if self.layout.options.only is not None:
             self.layout.recipe.stage(self.layout.options.only)
@@ -110,10 +102,7 @@ class StageLauncher:
         ]
 
     def stage_output(self, stage: StageSpec) -> OutputDir:
-        """The output-commit protocol of a stage directory: the stage process writes into a temporary sibling,
-        committed when it finished with a manifest; a previous run of the stage (one with ``ram_stage.json``, or
-        the empty directory of an interrupted run) is replaced, anything else refused; it must not hold the base,
-        another stage's agent or a prompt file."""
+        """The stage directory's commit protocol: a previous run of the stage is replaced, anything else refused."""
         from ram_trl.stage.manifest import MANIFEST_NAME
 
         reads = [("base model", self.layout.base)] + [
@@ -262,9 +251,7 @@ def stage_processes(stage_dir: Path) -> str:
 
 
 def die_with_parent(parent: int) -> Callable[[], None] | None:
-    """What a child process runs before its program (``Popen(preexec_fn=...)``) so that it is terminated with its
-    parent: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, so a runner killed even by ``kill -9`` takes its stage
-    process down with it (and the stage's temporary directory is then removed by the next run)."""
+    """A ``preexec_fn`` that makes the child die with its parent (Linux ``PR_SET_PDEATHSIG``, even on ``kill -9``)."""
     if not sys.platform.startswith("linux"):
         return None
 

@@ -1,22 +1,5 @@
 """The run directory of ``ram-trl run``: where every file of a run goes, the checks on it, and the state the
-pipeline's phases share (:class:`RunLayout`, the base of :class:`~ram_trl.recipes.runner.Run`).
-
-Run directory layout (``--out``, else the recipe's ``output_dir``, else ``runs/NAME``)::
-
-    recipe.yaml              the validated recipe the stage processes read
-    base_init/               the built base (recipes with base.build), or the converted GGUF base (base.gguf)
-    base/                    the warm-started base (recipes with warm_start): base of every stage and merge
-    data/STAGE/train.jsonl   the stage's training prompts; eval.jsonl its held-out test prompts, val.jsonl its
-                             validation prompts (what sweeps and the merge to ship are chosen on)
-    stages/STAGE/            the agent (saved in the stage's save_dtype) and ram_stage.json
-    logs/STAGE.log           the stage process's output
-    analysis/                ram-trl analyze over the agents (analysis.json, analysis.md, figures)
-    merges/ROW/              one merged model per merge row
-    eval/MODEL.json          each model's test and validation scores, per-prompt rewards, sample completions
-    results.json, results.md, scores.png, retention.png
-
-A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint (:func:`stage_complete`).
-"""
+phases share (:class:`RunLayout`). The directory's files: docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -81,8 +64,7 @@ class RunOptions:
 
 
 class RunLayout:
-    """Where one run's files are, and the state its phases share: the recipe, the run directory, the options, the
-    console, the timings and the notes (the base class of :class:`~ram_trl.recipes.runner.Run`)."""
+    """Where one run's files are, and the state its phases share (recipe, options, console, timings, notes)."""
 
     def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
         self.recipe, self.root, self.dir, self.options = recipe, root, run_dir, options
@@ -90,7 +72,6 @@ class RunLayout:
         self.timings: dict[str, float] = {}
         self.notes: list[str] = []
 
-    # -- paths -----------------------------------------------------------------------------------------------
     def stage_dir(self, stage: StageSpec) -> Path:
         """Where a stage's trained agent and manifest go."""
         return self.dir / "stages" / stage.name
@@ -101,16 +82,14 @@ class RunLayout:
 
     @property
     def base(self) -> Path:
-        """The base model the stages train from and the merges use: the warm-started base, the built base, or
-        the recipe's ``base.path`` (resolved)."""
+        """The base the stages and merges use: the warm-started base, else :attr:`initial_base`."""
         if self.recipe.warm_start is not None:
             return self.dir / "base"
         return self.initial_base
 
     @property
     def initial_base(self) -> Path:
-        """The base before any warm start: ``RUN/base_init`` (built, or converted from GGUF), else the recipe's
-        ``base.path`` (resolved)."""
+        """The base before any warm start: ``RUN/base_init`` (built or converted), else ``base.path`` (resolved)."""
         if self.recipe.base.build is not None or self.recipe.base.gguf is not None:
             return self.dir / "base_init"
         path = resolve_path(self.recipe.base.path, self.root)
@@ -127,8 +106,7 @@ class RunLayout:
         self.timings[key] = round(self.timings.get(key, 0.0) + time.perf_counter() - start, 2)
 
     def resolved_recipe(self) -> dict[str, Any]:
-        """The recipe with every path made absolute: the copy in the run directory, which the stage processes and
-        ``ram-trl eval --recipe RUN/recipe.yaml`` read from anywhere."""
+        """The recipe with every path absolute (``RUN/recipe.yaml``, readable from anywhere)."""
         data = self.recipe.model_dump(mode="json", exclude_none=True)
         for key in ("path", "gguf"):
             if key in data["base"]:
@@ -145,8 +123,7 @@ class RunLayout:
         return data
 
     def check_dir(self, recipe_file: Path | None) -> None:
-        """Refuse a run directory that is or holds an input of the run (the recipe, the base, an agent, a prompt
-        file, an accelerate config), or that exists and is not a previous run (it would be written into)."""
+        """Refuse a run directory that is or holds an input, or exists and is not a previous run."""
         data = self.resolved_recipe()
         reads: list[tuple[str, Path]] = [("recipe", recipe_file)] if recipe_file else []
         if "path" in data["base"]:

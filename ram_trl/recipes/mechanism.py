@@ -1,9 +1,5 @@
-"""The mechanism section of a recipe run's results (issue 32; the RAM paper's Fig. 3 question): does keeping each
-agent's unique region at full strength matter, measured with the merges a recipe lists.
-
-Rows are recognised by method and parameters (:func:`mechanism_rows`); each comparison is a paired difference of
-test averages over the same bootstrap resamples of the prompts (or seeds), the interval the verdict uses.
-"""
+"""The mechanism section of a run's results (issue 32, the RAM paper's Fig. 3): does keeping each agent's unique
+region at full strength matter; paired differences over the same bootstrap resamples (or seeds)."""
 
 from __future__ import annotations
 

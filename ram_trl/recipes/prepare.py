@@ -1,8 +1,5 @@
-"""What a run does before its stages train (:class:`RunPreparation`, a part of
-:class:`~ram_trl.recipes.runner.Run`): check the run directory, draw every stage's prompt rows and call its reward
-functions once on them, write ``recipe.yaml`` and the prompt files, build or convert the base, and warm-start it.
-Each step is skipped when an identical result is already in the run directory.
-"""
+"""What a run does before its stages train (:class:`RunPreparation`): prompt rows and reward checks, ``recipe.yaml``,
+the prompt files, the base and the warm start, each skipped when an identical result is already there."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ class RunPreparation:
         self.layout = layout
 
     def draw(self) -> dict[str, tuple[list[dict[str, Any]], ...]]:
-        """Every stage's prompt rows (training, test, validation, warm start), validated, and each reward function
-        called once on them: the checks of user code that run before anything is written."""
+        """Every stage's rows (train, test, val, warm, check), validated, each reward called once on them."""
         from ram_trl.recipes.stage import preflight_rewards
 
         drawn = {}
@@ -49,8 +45,7 @@ class RunPreparation:
         return drawn
 
     def prepare(self, recipe_file: Path | None = None) -> None:
-        """Check the run directory, draw and check every stage's rows, write ``recipe.yaml`` and the prompt files,
-        then build the base and run the warm start when the recipe asks for them."""
+        """Check the run directory, draw and write the rows and ``recipe.yaml``, build the base, warm-start it."""
         self.layout.check_dir(recipe_file)
         start = time.perf_counter()
         drawn = self.draw()
@@ -78,8 +73,7 @@ class RunPreparation:
             self.warm_start()
 
     def build_base(self) -> None:
-        """Build the recipe's synthetic base (``base.build``) into ``RUN/base_init``, unless an identical build is
-        already there."""
+        """Build ``base.build`` into ``RUN/base_init`` unless an identical build is there."""
         from ram_trl.synthetic import make_base_checkpoint
 
         target = self.layout.dir / "base_init"
@@ -101,8 +95,7 @@ class RunPreparation:
         self.layout.console.print(f"[green]built[/] base model {target}")
 
     def convert_base(self) -> None:
-        """Convert the recipe's GGUF base (``base.gguf``) into ``RUN/base_init``
-        (:func:`ram_trl.io.gguf.convert_gguf`), unless a conversion of the same bytes in the same dtype is there."""
+        """Convert ``base.gguf`` into ``RUN/base_init`` unless the same bytes in the same dtype were converted."""
         import json
 
         from ram_trl.io.gguf import RECORD_NAME, convert_gguf, open_gguf_source
@@ -132,8 +125,7 @@ class RunPreparation:
         )
 
     def warm_start(self) -> None:
-        """Supervised warm start of the base (``warm_start``) into ``RUN/base``, unless an identical one is already
-        there."""
+        """Warm-start the base into ``RUN/base`` unless an identical warm start is there."""
         import json
 
         from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
@@ -188,8 +180,7 @@ class RunPreparation:
         self.layout.console.print(f"warm start ({phase}) step {step}: {what} {shown}")
 
     def abstain_reply(self, reply: str | None) -> str:
-        """The warm start's abstaining reply: ``reply``, or when it is ``None`` the first of
-        :data:`~ram_trl.recipes.schema.ABSTAIN_REPLIES` that earns no reward on any stage's validation or test rows."""
+        """``reply``, or the first of :data:`ABSTAIN_REPLIES` that earns no reward on any stage's test or val rows."""
         from ram_trl.evaluation.scoring import score_completions
         from ram_trl.recipes.schema import ABSTAIN_REPLIES
 
@@ -231,8 +222,7 @@ class RunPreparation:
         return {"steps": record["steps"], **record["acceptance"]}
 
     def _warm_files(self) -> list[Path]:
-        """The warm start's rows: every stage's ``warm.jsonl``, or the trained stages' training rows when no stage
-        draws warm-start rows."""
+        """Every stage's ``warm.jsonl``, or the trained stages' training rows when no stage draws warm rows."""
         warm = [self.layout.dir / "data" / s.name / "warm.jsonl" for s in self.layout.recipe.stages]
         if any(f.is_file() and f.stat().st_size for f in warm):
             return [f for f in warm if f.is_file()]

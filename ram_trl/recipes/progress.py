@@ -1,6 +1,5 @@
-"""Progress of a run's long steps (each stage's training steps, each merge, each model's evaluation): a bar with an
-ETA in a terminal, lines in a log file (no bar redrawn with carriage returns). A stage process reports its steps as
-``ram-trl progress: step N/M`` lines (:func:`step_lines`), which its launcher turns into the same display."""
+"""Progress of a run's long steps: a bar with an ETA in a terminal, lines in a log file. Stage processes print
+``ram-trl progress: step N/M`` lines (:func:`step_lines`) that the launcher turns into the same display."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def parse_step(line: str) -> tuple[int, int] | None:
 
 
 def step_lines(interval: float = 2.0) -> Any:
-    """In a stage process: a trainer callback that prints a :data:`STEP_MARK` line on the main process at the first
-    and last step and at most every ``interval`` seconds in between, for the launcher's progress display."""
+    """A trainer callback printing :data:`STEP_MARK` lines (main process; first, last, every ``interval`` s)."""
     from transformers import TrainerCallback
 
     class StepLines(TrainerCallback):
@@ -51,10 +49,8 @@ def step_lines(interval: float = 2.0) -> Any:
 
 
 class Progress:
-    """``done`` of ``total`` with an ETA: a tqdm bar when ``bar``, else lines through ``write`` (one per item with
-    ``every_item``; otherwise one every ``every`` items, or at each tenth of the total without it), e.g.
-    ``evaluation 3/14: ram (41s; about 7m left)``. With ``first``, counting starts there (``first`` items were done
-    before: the bar starts at it, the lines and the ETA count from it)."""
+    """``done`` of ``total`` with an ETA: a tqdm bar, or lines through ``write`` (per item, every ``every``, or
+    each tenth); ``first`` items were done before."""
 
     def __init__(
         self,

@@ -1,8 +1,6 @@
-"""The results of a recipe run: ``results.json``, ``results.md`` (a table like the RAM paper's Table 1 with 95%
-intervals, retention, the merge chosen on validation and a verdict), PNG charts and a rich table in the terminal.
+"""The results of a recipe run: ``results.json``, ``results.md``, PNG charts and the terminal table.
 
-Details: docs/recipes-results.md.
-"""
+Details: docs/recipes-results.md."""
 
 from __future__ import annotations
 
@@ -14,9 +12,7 @@ from ram_trl.output import atomic_file
 from ram_trl.recipes.mechanism import mechanism
 from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.results_plots import plot_preview, plot_retention, plot_scores, plot_training
-from ram_trl.recipes.selection import (
-    add_statistics,
-)
+from ram_trl.recipes.selection import add_statistics
 
 __all__ = ["write_results"]
 
@@ -27,8 +23,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def write_results(results: dict[str, Any], out_dir: Path, figures: bool = True) -> list[Path]:
-    """Add the statistics (:func:`add_statistics`) and write ``results.json``, ``scores.png`` and
-    ``retention.png`` (unless ``figures`` is off) and ``results.md`` into ``out_dir``."""
+    """Add the statistics and write ``results.json``, the charts (unless ``figures`` is off) and ``results.md``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     add_statistics(results)
     results["mechanism"] = mechanism(results)

@@ -1,5 +1,4 @@
-"""How results.md, the verdict and the terminal table write numbers: scores, 95% intervals, percentages, rho and
-ranges (pure functions of numbers to text)."""
+"""How results.md, the verdict and the terminal table write numbers (pure functions of numbers to text)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ def fmt3(value: float | None) -> str:
 
 
 def ci(value: float | None, interval: Any, spec: str = ".3f") -> str:
-    """A value and its interval: ``0.500 [0.400, 0.600]``; ``-`` when there is no value, the value alone when there
-    is no interval."""
+    """A value and its interval, ``0.500 [0.400, 0.600]``; ``-`` without a value."""
     if value is None:
         return "-"
     text = format(value, spec)

@@ -1,7 +1,4 @@
-"""``results.md`` and the terminal table of a recipe run: the test table (95% intervals, retention, the agents'
-regime), the validation table, retention per vertical, the selection, the merge previews, the warm start's
-acceptance and the verdict.
-"""
+"""``results.md`` and the terminal table of a recipe run."""
 
 from __future__ import annotations
 
@@ -26,10 +23,7 @@ def _score_table(results: dict[str, Any], split: str) -> list[str]:
     header = ["model", "kind", *stages, "average", "retention"]
     if split == "test":
         header += ["density", "unique", "rho"]
-    lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|",
-    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|"]
     for row in results["rows"]:
         block = split_block(row, split)
         intervals = block.get("interval") or {}
@@ -66,8 +60,7 @@ def _retention_table(results: dict[str, Any]) -> list[str]:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """``results.md``: the test table (95% intervals, mean retention, the agents' regime), the validation table,
-    retention per vertical, the selection and the verdict. Bold marks the merge chosen on validation per column."""
+    """``results.md``; bold marks the merge chosen on validation per column."""
     if "selection" not in results:
         add_statistics(results)
     config = results.get("statistics") or {}
@@ -159,22 +152,14 @@ def _training_section(results: dict[str, Any]) -> list[str]:
 
 
 def _warm_start_section(results: dict[str, Any]) -> list[str]:
-    """results.md's section on the warm start's acceptance criterion (runs whose recipe sets
-    ``warm_start.accept``)."""
+    """results.md's section on the warm start's acceptance (``warm_start.accept``)."""
     from ram_trl.recipes.warm_start import acceptance_summary
 
     warm = results.get("warm_start")
     if not warm:
         return []
     verdict = "accepted" if warm["accepted"] else "**NOT ACCEPTED: a phase hit its cap with the criterion unmet**"
-    lines = [
-        "## Warm start",
-        "",
-        f"Criterion: {warm['criterion']}.",
-        "",
-        f"{warm['steps']} steps, {verdict}.",
-        "",
-    ]
+    lines = ["## Warm start", "", f"Criterion: {warm['criterion']}.", "", f"{warm['steps']} steps, {verdict}.", ""]
     return lines + [f"- {line}" for line in acceptance_summary(warm)] + [""]
 
 

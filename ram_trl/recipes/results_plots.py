@@ -1,7 +1,4 @@
-"""The charts of a recipe run's results (PNG, matplotlib's Agg renderer; no display and no global pyplot state):
-the test scores with their intervals, retention per merge and vertical, and each stage's merge preview over
-training. The charts of the sparsity analysis are :mod:`ram_trl.analysis.plots`.
-"""
+"""The charts of a recipe run's results (PNG, matplotlib's Agg renderer; no global pyplot state)."""
 
 from __future__ import annotations
 
@@ -17,14 +14,12 @@ __all__ = ["plot_preview", "plot_retention", "plot_scores", "plot_training", "sc
 
 
 def plot_scores(results: dict[str, Any], path: Path) -> None:
-    """Grouped bars of the test scores with their 95% intervals as error bars: one group per stage (and the
-    average), one bar per model."""
+    """Grouped bars of the test scores with 95% intervals: one group per stage and the average."""
     _save_figure(scores_figure(results), path)
 
 
 def scores_figure(results: dict[str, Any]) -> Any:
-    """The figure of :func:`plot_scores`: the shipped merge's bars outlined in black and marked "ship" above its
-    average; a zero score drawn as a short line on the axis (a bar of height 0 is invisible)."""
+    """The figure of :func:`plot_scores`: the shipped merge outlined; a zero score drawn as a short line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -84,8 +79,7 @@ def _save_figure(figure: Any, path: Path) -> None:
 
 
 def plot_retention(results: dict[str, Any], path: Path) -> bool:
-    """Heat map of retention on test: one row per merge, one column per vertical and the mean; undefined cells
-    grey and marked ``n/a``."""
+    """Heat map of test retention: a row per merge, a column per vertical and the mean; undefined cells grey."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -125,8 +119,7 @@ def plot_retention(results: dict[str, Any], path: Path) -> bool:
 
 
 def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
-    """One stage's merge preview over training: the merged validation average and the agent's own validation score
-    per previewed step, beside the agent's training reward (right axis), the kept step marked."""
+    """One stage's merge preview over training (merged and own validation, training reward), kept step marked."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -158,8 +151,7 @@ def plot_preview(stage: str, record: dict[str, Any], path: Path) -> None:
 
 
 def plot_training(training: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """The task vector's density at every telemetry measurement of each stage (left; the saved dtype's view solid
-    where measured, ``|tau| > eps`` in the training dtype dashed) and the batch reward logged with it (right)."""
+    """Each stage's task-vector density per telemetry measurement (left) and the batch reward (right)."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -1,10 +1,5 @@
-"""What ``ram-trl run --resume`` may reuse of an earlier attempt's evaluation: a model's scores are kept when
-nothing they depend on changed (the model's weights and every other file a loader reads, the base an adapter is
-merged into, the held-out prompts, the reward functions' code closure (:mod:`ram_trl.recipes.code_digest`), the
-evaluation settings and the versions of torch, transformers, TRL, PEFT and ram_trl), checked by content digests,
-never by file times (the merges are written again on every resume, byte-identical). When a reward's code cannot be
-keyed soundly, every model is scored again and the log says why.
-"""
+"""What ``ram-trl run --resume`` may reuse of an earlier evaluation: a model's scores, when the content digests
+of everything they depend on are unchanged (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -26,9 +21,7 @@ _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 
 
 def model_digest(path: str | Path) -> str:
-    """SHA-256 of a model or adapter directory's weights (every tensor, whatever the sharding) and of every other
-    file in it that a loader may read (configuration, every tokenizer file, chat templates, generation
-    configuration, pickled weights), by name; ram_trl's own records and model cards are left out."""
+    """SHA-256 of a model directory's tensors (whatever the sharding) and every other file a loader may read."""
     directory = Path(path)
     digest = hasher()
     digest.update(weights_digest(directory).encode())
@@ -56,8 +49,7 @@ def reward_digests(tasks: list[Any]) -> tuple[dict[str, str] | None, str | None]
 def evaluation_key(
     model: str, base: str, tasks: list[Any], settings: dict[str, Any], rewards: dict[str, str] | None = None
 ) -> str | None:
-    """The digest of everything one model's evaluation depends on; ``None`` when the rewards' code cannot be keyed
-    soundly (score again)."""
+    """The digest of what one model's evaluation depends on; ``None`` when the rewards cannot be keyed."""
     from ram_trl.recipes.code_digest import library_versions
 
     if rewards is None:

@@ -1,15 +1,6 @@
 """``ram-trl run``: base -> warm start -> one RL process per stage -> analysis -> merges -> evaluation -> results.
 
-The phases live in their own modules, combined into :class:`Run`: :mod:`ram_trl.recipes.layout` (the run directory,
-its layout and checks), :mod:`ram_trl.recipes.prepare` (prompt files, base, warm start),
-:mod:`ram_trl.recipes.launch` (one process per stage); this module sequences them and runs the analysis, the
-merges, the evaluation and the results. The run directory's layout: :mod:`ram_trl.recipes.layout`.
-
-A stage is complete when its ``ram_stage.json`` exists and names an existing checkpoint; ``--resume`` skips
-complete stages (the base, warm start and prompt files are reused whenever complete) and reuses each model's
-evaluation when its inputs are unchanged (:mod:`ram_trl.recipes.reuse`). A failed stage stops the
-run with a :class:`StageError` naming the stage and its log; finished stages are kept.
-"""
+Details: docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -24,14 +15,7 @@ from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.launch import StageError, StageLauncher
-from ram_trl.recipes.layout import (
-    RunLayout,
-    RunOptions,
-    resolve_path,
-    safe_name,
-    stage_complete,
-    stderr_console,
-)
+from ram_trl.recipes.layout import RunLayout, RunOptions, resolve_path, safe_name, stage_complete, stderr_console
 from ram_trl.recipes.prepare import RunPreparation
 from ram_trl.recipes.progress import Progress
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
@@ -41,9 +25,7 @@ __all__ = ["RunOptions", "StageError", "run_recipe", "run_seeds"]
 
 
 class Run:
-    """One execution of a recipe (use :func:`run_recipe`): the run directory (:class:`~ram_trl.recipes.layout.RunLayout`),
-    its preparation (:class:`~ram_trl.recipes.prepare.RunPreparation`), its stages
-    (:class:`~ram_trl.recipes.launch.StageLauncher`), then the analysis, merges, evaluation and results."""
+    """One execution of a recipe (use :func:`run_recipe`): its layout, preparation and launcher, then the rest."""
 
     def __init__(self, recipe: Recipe, root: Path, run_dir: Path, options: RunOptions) -> None:
         self.layout = RunLayout(recipe, root, run_dir, options)
@@ -80,8 +62,7 @@ class Run:
         return {"model": str(self.layout.agent_path(stage)), "name": stage.name}
 
     def fisher(self, rows: list[MergeRow]) -> None:
-        """Estimate each agent's diagonal Fisher on its own stage's training prompts (``fisher.safetensors``
-        beside the agent, what ``merge_method: fisher`` reads), when a merge row uses the fisher method."""
+        """Each trained agent's diagonal Fisher on its training prompts, when a merge row uses the fisher method."""
         from ram_trl.methods import resolve_method
 
         fisher_rows = [r for r in rows if resolve_method(r.method)[0].needs_fisher]
@@ -292,8 +273,7 @@ class Run:
         return out
 
     def previews(self) -> dict[str, dict[str, Any]]:
-        """Per stage trained with ``preview:``, the merge preview its manifest records (the step kept and why, and
-        every preview's merged validation scores), for results.md."""
+        """Per stage trained with ``preview:``, the preview record of its manifest."""
         from ram_trl.stage.manifest import read_manifest
 
         out = {}
@@ -394,15 +374,8 @@ def run_recipe(recipe_path: str | os.PathLike | dict[str, Any], options: RunOpti
 
 
 def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptions) -> dict[str, Any]:
-    """``ram-trl run --seeds N``: the whole pipeline ``N`` times, with the recipe's ``seed`` (the stages' trainers
-    and the merges' random draws) and ``evaluation.seed`` set to ``seed + k`` for ``k = 0 .. N-1``, each run in
-    ``OUT/seed_S/`` with its own ``results.md``; then ``OUT/results.md`` and ``results.json`` with every score the
-    mean over the seeds and its 95% Student t interval over the seeds.
-
-    The prompts (``prompts.seed``), the base and the warm start (``warm_start.seed``) are the same in every run (the
-    base is built and warm-started once and copied), so the intervals measure how much the results vary with the
-    RL training and the merges' randomness, not with the choice of prompts. A stage whose ``config.seed`` is set
-    trains with that seed in every run (a note says so)."""
+    """``ram-trl run --seeds N``: the pipeline per seed ``seed + k`` in ``OUT/seed_S/`` (prompts, base and warm
+    start shared), then every score's mean and 95% t interval over the seeds in ``OUT/results.md``."""
     from dataclasses import replace
 
     from ram_trl.recipes.results import write_results

@@ -1,7 +1,6 @@
 """The recipe file (YAML): a base model, stages (one RL run per vertical), merges to compare, and the evaluation.
 
-Details: docs/recipes.md.
-"""
+Details: docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ _Strict = StrictModel
 
 
 class BaseSpec(_Strict):
-    """The base model: an existing checkpoint (``path``), a GGUF file converted by the run (``gguf``) or a tiny
-    Qwen2 built from a config (``build``)."""
+    """The base model: a checkpoint (``path``), a GGUF file (``gguf``) or a tiny Qwen2 built from a config."""
 
     path: str | None = None
     hub_id: str | None = None
@@ -79,17 +77,8 @@ ABSTAIN_REPLIES: tuple[str, ...] = ("(I don't know)", "(I DON'T KNOW)", "(no ans
 
 
 class WarmStartAcceptance(_Strict):
-    """When a warm start is done: a criterion measured on check rows (each stage's ``check_size`` warm-start rows that
-    are not one of its training prompts, held out of the warm start: no stage trains, tests or validates on them),
-    checked every ``every`` steps past ``warm_start.steps``, up to a cap.
-
-    Phase one (the answers) ends when every stage's sampled pass@``pass_k`` (temperature ``temperature``; a
-    completion passes when its summed reward is at least ``pass_reward``) reaches ``min_pass``, or at ``max_steps``.
-    With ``abstain_share``, phase two (the abstentions) is checked after ``abstain_steps`` and every
-    ``abstain_every`` steps after, and ends when greedy
-    decoding declines (answers ``abstain_reply``) on at least ``abstain_share - decline_tolerance`` of the check rows,
-    averaged over the stages, or at ``abstain_max_steps``. A phase that ends at its cap is reported loudly (a
-    warning, ``accepted: false`` in ``ram_warm_start.json`` and a line in results.md)."""
+    """When a warm start is done, measured on held-out check rows every ``every`` steps up to a cap
+    (docs/recipes.md). A phase that ends at its cap is reported loudly."""
 
     check_size: int = Field(64, ge=1)
     pass_k: int = Field(4, ge=1)
@@ -106,10 +95,7 @@ class WarmStartAcceptance(_Strict):
 
 
 class WarmStartSpec(_Strict):
-    """A short supervised warm start of the base on a mixture of the stages' rows (prompt, then the reference answer
-    and end of sequence; loss on the answer): each stage's ``prompts.warm_size`` rows drawn for it, or its training
-    rows when no stage draws any. The warm-started model, saved in ``save_dtype``,
-    is the base of every stage and of the merges."""
+    """A short supervised warm start of the base on the stages' rows (loss on the answer); base of every stage."""
 
     steps: int = Field(300, ge=1)
     batch_size: int = Field(32, ge=1)
@@ -146,9 +132,7 @@ class WarmStartSpec(_Strict):
 
 
 class PromptSpec(_Strict):
-    """A stage's prompts: generated (``generator``) or read from JSON Lines files (``train_file``/``eval_file``).
-
-    Rows are objects with a ``prompt`` and any columns the reward functions take (e.g. ``answer``)."""
+    """A stage's prompts: generated (``generator``) or read from JSON Lines files."""
 
     generator: str | None = None
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -179,10 +163,7 @@ class PromptSpec(_Strict):
 
 
 class PreviewSpec(_Strict):
-    """The merge preview of a trained stage (:class:`ram_trl.callbacks.preview.MergePreviewCallback`): every ``every`` steps
-    and at the end, the merge of the policy with the earlier trained stages, scored on every merged stage's
-    validation prompts with the recipe's ``evaluation``; ``keep: best`` leaves the step that merges best as the
-    stage's agent."""
+    """The merge preview of a trained stage (:class:`~ram_trl.callbacks.preview.MergePreviewCallback`)."""
 
     every: int | None = Field(None, ge=1)
     prompts: int | None = Field(defaults.PREVIEW_PROMPTS, ge=1)
@@ -236,9 +217,7 @@ class StageSpec(_Strict):
 
 
 class MergeSpec(_Strict):
-    """One merge method to compare. A parameter given as a list sweeps it: one merge (one table row) per value,
-    and per combination when several are lists; ``out_dtype`` is the dtype it is written and scored in (default:
-    the recipe's ``merge_dtype``)."""
+    """One merge method to compare; a parameter given as a list sweeps it (one row per combination)."""
 
     method: str
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -277,9 +256,7 @@ class AnalysisSpec(_Strict):
 
 
 class Recipe(_Strict):
-    """A specialize-then-merge recipe. ``merge_dtype`` (default float32, so that no step of a method rounds away
-    below one step of the agents' saved dtype) is the dtype the merges are written and scored in; a merge's
-    ``out_dtype`` overrides it."""
+    """A specialize-then-merge recipe; ``merge_dtype`` (default float32) is the merges' write and score dtype."""
 
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
@@ -357,8 +334,7 @@ def _format_errors(exc: ValidationError) -> str:
 def load_recipe(
     source: str | os.PathLike | dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> tuple[Recipe, Path]:
-    """Read and validate a recipe (schema only; :func:`ram_trl.recipes.environment.validate_recipe` runs the
-    environment checks)."""
+    """Read and validate a recipe (schema only; :func:`validate_recipe` checks the environment)."""
     if isinstance(source, dict):
         data, where, root = source, "recipe", Path.cwd()
     else:
@@ -387,8 +363,7 @@ RESERVED_NAMES = ("base", "average")
 
 
 def check_row_names(recipe: Recipe, where: str = "recipe") -> None:
-    """Refuse names that would collide in the results: a stage named like a reserved row or like a merge row, or two
-    rows equal up to case (their ``eval/NAME.json`` files collide on case-insensitive file systems)."""
+    """Refuse names that collide in the results (reserved names, merge rows, equal up to case)."""
     rows = [("base", "the base model's row")]
     rows += [(stage.name, f"stage {stage.name!r}") for stage in recipe.stages]
     try:

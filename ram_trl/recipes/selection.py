@@ -1,8 +1,5 @@
-"""Everything a recipe run's results derive from the scores (:func:`add_statistics`): averages, 95% intervals,
-retention, the choice of the merge to ship on the validation split only (:func:`select_merges`) and the
-:func:`verdict` that explains it; the agents' regime from the analysis; the combination of several seeds' runs
-(:func:`aggregate_seeds`). ``docs/recipes-results.md`` explains how to read them.
-"""
+"""What a run's results derive from the scores (:func:`add_statistics`): intervals, retention, the merge chosen on
+validation and its verdict, the regime, and seeds combined. Details: docs/recipes-results.md."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ __all__ = [
     "SELECTION_RULE",
     "add_statistics",
     "aggregate_seeds",
-    "best_merged",
     "difference",
     "regime_from_analysis",
     "row_average",
@@ -74,15 +70,8 @@ def select_merges(results: dict[str, Any]) -> dict[str, Any]:
     return {"rule": SELECTION_RULE, "split": "val", "ship": ship, "columns": columns, "sweeps": sweeps}
 
 
-def best_merged(results: dict[str, Any]) -> dict[str, str]:
-    """Per column (each stage, and ``"average"``), the merge marked best: the one chosen on validation
-    (:func:`select_merges`), never the best test score."""
-    return select_merges(results)["columns"]
-
-
 def regime_from_analysis(analysis: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """Per agent name, the task vector's regime from ``analysis.json``: density, unique share of its active
-    elements, rho_t and RAM+'s lambda_t."""
+    """Per agent, its regime from ``analysis.json``: density, unique share, rho_t and RAM+'s lambda_t."""
     regime = {}
     for agent in analysis.get("agents", []):
         active = agent.get("active") or 0
@@ -97,14 +86,12 @@ def regime_from_analysis(analysis: dict[str, Any]) -> dict[str, dict[str, float 
 
 
 def split_block(row: dict[str, Any], split: str) -> dict[str, Any]:
-    """The scores of ``row`` on ``split``: the row itself for ``"test"``, its ``val`` block for ``"val"`` (added
-    when missing)."""
+    """The scores of ``row`` on ``split`` (its ``val`` block for ``"val"``, added when missing)."""
     return row if split == "test" else row.setdefault("val", {"scores": {}})
 
 
 def score_samples(results: dict[str, Any], split: str, kind: str) -> dict[str, dict[str, np.ndarray]]:
-    """Per row name, per stage and ``"average"``: the bootstrap means (paired over rows: the same resamples of the
-    prompts for every model) or the per-seed values; differences of two rows' samples give paired intervals."""
+    """Per row, stage and ``"average"``: the paired bootstrap means (or per-seed values)."""
     stages = results["stages"]
     config = results.get("statistics") or {}
     rows = results["rows"]
@@ -182,21 +169,14 @@ def _retention(
     scores = split_block(row, split)["scores"]
     per_stage: dict[str, float | None] = {}
     for vertical, expert in experts.items():
-        values = (
-            scores.get(vertical),
-            base_scores.get(vertical),
-            split_block(expert, split)["scores"].get(vertical),
-        )
+        values = (scores.get(vertical), base_scores.get(vertical), split_block(expert, split)["scores"].get(vertical))
         per_stage[vertical] = None if None in values else stats.retention(*values, min_gain=min_gain)
     verticals = [v for v, value in per_stage.items() if value is not None]
     interval = None
     needed = [samples[row["name"]], samples[base["name"]], *(samples[experts[v]["name"]] for v in verticals)]
     if verticals and all(v in have for have in needed for v in verticals):
         draws = stats.retention_samples(
-            samples[row["name"]],
-            samples[base["name"]],
-            {v: samples[experts[v]["name"]] for v in verticals},
-            verticals,
+            samples[row["name"]], samples[base["name"]], {v: samples[experts[v]["name"]] for v in verticals}, verticals
         )
         interval = stats.interval_of(draws, kind)
     return {
@@ -268,8 +248,7 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
 
 
 def difference(results: dict[str, Any], first: str, second: str) -> tuple[float, Any] | None:
-    """Test-average difference ``first - second`` and its paired interval (recomputed from the samples, present
-    while :func:`add_statistics` runs)."""
+    """Test-average difference ``first - second`` with its paired interval."""
     by_name = {row["name"]: row for row in results["rows"]}
     a, b = by_name[first].get("average"), by_name[second].get("average")
     if a is None or b is None:
@@ -305,8 +284,7 @@ AVERAGING_UNIQUE = 0.05
 
 
 def verdict(results: dict[str, Any]) -> str:
-    """One plain paragraph: the merge to ship (chosen on validation), its test average with its interval, its
-    retention, how it compares with the runner-up and the base on test, and the agents' regime."""
+    """One paragraph: the merge to ship, its test average and retention, against the runner-up and the base."""
     selection = results.get("selection") or select_merges(results)
     ship = selection["ship"]
     stages = results["stages"]

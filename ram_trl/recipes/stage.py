@@ -1,12 +1,6 @@
 """One stage of a recipe, run as its own process: ``python -m ram_trl.recipes.stage --recipe R --stage S ...``.
 
-The runner launches this module (directly, or through ``accelerate launch`` when the stage names an accelerate
-config). It loads the base, the stage's training prompts (written by the runner) and reward functions, builds the
-TRL trainer (GRPOTrainer or RLOOTrainer, full or LoRA), wires the task-vector telemetry callback with the earlier
-stages' manifests as ``prior_stages``, trains, and leaves in ``--out`` the agent saved in the stage's
-``save_dtype`` and its stage manifest (``ram_stage.json``). The manifest is written last: its presence marks the
-stage as complete.
-"""
+Its manifest (``ram_stage.json``) is written last: its presence marks the stage as complete."""
 
 from __future__ import annotations
 
@@ -25,20 +19,11 @@ from ram_trl.parallel import owned_process
 from ram_trl.recipes.environment import trainer_settings
 from ram_trl.recipes.schema import Recipe, StageSpec, load_recipe
 
-__all__ = [
-    "attach_telemetry",
-    "build_trainer",
-    "main",
-    "preflight_rewards",
-    "run_stage",
-]
+__all__ = ["attach_telemetry", "build_trainer", "main", "preflight_rewards", "run_stage"]
 
 
 def preflight_rewards(stage: StageSpec, rows: list[dict[str, Any]], count: int = 2) -> None:
-    """Call each reward function of ``stage`` once on its first ``count`` rows, before any training: with an empty
-    completion and the row's ``answer`` as completions, as training and evaluation call them. A function that
-    cannot be called, raises or returns something other than one finite float (or ``None``) per completion is
-    reported now instead of after the base was built and warm-started."""
+    """Call each reward once on the first ``count`` rows (empty and reference completions), before training."""
     sample = rows[:count]
     if not sample or not stage.rewards:
         return
@@ -100,9 +85,7 @@ def attach_telemetry(
     recipe: Recipe | None = None,
     val_files: dict[str, Path] | None = None,
 ) -> Any:
-    """Bind the task-vector sparsity callback to ``trainer``: it logs the telemetry while the stage trains and, at
-    train end, saves the agent in the stage's ``save_dtype`` and writes ``ram_stage.json`` into the output directory,
-    with the earlier stages' manifests as ``prior_stages`` (overlap and rho_t against them)."""
+    """Bind the task-vector callback: it saves the agent and writes ``ram_stage.json`` at train end."""
     common = {
         "trainer": trainer,
         "base_model": str(base),

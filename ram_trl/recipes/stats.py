@@ -1,7 +1,6 @@
 """The statistics of a recipe's results: 95% intervals, retention and the selection of the merge to ship.
 
-Details: docs/recipes-results.md.
-"""
+Details: docs/recipes-results.md."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ _Z975 = 1.959963984540054
 
 
 def t_quantile(df: int) -> float:
-    """The 97.5th percentile of Student's t with ``df`` degrees of freedom (exact to 6 decimals up to 30, then a
-    Cornish-Fisher expansion, within 1e-5)."""
+    """97.5th percentile of Student's t (exact to 6 decimals for df <= 30, then Cornish-Fisher, within 1e-5)."""
     if df < 1:
         raise ValueError(f"t_quantile: degrees of freedom {df} < 1")
     if df <= len(_T975):
@@ -74,8 +72,7 @@ def t_interval(values: Sequence[float]) -> tuple[float, float | None, float | No
 
 
 def resample_indices(n: int, resamples: int = RESAMPLES, seed: int = 0, stream: int = 0) -> np.ndarray:
-    """Bootstrap indices: ``resamples`` rows of ``n`` indices drawn with replacement from ``range(n)``, from
-    ``numpy.random.default_rng([seed, stream])`` (deterministic; ``stream`` separates the stages)."""
+    """Bootstrap indices, ``resamples x n``, from ``numpy.random.default_rng([seed, stream])``."""
     rng = np.random.default_rng([seed, stream])
     return rng.integers(0, n, size=(resamples, n))
 
@@ -86,8 +83,7 @@ def bootstrap_means(values: Sequence[float], indices: np.ndarray) -> np.ndarray:
 
 
 def percentile_interval(samples: Sequence[float] | np.ndarray, level: float = LEVEL) -> tuple[float, float]:
-    """The percentile interval of bootstrap ``samples``: their ``(1 - level) / 2`` and ``(1 + level) / 2``
-    quantiles (``numpy.quantile``, linear interpolation)."""
+    """The ``(1 -+ level) / 2`` quantiles of ``samples`` (``numpy.quantile``, linear)."""
     array = np.asarray(samples, dtype=np.float64)
     low, high = np.quantile(array, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
@@ -123,8 +119,7 @@ def retention_samples(
     specialists: Mapping[str, Mapping[str, np.ndarray]],
     verticals: Sequence[str],
 ) -> np.ndarray:
-    """Per sample (bootstrap resample or seed), the mean retention over ``verticals``; ``NaN`` in a sample where
-    some vertical's specialist gain ``specialist - base`` is not positive."""
+    """Per sample, the mean retention over ``verticals``; NaN where a specialist's gain is not positive."""
     ratios = []
     for v in verticals:
         gain = np.asarray(specialists[v][v]) - np.asarray(base[v])
@@ -134,8 +129,7 @@ def retention_samples(
 
 
 def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[float, float] | None:
-    """The interval of ``samples``: their percentile interval for ``kind="bootstrap"``, the Student t interval of
-    their mean for ``kind="seeds"``."""
+    """The percentile interval (``"bootstrap"``) or the Student t interval of the mean (``"seeds"``)."""
     array = np.asarray(samples, dtype=np.float64)
     missing = np.isnan(array)
     if kind == "bootstrap":
@@ -151,8 +145,7 @@ def interval_of(samples: np.ndarray, kind: str, level: float = LEVEL) -> tuple[f
 
 
 def select_best(candidates: Mapping[str, float | None]) -> str | None:
-    """The key with the highest value (first in order among equal values); ``None``-valued keys are never picked
-    (``None`` when no key has a value)."""
+    """The key with the highest value (first among ties), ``None``-valued keys never picked."""
     best: str | None = None
     for key, value in candidates.items():
         if value is None or (isinstance(value, float) and math.isnan(value)):

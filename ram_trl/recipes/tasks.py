@@ -1,22 +1,5 @@
-"""Small verifiable tasks for the embedded CPU demo (coding, tool use, memory: the verticals of the RAM paper).
-
-Each task is a prompt *generator* ``fn(n, seed, **kwargs) -> list[dict]`` (rows with a ``prompt`` and the reference
-``answer``) and a *reward function* in TRL's signature ``fn(completions, answer, **kwargs) -> list[float]`` (TRL
-passes the dataset's extra columns, here ``answer``, as keyword arguments). Rewards are in ``[0, 1]``; a completion
-is read up to its first newline, surrounding spaces ignored.
-
-- ``program`` (coding: predict a one-line program's output, the demo's coding vertical): ``'rev("kqfzb")='`` ->
-  ``"bzfqk"`` (reverse, sort, upper-case or shift a word). Exact answer 1.0, otherwise 0.5 times the share of the
-  answer's characters matched from the left (a shaped, still verifiable, signal so a tiny model's GRPO groups are
-  not all zero).
-- ``arithmetic`` (coding-like: compute a small expression): ``"37+45="`` -> ``"82"``, rewarded like ``program``. A
-  model of the demo's size learns only the answers' prior (docs/small-model-rl.md), so the demo no longer uses it.
-- ``tool_call`` (tool use: emit a well-formed call with the right arguments): ``"rain in Oslo mon? "`` ->
-  ``"weather(city=Oslo,day=mon)"``. 0.2 for a well-formed call ``name(key=value,...)`` of the wrong tool; the
-  right tool earns 0.5 plus 0.5 x the share of its arguments given exactly (1.0 for exactly the right call).
-- ``recall`` (memory: recall a key's value from a context; the demo uses 4 one-letter keys):
-  ``"ka=3;qb=7;...;qb?"`` -> ``"7"``. 1.0 for the exact value, else 0.
-"""
+"""Small verifiable tasks for the embedded CPU demo: prompt generators ``fn(n, seed, **kw)`` and TRL reward
+functions ``fn(completions, answer, **kw)`` in ``[0, 1]`` on the first line of a completion (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -43,8 +26,7 @@ __all__ = [
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion as TRL passes it (a string, or a conversational list of messages), up to the first
-    newline, stripped of surrounding spaces."""
+    """A completion as TRL passes it (string or messages), up to its first newline, stripped."""
     if isinstance(completion, list):
         completion = "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion).split("\n", 1)[0].strip()
@@ -64,7 +46,6 @@ def unique_rows(make: Callable[[random.Random], dict[str, str]], n: int, seed: i
     return list(rows.values())
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # arithmetic (coding-like)
 
 
@@ -102,7 +83,6 @@ def arithmetic_reward(completions: Sequence[Any], answer: Sequence[str], **kwarg
     return rewards
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # program output (coding)
 
 #: Function name -> what it does to a lowercase word: the "programs" whose output :func:`program_prompts` asks for.
@@ -132,7 +112,6 @@ def program_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: 
     return arithmetic_reward(completions, answer)
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # tool calls (tool use)
 
 _CITIES = (
@@ -166,11 +145,7 @@ TOOLS: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[str, 
         (_CITIES, ("mon", "tue", "wed", "thu", "fri", "sat", "sun")),
         ("weather in {0} on {1}?", "rain in {0} {1}?", "{1}: is it cold in {0}?"),
     ),
-    "flight": (
-        ("src", "dst"),
-        (_CITIES, _CITIES),
-        ("fly {0} to {1}?", "flights from {0} to {1}?"),
-    ),
+    "flight": (("src", "dst"), (_CITIES, _CITIES), ("fly {0} to {1}?", "flights from {0} to {1}?")),
     "stock": (
         ("ticker", "days"),
         (
@@ -210,8 +185,7 @@ _CALL = re.compile(r"^([A-Za-z_]\w*)\((\s*\w+\s*=\s*[^,()=]+\s*(?:,\s*\w+\s*=\s*
 
 
 def tool_call_prompts(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """Questions that one tool answers; the answer is the call, e.g. ``"weather in Oslo on mon? "`` ->
-    ``"weather(city=Oslo,day=mon)"``."""
+    """Questions one tool answers; the answer is the call, e.g. ``weather(city=Oslo,day=mon)``."""
 
     def make(rng: random.Random) -> dict[str, str]:
         tool = rng.choice(sorted(TOOLS))
@@ -241,9 +215,8 @@ def parse_call(text: str) -> tuple[str, dict[str, str]] | None:
 
 
 def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """0.2 for a well-formed call of the wrong tool; with the right tool, 0.5 plus 0.5 x the share of arguments given
-    exactly (matched arguments over the larger of the expected and the given argument counts, so 1.0 only for exactly
-    the right call); 0 for anything that is not a well-formed call."""
+    """0.2 for a well-formed call of the wrong tool; the right tool 0.5 + 0.5 x the share of exact arguments
+    (over the larger argument count); 0 for anything else."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         got = parse_call(completion_text(completion))
@@ -259,7 +232,6 @@ def tool_call_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs
     return rewards
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # recall (memory)
 
 

@@ -1,7 +1,4 @@
-"""What each stage's telemetry measured while it trained: the task vector's density at every measurement, read
-from the stage's ``trainer_state.json`` (the trainer's own ``log_history``, which the stage process saves next to
-the agent), for ``results.json``'s ``training`` block, its figure and its section of ``results.md``.
-"""
+"""Each stage's telemetry while it trained, read from its ``trainer_state.json`` log history, for the results."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ def _finite(value: Any) -> float | None:
 
 
 def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector/") -> list[dict[str, Any]]:
-    """The telemetry measurements of one training run, in step order (``reward``: the batch reward logged last at or
-    before the step; GRPO's and RLOO's ``log`` put it in the telemetry's own entry when that is logged first)."""
+    """The telemetry measurements in step order, each with the batch reward logged last at or before it."""
     rewards = sorted((int(e["step"]), _finite(e["reward"])) for e in log_history if "reward" in e and "step" in e)
     points = []
     for entry in log_history:
@@ -49,8 +45,7 @@ def training_curve(log_history: list[dict[str, Any]], prefix: str = "task_vector
 
 
 def read_training(stage_dirs: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
-    """Per stage, the telemetry curve of its ``trainer_state.json`` (stages without one, or without a measurement,
-    are left out)."""
+    """Per stage, the telemetry curve of its ``trainer_state.json`` (stages without one left out)."""
     out = {}
     for name, directory in stage_dirs.items():
         path = Path(directory) / TRAINER_STATE

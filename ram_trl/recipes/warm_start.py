@@ -1,13 +1,5 @@
-"""Supervised warm start: a few hundred steps of next-token training on (prompt, answer) rows, so a freshly built
-tiny base produces answers of the right shape and RL rewards are not all zero. It trains with TRL's ``SFTTrainer``;
-an :class:`AcceptanceCallback` stops it when the criterion holds (``benchmarks/bench_warm_start.py`` times it).
-
-The trainer optimises exactly what the hand-written loop it replaced did: loss on the answers only, AdamW over every
-parameter, the same cosine-to-10% schedule, clipping at 1, and the same batches (each step's rows drawn on their own
-from one generator seeded with ``spec.seed``, read in order, not an epoch shuffle). Measured on the demo's rows,
-20 steps on 1 thread: losses 4.6705 -> 3.2644 with either, 14.4 s of CPU against 15.8 s for the loop. An earlier
-version shuffled by epoch; its demo run needed 1,300 steps to pass phase one's check, against 600 in the loop's last
-record (an older recipe): replaying the loop's batches makes the two the same run, so this is kept."""
+"""Supervised warm start on (prompt, answer) rows with TRL's ``SFTTrainer``, so a freshly built tiny base
+answers in the right shape; :class:`AcceptanceCallback` stops it when the criterion holds."""
 
 from __future__ import annotations
 
@@ -65,8 +57,7 @@ def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[i
 
 
 def with_abstentions(rows: list[dict[str, Any]], share: float, reply: str, seed: int) -> list[dict[str, Any]]:
-    """``rows`` with the answer of a seeded ``share`` of them replaced by ``reply`` (each row independently, so
-    every task abstains at about the same rate)."""
+    """``rows`` with a seeded ``share`` of answers replaced by ``reply`` (each row independently)."""
     rng = random.Random(f"abstain-{seed}")
     return [dict(row, answer=reply) if rng.random() < share else row for row in rows]
 
@@ -85,8 +76,7 @@ def _own_random_state() -> Iterator[None]:
 
 
 class _Steps(TrainerCallback):
-    """Every step's loss, and the steps up to the next check (or the end): a bar, or lines with an ETA through
-    ``write`` every tenth of the steps to the first check."""
+    """Every step's loss, and the steps to the next check as a bar or as lines through ``write``."""
 
     def __init__(
         self,
@@ -150,10 +140,7 @@ def _train_phase(
     write: Callable[[str], None],
     acceptance: AcceptanceCallback | None = None,
 ) -> list[float]:
-    """TRL's ``SFTTrainer`` on ``encoded`` for ``max_steps`` steps (fewer when ``acceptance`` stops it): AdamW,
-    gradients clipped to norm 1, the learning rate decayed on a cosine over ``steps`` to 10% (then 10%), each batch
-    ``spec.batch_size`` distinct rows drawn from ``rng`` (read in order; ``rng`` ends advanced by the batches
-    trained on), on the CPU, shown as ``label``; every step's loss."""
+    """``SFTTrainer`` for ``max_steps`` (fewer when ``acceptance`` stops it) on the CPU; every step's loss."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
     from trl import SFTConfig, SFTTrainer
@@ -162,6 +149,9 @@ def _train_phase(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
     )
+    # The hand-written loop this replaced, step for step (20 demo steps: losses 4.6705 -> 3.2644 in both, 14.4 s of
+    # CPU vs 15.8 s): each batch drawn on its own from ``rng`` and read in order. With an epoch shuffle instead, the
+    # demo needed 1,300 steps to pass phase one's check, against 600.
     size, drawn = min(spec.batch_size, len(encoded)), rng.getstate()
     data = Dataset.from_dict({"input_ids": [ids for ids, _ in encoded], "labels": [lab for _, lab in encoded]}).select(
         _draws(rng, len(encoded), size, max_steps)
@@ -207,8 +197,7 @@ def pass_at_k(passed: list[list[bool]]) -> float:
 
 
 def phase_met(measured: dict[str, float], target: float, how: str = "every") -> bool:
-    """Whether per-stage measurements reach ``target``: every stage's (``how="every"``) or their mean
-    (``how="mean"``)."""
+    """Whether every stage's measurement (``how="every"``) or their mean (``"mean"``) reaches ``target``."""
     if not measured:
         return False
     if how == "mean":
@@ -217,8 +206,7 @@ def phase_met(measured: dict[str, float], target: float, how: str = "every") -> 
 
 
 class AcceptanceCallback(TrainerCallback):
-    """Stops training at the first check where ``met(measure())``: checks after ``first`` steps, then every ``every``
-    steps, the last at ``cap``; ``on_check(step, values)`` after each. :meth:`record` holds the phase's checks."""
+    """Stops training at the first check where ``met(measure())``: after ``first``, every ``every``, up to ``cap``."""
 
     def __init__(
         self,
@@ -255,10 +243,8 @@ class AcceptanceCallback(TrainerCallback):
 
 
 class _Checker:
-    """The acceptance measurements on the check rows, taken on a copy of the model rounded to the saved dtype (what
-    the stages will load), in eval mode, under a forked random state (the training's draws are not disturbed). The
-    copy is made before training: a copy of the trained model keeps TRL's patched ``forward``, which runs the
-    original model."""
+    """Acceptance measurements on a copy rounded to the saved dtype, in eval mode, under a forked random state.
+    The copy is made before training: a copy of the trained model keeps TRL's patched ``forward``."""
 
     def __init__(
         self,
@@ -281,8 +267,7 @@ class _Checker:
         self.saved = copy.deepcopy(model).eval()
 
     def _tasks(self, what: str) -> Iterator[Any]:
-        """The check tasks, with a bar or a line each: a check generates on every stage's rows (minutes on a busy
-        CPU)."""
+        """The check tasks, with a bar or a line each (a check can take minutes on a busy CPU)."""
         shown = Progress(f"warm start check ({what})", len(self.checks), bar=self.progress, write=self.write)
         for done, task in enumerate(self.checks, 1):
             yield task
@@ -358,12 +343,8 @@ def _values(values: dict[str, float]) -> str:
 
 
 def acceptance_summary(acceptance: dict[str, Any]) -> list[str]:
-    """The acceptance record in words: per phase its steps and last measurement, then the final measurement; a
-    phase that hit its cap unmet is named loudly (``WARNING``)."""
-    names = {
-        "answers": "phase one (answers): sampled pass@k",
-        "abstain": "phase two (abstentions): greedy declines",
-    }
+    """The acceptance record in words; a phase that hit its cap unmet is marked ``WARNING``."""
+    names = {"answers": "phase one (answers): sampled pass@k", "abstain": "phase two (abstentions): greedy declines"}
     lines = []
     for name, phase in acceptance["phases"].items():
         last = phase["checks"][-1]["values"]
@@ -400,22 +381,10 @@ def warm_start(
     on_check: Callable[[str, int, dict[str, float]], None] | None = None,
     write: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``base_in`` on ``rows`` (float32, AdamW, cosine decay to 10%) and save it to ``base_out``.
+    """Train ``base_in`` on ``rows`` in float32 and save it to ``base_out`` (replacing only a previous warm start).
 
-    Its progress is a bar when ``progress``, else lines with an ETA through ``write`` (for a log file; none without
-    it): the steps every tenth of the way to a phase's first check, then up to each check, and each check's stages.
-
-    With ``spec.abstain_share``, a second phase of ``spec.abstain_steps`` steps follows on the same rows with that
-    share abstaining (:func:`with_abstentions`): the tasks are learned first, the habit of declining on top, so
-    the abstentions do not slow the learning of the tasks.
-
-    The output (model in ``spec.save_dtype``, tokenizer, generation config, :data:`WARM_START_RECORD`) goes through
-    the output-commit protocol (:class:`~ram_trl.output.OutputDir`): written to a temporary sibling and renamed into
-    place, replacing a previous warm start (a directory holding :data:`WARM_START_RECORD`) and nothing else.
-
-    With ``spec.accept``, each phase trains until its criterion holds on ``checks`` or its cap is hit
-    (:class:`AcceptanceCallback`); the record's ``acceptance`` holds the criterion, every check, the steps taken, the final
-    measurements and ``accepted``; a phase that hit its cap unmet is warned about."""
+    With ``spec.abstain_share``, a second phase trains on the same rows with that share abstaining; with
+    ``spec.accept``, each phase runs until its criterion holds on ``checks`` or its cap is hit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     base_in, base_out = Path(base_in), Path(base_out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ram_trl.errors import ConfigError
-from ram_trl.recipes.data import draw_rows, draw_splits, draw_warm_rows, read_jsonl, write_jsonl
+from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, write_jsonl
 from ram_trl.recipes.schema import StageSpec
 
 
@@ -28,7 +28,6 @@ def test_held_out_validation_and_warm_rows_are_disjoint_from_what_they_must_not_
     assert len(warm) == 1540
     assert not {r["prompt"] for r in warm} & (prompts[1] | prompts[2])
     assert draw_splits(spec, tmp_path) == (train, held, val)
-    assert draw_rows(spec, tmp_path) == (train, held)
     assert draw_warm_rows(stage(train_size=50, eval_size=24), held) == []
 
 
@@ -61,7 +60,7 @@ def test_file_prompts_and_jsonl_errors(tmp_path):
     write_jsonl(rows, tmp_path / "train.jsonl")
     assert read_jsonl(tmp_path / "train.jsonl") == rows
     spec = StageSpec(name="s", prompts={"train_file": "train.jsonl"}, rewards=["ram_trl.recipes.tasks:recall_reward"])
-    assert draw_rows(spec, tmp_path) == (rows, [])
+    assert draw_splits(spec, tmp_path)[:2] == (rows, [])
     write_jsonl([{"prompt": "2+2=", "answer": "4"}], tmp_path / "val.jsonl")
     spec = StageSpec(
         name="s",
@@ -83,4 +82,4 @@ def test_file_prompts_and_jsonl_errors(tmp_path):
 def test_a_failing_generator_names_the_stage(tmp_path):
     spec = stage(train_size=2000)  # more distinct prompts than exist
     with pytest.raises(ConfigError, match="stage 'tools': prompt generator .* failed: ValueError"):
-        draw_rows(spec, tmp_path)
+        draw_splits(spec, tmp_path)

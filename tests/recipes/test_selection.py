@@ -12,7 +12,6 @@ from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.selection import (
     add_statistics,
     aggregate_seeds,
-    best_merged,
     regime_from_analysis,
     row_average,
     select_merges,
@@ -101,7 +100,7 @@ def test_selection_ignores_test_scores_and_follows_validation():
         flipped["rows"][3]["val"],
     )
     assert add_statistics(flipped)["selection"]["ship"] == "m2"
-    assert best_merged(hand_made()) == {"a": "m1", "b": "m1", "average": "m1"}
+    assert select_merges(hand_made())["columns"] == {"a": "m1", "b": "m1", "average": "m1"}
 
 
 def test_no_validation_scores_chooses_nothing():
