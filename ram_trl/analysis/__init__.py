@@ -1,7 +1,4 @@
-"""Task-vector sparsity analysis: the numbers behind a choice of merge method, for a base and N agents.
-
-Details: docs/analysis.md.
-"""
+"""Task-vector sparsity analysis: the numbers behind a choice of merge method, for N agents (docs/analysis.md)."""
 
 from __future__ import annotations
 
@@ -101,10 +98,6 @@ def analyze(
         ctx.close()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The pass
-
-
 @dataclass(frozen=True)
 class AnalysisRun:
     """One analysis run: what is analysed, where it is written, this process's place, and the options."""
@@ -185,8 +178,7 @@ def _run(run: AnalysisRun) -> dict[str, Any]:
 
 
 def analysis_output(out_dir: Path, resolved: ResolvedConfig) -> OutputDir:
-    """The commit protocol of an analysis directory: never inside (nor holding) an input; a previous analysis
-    (``analysis.json``) or an empty directory is replaced, anything else is refused."""
+    """An analysis directory's commit protocol: never an input; a previous analysis or empty directory is replaced."""
     return OutputDir(out_dir, reads=resolved.inputs(), markers=(JSON_FILE,), replace_previous=True)
 
 

@@ -71,12 +71,7 @@ def resolve_inputs(
             raise ConfigError(f"every agent is the base model {base}: there is no task vector to analyse")
         entries = [{"stage" if is_stage(path) else "model": str(path)} for path in agents]
         parameters = {k: v for k, v in given.items() if v is not None}
-        raw = {
-            "merge_method": "ram_plus",
-            "base_model": str(base),
-            "models": entries,
-            "parameters": parameters,
-        }
+        raw = {"merge_method": "ram_plus", "base_model": str(base), "models": entries, "parameters": parameters}
         resolved = resolve_config(load_config(raw)[0], allow_external_shards=allow_external_shards)
     if names is not None:
         if len(names) != len(resolved.agents):
@@ -97,8 +92,7 @@ def resolve_inputs(
 
 
 def stage_base(path: str | os.PathLike) -> Path | None:
-    """The base model a stage manifest names (:func:`~ram_trl.stage.manifest.base_model_path`: a relative path resolved
-    against the manifest's directory, not the current directory)."""
+    """The base a stage manifest names (a relative path resolved against the manifest's directory)."""
     file = manifest_path(path)
     return base_model_path(read_manifest(file), file)
 

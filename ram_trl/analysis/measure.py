@@ -1,9 +1,4 @@
-"""The analysis pass: one streaming read of the floating tensors, measuring each tensor's task vectors.
-
-Per tensor: the overlap counts at ``eps`` and at exact equality, the bfloat16 view's counts for inputs stored wider,
-and (over the whole model) the magnitude statistics of the active deltas. The task vectors are the merge's
-(:func:`ram_trl.merging.streaming.to_deltas`).
-"""
+"""The analysis pass: one streaming read of the floating tensors, measuring each tensor's task vectors."""
 
 from __future__ import annotations
 
@@ -63,10 +58,7 @@ def analysis_pass(
 
     records: dict[str, TensorAnalysis] = {}
     device = torch.device("cpu")
-    with (
-        RowReader() as reader,
-        tqdm(total=len(tasks), desc="analyze", unit="tensor", disable=not progress) as bar,
-    ):
+    with RowReader() as reader, tqdm(total=len(tasks), desc="analyze", unit="tensor", disable=not progress) as bar:
         for chunk in iter_chunks(base, agents, tasks, reader, counter=read):
             name = chunk.task.name
             if name not in records:

@@ -1,8 +1,4 @@
-"""Figures of a sparsity analysis (PNG, matplotlib's Agg renderer; no display and no global pyplot state).
-
-Each function draws one figure from the result of :func:`ram_trl.analysis.analyze` (the content of
-``analysis.json``) and saves it to a path.
-"""
+"""Figures of a sparsity analysis from ``analysis.json`` (PNG, matplotlib's Agg renderer; no global pyplot state)."""
 
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ def plot_density(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_overlap(result: dict[str, Any], path: Path) -> None:
-    """Stacked bars (the RAM paper's figure 2, right): the share of each agent's active elements that 0, 1, ...
-    other agents also update."""
+    """Stacked bars (RAM paper, fig. 2 right): each agent's active elements by how many others also update them."""
     names = _names(result)
     n = len(names)
     figure = _figure(max(5.0, 1.1 * n + 2.5), 3.8)

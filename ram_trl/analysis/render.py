@@ -1,5 +1,4 @@
-"""The analysis as files and tables: ``analysis.json``, ``analysis.md`` (Markdown tables), the PNG figures
-(:mod:`ram_trl.analysis.plots`), and the terminal summary."""
+"""The analysis as files and tables: ``analysis.json``, ``analysis.md``, the figures, and the terminal summary."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def _num(value: float | str | None, spec: str = ".4g") -> str:
 
 
 def _count(value: int, compact: bool) -> str:
-    """An element count: whole with thousands separators, or (``compact``, for an 80-column terminal) in three
-    significant digits with k / M / G / T above 99,999."""
+    """An element count with thousands separators, or (``compact``) in three significant digits with k/M/G/T."""
     if not compact or value < 100_000:
         return f"{value:,}"
     for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -50,18 +48,7 @@ def _count(value: int, compact: bool) -> str:
 
 def sparsity_rows(result: dict[str, Any], compact: bool = False) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-agent sparsity and overlap table (``compact``: counts shortened for a terminal)."""
-    header = [
-        "agent",
-        "dtype",
-        "density",
-        "exact",
-        "bf16",
-        "unique",
-        "shared",
-        "rho",
-        "lam RAM+",
-        "lam RAM+s",
-    ]
+    header = ["agent", "dtype", "density", "exact", "bf16", "unique", "shared", "rho", "lam RAM+", "lam RAM+s"]
     rows = []
     for a in result["agents"]:
         rows.append(
@@ -134,10 +121,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "### Pairwise Jaccard index of the active sets",
         "",
-        *_table(
-            ["", *names],
-            [[names[s], *(_num(v, ".3f") for v in row)] for s, row in enumerate(result["jaccard"])],
-        ),
+        *_table(["", *names], [[names[s], *(_num(v, ".3f") for v in row)] for s, row in enumerate(result["jaccard"])]),
         "## Magnitudes of the active deltas",
         "",
         *_table(*magnitude_rows(result)),
@@ -198,10 +182,7 @@ def print_tables(result: dict[str, Any]) -> None:
     console = Console()
     console.print(f"{result['num_agents']} agents, {result['total_elements']:,} elements, {result['tensors']} tensors")
     for title, (header, rows) in [
-        (
-            f"Task-vector sparsity at eps = {result['parameters']['eps']:g}",
-            sparsity_rows(result, compact=True),
-        ),
+        (f"Task-vector sparsity at eps = {result['parameters']['eps']:g}", sparsity_rows(result, compact=True)),
         ("Magnitudes of the active deltas", magnitude_rows(result)),
     ]:
         table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=0)

@@ -1,5 +1,4 @@
-"""The analysis result: per-agent densities, overlaps, implied lambda_t and magnitudes, the anatomy and per-tensor
-detail, assembled from the pass's records (the content of ``analysis.json``)."""
+"""The analysis result (the content of ``analysis.json``), assembled from the pass's records."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Scoring models on held-out prompts with each stage's reward functions: what the recipes (``ram-trl eval``,
-``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) share, below both.
-
-- :mod:`ram_trl.evaluation.spec`: :class:`~ram_trl.evaluation.spec.EvaluationSpec`, the decoding and reporting
-  settings (the recipe's ``evaluation:``).
-- :mod:`ram_trl.evaluation.rewards`: reward functions imported by path and wrapped so that failures name the stage.
-- :mod:`ram_trl.evaluation.scoring`: :class:`~ram_trl.evaluation.scoring.EvalTask`, generation and scoring.
-- :mod:`ram_trl.evaluation.retention`: retention of a merge over the base and the specialist.
-
-The main names load on first access (``from ram_trl.evaluation import EvalTask``), so importing one submodule does
-not import the others.
-"""
+"""Scoring models on held-out prompts with each stage's rewards, for the recipes and the merge preview.
+Names load on first access, so importing one submodule does not import the others."""
 
 from __future__ import annotations
 
@@ -32,14 +22,7 @@ _LAZY = {
     "retention": "ram_trl.evaluation.retention",
 }
 
-__all__ = [
-    "EvalTask",
-    "EvaluationSpec",
-    "evaluate_loaded",
-    "evaluate_model",
-    "mean_retention",
-    "retention",
-]
+__all__ = ["EvalTask", "EvaluationSpec", "evaluate_loaded", "evaluate_model", "mean_retention", "retention"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)

@@ -1,22 +1,4 @@
-"""The diagonal empirical Fisher of an agent on its stage's prompts, stored beside it for Fisher merging.
-
-For prompts ``x_1 .. x_S`` and the model's own completions ``y_i`` (greedy by default; sampled from the model's full
-distribution with a fixed seed when ``sample=True``), the estimate of each parameter ``theta_j`` is::
-
-    F_j = 1/S * sum_i ( d/d theta_j  log p(y_i | x_i) )^2,   log p(y_i | x_i) = sum_k log p(y_ik | x_i, y_i<k)
-
-one backward pass per sample (the square of each sample's own gradient, never of a batch's), in float32 whatever
-the model's dtype. With ``sample=True`` this is the one-sample Monte-Carlo estimate of the true Fisher of the
-sequence distribution (Matena & Raffel's definition); greedy completions make it deterministic (the "empirical"
-Fisher on the model's most likely answers). The completion includes the end-of-sequence token when the model
-emits it (stopping is one of its decisions) and nothing after it.
-
-Names are the checkpoint's: ``named_parameters()`` lists a tied parameter once under its first name, which is the
-name ``save_pretrained`` keeps (``model.embed_tokens.weight`` for tied Qwen2 embeddings); its Fisher sums both uses.
-A LoRA agent is estimated on the base with the adapter merged in (:func:`load_agent`), so its Fisher is keyed by
-the base's names and covers every base tensor; the merge weights the agent's dense delta ``B @ A * scaling`` with
-it. A model carrying PEFT adapters is refused by :func:`estimate_fisher` (merge them in first).
-"""
+"""The diagonal empirical Fisher of an agent on its stage's prompts, for Fisher merging (docs/fisher.md)."""
 
 from __future__ import annotations
 
@@ -225,8 +207,7 @@ def save_fisher(
 
 
 def read_prompts(path: str | os.PathLike) -> list[str]:
-    """Prompts from a file: JSONL with a ``prompt`` field (``.jsonl``/``.json`` files, or lines starting with
-    ``{``), otherwise one prompt per non-empty line."""
+    """Prompts from a file: JSONL with a ``prompt`` field (``.jsonl``/``.json`` or ``{`` lines), else one per line."""
     path = Path(path)
     if not path.is_file():
         raise RamTrlError(f"prompts file {path} does not exist")
@@ -265,9 +246,8 @@ def _check_weights_format(directory: Path, role: str, allow_pickle: bool) -> Non
 
 
 def _stage_checkpoint(directory: Path) -> tuple[Path, Path | None]:
-    """A stage directory's checkpoint, verified against its manifest (:func:`~ram_trl.stage.manifest.verify_stage`), and
-    the base model the manifest names (a relative path resolved beside the manifest); a directory without a
-    manifest is read as it is (no base), and so is one whose manifest describes no saved agent."""
+    """A stage directory's checkpoint, verified against its manifest, and the base it names (resolved beside it);
+    without a manifest, or with one that describes no saved agent, the directory as it is (no base)."""
     from ram_trl.stage.manifest import MANIFEST_NAME, base_model_path, read_manifest, verify_stage
 
     if not (directory / MANIFEST_NAME).is_file():

@@ -1,10 +1,4 @@
-"""Retention of a merge on a vertical, ``(merge - base) / (specialist - base)``, and its mean over the verticals.
-
-Defined only when the specialist gained at least ``min_gain`` (and strictly more than zero) over the base on that
-vertical; otherwise ``None`` (undefined, never ``inf`` or ``NaN``). The mean retention is the mean over the verticals
-where it is defined. Used by the recipes' results (:mod:`ram_trl.recipes.stats`, which re-exports these names) and
-the merge preview.
-"""
+"""Retention ``(merge - base) / (specialist - base)`` and its mean over verticals (docs/recipes-results.md)."""
 
 from __future__ import annotations
 
@@ -18,10 +12,7 @@ MIN_GAIN = 0.02
 
 
 def retention(merge: float, base: float, specialist: float, min_gain: float = MIN_GAIN) -> float | None:
-    """Retention ``(merge - base) / (specialist - base)`` on one vertical.
-
-    ``1`` keeps all of the specialist's gain, ``0`` none of it (the base's score), negative values are below the base
-    and values above 1 beat the specialist."""
+    """``(merge - base) / (specialist - base)``; ``None`` unless the specialist gained at least ``min_gain`` (> 0)."""
     gain = specialist - base
     if not gain > 0 or gain < min_gain - 1e-12:  # a gain of exactly min_gain counts (up to rounding)
         return None

@@ -1,10 +1,4 @@
-"""Reward functions as the recipes and the evaluation run them: imported by path (:func:`import_object`) and
-wrapped so that a failure names the stage and the function.
-
-Shared by the stage process (:mod:`ram_trl.recipes.stage`, training and the reward pre-flight), the recipe checks
-(:mod:`ram_trl.recipes.environment`) and the evaluation (:mod:`ram_trl.evaluation.scoring`, also the merge preview's),
-which therefore do not import each other.
-"""
+"""Reward functions imported by path and wrapped so that a failure names the stage and the function."""
 
 from __future__ import annotations
 
@@ -43,9 +37,7 @@ class StageFailure(RamTrlError, RuntimeError):
 
 
 def wrap_reward(fn: Callable[..., Any], path: str, stage: str) -> Callable[..., Any]:
-    """Wrap a reward function (in training and in evaluation) so that its exceptions and malformed outputs (not one
-    finite float or ``None`` per completion: :func:`ram_trl.evaluation.rewards.check_reward_values`) name the stage and the
-    function."""
+    """Wrap a reward function so its exceptions and malformed outputs (:func:`check_reward_values`) name the stage."""
 
     @functools.wraps(fn)
     def reward(*args: Any, **kwargs: Any) -> list[float | None]:

@@ -1,11 +1,4 @@
-"""Scoring a model on the stages' held-out prompts with each stage's own reward functions.
-
-Greedy decoding by default, the seed set before each stage's generation, prompts batched with left padding. A
-completion's score is the sum of the stage's rewards; the stage score is the mean over its held-out prompts. Each
-stage has a test split (``eval.jsonl``, what is reported) and a validation split (``val.jsonl``, what is chosen
-on), scored the same way, each split's prompts generated on their own. The recipes' evaluation
-(``ram-trl eval``, ``ram-trl run``) and the merge preview (:mod:`ram_trl.callbacks.preview`) both score through it.
-"""
+"""Scoring a model on the stages' held-out prompts with each stage's own rewards (greedy by default, seeded)."""
 
 from __future__ import annotations
 
@@ -34,8 +27,7 @@ __all__ = [
 
 @dataclass
 class EvalTask:
-    """One stage's held-out prompts of one split (``"test"`` or ``"val"``) and reward functions (``paths`` are the
-    functions' import paths)."""
+    """One stage's held-out prompts of one split (``"test"`` or ``"val"``) and its reward functions' import paths."""
 
     stage: str
     rows: list[dict[str, Any]]
@@ -49,8 +41,7 @@ class EvalTask:
 
 
 def load_model(path: str | Path, dtype: str = "float32", base: str | Path | None = None) -> tuple[Any, Any]:
-    """Load a causal LM for evaluation (:func:`ram_trl.evaluation.fisher.load_agent`: a model directory, or a PEFT
-    adapter merged into its base), in eval mode with left padding for batched generation."""
+    """A causal LM (or a PEFT adapter merged into its base) in eval mode, left padding for batched generation."""
     from ram_trl.evaluation.fisher import load_agent
     from ram_trl.io.quiet import progress_bars_off
 
@@ -85,10 +76,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[str], spec: EvaluationSpe
     device = next(model.parameters()).device
     for start in range(0, len(prompts), spec.batch_size):
         encoded = tokenizer(
-            prompts[start : start + spec.batch_size],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
+            prompts[start : start + spec.batch_size], return_tensors="pt", padding=True, add_special_tokens=False
         )
         # the model's device, not the tokenizer's host tensors (transformers 5 moves them itself, 4.x does not)
         batch = {key: value.to(device) for key, value in encoded.items()}

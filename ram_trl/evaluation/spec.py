@@ -1,5 +1,4 @@
-"""How a model is scored on held-out prompts (:class:`EvaluationSpec`), and the strict pydantic base of the settings
-models (:class:`StrictModel`, also the recipe schema's: :mod:`ram_trl.recipes.schema`)."""
+"""How a model is scored (:class:`EvaluationSpec`) and the strict pydantic base of the settings models."""
 
 from __future__ import annotations
 
