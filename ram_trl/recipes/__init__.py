@@ -1,6 +1,4 @@
-"""Specialize-then-merge recipes: ``ram-trl run RECIPE.yaml``, ``ram-trl eval``, ``ram-trl demo``.
-
-Details: docs/recipes.md."""
+"""Specialize-then-merge recipes: ``ram-trl run RECIPE.yaml``, ``ram-trl eval``, ``ram-trl demo`` (docs/recipes.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Verifiable tasks for a real instruct model, asked through its chat template (``recipes/smollm2-agents.yaml``).
-
-Details: docs/small-model-rl.md."""
+"""Verifiable tasks for a real instruct model in its chat template (smollm2-agents.yaml, docs/small-model-rl.md)."""
 
 from __future__ import annotations
 
@@ -98,8 +96,7 @@ def _one_line_program(rng: random.Random) -> str:
     return f'print(len("{rng.choice(_WORDS)}"))'
 
 
-#: The worked example a coding prompt shows with ``show_example`` (outside the generator's programs): the reply
-#: format the reward gives full credit for, shown once, as the tool-use prompt shows :data:`EXAMPLE_CALL`.
+#: The worked example (program, output) a coding prompt shows with ``show_example``; no generated program.
 EXAMPLE_PROGRAM = ('print("ab" * 2)', "abab")
 
 
@@ -165,8 +162,7 @@ def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **k
 _CITIES = ("Oslo", "Lima", "Rome", "Paris", "Tokyo", "Cairo", "Berlin", "Madrid", "Dublin", "Seoul")
 _DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 
-#: Tool name -> (JSON schema of its arguments, request templates, argument draws). The schemas are what the prompt
-#: shows and what :func:`json_tool_call_reward` validates against.
+#: Tool name -> its arguments' JSON schema (shown in the prompt, checked by the reward), requests, draws.
 AGENT_TOOLS: dict[str, dict[str, Any]] = {
     "get_weather": {
         "schema": {

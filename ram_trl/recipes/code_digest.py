@@ -1,5 +1,4 @@
-"""The digest of a reward function's code closure (project-local modules, wrappers, partials), for
-``ram-trl run --resume``'s evaluation reuse; installed libraries are keyed by version. Details: docs/recipes.md."""
+"""The digest of a reward function's code closure, for ``--resume``'s evaluation reuse (docs/recipes.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Prompt rows of a stage: drawn from its generator or read from JSON Lines, written once per run so every
-process (stage trainers, Fisher estimation, evaluation) sees the same prompts."""
+"""A stage's prompt rows, drawn or read once per run and written so every process sees the same prompts."""
 
 from __future__ import annotations
 

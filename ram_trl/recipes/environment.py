@@ -1,5 +1,4 @@
-"""The recipe checks that touch the environment (:func:`validate_recipe`, what ``--dry-run`` runs after the
-schema) and a stage's trainer settings (:func:`trainer_settings`)."""
+"""The recipe checks that touch the environment (``--dry-run``) and a stage's trainer settings."""
 
 from __future__ import annotations
 
@@ -14,13 +13,7 @@ from ram_trl.evaluation.rewards import import_object
 from ram_trl.io.hub import parse_reference, resolve_model
 from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec, expand_merges
 
-__all__ = [
-    "TRAINER_BOUNDS",
-    "check_finite",
-    "check_trainer_config",
-    "trainer_settings",
-    "validate_recipe",
-]
+__all__ = ["TRAINER_BOUNDS", "check_finite", "check_trainer_config", "trainer_settings", "validate_recipe"]
 
 
 def _check_path(path: str, root: Path, what: str, problems: list[str], directory: bool = False) -> Path:
@@ -84,8 +77,7 @@ def _new_checkpointing_names(cls: type, settings: dict[str, Any]) -> dict[str, A
     return settings
 
 
-#: Ranges of common trainer-config numbers (:func:`ram_trl.sizes.check_number` bounds) that the trainers
-#: check only when training starts, or never (a NaN learning rate trains a NaN model).
+#: Bounds of trainer-config numbers the trainers check late or never (a NaN learning rate trains a NaN model).
 TRAINER_BOUNDS: dict[str, dict[str, Any]] = {
     "learning_rate": {"above": 0},
     "num_train_epochs": {"above": 0},

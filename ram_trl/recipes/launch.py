@@ -1,5 +1,4 @@
-"""Stage launching for ``ram-trl run``: each trained stage in its own process, committed when it finished
-with a manifest; ``--resume`` checks a complete stage's ``ram_recipe_stage.json`` against the recipe."""
+"""Stage launching for ``ram-trl run``: each trained stage in its own process, committed on its manifest."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The run directory of ``ram-trl run``: where every file of a run goes, the checks on it, and the state the
-phases share (:class:`RunLayout`). The directory's files: docs/recipes.md."""
+"""The run directory of ``ram-trl run`` (docs/recipes.md): its paths, its checks, the state the phases share."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The mechanism section of a run's results (issue 32, the RAM paper's Fig. 3): does keeping each agent's unique
-region at full strength matter; paired differences over the same bootstrap resamples (or seeds)."""
+"""The mechanism section of a run's results (issue 32, the RAM paper's Fig. 3): does RAM's unique region matter."""
 
 from __future__ import annotations
 

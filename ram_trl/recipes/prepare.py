@@ -1,5 +1,4 @@
-"""What a run does before its stages train (:class:`RunPreparation`): prompt rows and reward checks, ``recipe.yaml``,
-the prompt files, the base and the warm start, each skipped when an identical result is already there."""
+"""What a run does before its stages train: rows, ``recipe.yaml``, base, warm start (each skipped when done)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Progress of a run's long steps: a bar with an ETA in a terminal, lines in a log file. Stage processes print
-``ram-trl progress: step N/M`` lines (:func:`step_lines`) that the launcher turns into the same display."""
+"""A run's long steps as a bar with an ETA, or log lines; stage processes report via :func:`step_lines`."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def step_lines(interval: float = 2.0) -> Any:
 
 
 class Progress:
-    """``done`` of ``total`` with an ETA: a tqdm bar, or lines through ``write`` (per item, every ``every``, or
-    each tenth); ``first`` items were done before."""
+    """``done`` of ``total`` with an ETA: a tqdm bar, or lines through ``write``; ``first`` items were done before."""
 
     def __init__(
         self,

@@ -1,6 +1,4 @@
-"""The results of a recipe run: ``results.json``, ``results.md``, PNG charts and the terminal table.
-
-Details: docs/recipes-results.md."""
+"""A recipe run's results: results.json, results.md, PNG charts, the terminal table (docs/recipes-results.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What ``ram-trl run --resume`` may reuse of an earlier evaluation: a model's scores, when the content digests
-of everything they depend on are unchanged (docs/recipes.md)."""
+"""What ``ram-trl run --resume`` may reuse of an earlier evaluation, by content digests (docs/recipes.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""``ram-trl run``: base -> warm start -> one RL process per stage -> analysis -> merges -> evaluation -> results.
-
-Details: docs/recipes.md."""
+"""``ram-trl run``: base -> warm start -> stages -> analysis -> merges -> evaluation -> results (docs/recipes.md)."""
 
 from __future__ import annotations
 

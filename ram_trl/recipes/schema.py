@@ -1,6 +1,4 @@
-"""The recipe file (YAML): a base model, stages (one RL run per vertical), merges to compare, and the evaluation.
-
-Details: docs/recipes.md."""
+"""The recipe file (YAML): a base model, stages (one RL run per vertical), merges, evaluation (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -71,14 +69,12 @@ class BaseSpec(_Strict):
         return self
 
 
-#: The warm start's abstaining replies tried in order when a recipe names none (``warm_start.abstain_reply``): the
-#: first that earns no reward on any stage is used.
+#: Default ``warm_start.abstain_reply`` candidates: the first that earns no reward on any stage is used.
 ABSTAIN_REPLIES: tuple[str, ...] = ("(I don't know)", "(I DON'T KNOW)", "(no answer)", "(NO ANSWER)")
 
 
 class WarmStartAcceptance(_Strict):
-    """When a warm start is done, measured on held-out check rows every ``every`` steps up to a cap
-    (docs/recipes.md). A phase that ends at its cap is reported loudly."""
+    """When a warm start is done: checks on held-out rows every ``every`` steps up to a cap (docs/recipes.md)."""
 
     check_size: int = Field(64, ge=1)
     pass_k: int = Field(4, ge=1)

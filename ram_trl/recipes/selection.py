@@ -1,5 +1,4 @@
-"""What a run's results derive from the scores (:func:`add_statistics`): intervals, retention, the merge chosen on
-validation and its verdict, the regime, and seeds combined. Details: docs/recipes-results.md."""
+"""What a run's results derive from the scores: intervals, retention, selection, verdict (docs/recipes-results.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """One stage of a recipe, run as its own process: ``python -m ram_trl.recipes.stage --recipe R --stage S ...``.
-
 Its manifest (``ram_stage.json``) is written last: its presence marks the stage as complete."""
 
 from __future__ import annotations

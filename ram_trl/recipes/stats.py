@@ -1,6 +1,4 @@
-"""The statistics of a recipe's results: 95% intervals, retention and the selection of the merge to ship.
-
-Details: docs/recipes-results.md."""
+"""The statistics of a recipe's results: 95% intervals, retention, the merge to ship (docs/recipes-results.md)."""
 
 from __future__ import annotations
 

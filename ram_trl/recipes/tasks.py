@@ -1,5 +1,4 @@
-"""Small verifiable tasks for the embedded CPU demo: prompt generators ``fn(n, seed, **kw)`` and TRL reward
-functions ``fn(completions, answer, **kw)`` in ``[0, 1]`` on the first line of a completion (docs/recipes.md)."""
+"""Small verifiable tasks for the embedded CPU demo: prompt generators and TRL reward functions (docs/recipes.md)."""
 
 from __future__ import annotations
 
@@ -137,8 +136,7 @@ _CITIES = (
     "Turin",
 )
 
-#: Tool name -> (argument names, the values of each argument, question templates). Every tool takes two arguments;
-#: a template names its arguments by position.
+#: Tool name -> (its two argument names, each argument's values, question templates naming them by position).
 TOOLS: dict[str, tuple[tuple[str, ...], tuple[tuple[str, ...], ...], tuple[str, ...]]] = {
     "weather": (
         ("city", "day"),

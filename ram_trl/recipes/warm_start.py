@@ -1,5 +1,4 @@
-"""Supervised warm start on (prompt, answer) rows with TRL's ``SFTTrainer``, so a freshly built tiny base
-answers in the right shape; :class:`AcceptanceCallback` stops it when the criterion holds."""
+"""Supervised warm start of a tiny base on (prompt, answer) rows with TRL's ``SFTTrainer``, until accepted."""
 
 from __future__ import annotations
 
@@ -381,10 +380,8 @@ def warm_start(
     on_check: Callable[[str, int, dict[str, float]], None] | None = None,
     write: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``base_in`` on ``rows`` in float32 and save it to ``base_out`` (replacing only a previous warm start).
-
-    With ``spec.abstain_share``, a second phase trains on the same rows with that share abstaining; with
-    ``spec.accept``, each phase runs until its criterion holds on ``checks`` or its cap is hit."""
+    """Train ``base_in`` on ``rows`` in float32 and save it to ``base_out`` (replacing only a previous warm start);
+    then a phase with ``spec.abstain_share`` abstaining; each runs until ``spec.accept`` holds or its cap."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     base_in, base_out = Path(base_in), Path(base_out)
