@@ -43,20 +43,18 @@ def analyze(
 ) -> dict[str, Any]:
     """Measure the sparsity, overlap, anatomy and magnitudes of the task vectors of ``agents`` against ``base``.
 
-    Give either ``base`` and ``agents`` or a merge ``config`` (its base, agents, and its ``eps``, ``r`` and
-    ``alpha`` when it has them). Reads every input once, chunk by chunk: memory is about ``chunk_budget`` plus
-    1.5 MB per agent, whatever the model's size.
+    Give ``base`` and ``agents``, or a merge ``config`` (with its ``eps``, ``r`` and ``alpha`` when it has them).
+    Reads every input once, chunk by chunk: memory is about ``chunk_budget`` plus 1.5 MB per agent, at any size.
 
     Args:
         base: The base checkpoint directory.
         agents: Agent checkpoint directories (fine-tuned from ``base``).
-        out_dir: Where to write ``analysis.json``, ``analysis.md`` and the figures (created if missing; a previous
-            analysis or an empty directory is replaced when the new one is complete, any other existing directory
-            is refused). ``None``: write nothing, only return the result.
+        out_dir: Where to write ``analysis.json``, ``analysis.md`` and the figures (a previous analysis or an empty
+            directory is replaced once the new one is complete, any other is refused). ``None``: write nothing.
         eps: Activity threshold, ``|tau| > eps`` (default: the config's, else 1e-5).
         r: Rescale strength for the lambda_t of RAM+ and RAM+s (default: the config's, else 0.1).
         alpha: RAM+ clip bound of rho_t (default: the config's, else 2.0).
-        config: A merge config (YAML path, dict or :class:`~ram_trl.merging.config.schema.MergeConfig`) instead of base/agents.
+        config: A merge config (YAML path, dict or :class:`~ram_trl.MergeConfig`) instead of base/agents.
         names: Agent labels for the reports (default: directory names).
         allow_pickle: Accept ``pytorch_model*.bin`` checkpoints (loaded with ``torch.load(weights_only=True)``).
         chunk_budget: Bytes for one chunk's buffers, e.g. ``"256MB"``.
@@ -66,9 +64,8 @@ def analyze(
         allow_external_shards: Accept index files whose shards resolve outside their checkpoint directory.
 
     Returns:
-        The analysis (the content of ``analysis.json``): per-agent densities, counts, rho_t, lambda_t, overlap
-        shares and magnitude statistics; pairwise Jaccard indices; the anatomy by module type, family and layer;
-        per-tensor counts. Infinite values are written as ``"inf"`` and undefined ones as ``None``.
+        The analysis (``analysis.json``): per-agent densities, counts, rho_t, lambda_t, overlaps and magnitudes;
+        pairwise Jaccard indices; the anatomy; per-tensor counts. Infinite values are ``"inf"``, undefined ``None``.
 
     Raises:
         ConfigError: for missing or contradictory arguments, missing paths, or out-of-range parameters.

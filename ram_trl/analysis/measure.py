@@ -13,8 +13,7 @@ from ram_trl.merging.streaming import RawChunk, ReadCounter, iter_chunks, to_del
 from ram_trl.statistics import MagnitudeStatistics, TensorAnalysis
 from ram_trl.statistics.counting import active_mask
 
-#: Stored dtypes at most this wide (bytes per element) need no bfloat16 view: bf16 and fp16.
-BF16_ITEMSIZE = 2
+BF16_ITEMSIZE = 2  #: Stored dtypes at most this wide (bytes per element) need no bfloat16 view: bf16 and fp16.
 
 
 def bf16_view_agents(base: Checkpoint, agents: list[Checkpoint], tasks: list[TensorTask]) -> list[bool]:

@@ -10,8 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 DPI = 120
-#: Heatmaps with at most this many cells get their values written in.
-ANNOTATE_CELLS = 240
+ANNOTATE_CELLS = 240  #: Heatmaps with at most this many cells get their values written in.
 
 
 def _figure(width: float, height: float) -> Figure:

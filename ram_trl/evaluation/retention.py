@@ -7,8 +7,7 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["MIN_GAIN", "mean_retention", "retention"]
 
-#: Smallest specialist gain over the base (absolute, rewards in [0, 1]) for which retention is defined by default.
-MIN_GAIN = 0.02
+MIN_GAIN = 0.02  #: Smallest specialist gain over the base (absolute) for which retention is defined by default.
 
 
 def retention(merge: float, base: float, specialist: float, min_gain: float = MIN_GAIN) -> float | None:

@@ -14,8 +14,7 @@ __all__ = ["MAX_SEED", "EvaluationSpec", "FloatDtype", "StrictModel"]
 FloatDtype = Annotated[Literal["bfloat16", "float16", "float32"], BeforeValidator(canonical_dtype)]
 
 
-#: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**32 - 1  #: The largest seed numpy and torch accept (``seed``, ``evaluation.seed``, ...).
 
 
 class StrictModel(BaseModel):

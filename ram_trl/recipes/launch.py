@@ -22,8 +22,7 @@ from ram_trl.recipes.schema import StageSpec
 
 __all__ = ["STAGE_RECORD", "StageError", "StageLauncher", "die_with_parent"]
 
-#: What a stage was trained with, beside its manifest (``--resume`` compares it with the recipe).
-STAGE_RECORD = "ram_recipe_stage.json"
+STAGE_RECORD = "ram_recipe_stage.json"  #: What a stage was trained with (``--resume`` compares it with the recipe).
 
 
 class StageError(RamTrlError):

@@ -11,8 +11,7 @@ from ram_trl.recipes.selection import difference, row_average, score_samples, va
 
 __all__ = ["MATCH_TOLERANCE", "mechanism", "mechanism_rows", "mechanism_section"]
 
-#: A task-arithmetic row is magnitude-matched when its merged delta's L2 norm is within this share of RAM's.
-MATCH_TOLERANCE = 0.1
+MATCH_TOLERANCE = 0.1  #: Task arithmetic is magnitude-matched when its delta's L2 norm is within this share of RAM's.
 
 
 def _method(row: dict[str, Any]) -> str | None:

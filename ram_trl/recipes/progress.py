@@ -9,8 +9,7 @@ from typing import Any
 
 __all__ = ["STEP_MARK", "Progress", "duration", "parse_step", "step_lines"]
 
-#: What a stage process prints before its step count (the launcher reads it from the process's output).
-STEP_MARK = "ram-trl progress:"
+STEP_MARK = "ram-trl progress:"  #: Printed by a stage process before its step count (read by the launcher).
 _STEP = re.compile(re.escape(STEP_MARK) + r" step (\d+)/(\d+)\s*$")
 
 

@@ -9,7 +9,6 @@ __all__ = ["ci", "fmt3", "fmt_rho", "pct", "pct_ci", "value_range"]
 
 
 def fmt3(value: float | None) -> str:
-    """A score with three decimals, ``-`` when there is none."""
     return "-" if value is None else f"{value:.3f}"
 
 
@@ -45,7 +44,6 @@ def value_range(values: list[float | None], scale: float = 1.0, spec: str = ".0f
 
 
 def pct(value: float | None) -> str:
-    """A share as a percentage with one decimal, ``-`` when there is none."""
     return "-" if value is None else f"{100 * value:.1f}%"
 
 

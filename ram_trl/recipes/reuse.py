@@ -10,11 +10,9 @@ from ram_trl.digest import file_digest, hasher, text_digest, weights_digest
 
 __all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation", "reward_digests"]
 
-#: The key of an evaluation file (``RUN/eval/NAME.json``) that holds the digest it was computed for.
-EVALUATION_KEY = "inputs_sha256"
+EVALUATION_KEY = "inputs_sha256"  #: The key of ``RUN/eval/NAME.json`` that holds the digest it was computed for.
 
-#: Files of a model directory that no loader reads: ram_trl's own records (they hold times) and model cards.
-_NOT_READ = ("ram_*.json", "*.md", ".*")
+_NOT_READ = ("ram_*.json", "*.md", ".*")  #: Files no loader reads: ram_trl's records (they hold times), model cards.
 #: Weight files, keyed by their tensors (:func:`~ram_trl.digest.weights_digest`), whatever the sharding.
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 

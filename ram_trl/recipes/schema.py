@@ -44,8 +44,7 @@ FISHER_SETTINGS = frozenset({"num_samples", "max_new_tokens", "sample", "seed"})
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
-#: The recipe's models refuse unknown keys, NaN/Inf and booleans given for numbers.
-_Strict = StrictModel
+_Strict = StrictModel  #: The recipe's models refuse unknown keys, NaN/Inf and booleans given for numbers.
 
 
 class BaseSpec(_Strict):
@@ -208,7 +207,6 @@ class StageSpec(_Strict):
 
     @property
     def trained(self) -> bool:
-        """Whether the runner trains this stage (no existing ``checkpoint``)."""
         return self.checkpoint is None
 
 
@@ -319,7 +317,6 @@ class Recipe(_Strict):
 
     @property
     def names(self) -> list[str]:
-        """Stage names, in order."""
         return [s.name for s in self.stages]
 
 
@@ -354,8 +351,7 @@ def load_recipe(
     return recipe, root
 
 
-#: Names a stage may not take: the base model's row of the results, the mean over stages in score tables.
-RESERVED_NAMES = ("base", "average")
+RESERVED_NAMES = ("base", "average")  #: Not stage names: the base model's row, the mean over stages.
 
 
 def check_row_names(recipe: Recipe, where: str = "recipe") -> None:

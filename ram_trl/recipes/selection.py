@@ -38,7 +38,6 @@ def row_average(row: dict[str, Any], stages: list[str]) -> float | None:
 
 
 def val_block(row: dict[str, Any]) -> dict[str, Any]:
-    """A results row's validation block (``{"scores": {}}`` when it has none)."""
     return row.get("val") or {"scores": {}}
 
 
@@ -275,11 +274,8 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
     return text + ": the difference is not resolved at this number of prompts."
 
 
-#: Every agent's unique share at least this: the sparse, heterogeneous regime RAM targets.
-REGIME_UNIQUE = 0.2
-
-#: Every agent's unique share below this: RAM averages nearly every changed element (task arithmetic at 1/N).
-AVERAGING_UNIQUE = 0.05
+REGIME_UNIQUE = 0.2  #: Every agent's unique share at least this: the sparse, heterogeneous regime RAM targets.
+AVERAGING_UNIQUE = 0.05  #: Every unique share below this: RAM averages nearly all (task arithmetic at 1/N).
 
 
 def verdict(results: dict[str, Any]) -> str:

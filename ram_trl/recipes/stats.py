@@ -27,10 +27,8 @@ __all__ = [
     "t_quantile",
 ]
 
-#: Coverage of every interval.
-LEVEL = 0.95
-#: Bootstrap resamples by default.
-RESAMPLES = 2000
+LEVEL = 0.95  #: Coverage of every interval.
+RESAMPLES = 2000  #: Bootstrap resamples by default.
 
 # t(0.975, df) for df = 1..30 (scipy.stats.t.ppf, 6 decimals).
 _T975 = (

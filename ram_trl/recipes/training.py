@@ -9,8 +9,7 @@ from typing import Any
 
 __all__ = ["TRAINER_STATE", "TRAINING_KEYS", "read_training", "training_curve"]
 
-#: The file the stage process writes with ``TrainerState.save_to_json`` (the name transformers uses in checkpoints).
-TRAINER_STATE = "trainer_state.json"
+TRAINER_STATE = "trainer_state.json"  #: Written by the stage process with ``TrainerState.save_to_json``.
 
 #: Telemetry keys (after the callback's prefix) kept per measurement, with the short name they get.
 TRAINING_KEYS = {

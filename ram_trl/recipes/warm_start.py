@@ -39,8 +39,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Written into the warm-started base; its presence marks the warm start as complete (for ``--resume``).
-WARM_START_RECORD = "ram_warm_start.json"
+WARM_START_RECORD = "ram_warm_start.json"  #: In the warm-started base; its presence marks the warm start complete.
 
 
 def encode_rows(tokenizer: Any, rows: list[dict[str, Any]]) -> list[tuple[list[int], list[int]]]:
@@ -337,7 +336,6 @@ def decline_target(spec: WarmStartSpec) -> float:
 
 
 def _values(values: dict[str, float]) -> str:
-    """``stage value, ...`` with two decimals."""
     return ", ".join(f"{stage} {value:.2f}" for stage, value in values.items())
 
 
