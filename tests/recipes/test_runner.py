@@ -27,12 +27,21 @@ REPO = Path(__file__).resolve().parents[2]
 STAGES = ["coding", "tools", "memory"]
 MERGES = [
     "ram",
+    "ram_1_over_n",
     "ram_plus(r=0.05)",
     "ram_plus(r=0.1)",
     "ram_plus(r=0.2)",
     "task_arithmetic(lambda=0.333)",
+    "task_arithmetic(lambda=0.5)",
+    "task_arithmetic(lambda=0.75)",
     "task_arithmetic(lambda=1)",
+    "task_arithmetic(lambda=1.25)",
+    "task_arithmetic(lambda=1.5)",
     "ties",
+    "ties_density_1",
+    "unique_coding",
+    "unique_tools",
+    "unique_memory",
     "dare_linear",
     "dare_ties",
     "fisher",
@@ -116,6 +125,10 @@ def test_quick_demo_rows_and_files(quick_demo):
     for name in ["base", *STAGES, *MERGES]:
         assert f"| {name} | " in markdown
     assert markdown.rstrip().endswith(results["verdict"])
+    # the demo lists every mechanism merge (issue 32): each question is measured, none asks for a missing row
+    assert "## Mechanism: does the unique region at full strength matter?" in markdown
+    assert "To measure what is missing" not in markdown and "not measured" not in markdown
+    assert sorted(results["mechanism"]["unique"]) == sorted(STAGES)
     assert results["processes"] == {s: 1 for s in STAGES}
     assert "Trained: coding on 1 process, tools on 1 process, memory on 1 process." in markdown
     for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):
