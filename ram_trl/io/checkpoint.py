@@ -1,8 +1,5 @@
 """Model checkpoint directories: Hugging Face layouts of single-file or sharded safetensors (or, on request, pickle).
-
-A :class:`Checkpoint` knows every tensor's name, dtype, shape and location after reading only the headers, so a
-whole merge can be validated before its first tensor is read.
-"""
+A :class:`Checkpoint` knows every tensor's name, dtype, shape and location from the headers alone."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Model references: a local path, or a Hugging Face Hub id (``org/name``, ``org/name@revision``) resolved through the
-``huggingface_hub`` cache (``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, token and endpoint as it reads them).
-
-The cache is asked first (``local_files_only=True``); the network is used only when a needed file is missing and
-the environment allows it. Only what a merge reads is fetched: metadata (config, index, tokenizer, adapter config),
-then, when the inputs are opened, the ``*.safetensors`` weights.
-"""
+``huggingface_hub`` cache first, fetching only the files a merge reads (docs/merging.md)."""
 
 from __future__ import annotations
 

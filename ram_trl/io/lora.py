@@ -1,7 +1,5 @@
 """PEFT LoRA adapters as merge inputs: each target module's task vector is the dense delta ``B @ A * scaling``.
-
-Details: docs/lora.md.
-"""
+Details: docs/lora.md."""
 
 from __future__ import annotations
 
