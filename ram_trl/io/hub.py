@@ -135,8 +135,7 @@ def missing_files(folder: Path, weights: bool = True) -> list[str]:
 
 
 def cached_revision(path: str | os.PathLike) -> HubReference | None:
-    """The repository and commit of a cache snapshot directory (``.../models--ORG--NAME/snapshots/COMMIT``), or
-    ``None`` for any other path."""
+    """The repository and commit of a cache snapshot directory (``.../models--ORG--NAME/snapshots/COMMIT``) or None."""
     parts = Path(os.path.abspath(path)).parts
     if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
         return None
@@ -152,8 +151,7 @@ def hub_name(path: Path) -> str:
 
 
 def ensure_weights(path: Path, what: str) -> Path:
-    """Fetch the weights of a cache snapshot metadata was resolved from (nothing happens for any other path, nor
-    when they are cached already)."""
+    """Fetch the weights of a cache snapshot metadata was resolved from, unless cached (other paths: nothing)."""
     reference = cached_revision(path)
     if reference is None or not path.is_dir() or not missing_files(path, weights=True):
         return path

@@ -103,8 +103,7 @@ class PaddedCheckpoint(Checkpoint):
         return self.inner.has_values(name)
 
     def location(self, name: str) -> TensorInfo | None:
-        """The stored location of ``name``; ``None`` for a padded vocabulary tensor (read it with
-        :meth:`read_rows`)."""
+        """The stored location of ``name``; ``None`` for a padded vocabulary tensor (see :meth:`read_rows`)."""
         assert self.inner is not None and self.defaults is not None
         return None if name in self.defaults.dtype else self.inner.location(name)
 

@@ -1,8 +1,5 @@
 """The merge-preview callback (:class:`MergePreviewCallback`): the training events, the preview of one step (save,
-merge, score, keep) and the stage it leaves (the kept checkpoint and its manifest). The overview is in
-:mod:`ram_trl.callbacks.preview`; the rooms it uses: :mod:`~ram_trl.callbacks.preview.state` (scratch directory, keep-best, resume),
-:mod:`~ram_trl.callbacks.preview.scores` (the evaluation) and :mod:`~ram_trl.callbacks.preview.partitions` (DeepSpeed ZeRO-3).
-"""
+merge, score, keep) and the stage it leaves (the kept checkpoint and its manifest). Details: docs/merge-preview.md."""
 
 from __future__ import annotations
 

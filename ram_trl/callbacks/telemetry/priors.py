@@ -1,11 +1,5 @@
-"""Agents trained before this run (prior stages): their activity masks against the base, for the overlap telemetry.
-
-A run given the stage manifests of earlier agents reports how much of its task vector those agents already update
-and the rho_t / lambda_t it would get in a RAM+ merge with them. The priors' masks ``|tau| > eps`` are computed once,
-at setup, from their saved checkpoints (full models or LoRA adapters) with the merge's own reader
-(:func:`ram_trl.merging.streaming.iter_chunks` / :func:`~ram_trl.merging.streaming.to_deltas`), so they are exactly the masks the
-merge will use. Only the flat element ranges this process measures are kept, packed to one bit per element.
-"""
+"""Agents trained before this run (prior stages): their activity masks against the base, for the overlap telemetry,
+read once with the merge's own reader (the masks the merge will use), one bit per element (docs/telemetry.md)."""
 
 from __future__ import annotations
 

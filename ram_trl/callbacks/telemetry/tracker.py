@@ -1,7 +1,5 @@
 """The task-vector tracker: measures a training model's task vector against its base, framework-agnostic.
-
-Details: docs/telemetry.md.
-"""
+Details: docs/telemetry.md."""
 
 from __future__ import annotations
 
@@ -77,9 +75,6 @@ SMALL_MODEL_ELEMENTS = 1 << 20
 MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
 DEFAULT_PREFIX = defaults.METRIC_PREFIX
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-_dist_context = training_context
 
 
 class TaskVectorTracker:
@@ -319,7 +314,7 @@ class TaskVectorTracker:
 
     def _measure(self, model: torch.nn.Module, workers: int) -> dict[str, float]:
         layout = model_layout(model)
-        ctx = _dist_context()
+        ctx = training_context()
         num_priors = 0 if self.priors is None else self.priors.num_priors
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
@@ -462,8 +457,7 @@ class TaskVectorTracker:
         return overlap
 
     def _reserve_workspaces(self, device: torch.device, count: int) -> None:
-        """Create workspaces on ``device`` up to ``count`` (one per worker: ``work_mb`` does not depend on which
-        worker measured which chunk)."""
+        """Workspaces on ``device`` up to ``count``, one per worker (``work_mb`` then ignores who ran what)."""
         spare = self._spare_workspaces.setdefault(device, [])
         while len(spare) < count:
             spare.append(Workspace(self.chunk_elements, self.save_dtype, device))
@@ -471,8 +465,7 @@ class TaskVectorTracker:
 
     @contextmanager
     def _borrowed_workspace(self, device: torch.device) -> Iterator[Workspace]:
-        """A workspace on ``device`` that no other thread uses until it is returned (created on first need, kept for
-        later measurements)."""
+        """A workspace on ``device`` no other thread uses until it is returned (created on first need, then kept)."""
         spare = self._spare_workspaces.setdefault(device, [])
         try:
             ws = spare.pop()
