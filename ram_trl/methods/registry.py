@@ -8,12 +8,7 @@ from typing import Any
 from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, sce, slerp, ties
 from ram_trl.methods.base import Alias, MergeMethod
 
-__all__ = [
-    "alias_names",
-    "method_names",
-    "register",
-    "resolve_method",
-]
+__all__ = ["alias_names", "method_names", "register", "resolve_method"]
 
 
 _METHODS: dict[str, MergeMethod] = {}

@@ -23,13 +23,7 @@ from ram_trl.stage.save import policy_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PartitionPreview",
-    "check_partitioned",
-    "preview_partitions",
-    "score_gathered",
-    "swapped_partitions",
-]
+__all__ = ["PartitionPreview", "check_partitioned", "preview_partitions", "score_gathered", "swapped_partitions"]
 
 
 @dataclass

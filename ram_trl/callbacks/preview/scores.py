@@ -68,11 +68,7 @@ def validation_tasks(
 
 
 def reference_scores(
-    base_model: str | os.PathLike,
-    tasks: dict[str, Any],
-    stages: Sequence[str],
-    priors: Sequence[Any],
-    evaluation: Any,
+    base_model: str | os.PathLike, tasks: dict[str, Any], stages: Sequence[str], priors: Sequence[Any], evaluation: Any
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The base's validation score on every merged stage and each prior agent's on its own stage (retention's
     reference points; this stage's specialist is the current policy)."""

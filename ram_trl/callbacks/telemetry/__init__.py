@@ -4,8 +4,4 @@ Details: docs/telemetry.md."""
 from ram_trl.callbacks.telemetry.base_weights import MappedCheckpointBase, ModelBase
 from ram_trl.callbacks.telemetry.tracker import TaskVectorTracker
 
-__all__ = [
-    "MappedCheckpointBase",
-    "ModelBase",
-    "TaskVectorTracker",
-]
+__all__ = ["MappedCheckpointBase", "ModelBase", "TaskVectorTracker"]

@@ -159,11 +159,7 @@ class DeviceBase(ModelBase):
     def __init__(self, source: BaseSource, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
         shards = {
             name: LocalShard(
-                name,
-                source.read(name, offset, numel).to(device, copy=True),
-                source.shape(name),
-                offset,
-                False,
+                name, source.read(name, offset, numel).to(device, copy=True), source.shape(name), offset, False
             )
             for name, (offset, numel) in ranges.items()
         }

@@ -66,10 +66,7 @@ def precision_record(
         "densities": {},
     }
     if f"{prefix}density" in metrics:
-        for view, suffix, dtype in (
-            ("training", "", out["training_dtype"]),
-            ("saved", "_saved", out["save_dtype"]),
-        ):
+        for view, suffix, dtype in (("training", "", out["training_dtype"]), ("saved", "_saved", out["save_dtype"])):
             out["densities"][view] = {
                 "dtype": dtype,
                 "density": metrics[f"{prefix}density{suffix}"],

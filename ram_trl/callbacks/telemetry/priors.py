@@ -71,10 +71,7 @@ class PriorMasks:
 
 
 def compute_prior_masks(
-    stages: list[PriorStage],
-    base_path: str | os.PathLike,
-    ranges: dict[str, list[tuple[int, int]]],
-    eps: float,
+    stages: list[PriorStage], base_path: str | os.PathLike, ranges: dict[str, list[tuple[int, int]]], eps: float
 ) -> PriorMasks:
     """Compute each prior's mask ``|tau| > eps`` against the base on the given flat ranges."""
     # The merge's planner and reader, imported here: a run without prior stages (and ``import ram_trl.callbacks.sparsity``)
@@ -86,10 +83,7 @@ def compute_prior_masks(
     shapes = {name: tuple(meta.shape) for name, meta in base.tensors.items()}
     agents = [
         open_checkpoint(
-            s.checkpoint,
-            f"prior stage {s.name!r} ({s.checkpoint})",
-            base_shapes=shapes,
-            base_config=base.config_path,
+            s.checkpoint, f"prior stage {s.name!r} ({s.checkpoint})", base_shapes=shapes, base_config=base.config_path
         )
         for s in stages
     ]

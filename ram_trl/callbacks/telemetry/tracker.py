@@ -34,13 +34,7 @@ from ram_trl.callbacks.telemetry.chunks import (
     row_numel,
     sample_windows,
 )
-from ram_trl.callbacks.telemetry.layout import (
-    ModelLayout,
-    check_layout,
-    compute_device,
-    local_regions,
-    model_layout,
-)
+from ram_trl.callbacks.telemetry.layout import ModelLayout, check_layout, compute_device, local_regions, model_layout
 from ram_trl.callbacks.telemetry.metrics import measurement_metrics
 from ram_trl.callbacks.telemetry.precision import (
     auto_save_dtype,
@@ -51,20 +45,9 @@ from ram_trl.callbacks.telemetry.precision import (
 from ram_trl.callbacks.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
 from ram_trl.callbacks.telemetry.shards import training_context
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.parallel import (
-    compute_pool,
-    imap_blocks,
-    plan_threads,
-    single_threaded_call,
-    single_threaded_worker,
-)
+from ram_trl.parallel import compute_pool, imap_blocks, plan_threads, single_threaded_call, single_threaded_worker
 from ram_trl.stage.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint, unchecked_base
-from ram_trl.statistics import (
-    MagnitudeStatistics,
-    OverlapStatistics,
-    magnitude_bin_edges,
-    sum_of_squares,
-)
+from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics, magnitude_bin_edges, sum_of_squares
 from ram_trl.statistics.counting import DEFAULT_EPS, float32_threshold, masked_deltas
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
@@ -387,13 +370,7 @@ class TaskVectorTracker:
             overlap.all_reduce(ctx)
         metrics = single_threaded_call(
             lambda: measurement_metrics(
-                names,
-                counts,
-                magnitudes if self.magnitudes else None,
-                overlap,
-                self.priors,
-                self.r,
-                self.alpha,
+                names, counts, magnitudes if self.magnitudes else None, overlap, self.priors, self.r, self.alpha
             ),
             self._host_worker,
         )
