@@ -1,7 +1,5 @@
 """The guest in a trainer's process: callbacks for TRL / transformers trainers, and what they run.
-
-Details: docs/telemetry.md and docs/merge-preview.md.
-"""
+Details: docs/telemetry.md and docs/merge-preview.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Everything ram_trl reads or calls inside DeepSpeed and its transformers integration, in one place.
-
-DeepSpeed's ZeRO-3 parameters and optimizer have no public API for what the telemetry and the merge preview need (a
-parameter's local partition without a gather; releasing gathered parameters), so the attributes used are named here
-only, with the DeepSpeed versions they are tested against (``tests/callbacks/test_deepspeed_adapter.py`` runs a real ZeRO-3
-engine): ``param.ds_tensor`` (the flat local partition, padded; its ``ds_numel`` is every rank's partition size),
-``param.ds_numel`` and ``param.ds_shape`` (the full parameter), ``param.ds_process_group``, a quantized partition's
-``ds_quant_scale``, the ZeRO-3 optimizer's ``parameter_offload.partition_all_parameters()`` and
-``persistent_parameters``.
-"""
+"""Everything ram_trl reads or calls inside DeepSpeed and its transformers integration, in one place: ZeRO-3 has no
+public API for a parameter's local partition or for releasing gathered parameters, so the private attributes used
+are named here only, tested per release of :data:`TESTED_VERSIONS` (``tests/callbacks/test_deepspeed_adapter.py``)."""
 
 from __future__ import annotations
 

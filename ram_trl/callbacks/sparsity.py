@@ -1,7 +1,5 @@
 """Live task-vector telemetry for TRL and transformers training runs, ending each run as a merge stage.
-
-Details: docs/telemetry.md.
-"""
+Details: docs/telemetry.md."""
 
 from __future__ import annotations
 

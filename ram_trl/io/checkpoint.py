@@ -1,8 +1,5 @@
 """Model checkpoint directories: Hugging Face layouts of single-file or sharded safetensors (or, on request, pickle).
-
-A :class:`Checkpoint` knows every tensor's name, dtype, shape and location after reading only the headers, so a
-whole merge can be validated before its first tensor is read.
-"""
+A :class:`Checkpoint` knows every tensor's name, dtype, shape and location from the headers alone."""
 
 from __future__ import annotations
 
@@ -21,13 +18,7 @@ from ram_trl.io.hub import ensure_weights, in_repo_blobs, needs_weights, remote_
 from ram_trl.io.json_files import read_json_object
 from ram_trl.io.lora import AdapterContent, is_adapter_dir, read_adapter
 from ram_trl.io.model_dir import PICKLE_INDEX, PICKLE_SINGLE, SAFE_INDEX, SAFE_SINGLE, check_one_model
-from ram_trl.io.safetensors_io import (
-    SAFETENSORS_DTYPES,
-    RowReader,
-    TensorInfo,
-    TensorMeta,
-    read_safetensors_header,
-)
+from ram_trl.io.safetensors_io import SAFETENSORS_DTYPES, RowReader, TensorInfo, TensorMeta, read_safetensors_header
 
 #: File name of an agent's diagonal Fisher beside its weights (:mod:`ram_trl.io.fisher_files`); never a weight file.
 FISHER_FILE = "fisher.safetensors"
@@ -184,10 +175,7 @@ def open_checkpoint(
 
 
 def _from_adapter(
-    path: Path,
-    role: str,
-    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    base_config: Path | None = None,
+    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None, base_config: Path | None = None
 ) -> Checkpoint:
     content = read_adapter(path, role, base_shapes, base_config)
     metas: dict[str, TensorMeta] = {}

@@ -1,11 +1,5 @@
-"""Diagonal Fisher files as merge inputs: where they are, header checks against the plan, checked row reads.
-
-An agent's Fisher is a safetensors file (:data:`FISHER_FILE` in the agent's directory unless the config's per-agent
-``fisher: PATH`` says otherwise) holding one float tensor per floating tensor of the base, under the base's names
-and with the base's shapes (or the agent's, for a resized vocabulary). It is streamed beside the agent's task
-vector in the same row chunks (:func:`ram_trl.merging.streaming.iter_chunks`), so Fisher merging has the same memory bound
-as every other method.
-"""
+"""Diagonal Fisher files as merge inputs: where they are, header checks against the plan, checked row reads (the
+file format: docs/fisher.md)."""
 
 from __future__ import annotations
 

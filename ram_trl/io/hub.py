@@ -1,10 +1,5 @@
 """Model references: a local path, or a Hugging Face Hub id (``org/name``, ``org/name@revision``) resolved through the
-``huggingface_hub`` cache (``HF_HOME``/``HF_HUB_CACHE``, ``HF_HUB_OFFLINE``, token and endpoint as it reads them).
-
-The cache is asked first (``local_files_only=True``); the network is used only when a needed file is missing and
-the environment allows it. Only what a merge reads is fetched: metadata (config, index, tokenizer, adapter config),
-then, when the inputs are opened, the ``*.safetensors`` weights.
-"""
+``huggingface_hub`` cache first, fetching only the files a merge reads (docs/merging.md)."""
 
 from __future__ import annotations
 
@@ -140,8 +135,7 @@ def missing_files(folder: Path, weights: bool = True) -> list[str]:
 
 
 def cached_revision(path: str | os.PathLike) -> HubReference | None:
-    """The repository and commit of a cache snapshot directory (``.../models--ORG--NAME/snapshots/COMMIT``), or
-    ``None`` for any other path."""
+    """The repository and commit of a cache snapshot directory (``.../models--ORG--NAME/snapshots/COMMIT``) or None."""
     parts = Path(os.path.abspath(path)).parts
     if len(parts) < 3 or parts[-2] != "snapshots" or not parts[-3].startswith("models--"):
         return None
@@ -157,8 +151,7 @@ def hub_name(path: Path) -> str:
 
 
 def ensure_weights(path: Path, what: str) -> Path:
-    """Fetch the weights of a cache snapshot metadata was resolved from (nothing happens for any other path, nor
-    when they are cached already)."""
+    """Fetch the weights of a cache snapshot metadata was resolved from, unless cached (other paths: nothing)."""
     reference = cached_revision(path)
     if reference is None or not path.is_dir() or not missing_files(path, weights=True):
         return path

@@ -1,7 +1,5 @@
 """PEFT LoRA adapters as merge inputs: each target module's task vector is the dense delta ``B @ A * scaling``.
-
-Details: docs/lora.md.
-"""
+Details: docs/lora.md."""
 
 from __future__ import annotations
 
@@ -168,10 +166,7 @@ def _layout(
 
 
 def read_adapter(
-    path: Path,
-    role: str,
-    base_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    base_config: Path | None = None,
+    path: Path, role: str, base_shapes: Mapping[str, tuple[int, ...]] | None = None, base_config: Path | None = None
 ) -> AdapterContent:
     """Read and validate a PEFT adapter directory."""
     config_path = path / ADAPTER_CONFIG

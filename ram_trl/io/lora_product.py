@@ -1,25 +1,5 @@
-"""The product ``B @ A`` of LoRA factors with bits that depend on neither the row blocking nor the BLAS.
-
-A float32 matrix product's last bits depend on how the BLAS sums each dot product: MKL picks its kernels by CPU,
-by the number of threads and by the shape, so ``B[rows] @ A`` and ``(B @ A)[rows]`` can differ (46 of 8192 elements
-on an AMD EPYC; ``MKL_CBWR=AVX2`` shows it on any x86 machine). A merge that promises the same bytes for any chunk
-budget or number of processes, and the telemetry that must see the merge's deltas, cannot use it.
-
-:func:`lora_product` defines every element as
-
-    ``float32( (((0 + p_0) + p_1) + ... + p_{r-1}) )``, ``p_k = float64(B[i, k]) * float64(A[k, j])``,
-
-the float64 sum of the exact products (float32 factors have 24-bit significands, so their products are exact in
-float64) in the order ``k = 0 .. r-1``, rounded once to float32 (a sum that is exactly zero is ``+0``). Each element
-depends only on its row of ``B`` and its column of ``A``.
-
-It is computed fast: a float64 BLAS product ``s`` (any summation order) is within ``2.03 r u T_ij`` of that sum,
-with ``u = 2**-53`` and ``T_ij = sum_k |p_k| <= ||B[i]||_2 ||A[:, j]||_2`` (the error bound of any ordering of a dot
-product, with or without FMA). Where the interval ``s +- bound`` rounds to one float32 (same bits, sign included),
-that is the element; the rare elements whose interval holds a rounding boundary (34 in 262,144 for random rank-64
-factors, more where the products cancel) are summed again in order. The result is the same bits on every CPU, thread
-count and ``MKL_CBWR`` setting, and for any split into row blocks.
-"""
+"""The product ``B @ A`` of LoRA factors with bits that depend on neither the row blocking nor the BLAS (why and how:
+docs/ci.md, "Bits that depend on the machine")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """One reading of a model directory for every reader (merge, analyze, eval, fisher, preview, the recipes' scoring):
-a directory that two readers would read as two different models is refused, naming the files.
-
-transformers loads ``model.safetensors`` before a shard index and a full model before an adapter; ram_trl's tensor
-reader took the index first and PEFT readers the adapter. Rather than pick one silently, both layouts are refused.
-"""
+a directory that two readers would read as two different models (transformers prefers ``model.safetensors`` to an
+index and a full model to an adapter; other readers did not) is refused, naming the files."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Overlap reading and writing with arithmetic: a read-ahead iterator and a background writer.
-
-Positioned reads and file writes release the GIL, as do torch's kernels, so one I/O thread keeps the disk (or page
-cache) busy while the merge computes.
-"""
+"""Overlap reading and writing with arithmetic: a read-ahead iterator and a background writer (reads, writes and
+torch's kernels release the GIL, so one I/O thread keeps the disk busy while the merge computes)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Loading through transformers without its progress bars, and without changing the host's setting: the library
-loads models inside other people's processes (the merge preview inside a trainer), where the progress-bar switch of
-``transformers.utils.logging`` is theirs.
-"""
+"""Loading through transformers without its progress bars, and without changing the host's setting (in a trainer's
+process the switch in ``transformers.utils.logging`` is theirs)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Bounded-memory reading and writing of safetensors files.
-
-The merge reads inputs one row range at a time and writes outputs one chunk at a time, so neither side ever holds
-a whole model. Reading uses positioned reads (no memory map), which keeps the resident set of the process equal to
-the buffers it actually uses; writing lays out a shard's header up front (the plan knows every output tensor's
-name, shape and dtype), then appends the data in order.
-
-The file format (https://github.com/huggingface/safetensors) is: an 8-byte little-endian header length ``n``, ``n``
-bytes of JSON mapping tensor names to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
-the end of the header) plus an optional ``"__metadata__"`` string map, then the tensor bytes, row-major,
-little-endian.
-"""
+"""Bounded-memory reading and writing of safetensors files (https://github.com/huggingface/safetensors): inputs read
+one row range at a time, outputs written by row range into shards whose headers the plan lays out up front
+(docs/memory.md)."""
 
 from __future__ import annotations
 

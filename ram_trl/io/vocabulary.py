@@ -1,14 +1,6 @@
-"""A union vocabulary's rows, built before merging as mergekit builds them (``tokenizer_source: union``).
-
-Where the models number their tokens alike but some lack tokens others added, mergekit gives every model (the base
-included) a row for every token of the union before it merges: a model's own row where it has the token, else a
-default row taken from the models that have it (the only one's row; the base's when the base has it; else their
-mean, summed in config order in the load dtype). The merge method then sees those rows like any others, in its
-whole-tensor steps too (TIES' cut, SLERP's angle, the RAM family's counts).
-
-:func:`pad_vocabularies` wraps the opened checkpoints so that every reader sees those rows: the vocabulary tensors
-(embeddings, ``lm_head``) of every model have the union's row count, and the rows a model lacks are built on read.
-"""
+"""A union vocabulary's rows, built before merging as mergekit builds them (``tokenizer_source: union``; the rule:
+docs/methods.md). :func:`pad_vocabularies` wraps the opened checkpoints so that every reader sees the union's rows,
+a model's missing rows built on read."""
 
 from __future__ import annotations
 
@@ -111,8 +103,7 @@ class PaddedCheckpoint(Checkpoint):
         return self.inner.has_values(name)
 
     def location(self, name: str) -> TensorInfo | None:
-        """The stored location of ``name``; ``None`` for a padded vocabulary tensor (read it with
-        :meth:`read_rows`)."""
+        """The stored location of ``name``; ``None`` for a padded vocabulary tensor (see :meth:`read_rows`)."""
         assert self.inner is not None and self.defaults is not None
         return None if name in self.defaults.dtype else self.inner.location(name)
 

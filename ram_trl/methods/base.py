@@ -1,8 +1,5 @@
 """The method API: what a merge method declares (:class:`MergeMethod`, :class:`Parameter`) and what its hooks see
-(:class:`TensorView`, :class:`ChunkInputs`).
-
-Details: docs/write-a-method.md.
-"""
+(:class:`TensorView`, :class:`ChunkInputs`). Details: docs/write-a-method.md."""
 
 from __future__ import annotations
 
@@ -73,52 +70,36 @@ class TensorView(Protocol):
         Args:
             t (`int`): The agent's index.
             parameter (`str`): The parameter's canonical name.
-
-        Returns:
-            `float`: The value.
         """
         ...
 
     def base(self) -> torch.Tensor:
-        """The base's values (read once, then kept).
-
-        Returns:
-            `torch.Tensor`: Float32, flat.
-        """
+        """The base's values, float32, flat (read once, then kept)."""
         ...
 
     def model(self, t: int) -> torch.Tensor:
-        """Agent ``t``'s weights: its stored values, or the base plus its LoRA delta.
+        """Agent ``t``'s weights, float32, flat: its stored values, or the base plus its LoRA delta.
 
         Args:
             t (`int`): The agent's index.
-
-        Returns:
-            `torch.Tensor`: Float32, flat.
         """
         ...
 
     def magnitudes(self, t: int) -> tuple[torch.Tensor, int]:
-        """``|tau_t|`` of agent ``t``.
+        """``|tau_t|`` of agent ``t`` (float32, flat, a new tensor the hook may modify) and how many are nonzero (NaN
+        counts as nonzero).
 
         Args:
             t (`int`): The agent's index.
-
-        Returns:
-            `tuple[torch.Tensor, int]`: The magnitudes (float32, flat, a new tensor the hook may modify) and how
-            many are nonzero (NaN counts as nonzero).
         """
         ...
 
     def map_blocks(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(item) for item in items]``, on the merge's compute threads when there are some.
+        """``[fn(item) for item in items]`` (in order), on the merge's compute threads when there are some.
 
         Args:
             fn (`Callable`): The function.
             items (`Iterable`): Its arguments.
-
-        Returns:
-            `list`: The results, in the order of ``items``.
         """
         ...
 
@@ -234,14 +215,10 @@ class MergeMethod:
         return self.prepare_tensor is not None
 
     def preparation_bytes(self, num_agents: int) -> int:
-        """Bytes per element of the largest tensor that the per-tensor preparation holds at once, for
-        ``num_agents`` agents (the planner's memory estimate).
+        """:attr:`prepare_bytes`, evaluated at ``num_agents`` when it is a function (the planner's memory estimate).
 
         Args:
             num_agents (`int`): Agents merged.
-
-        Returns:
-            `int`: :attr:`prepare_bytes`, evaluated at ``num_agents`` when it is a function.
         """
         return self.prepare_bytes(num_agents) if callable(self.prepare_bytes) else self.prepare_bytes
 
@@ -250,20 +227,14 @@ class MergeMethod:
 
         Args:
             params (`dict[str, Any]`): The merge's global parameters.
-
-        Returns:
-            `bool`: ``True`` for per-tensor statistics.
         """
         return self.needs_statistics and params.get("rho_scope") == "tensor"
 
     def parameter(self, name: str) -> Parameter | None:
-        """The declared parameter called ``name`` (its canonical name or one of its aliases).
+        """The declared parameter called ``name`` (canonical name or alias), ``None`` when there is none.
 
         Args:
             name (`str`): The name as a config gives it.
-
-        Returns:
-            `Parameter` or `None`: The parameter, ``None`` when the method has no such parameter.
         """
         for parameter in self.parameters:
             if name == parameter.name or name in parameter.aliases:

@@ -1,8 +1,5 @@
 """Model Breadcrumbs: drop each task vector's largest outliers and its smallest elements, then merge (Davari &
-Belilovsky, 2023).
-
-Details: docs/methods.md.
-"""
+Belilovsky, 2023). Details: docs/methods.md."""
 
 from __future__ import annotations
 
@@ -29,9 +26,6 @@ def floor_count(numel: int, fraction: float) -> int:
     Args:
         numel: The count the fraction is taken of.
         fraction: The fraction, as written (``0.1`` is the decimal 0.1, not its binary float).
-
-    Returns:
-        The count, in ``[0, numel]``.
     """
     if fraction <= 0:
         return 0
@@ -64,9 +58,6 @@ def outlier_cut(magnitudes: torch.Tensor, density: float, gamma: float, rescale:
         gamma: Share of the largest magnitudes dropped, ``floor(gamma * n)`` (fewer when ``k`` needs them).
         rescale: Compute the L1 rescale factor.
         map_blocks: Runs a function over blocks (see :func:`~ram_trl.methods.ties.magnitude_cut`).
-
-    Returns:
-        The cut.
     """
     n = magnitudes.numel()
     k = floor_count(n, density)
@@ -93,7 +84,8 @@ def outlier_cut(magnitudes: torch.Tensor, density: float, gamma: float, rescale:
 def trim(
     delta: torch.Tensor, keep: ties.MagnitudeCut, drop: ties.MagnitudeCut, keep_seen: int, drop_seen: int
 ) -> tuple[torch.Tensor, int, int]:
-    """Zero the elements of a chunk of one agent's task vector that breadcrumbs drops (in place).
+    """Zero the elements of a chunk of one agent's task vector that breadcrumbs drops (in place); returns ``(delta,
+    keep_equal, drop_equal)``, the chunk and its elements tied at each threshold.
 
     Args:
         delta: A chunk of the task vector, float32.
@@ -101,9 +93,6 @@ def trim(
         drop: The cut keeping the ``top`` largest (the outliers).
         keep_seen: Elements tied at ``keep``'s threshold in earlier chunks of the tensor.
         drop_seen: Elements tied at ``drop``'s threshold in earlier chunks of the tensor.
-
-    Returns:
-        ``(delta, keep_equal, drop_equal)``: the chunk and its elements tied at each threshold.
     """
     outliers, drop_equal = ties.magnitude_trim(delta.clone(), drop, drop_seen)
     _, keep_equal = ties.magnitude_trim(delta, keep, keep_seen)
@@ -129,14 +118,12 @@ def prepare(view: TensorView) -> list[OutlierCut | None]:
 
 
 def scan(deltas: torch.Tensor, cuts: list[OutlierCut | None]) -> list[int]:
-    """Breadcrumbs' scan hook: per agent, the block's elements tied at its two thresholds.
+    """Breadcrumbs' scan hook: per agent, in agent order, the block's elements equal to its keep threshold, then to
+    its drop threshold.
 
     Args:
         deltas: The block's float32 task vectors, shape ``(num_agents, n)``.
         cuts: The tensor's cut of each agent (``None``: the agent is not cut).
-
-    Returns:
-        Two counts per agent, in agent order: the elements equal to its keep threshold, then to its drop threshold.
     """
     counts = []
     for t, cut in enumerate(cuts):

@@ -1,9 +1,5 @@
 """DARE: drop a fraction ``p`` of every task vector's elements at random and rescale survivors by ``1 / (1 - p)``.
-
-The random keep/drop decision of element ``i`` of a tensor is a pure function of ``(seed, tensor name, agent index,
-i)`` (a counter-based hash, not a stateful generator), so the result does not depend on the order tensors are merged
-in, on how they are chunked, or on how many processes run the merge.
-"""
+Each draw hashes (seed, tensor, agent, element), so order, chunking and processes do not matter (docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -18,15 +14,12 @@ _MASK32 = 0xFFFFFFFF
 
 
 def dare_key(seed: int, tensor_name: str, agent_index: int) -> tuple[int, int]:
-    """Two 32-bit keys for the hash stream of one (tensor, agent) pair.
+    """Two 32-bit keys (the low and high halves of a BLAKE2b digest of the three) for one (tensor, agent) pair.
 
     Args:
         seed: The merge's random seed.
         tensor_name: The tensor's name.
         agent_index: The agent's index.
-
-    Returns:
-        The keys (the low and high halves of a BLAKE2b digest of the three).
     """
     value = int.from_bytes(key_bytes(f"{seed}\0{tensor_name}\0{agent_index}"), "little")
     return value & _MASK32, value >> 32
@@ -43,16 +36,13 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_uniform(key: tuple[int, int], start: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Uniform floats in ``[0, 1)`` for flat element indices ``start .. start + count - 1`` of one key's stream.
+    """Float32 uniforms in ``[0, 1)`` (multiples of ``2**-24``) for flat indices ``start .. start + count - 1``.
 
     Args:
         key: From :func:`dare_key`.
         start: Flat index of the first element.
         count: Number of elements.
         device: Where to compute.
-
-    Returns:
-        A float32 tensor of shape ``(count,)``, multiples of ``2**-24``.
     """
     index = torch.arange(start, start + count, dtype=torch.int64, device=device)
     x = _mix32((index & _MASK32) ^ key[0])
@@ -63,7 +53,7 @@ def hashed_uniform(key: tuple[int, int], start: int, count: int, device: torch.d
 def dare_drop(
     delta: torch.Tensor, density: float, key: tuple[int, int], start: int, rescale: bool = True
 ) -> torch.Tensor:
-    """Randomly keep each element with probability ``density = 1 - p``; rescale survivors by ``1 / density``.
+    """Randomly keep each element with probability ``density = 1 - p``; rescale survivors by ``1 / density``; in place.
 
     Args:
         delta: A chunk of one agent's task vector (any shape), float32. Modified in place.
@@ -71,9 +61,6 @@ def dare_drop(
         key: The (tensor, agent) hash key from :func:`dare_key`.
         start: Flat index (within the whole tensor) of the chunk's first element.
         rescale: Multiply survivors by ``1 / density`` (the DARE paper's rescale).
-
-    Returns:
-        The chunk, modified in place.
     """
     if density >= 1:
         return delta

@@ -1,8 +1,5 @@
 """DELLA: drop task-vector elements at random with a keep probability that grows with their magnitude's rank, then
-merge (Deep et al., 2024; mergekit's ``della_magprune``).
-
-Details: docs/methods.md.
-"""
+merge (Deep et al., 2024; mergekit's ``della_magprune``). Details: docs/methods.md."""
 
 from __future__ import annotations
 
@@ -24,13 +21,10 @@ BLOCK = 1 << 20
 
 
 def rank_fraction(magnitudes: torch.Tensor) -> torch.Tensor:
-    """Each element's magnitude rank along dimension 1, as ``rank / (size - 1)`` in [0, 1] (0 for size 1).
+    """Each element's magnitude rank along dimension 1, as ``rank / (size - 1)`` in [0, 1] (0 for size 1), float32.
 
     Args:
         magnitudes: ``|tau|``, shape ``(rows, size, ...)``; ties are ranked lowest index first.
-
-    Returns:
-        Float32, the same shape.
     """
     size = magnitudes.shape[1]
     order = torch.sort(magnitudes, dim=1, stable=True).indices
@@ -46,15 +40,10 @@ def rank_fraction(magnitudes: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(
-    delta: torch.Tensor,
-    fraction: torch.Tensor,
-    density: float,
-    epsilon: float,
-    key: tuple[int, int],
-    start: int,
+    delta: torch.Tensor, fraction: torch.Tensor, density: float, epsilon: float, key: tuple[int, int], start: int
 ) -> torch.Tensor:
-    """1.0 / 0.0 flags: element ``i`` (flat index ``start + i``) is kept when its hashed uniform draw is below
-    ``(density - epsilon) + 2 epsilon fraction_i``.
+    """Float32 1.0 / 0.0 flags, flat: element ``i`` (flat index ``start + i``) is kept when its hashed uniform draw
+    is below ``(density - epsilon) + 2 epsilon fraction_i``.
 
     Args:
         delta: A chunk of one agent's task vector (its element count and device are used).
@@ -63,9 +52,6 @@ def keep_mask(
         epsilon: Half-width of the keep probabilities.
         key: The agent's hash key for the tensor (:func:`~ram_trl.methods.dare.dare_key`).
         start: Flat index of the chunk's first element in the tensor.
-
-    Returns:
-        Float32 flags, flat.
     """
     probability = fraction.reshape(-1) * (2 * epsilon) + (density - epsilon)
     draws = dare.hashed_uniform(key, start, delta.numel(), delta.device)

@@ -1,7 +1,5 @@
 """Fisher merging: task vectors averaged element by element with diagonal Fisher weights (Matena & Raffel, 2022).
-
-Details: docs/methods.md and docs/fisher.md.
-"""
+Details: docs/methods.md and docs/fisher.md."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ def fisher_merge(
     scale: float = 1.0,
     floor: float = DEFAULT_FISHER_FLOOR,
 ) -> torch.Tensor:
-    """Fisher-weighted average of task vectors.
+    """Fisher-weighted average of task vectors: the merged task vector, shape ``(n,)``.
 
     Args:
         deltas: Float32 task vectors ``tau_t``, shape ``(num_agents, n)``; left unchanged.
@@ -33,9 +31,6 @@ def fisher_merge(
         weights: Per-agent weights ``w_t >= 0``, shape ``(num_agents,)``.
         scale: The global scaling term ``lambda`` applied to the merged task vector.
         floor: ``fisher_floor``: Fisher values below it are raised to it (0 disables the floor).
-
-    Returns:
-        The merged task vector, shape ``(n,)``.
     """
     weighted = fishers.clamp_(min=floor) if floor > 0 else fishers
     weighted.mul_(weights.to(weighted.dtype).unsqueeze(-1))

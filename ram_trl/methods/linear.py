@@ -1,8 +1,4 @@
-"""Weighted sums of task vectors: task arithmetic and linear (weighted average) merging.
-
-Products are taken element by element and summed in agent order (no matrix multiply), so results are the same on
-every device and never go through reduced-precision matmul paths.
-"""
+"""Weighted sums of task vectors: task arithmetic and linear (weighted average) merging."""
 
 from __future__ import annotations
 
@@ -13,31 +9,26 @@ from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, normalize
 
 
 def weighted_sum(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``sum_t w_t * tau_t`` for task vectors of shape ``(num_agents, n)`` and weights of shape ``(num_agents,)``.
+    """``sum_t w_t * tau_t``, shape ``(n,)``.
 
     Args:
         deltas: Float32 task vectors ``tau_t``, shape ``(num_agents, n)``.
-        weights: Per-agent weights ``w_t`` (cast to the task vectors' dtype).
-
-    Returns:
-        The weighted sum, shape ``(n,)``.
+        weights: Per-agent weights ``w_t`` of shape ``(num_agents,)`` (cast to the task vectors' dtype).
     """
+    # element-wise products summed in agent order, no matmul: the same on every device, no reduced-precision paths
     return (deltas * weights.to(deltas.dtype).unsqueeze(-1)).sum(dim=0)
 
 
 def task_arithmetic(
     deltas: torch.Tensor, weights: torch.Tensor, scale: float = 1.0, normalize: bool = False
 ) -> torch.Tensor:
-    """Task arithmetic: ``lambda * sum_t w_t tau_t`` (optionally divided by ``sum_t w_t``).
+    """Task arithmetic: ``lambda * sum_t w_t tau_t`` (optionally divided by ``sum_t w_t``), shape ``(n,)``.
 
     Args:
         deltas: Float32 task vectors, shape ``(num_agents, n)``.
         weights: Per-agent weights ``w_t``.
         scale: The global scaling term ``lambda``.
         normalize: Divide by the sum of weights (left as is when that sum is below 1e-8 in magnitude, as mergekit).
-
-    Returns:
-        The merged task vector, shape ``(n,)``.
     """
     merged = weighted_sum(deltas, weights)
     if normalize:
@@ -50,7 +41,7 @@ def task_arithmetic(
 
 
 def linear(deltas: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-    """Linear merging (a weighted average of the models), returned as a task vector on ``base``.
+    """Linear merging (a weighted average of the models), returned as a task vector on ``base``, shape ``(n,)``.
 
     With ``normalize`` the result is ``sum_t w_t theta_t / sum_t w_t``, i.e. ``base + sum_t w_t tau_t / sum_t w_t``.
     Without it, ``sum_t w_t theta_t = base + sum_t w_t tau_t + (sum_t w_t - 1) * base``.
@@ -60,9 +51,6 @@ def linear(deltas: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, norm
         base: Float32 base values, shape ``(n,)``.
         weights: Per-model weights.
         normalize: Divide by the sum of weights.
-
-    Returns:
-        The merged task vector, shape ``(n,)``.
     """
     merged = weighted_sum(deltas, weights)
     total = float(weights.sum())

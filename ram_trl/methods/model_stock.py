@@ -1,8 +1,5 @@
 """Model Stock: interpolate between the base and the agents' average by how aligned their task vectors are (Jang
-et al., 2024).
-
-Details: docs/methods.md.
-"""
+et al., 2024). Details: docs/methods.md."""
 
 from __future__ import annotations
 
@@ -47,16 +44,14 @@ def stock_factor(count: int, pairs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor, norm_a: torch.Tensor, norm_b: torch.Tensor) -> torch.Tensor:
-    """Cosine similarity along the last dimension, as mergekit: ``sum(a * b) / max(|a| |b|, 1e-6)``, clamped.
+    """Cosine similarity along the last dimension (reduced), as mergekit: ``sum(a * b) / max(|a| |b|, 1e-6)``,
+    clamped to ``[-1, 1]``.
 
     Args:
         a: One task vector (rows of it, with ``filter_wise``).
         b: The other, same shape.
         norm_a: ``|a|`` along the last dimension.
         norm_b: ``|b|`` along the last dimension.
-
-    Returns:
-        The cosines, clamped to ``[-1, 1]``, the last dimension reduced.
     """
     return ((a * b).sum(dim=-1) / (norm_a * norm_b).clamp(min=NORM_FLOOR)).clamp(-1, 1)
 

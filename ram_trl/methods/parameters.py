@@ -1,23 +1,11 @@
-"""Parameters that several merge methods share, defined once: name, type, default, bounds and help line.
-
-A method file builds its parameter tuple from these (``(LAMBDA, normalize(True, ...), WEIGHT, ...)``); the
-parameters only one method has stay in its own file.
-"""
+"""Parameters that several merge methods share, defined once; a parameter only one method has stays in its file."""
 
 from __future__ import annotations
 
 from ram_trl import defaults
 from ram_trl.methods.base import Parameter
 
-__all__ = [
-    "INT8_MASK",
-    "LAMBDA",
-    "WEIGHT",
-    "density",
-    "normalize",
-    "rescale",
-    "sparsified_parameters",
-]
+__all__ = ["INT8_MASK", "LAMBDA", "WEIGHT", "density", "normalize", "rescale", "sparsified_parameters"]
 
 #: The global scaling term ``lambda`` of the merged task vector.
 LAMBDA = Parameter(
@@ -40,9 +28,6 @@ def normalize(default: bool, help: str) -> Parameter:
     Args:
         default (`bool`): The method's default.
         help (`str`): What dividing means for the method (by the sum of weights, or by the agreeing weights).
-
-    Returns:
-        `Parameter`: The parameter.
     """
     return Parameter("normalize", bool, default, "global", help)
 
@@ -53,9 +38,6 @@ def rescale(default: bool, help: str) -> Parameter:
     Args:
         default (`bool`): The method's default.
         help (`str`): How the survivors are rescaled.
-
-    Returns:
-        `Parameter`: The parameter.
     """
     return Parameter("rescale", bool, default, "global", help)
 
@@ -66,9 +48,6 @@ def density(help: str) -> Parameter:
 
     Args:
         help (`str`): How the method chooses what it keeps.
-
-    Returns:
-        `Parameter`: The parameter.
     """
     return Parameter("density", float, defaults.DENSITY, "agent", help, minimum=0.0, maximum=1.0)
 
@@ -92,9 +71,6 @@ def sparsified_parameters(
         rescale_help (`str`): Help line of ``rescale``.
         density_help (`str`): Help line of ``density``.
         *extra (`Parameter`): The method's own parameters (Breadcrumbs' ``gamma``, DELLA's ``epsilon``).
-
-    Returns:
-        `tuple[Parameter, ...]`: The parameters.
     """
     return (
         LAMBDA,

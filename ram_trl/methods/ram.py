@@ -1,7 +1,4 @@
-"""Reinforced Agent Merging (RAM, RAM+, RAM+s): the tensor maths of Algorithm 1 of the RAM paper.
-
-Details: docs/methods.md.
-"""
+"""Reinforced Agent Merging (RAM, RAM+, RAM+s): the tensor maths of Algorithm 1 of the RAM paper (docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -40,16 +37,14 @@ def soft_factors(stats: OverlapStatistics, params: dict[str, Any]) -> list[float
 
 
 def ram_merge(deltas: torch.Tensor, lambdas: torch.Tensor | list[float], eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Selective merging (eq. 7) of one chunk of task vectors.
+    """Selective merging (eq. 7) of one chunk of task vectors, shape ``(n,)``: 0 where no agent is active,
+    ``lambda_t * tau_t`` where only agent ``t`` is, and elsewhere the mean of the active values (their sum in agent
+    order, divided by their count).
 
     Args:
         deltas: Float32 task vectors of shape ``(num_agents, n)`` (not modified).
         lambdas: Per-agent rescale factors for unique elements, shape ``(num_agents,)``.
         eps: Activity threshold (strict).
-
-    Returns:
-        The merged task vector of shape ``(n,)``: 0 where no agent is active, ``lambda_t * tau_t`` where only agent
-        ``t`` is, and the mean of the active values elsewhere (their sum in agent order, divided by their count).
     """
     factors = [float(f) for f in (lambdas.tolist() if isinstance(lambdas, torch.Tensor) else lambdas)]
     active = masked_deltas(deltas, eps)
@@ -86,11 +81,8 @@ def _row_sum(rows: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Tensor | None:
-    """``float32(lambda_t) - 1`` per agent, or ``None`` when ``1 + that`` is not exactly ``float32(lambda_t)``.
-
-    For a float32 ``lambda >= 1`` (every RAM, RAM+ and RAM+s factor) the difference is exact, and so is adding 1
-    back; other factors take the :func:`torch.where` path of :func:`ram_merge`.
-    """
+    """``float32(lambda_t) - 1`` per agent, or ``None`` when ``1 + that`` is not exactly ``float32(lambda_t)`` (it is
+    for every float32 ``lambda >= 1``: RAM's factors; others take :func:`ram_merge`'s :func:`torch.where` path)."""
     f32 = torch.tensor(factors, dtype=torch.float32)  # host
     excess = f32 - 1.0
     if not torch.equal(excess + 1.0, f32) or not bool(torch.isfinite(f32).all()):
@@ -102,13 +94,7 @@ def _unique_excess(factors: tuple[float, ...], device: torch.device) -> torch.Te
 # The methods: RAM, RAM+ and RAM+s (registered by :mod:`ram_trl.methods.registry`)
 
 EPS = Parameter(
-    "eps",
-    float,
-    DEFAULT_EPS,
-    "global",
-    "activity threshold: |tau| > eps (strict)",
-    minimum=0.0,
-    aliases=("epsilon",),
+    "eps", float, DEFAULT_EPS, "global", "activity threshold: |tau| > eps (strict)", minimum=0.0, aliases=("epsilon",)
 )
 RHO_SCOPE = Parameter(
     "rho_scope",
@@ -156,9 +142,6 @@ def agent_index(value: str, names: tuple[str, ...] | list[str], where: str) -> i
         names: The agents' names, in merge order.
         where: What names the value, for the error.
 
-    Returns:
-        The agent's index.
-
     Raises:
         ConfigError: when no agent has that name or index.
     """
@@ -187,15 +170,12 @@ def check_agent(params: dict[str, Any], names: list[str], where: str) -> None:
 
 
 def unique_region(deltas: torch.Tensor, t: int, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Agent ``t``'s unique region: ``tau_t`` where only agent ``t`` is active (``|tau| > eps``), 0 elsewhere.
+    """Agent ``t``'s unique region, shape ``(n,)``: ``tau_t`` where only ``t`` is active (``|tau| > eps``), else 0.
 
     Args:
         deltas: Float32 task vectors of shape ``(num_agents, n)`` (not modified).
         t: The agent's index.
         eps: Activity threshold (strict).
-
-    Returns:
-        The region's task vector, shape ``(n,)``.
     """
     active = masked_deltas(deltas, eps)
     counts = _row_sum(torch.ne(active, 0, out=torch.empty_like(active)))

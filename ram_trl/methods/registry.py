@@ -1,10 +1,5 @@
-"""Merge methods registered by name: the built-in methods, their aliases, and :func:`register` for more.
-
-Each built-in method is a :class:`~ram_trl.methods.base.MergeMethod` declared whole (parameters, hooks, chunk
-kernel) in its family's file (:mod:`~ram_trl.methods.ram`, :mod:`~ram_trl.methods.linear`,
-:mod:`~ram_trl.methods.ties`, :mod:`~ram_trl.methods.dare`, :mod:`~ram_trl.methods.fisher`, ...); this module only
-registers them, one line each, with the aliases their files declare.
-"""
+"""Merge methods registered by name: the built-in methods (each declared whole in its family's file), their aliases,
+and :func:`register` for more."""
 
 from __future__ import annotations
 
@@ -13,12 +8,7 @@ from typing import Any
 from ram_trl.methods import breadcrumbs, dare, della, fisher, linear, model_stock, ram, sce, slerp, ties
 from ram_trl.methods.base import Alias, MergeMethod
 
-__all__ = [
-    "alias_names",
-    "method_names",
-    "register",
-    "resolve_method",
-]
+__all__ = ["alias_names", "method_names", "register", "resolve_method"]
 
 
 _METHODS: dict[str, MergeMethod] = {}
@@ -26,14 +16,12 @@ _ALIASES: dict[str, Alias] = {}
 
 
 def register(method: MergeMethod, aliases: dict[str, Alias] | None = None) -> MergeMethod:
-    """Make ``method`` (and its aliases) available by name, to configs, ``merge()`` and ``ram-trl methods``.
+    """Make ``method`` (and its aliases) available by name, to configs, ``merge()`` and ``ram-trl methods``; returns
+    ``method``.
 
     Args:
         method (`MergeMethod`): The method; its ``name`` becomes a canonical name.
         aliases (`dict[str, Alias]`, *optional*): Other names, each optionally with other parameter defaults.
-
-    Returns:
-        `MergeMethod`: ``method`` itself.
 
     Raises:
         ValueError: A name (canonical or alias) is already registered.
@@ -47,13 +35,11 @@ def register(method: MergeMethod, aliases: dict[str, Alias] | None = None) -> Me
 
 
 def resolve_method(name: str) -> tuple[MergeMethod, dict[str, Any]]:
-    """Look a method up by canonical name or alias (case-insensitive, surrounding spaces ignored).
+    """Look a method up by canonical name or alias (case-insensitive, surrounding spaces ignored): ``(method,
+    default_overrides)``, the parameter defaults the alias implies.
 
     Args:
         name (`str`): The name as the config gives it.
-
-    Returns:
-        ``(method, default_overrides)``: the method and the parameter defaults the alias implies.
 
     Raises:
         KeyError: with the list of known names.
@@ -68,20 +54,12 @@ def resolve_method(name: str) -> tuple[MergeMethod, dict[str, Any]]:
 
 
 def method_names() -> list[str]:
-    """The canonical names of the registered methods, sorted.
-
-    Returns:
-        `list[str]`: The names.
-    """
+    """The canonical names of the registered methods, sorted."""
     return sorted(_METHODS)
 
 
 def alias_names() -> dict[str, Alias]:
-    """The registered aliases, in registration order.
-
-    Returns:
-        `dict[str, Alias]`: Alias name to the :class:`Alias` (its method and default overrides).
-    """
+    """The registered aliases, in registration order: name to :class:`Alias` (its method and default overrides)."""
     return dict(_ALIASES)
 
 

@@ -1,7 +1,4 @@
-"""SCE: select, calculate, erase (Wan et al., 2024, "FuseChat"), as mergekit 0.1.5's ``sce`` computes it.
-
-Details: docs/methods.md.
-"""
+"""SCE: select, calculate, erase (Wan et al., 2024, "FuseChat"), as mergekit 0.1.5's ``sce`` (docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -32,14 +29,11 @@ class SceTensor:
 
 
 def select_mask(taus: torch.Tensor, select_topk: float) -> torch.Tensor:
-    """The elements with the largest variance across agents (step 1).
+    """Boolean mask, shape ``(n,)``, of the elements with the largest variance across agents (step 1).
 
     Args:
         taus: Float32 task vectors, shape ``(k, n)``.
         select_topk: Fraction of the elements with a nonzero variance kept, in ``[0, 1)``.
-
-    Returns:
-        Boolean mask, shape ``(n,)``.
     """
     if select_topk <= 0:
         return torch.zeros(taus.shape[1], dtype=torch.bool, device=taus.device)
@@ -59,13 +53,11 @@ def select_mask(taus: torch.Tensor, select_topk: float) -> torch.Tensor:
 
 
 def sce_weights(taus: torch.Tensor) -> torch.Tensor:
-    """The agents' weights ``w_t`` (step 2), as mergekit: the mean square of each task vector, normalised.
+    """The agents' float32 weights ``w_t``, shape ``(k, 1)`` (step 2), as mergekit: each task vector's mean square,
+    normalised.
 
     Args:
         taus: Float32 (selected) task vectors, shape ``(k, n)``.
-
-    Returns:
-        Float32 weights, shape ``(k, 1)``.
     """
     weights = taus.square().mean(dim=1)
     total = torch.sum(weights).item()
@@ -100,7 +92,7 @@ def merge(inputs: ChunkInputs) -> torch.Tensor:
 
 
 def prepare_bytes(num_agents: int) -> int:
-    """Bytes per element of a tensor that :func:`prepare` holds at once with ``num_agents`` agents (the planner's
+    """Bytes per element of a tensor that :func:`prepare` holds at once, ``max(8k + 5, 4k + 25) + 4`` (the planner's
     estimate, checked against the measured peak in the tests).
 
     Two phases peak: the stacked float32 task vectors with either their float32 copies being stacked or their
@@ -110,9 +102,6 @@ def prepare_bytes(num_agents: int) -> int:
 
     Args:
         num_agents (`int`): The agents ``k``.
-
-    Returns:
-        `int`: ``max(8k + 5, 4k + 25) + 4``.
     """
     return max(8 * num_agents + 5, 4 * num_agents + 25) + 4
 

@@ -1,7 +1,5 @@
 """SLERP: spherical linear interpolation between the base model and one other model, tensor by tensor.
-
-Details: docs/methods.md.
-"""
+Details: docs/methods.md."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ PART = 1 << 20
 def slerp_coefficients(
     a: torch.Tensor, b: torch.Tensor, t: float, dot_threshold: float = DOT_THRESHOLD, eps: float = NORM_EPS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The coefficients ``(c_a, c_b)`` with ``slerp(a, b, t) = c_a * a + c_b * b``.
+    """The coefficients ``(c_a, c_b)`` with ``slerp(a, b, t) = c_a * a + c_b * b``, float32, shape ``(1, 1)``.
 
     Args:
         a: The base's values of one tensor, float32, flat.
@@ -29,9 +27,6 @@ def slerp_coefficients(
         t: Interpolation factor: 0 gives ``a``, 1 gives ``b``.
         dot_threshold: ``|cos theta|`` above which the interpolation is linear.
         eps: Norms at or below it are treated as 1 (the tensor is not normalised).
-
-    Returns:
-        Two float32 tensors of shape ``(1, 1)``.
 
     Example:
         >>> a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])

@@ -1,10 +1,5 @@
-"""TIES merging: magnitude trimming, sign election, disjoint mean (Yadav et al., 2023).
-
-Trimming keeps exactly ``k = floor(density * numel)`` elements per tensor and agent (at least one when
-``0 < density < 1``), ``k`` computed exactly from the decimal ``density`` as written. Among elements whose magnitude
-equals the k-th largest, the ones with the lowest flat index are kept, so the result is deterministic and the same
-whether a tensor is processed whole or in row chunks (:func:`magnitude_trim` carries the count of ties seen).
-"""
+"""TIES merging: magnitude trimming, sign election, disjoint mean (Yadav et al., 2023). The exact ``k`` and the tie
+rule (lowest flat index first, so whole tensors and row chunks agree): docs/methods.md."""
 
 from __future__ import annotations
 
@@ -35,7 +30,7 @@ class MagnitudeCut:
 
 
 def magnitude_cut(magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | None = None) -> MagnitudeCut:
-    """Find the cut that keeps the ``k`` largest of ``magnitudes`` (a flat float tensor).
+    """The :class:`MagnitudeCut` that keeps the ``k`` largest of ``magnitudes`` (a flat float tensor).
 
     The k-th largest magnitude is found by :func:`kth_largest_bits` when every magnitude is a finite float32 (else by
     ``torch.kthvalue``). When it is 0, every nonzero element is kept and the cut keeps everything (the same values:
@@ -46,9 +41,6 @@ def magnitude_cut(magnitudes: torch.Tensor, k: int, map_blocks: BlockMapper | No
         k: Elements to keep (see :func:`keep_count`).
         map_blocks: Runs a function over a list of blocks and returns its results in order (e.g. on a thread
             pool); default: one after the other.
-
-    Returns:
-        The :class:`MagnitudeCut`.
     """
     n = magnitudes.numel()
     if k >= n:
@@ -109,11 +101,8 @@ def _high_histogram(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _low_histogram(bits: torch.Tensor, bucket: int) -> torch.Tensor:
-    """Counts of the low 16 bits of the int32 bit patterns whose high 16 bits are ``bucket``.
-
-    Integer arithmetic only (no boolean mask, which is slow to build): patterns below the bucket fall in an extra
-    first bin and patterns above it in an extra last bin, both dropped.
-    """
+    """Counts of the low 16 bits of the int32 patterns whose high 16 bits are ``bucket``; integer arithmetic only (a
+    boolean mask is slow to build): patterns below and above the bucket fall in two extra bins, dropped."""
     offsets = (bits - (bucket << 16)).clamp_(-1, 1 << 16).add_(1)
     return torch.bincount(offsets, minlength=(1 << 16) + 2)[1:-1]
 
@@ -127,15 +116,12 @@ def _rank_from_top(counts: torch.Tensor, k: int) -> tuple[int, int]:
 
 
 def count_at_cut(delta: torch.Tensor, cut: MagnitudeCut) -> int:
-    """Elements of a chunk of one agent's task vector whose magnitude equals the cut's threshold (what
-    :func:`magnitude_trim` returns as ``equal_in_chunk``, without trimming).
+    """Elements of a chunk of one agent's task vector whose magnitude equals the cut's threshold (0 for a cut that
+    keeps everything): :func:`magnitude_trim`'s ``equal_in_chunk``, without trimming.
 
     Args:
         delta: A chunk of one agent's task vector, float32, any shape (not modified).
         cut: The tensor's cut from :func:`magnitude_cut`.
-
-    Returns:
-        The count (0 for a cut that keeps everything).
     """
     if cut.keep_all:
         return 0
@@ -144,15 +130,13 @@ def count_at_cut(delta: torch.Tensor, cut: MagnitudeCut) -> int:
 
 
 def magnitude_trim(delta: torch.Tensor, cut: MagnitudeCut, equal_seen: int = 0) -> tuple[torch.Tensor, int]:
-    """Zero every element of a chunk of one agent's task vector that the cut drops.
+    """Zero every element of a chunk of one agent's task vector that the cut drops; returns ``(delta,
+    equal_in_chunk)``, the trimmed chunk and the number of threshold-equal elements it held.
 
     Args:
         delta: A row chunk of one tensor's task vector (any shape), float32. Modified in place.
         cut: The tensor's cut from :func:`magnitude_cut`.
         equal_seen: Elements equal to the threshold in earlier chunks of the same tensor.
-
-    Returns:
-        ``(delta, equal_in_chunk)``: the trimmed chunk and the number of threshold-equal elements it held.
     """
     if cut.keep_all:
         return delta, 0
@@ -178,7 +162,7 @@ def elect_sign(weighted: torch.Tensor) -> torch.Tensor:
 def disjoint_merge(
     deltas: torch.Tensor, weights: torch.Tensor, scale: float = 1.0, normalize: bool = True
 ) -> torch.Tensor:
-    """Sign election and disjoint mean over already trimmed (or dropped) task vectors.
+    """Sign election and disjoint mean over already trimmed (or dropped) task vectors; shape ``(n,)``.
 
     Args:
         deltas: Float32 task vectors of shape ``(num_agents, n)``; entries that trimming removed are 0.
@@ -186,9 +170,6 @@ def disjoint_merge(
         scale: The global scaling term ``lambda``.
         normalize: Divide by the summed weights of the agents that agree with the elected sign (the disjoint mean);
             otherwise sum the agreeing weighted values.
-
-    Returns:
-        The merged task vector, shape ``(n,)``.
     """
     column = weights.to(deltas.dtype).unsqueeze(-1)
     weighted = deltas.mul_(column)
@@ -212,9 +193,6 @@ def prepare_cuts(view: TensorView) -> list[MagnitudeCut]:
 
     Args:
         view: The tensor (each agent's ``density`` for it, and its magnitudes).
-
-    Returns:
-        One cut per agent.
     """
     cuts = []
     for t in range(view.num_agents):
@@ -238,9 +216,6 @@ def scan_ties(deltas: torch.Tensor, cuts: list[MagnitudeCut]) -> list[int]:
     Args:
         deltas: The block's float32 task vectors, shape ``(num_agents, n)``.
         cuts: The tensor's cut of each agent (the ``prepare_tensor`` hook's result).
-
-    Returns:
-        One count per agent.
     """
     return [count_at_cut(deltas[t], cut) for t, cut in enumerate(cuts)]
 

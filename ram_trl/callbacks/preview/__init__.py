@@ -1,7 +1,5 @@
 """Merge-aware RL: preview, while a stage trains, the merge of the current policy with the earlier stages' agents.
-
-Details: docs/merge-preview.md.
-"""
+Details: docs/merge-preview.md."""
 
 from __future__ import annotations
 

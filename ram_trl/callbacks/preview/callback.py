@@ -1,8 +1,5 @@
 """The merge-preview callback (:class:`MergePreviewCallback`): the training events, the preview of one step (save,
-merge, score, keep) and the stage it leaves (the kept checkpoint and its manifest). The overview is in
-:mod:`ram_trl.callbacks.preview`; the rooms it uses: :mod:`~ram_trl.callbacks.preview.state` (scratch directory, keep-best, resume),
-:mod:`~ram_trl.callbacks.preview.scores` (the evaluation) and :mod:`~ram_trl.callbacks.preview.partitions` (DeepSpeed ZeRO-3).
-"""
+merge, score, keep) and the stage it leaves (the kept checkpoint and its manifest). Details: docs/merge-preview.md."""
 
 from __future__ import annotations
 
@@ -16,16 +13,8 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from ram_trl import defaults
 from ram_trl.callbacks.deepspeed_adapter import zero3_loading_off
-from ram_trl.callbacks.preview.config import (
-    default_preview_every,
-    preview_merge_config,
-    preview_metrics,
-)
-from ram_trl.callbacks.preview.partitions import (
-    PartitionPreview,
-    check_partitioned,
-    preview_partitions,
-)
+from ram_trl.callbacks.preview.config import default_preview_every, preview_merge_config, preview_metrics
+from ram_trl.callbacks.preview.partitions import PartitionPreview, check_partitioned, preview_partitions
 from ram_trl.callbacks.preview.scores import (
     record_retention,
     reference_scores,
@@ -203,10 +192,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
         self.partitioned = plugin is not None and getattr(plugin, "zero_stage", 0) == 3
         if self.partitioned:
             check_partitioned(
-                self._resolved_method,
-                plugin.deepspeed_config,
-                policy_of(self.trainer.model),
-                self.evaluation.dtype,
+                self._resolved_method, plugin.deepspeed_config, policy_of(self.trainer.model), self.evaluation.dtype
             )
         if getattr(accelerator, "is_fsdp2", False) or getattr(accelerator.state, "fsdp_plugin", None) is not None:
             raise ConfigError("the merge preview does not support FSDP yet; use DDP or train without the preview")
@@ -223,10 +209,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             return
         if accelerator.is_main_process:
             start = time.perf_counter()
-            plugins = (
-                getattr(args, "deepspeed_plugin", None),
-                getattr(accelerator.state, "deepspeed_plugin", None),
-            )
+            plugins = (getattr(args, "deepspeed_plugin", None), getattr(accelerator.state, "deepspeed_plugin", None))
             owners = (args, *plugins)
             with training_rng_kept(), zero3_loading_off(owners):
                 references = reference_scores(
@@ -472,11 +455,7 @@ class MergePreviewCallback(TaskVectorSparsityCallback):
             over the base.
         """
         return record_retention(
-            record,
-            self.base_scores,
-            self.specialist_scores,
-            self.merged_stages,
-            self.evaluation.retention_min_gain,
+            record, self.base_scores, self.specialist_scores, self.merged_stages, self.evaluation.retention_min_gain
         )
 
     def share(self, value: Any) -> Any:

@@ -1,11 +1,5 @@
-"""The merge preview under DeepSpeed ZeRO-3: no rank gathers the policy for the merge.
-
-Each rank merges its own partition of every parameter with the global statistics
-(:func:`ram_trl.merging.range_merge.merge_ranges`, one all-reduce of integer counts); the merged values then replace the
-partitions while the model is scored through ZeRO-3's own gathering for generation (as TRL gathers for its training
-generation), and the policy's partitions are restored afterwards (:func:`swapped_partitions`). What a
-partition-local preview cannot do is refused at train begin (:func:`check_partitioned`).
-"""
+"""The merge preview under DeepSpeed ZeRO-3: each rank merges its own partitions, no rank gathers the policy for the
+merge (docs/merge-preview.md, "Distributed")."""
 
 from __future__ import annotations
 
@@ -29,13 +23,7 @@ from ram_trl.stage.save import policy_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PartitionPreview",
-    "check_partitioned",
-    "preview_partitions",
-    "score_gathered",
-    "swapped_partitions",
-]
+__all__ = ["PartitionPreview", "check_partitioned", "preview_partitions", "score_gathered", "swapped_partitions"]
 
 
 @dataclass

@@ -1,11 +1,6 @@
 """The merge preview's evaluation: which validation prompts it scores, the reference scores (the base and the prior
-agents), the scores of one preview (the merged model on every merged stage, the policy on its own) and retention.
-
-Every score comes from the evaluation the recipes use (:mod:`ram_trl.evaluation.scoring`: ``ram-trl eval`` of the
-same model gives the same numbers), run with the training's RNG state kept (:func:`training_rng_kept`). Weights
-scored at an earlier preview (equal :func:`~ram_trl.digest.weights_digest`: bit-for-bit the same model) are not
-generated again.
-"""
+agents), the scores of one preview and retention, all through the recipes' :mod:`ram_trl.evaluation.scoring`
+(docs/merge-preview.md)."""
 
 from __future__ import annotations
 
@@ -73,11 +68,7 @@ def validation_tasks(
 
 
 def reference_scores(
-    base_model: str | os.PathLike,
-    tasks: dict[str, Any],
-    stages: Sequence[str],
-    priors: Sequence[Any],
-    evaluation: Any,
+    base_model: str | os.PathLike, tasks: dict[str, Any], stages: Sequence[str], priors: Sequence[Any], evaluation: Any
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The base's validation score on every merged stage and each prior agent's on its own stage (retention's
     reference points; this stage's specialist is the current policy)."""

@@ -1,8 +1,6 @@
 """The merge preview's state on disk: its scratch directory, the checkpoints it keeps (the best and the last
 previewed), the user's ``OUTPUT/last`` and the preview state saved in each trainer checkpoint for a resumed run.
-
-Details: docs/merge-preview.md.
-"""
+Details: docs/merge-preview.md."""
 
 from __future__ import annotations
 
@@ -51,8 +49,7 @@ __all__ = [
 
 @dataclass
 class KeptCheckpoints:
-    """The previewed checkpoints kept on disk: the best (highest merged validation average, the earliest of equal
-    averages) and the last."""
+    """The previewed checkpoints kept on disk: the best (highest merged average, earliest of equals) and the last."""
 
     best: Path | None = None
     best_average: float = -math.inf
@@ -80,8 +77,7 @@ def kept_step(history: list[dict[str, Any]], keep: str) -> int:
 
 
 def check_work_dir(work_dir: str | os.PathLike) -> None:
-    """Refuse, before training, a scratch directory the preview did not create: it removes its scratch directory at
-    train begin and end."""
+    """Refuse before training a scratch directory the preview did not create (it removes its own at start and end)."""
     work_dir = Path(work_dir)
     if not (work_dir.exists() or work_dir.is_symlink()):
         return
@@ -106,8 +102,7 @@ def open_work_dir(work_dir: str | os.PathLike) -> Path:
 
 
 def remove_work_dir(work_dir: str | os.PathLike) -> None:
-    """Remove the scratch directory if the preview created it (it holds :data:`WORK_MARKER`); anything else is
-    left as it is."""
+    """Remove the scratch directory if the preview created it (it holds :data:`WORK_MARKER`), else leave it."""
     work_dir = Path(work_dir)
     if work_dir.is_dir() and not work_dir.is_symlink() and (work_dir / WORK_MARKER).is_file():
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -134,8 +129,7 @@ def check_last_dir(output_dir: str | os.PathLike) -> bool:
 
 
 def link_tree(source: Path, target: Path) -> None:
-    """Hard-link the files of the flat directory ``source`` into ``target`` (created); copies where the file system
-    cannot link."""
+    """Hard-link the files of the flat directory ``source`` into ``target`` (created), copying where links fail."""
     target.mkdir(parents=True)
     for file in source.iterdir():
         try:

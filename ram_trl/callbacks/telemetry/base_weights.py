@@ -1,7 +1,5 @@
 """Where the telemetry reads the base weights from, and how training parameter names map to checkpoint names.
-
-Details: docs/telemetry.md and docs/memory.md.
-"""
+Details: docs/telemetry.md and docs/memory.md."""
 
 from __future__ import annotations
 
@@ -21,15 +19,8 @@ from ram_trl.io.checkpoint import open_checkpoint
 from ram_trl.io.safetensors_io import TensorInfo, dtype_itemsize
 from ram_trl.stage.manifest import FINGERPRINT_ELEMENTS, BaseFingerprint, fingerprint_heads, fingerprint_names
 
-#: Wrapper prefixes stripped from parameter names: DDP / DeepSpeed (``module.``), torch.compile (``_orig_mod.``),
-#: FSDP1 and activation checkpointing wrappers, PEFT (``base_model.model.``).
-WRAPPER_PREFIXES = (
-    "module.",
-    "_orig_mod.",
-    "_fsdp_wrapped_module.",
-    "_checkpoint_wrapped_module.",
-    "base_model.model.",
-)
+# wrapper parts stripped from parameter names: DDP / DeepSpeed (leading ``module``), torch.compile, FSDP1 and
+# activation checkpointing wrappers (anywhere), PEFT's ``base_model.model`` (in base_name)
 _LEADING = {"module"}
 _ANYWHERE = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 _PEFT_COMPONENTS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
@@ -168,11 +159,7 @@ class DeviceBase(ModelBase):
     def __init__(self, source: BaseSource, ranges: dict[str, tuple[int, int]], device: torch.device) -> None:
         shards = {
             name: LocalShard(
-                name,
-                source.read(name, offset, numel).to(device, copy=True),
-                source.shape(name),
-                offset,
-                False,
+                name, source.read(name, offset, numel).to(device, copy=True), source.shape(name), offset, False
             )
             for name, (offset, numel) in ranges.items()
         }

@@ -59,15 +59,7 @@ class Workspace:
 
     @property
     def nbytes(self) -> int:
-        buffers = (
-            self.base,
-            self.tau,
-            self.saved,
-            self.base_saved,
-            self.scratch,
-            self.flags,
-            self.saved_flags,
-        )
+        buffers = (self.base, self.tau, self.saved, self.base_saved, self.scratch, self.flags, self.saved_flags)
         staged = sum(t.numel() * t.element_size() for t in self._staging.values())
         return sum(t.numel() * t.element_size() for t in (*buffers, self.rounded)) + self.magnitude.nbytes + staged
 

@@ -1,11 +1,5 @@
-"""Layout discovery of the telemetry: which flat ranges of which base tensors a training model's process measures.
-
-:func:`model_layout` turns a model (plain, wrapped, DDP, ZeRO-3, FSDP2, PEFT LoRA) into :class:`Region` objects: one
-per locally held floating parameter range, each ``dense`` (``tau = trained - base``), ``lora`` (``tau`` = the live
-adapter's ``B @ A * scaling``) or ``frozen`` (``tau = 0``); :func:`check_layout` checks it against the base,
-:func:`local_regions` picks this process's share and :func:`compute_device` where the chunks compute. The
-measurement itself is :mod:`ram_trl.callbacks.telemetry.tracker`.
-"""
+"""Layout discovery of the telemetry: which flat ranges of which base tensors a training model's process measures
+(:class:`Region`: ``dense``, ``lora`` or ``frozen``), for a plain, DDP, ZeRO-3, FSDP2 or PEFT LoRA model."""
 
 from __future__ import annotations
 

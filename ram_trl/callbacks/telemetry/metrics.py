@@ -1,7 +1,5 @@
 """The metrics one telemetry measurement reports, from its counts summed over processes.
-
-Details: docs/telemetry.md ("What the callback logs").
-"""
+Details: docs/telemetry.md ("What the callback logs")."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The two precisions of a task vector: the one the trainer holds the parameters in, and the one the agent is saved in.
-
-``task_vector/density`` counts ``|tau| > eps`` on the parameters as the trainer holds them (float32 master weights in
-a usual mixed-precision run); ``task_vector/density_saved`` counts it after rounding trained weights and base to the
-save dtype, which is what a merge of the saved checkpoint sees. With bf16 saves of a run at a small learning rate
-most Adam steps stay below one bf16 step and round away (docs/telemetry.md, "Which save dtype"). The save dtype
-``"auto"`` (the default) is the training dtype: the saved agent is the trained one.
-"""
+"""The two precisions of a task vector: the one the trainer holds the parameters in (``density``), and the one the
+agent is saved in (``density_saved``, what a merge sees). Details: docs/telemetry.md, "Which save dtype"."""
 
 from __future__ import annotations
 
@@ -56,8 +50,7 @@ def training_dtypes(regions: Iterable[Any]) -> list[torch.dtype]:
 
 
 def auto_save_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
-    """The save dtype ``"auto"`` resolves to: the training dtype when it is one of :data:`SAVE_DTYPES`, else
-    float32 (several dtypes, float64, nothing trained)."""
+    """The save dtype ``"auto"`` resolves to: the training dtype if one of :data:`SAVE_DTYPES`, else float32."""
     if len(dtypes) == 1 and dtypes[0] in SAVE_DTYPES.values():
         return dtypes[0]
     return torch.float32
@@ -73,10 +66,7 @@ def precision_record(
         "densities": {},
     }
     if f"{prefix}density" in metrics:
-        for view, suffix, dtype in (
-            ("training", "", out["training_dtype"]),
-            ("saved", "_saved", out["save_dtype"]),
-        ):
+        for view, suffix, dtype in (("training", "", out["training_dtype"]), ("saved", "_saved", out["save_dtype"])):
             out["densities"][view] = {
                 "dtype": dtype,
                 "density": metrics[f"{prefix}density{suffix}"],

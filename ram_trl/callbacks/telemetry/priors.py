@@ -1,11 +1,5 @@
-"""Agents trained before this run (prior stages): their activity masks against the base, for the overlap telemetry.
-
-A run given the stage manifests of earlier agents reports how much of its task vector those agents already update
-and the rho_t / lambda_t it would get in a RAM+ merge with them. The priors' masks ``|tau| > eps`` are computed once,
-at setup, from their saved checkpoints (full models or LoRA adapters) with the merge's own reader
-(:func:`ram_trl.merging.streaming.iter_chunks` / :func:`~ram_trl.merging.streaming.to_deltas`), so they are exactly the masks the
-merge will use. Only the flat element ranges this process measures are kept, packed to one bit per element.
-"""
+"""Agents trained before this run (prior stages): their activity masks against the base, for the overlap telemetry,
+read once with the merge's own reader (the masks the merge will use), one bit per element (docs/telemetry.md)."""
 
 from __future__ import annotations
 
@@ -77,10 +71,7 @@ class PriorMasks:
 
 
 def compute_prior_masks(
-    stages: list[PriorStage],
-    base_path: str | os.PathLike,
-    ranges: dict[str, list[tuple[int, int]]],
-    eps: float,
+    stages: list[PriorStage], base_path: str | os.PathLike, ranges: dict[str, list[tuple[int, int]]], eps: float
 ) -> PriorMasks:
     """Compute each prior's mask ``|tau| > eps`` against the base on the given flat ranges."""
     # The merge's planner and reader, imported here: a run without prior stages (and ``import ram_trl.callbacks.sparsity``)
@@ -92,10 +83,7 @@ def compute_prior_masks(
     shapes = {name: tuple(meta.shape) for name, meta in base.tensors.items()}
     agents = [
         open_checkpoint(
-            s.checkpoint,
-            f"prior stage {s.name!r} ({s.checkpoint})",
-            base_shapes=shapes,
-            base_config=base.config_path,
+            s.checkpoint, f"prior stage {s.name!r} ({s.checkpoint})", base_shapes=shapes, base_config=base.config_path
         )
         for s in stages
     ]

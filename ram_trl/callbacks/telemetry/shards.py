@@ -1,7 +1,5 @@
 """The elements of a model's parameters that this process holds, however the model is distributed.
-
-Details: docs/telemetry.md ("Distributed training").
-"""
+Details: docs/telemetry.md ("Distributed training")."""
 
 from __future__ import annotations
 

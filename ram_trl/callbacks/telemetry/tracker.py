@@ -1,7 +1,5 @@
 """The task-vector tracker: measures a training model's task vector against its base, framework-agnostic.
-
-Details: docs/telemetry.md.
-"""
+Details: docs/telemetry.md."""
 
 from __future__ import annotations
 
@@ -36,13 +34,7 @@ from ram_trl.callbacks.telemetry.chunks import (
     row_numel,
     sample_windows,
 )
-from ram_trl.callbacks.telemetry.layout import (
-    ModelLayout,
-    check_layout,
-    compute_device,
-    local_regions,
-    model_layout,
-)
+from ram_trl.callbacks.telemetry.layout import ModelLayout, check_layout, compute_device, local_regions, model_layout
 from ram_trl.callbacks.telemetry.metrics import measurement_metrics
 from ram_trl.callbacks.telemetry.precision import (
     auto_save_dtype,
@@ -53,20 +45,9 @@ from ram_trl.callbacks.telemetry.precision import (
 from ram_trl.callbacks.telemetry.priors import PriorMasks, compute_prior_masks, read_prior_stages
 from ram_trl.callbacks.telemetry.shards import training_context
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.parallel import (
-    compute_pool,
-    imap_blocks,
-    plan_threads,
-    single_threaded_call,
-    single_threaded_worker,
-)
+from ram_trl.parallel import compute_pool, imap_blocks, plan_threads, single_threaded_call, single_threaded_worker
 from ram_trl.stage.manifest import BaseFingerprint, base_model_path, fingerprint_checkpoint, unchecked_base
-from ram_trl.statistics import (
-    MagnitudeStatistics,
-    OverlapStatistics,
-    magnitude_bin_edges,
-    sum_of_squares,
-)
+from ram_trl.statistics import MagnitudeStatistics, OverlapStatistics, magnitude_bin_edges, sum_of_squares
 from ram_trl.statistics.counting import DEFAULT_EPS, float32_threshold, masked_deltas
 
 #: Elements compared at once (a multiple of 8). Small enough for the buffers (~6 MB) to stay in cache.
@@ -77,9 +58,6 @@ SMALL_MODEL_ELEMENTS = 1 << 20
 MAGNITUDE_SAMPLE_ELEMENTS = defaults.MAGNITUDE_SAMPLE
 DEFAULT_PREFIX = defaults.METRIC_PREFIX
 _FLOAT32_EXACT = (torch.float32, torch.bfloat16, torch.float16)
-
-
-_dist_context = training_context
 
 
 class TaskVectorTracker:
@@ -319,7 +297,7 @@ class TaskVectorTracker:
 
     def _measure(self, model: torch.nn.Module, workers: int) -> dict[str, float]:
         layout = model_layout(model)
-        ctx = _dist_context()
+        ctx = training_context()
         num_priors = 0 if self.priors is None else self.priors.num_priors
         names: list[str] = list(dict.fromkeys(r.name for r in layout.regions))
         index = {n: i for i, n in enumerate(names)}
@@ -392,13 +370,7 @@ class TaskVectorTracker:
             overlap.all_reduce(ctx)
         metrics = single_threaded_call(
             lambda: measurement_metrics(
-                names,
-                counts,
-                magnitudes if self.magnitudes else None,
-                overlap,
-                self.priors,
-                self.r,
-                self.alpha,
+                names, counts, magnitudes if self.magnitudes else None, overlap, self.priors, self.r, self.alpha
             ),
             self._host_worker,
         )
@@ -462,8 +434,7 @@ class TaskVectorTracker:
         return overlap
 
     def _reserve_workspaces(self, device: torch.device, count: int) -> None:
-        """Create workspaces on ``device`` up to ``count`` (one per worker: ``work_mb`` does not depend on which
-        worker measured which chunk)."""
+        """Workspaces on ``device`` up to ``count``, one per worker (``work_mb`` then ignores who ran what)."""
         spare = self._spare_workspaces.setdefault(device, [])
         while len(spare) < count:
             spare.append(Workspace(self.chunk_elements, self.save_dtype, device))
@@ -471,8 +442,7 @@ class TaskVectorTracker:
 
     @contextmanager
     def _borrowed_workspace(self, device: torch.device) -> Iterator[Workspace]:
-        """A workspace on ``device`` that no other thread uses until it is returned (created on first need, kept for
-        later measurements)."""
+        """A workspace on ``device`` no other thread uses until it is returned (created on first need, then kept)."""
         spare = self._spare_workspaces.setdefault(device, [])
         try:
             ws = spare.pop()
