@@ -132,8 +132,10 @@ def program_output_prompts(
 
 #: A fenced block (its language tag, its content, its closing fence or the end of the reply: a cut-off block).
 _FENCED_BLOCK = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.S)
-#: Every labelled answer line of a reply ("Output: 9"), its value captured.
-_LABELLED_LINES = re.compile(r"^\s*output\s*:[ \t]*(\S.*?)\s*$", re.I | re.M)
+#: An answer label at the start of a line ("Output: 9", "output:9", "Output:" with the answer on the next line).
+_LABEL = re.compile(r"^[ \t]*output[ \t]*:", re.I | re.M)
+#: Punctuation around a near-miss answer token ("23.", "`23`").
+_AROUND = ".,;:!?\"'`"
 
 
 def _without_code(text: str) -> str:
@@ -141,16 +143,28 @@ def _without_code(text: str) -> str:
     return _FENCED_BLOCK.sub(lambda block: "" if "print(" in block.group(1) else block.group(0), text)
 
 
+def _answer_line(text: str) -> str:
+    """The reply's answer: the first non-empty line after its last non-empty ``Output:`` label (on the label's line
+    or below it), else its first non-empty line; fences stripped, echoed programs dropped."""
+    text = _without_code(text)
+    labels = list(_LABEL.finditer(text))
+    for i in reversed(range(len(labels))):
+        end = labels[i + 1].start() if i + 1 < len(labels) else len(text)
+        if value := _first_line(text[labels[i].end() : end]):
+            return value
+    return _first_line(text)
+
+
 def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 when the answer (last ``Output:`` line, else first non-empty line) is the output exactly, 0.5 when
-    the output is a whole token of the reply (echoed code blocks removed), else 0."""
+    """1.0 when the reply's answer line (:func:`_answer_line`) is the output exactly, 0.5 when its first or last
+    token is (``It prints 23``, ``12 * 5 = 60``), else 0: an output elsewhere in the reply earns nothing."""
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
-        text = _strip_fences(_without_code(_completion(completion)))
-        labelled = _LABELLED_LINES.findall(text)
-        if (labelled[-1] if labelled else _first_line(text)) == want:
+        line = _answer_line(_completion(completion))
+        ends = line.split()[:1] + line.split()[-1:]
+        if line == want:
             rewards.append(1.0)
-        elif re.search(rf"(?<![\w]){re.escape(want)}(?![\w])", text):
+        elif any(want in (token, token.strip(_AROUND)) for token in ends):
             rewards.append(0.5)
         else:
             rewards.append(0.0)

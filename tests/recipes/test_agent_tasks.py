@@ -117,8 +117,8 @@ def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):
 
 
 def test_program_reward():
-    completions = ["23", "```\n23\n```", "The output is 23.", "123", "`23` is printed", "", "24"]
-    assert program_output_reward(completions, ["23"] * 7) == [1.0, 1.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    completions = ["23", "```\n23\n```", "The output is 23.", "123", "`23` is printed", "", "24", "I think\n23"]
+    assert program_output_reward(completions, ["23"] * 8) == [1.0, 1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0]
     assert program_output_reward([[{"role": "assistant", "content": "tobor"}]], ["tobor"]) == [1.0]
 
 
@@ -132,10 +132,10 @@ def test_program_reward_reads_the_answer_after_an_echoed_program():
         "```python\nnums = [23, 4]\nprint(max(nums))",  # cut off inside the echo
         "output:23\nbecause 23 > 4",  # the label in any case, without a space
         "Output: 236",  # not the whole token
-        "print(max([23, 4]))\n23",  # an unfenced echo is the first line
+        "print(max([23, 4]))\n23",  # an unfenced echo is the first line (revision 6: its answer below earns 0)
         "```\n23\n```\n```python\nprint(23)\n```",  # a fenced answer is kept, the code block dropped
     ]
-    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 1.0]
+    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def test_program_reward_reads_the_last_output_line_after_reasoning():
@@ -144,10 +144,26 @@ def test_program_reward_reads_the_last_output_line_after_reasoning():
         "x is 20 and y is 3, so 20 + 3 = 23.\nOutput: 23",  # reasoning, then the labelled answer
         "Output: 24\nNo wait.\nOutput: 23",  # the last labelled line is the answer
         "Output: 23\n\nOutput:",  # an empty label is not an answer
-        "20 + 3 = 23\nOutput: 24",  # a wrong labelled answer; the reasoning's 23 earns partial credit
+        "20 + 3 = 23\nOutput: 24",  # a wrong labelled answer (revision 6: the reasoning's 23 earns nothing)
         "It prints 23",  # no label: the first line, as before
     ]
-    assert program_output_reward(completions, ["23"] * 5) == [1.0, 1.0, 1.0, 0.5, 0.5]
+    assert program_output_reward(completions, ["23"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.5]
+
+
+def test_program_reward_reads_the_answer_line_only():
+    # revision 6: the revision-5 coding agent wrote "Output:" and then a fenced block listing many values, which
+    # earned 0.5 whenever the output was among them (the partial credit read the whole reply); the answer is now the
+    # line after the last label, and partial credit needs the output as that line's first or last token
+    completions = [
+        "Output:\n```\n23\n```",  # the answer on the line below the label, fenced
+        "Output:\n```\n0 1 3 23 5 7\n```",  # a list of guesses earns nothing
+        "This Python program will output:\n```\n20 21 22 23 24\n```",  # a label mid-line is no label
+        "Output: 3 * 7 + 2 = 23.",  # the answer line ends with the output
+        "Output:\n\nThe answer is 23",  # the line below the label
+        "Output: 23\nOutput:\n```\n24\n```",  # the last label with a value
+        "Output: 2\n23",  # the line below a non-empty label is not read
+    ]
+    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0]
 
 
 def test_answer_line_changes_the_instruction_not_the_programs():
