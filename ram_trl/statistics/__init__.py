@@ -1,11 +1,6 @@
-"""Task-vector statistics, accumulated chunk by chunk over a whole model: the one implementation of the counts
-that the merge, its report, ``ram-trl analyze`` and the telemetry share.
-
-- :mod:`ram_trl.statistics.overlap`: which agents change which elements (:class:`OverlapStatistics`, RAM's
-  shared / unique counts, the overlap histogram, pairwise co-activity; :class:`TensorAnalysis`).
-- :mod:`ram_trl.statistics.magnitude`: how large the active changes are (:class:`MagnitudeStatistics`: mean
-  ``|tau|``, excess kurtosis, Gini coefficient, top-k L1 mass; exact and histogram estimators).
-"""
+"""Task-vector statistics accumulated chunk by chunk over a whole model, the one implementation the merge, its
+report, ``ram-trl analyze`` and the telemetry share: which agents change which elements (:mod:`.overlap`) and how
+large the active changes are (:mod:`.magnitude`)."""
 
 from ram_trl.statistics.magnitude import (
     MagnitudeStatistics,

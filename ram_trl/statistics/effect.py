@@ -1,16 +1,6 @@
-"""How much of a merge survives its output dtype, counted block by block in the merge pass.
-
-Per block, from the float32 merged weights (``merged``), what is written (``written``, the output dtype) and the base:
-
-- ``changed``: elements where ``merged != base`` (the merge moved them in float32);
-- ``rounded_to_base``: of those, the elements written as the base's value in the output dtype (the move is lost);
-- for a method with a scaling, trimming or dropping step (its ``unstepped`` hook: the same merge without the step),
-  ``step_elements``: elements where the step changes the float32 merge, and ``step_written``: those where it
-  changes the written value too.
-
-The counts are summed over the model into :class:`MergeEffect`; :func:`effect_report` turns them into the report's
-``effect`` section and its one warning. Nothing here changes a written value.
-"""
+"""How much of a merge survives its output dtype, counted block by block in the merge pass from the float32 merge,
+the written values and the base, and summed into the report's ``effect`` section (the counts: docs/methods.md).
+Nothing here changes a written value."""
 
 from __future__ import annotations
 

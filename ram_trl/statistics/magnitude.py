@@ -1,10 +1,6 @@
-"""Magnitude statistics of the active task-vector elements, accumulated chunk by chunk over a whole model.
-
-:class:`MagnitudeStatistics` accumulates mean ``|tau|``, excess kurtosis, the Gini coefficient and the top-k L1
-mass of each agent's active elements with memory independent of the model's size (a |tau| histogram with exact
-per-bin sums); the small stateless functions beside it compute each metric, exactly on a tensor or with a stated
-error bound from a histogram. The merge report, ``ram-trl analyze`` and the telemetry use it.
-"""
+"""Magnitude statistics of the active task-vector elements (mean ``|tau|``, excess kurtosis, Gini, top-k L1 mass),
+accumulated chunk by chunk in memory independent of the model's size: a ``|tau|`` histogram with exact per-bin sums
+and stated error bounds (docs/analysis.md)."""
 
 from __future__ import annotations
 
@@ -158,8 +154,7 @@ def _packing(mantissa_bits: int) -> _Packing:
 
 @functools.cache
 def _nonfinite_bins(mantissa_bits: int, device: torch.device) -> torch.Tensor:
-    """The signed bins of the non-finite values (exponent 255; positive ones, then negative ones, the first of each
-    being infinity)."""
+    """The signed bins of the non-finite values (exponent 255; positive, then negative; the first of each is inf)."""
     bins = 2 ** (8 + mantissa_bits)
     nonfinite = torch.arange(255 << mantissa_bits, bins, dtype=torch.int64)  # host
     return torch.cat([nonfinite, nonfinite + bins]).to(device)
@@ -336,15 +331,6 @@ class MagnitudeStatistics:
             if values.numel():
                 self.add_values(t, values)
 
-    @classmethod
-    def of_values(
-        cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
-    ) -> MagnitudeStatistics:
-        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total."""
-        stats = cls(1, mantissa_bits)
-        stats.add_values(0, values, zero_filled=zero_filled)
-        return stats
-
     def add(self, other: MagnitudeStatistics) -> None:
         """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
         if (other.num_agents, other.mantissa_bits) != (self.num_agents, self.mantissa_bits):
@@ -362,8 +348,7 @@ class MagnitudeStatistics:
             ctx.all_reduce_sum(tensor)
 
     def settle(self) -> None:
-        """Move every packed count and remainder (held on the device of the last values added) into the host
-        totals, so that later reads need no device."""
+        """Move the packed counts (on the last values' device) into the host totals: later reads need no device."""
         self._unpack()
 
     def _unpack(self, t: int | None = None) -> None:

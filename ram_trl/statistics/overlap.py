@@ -1,10 +1,6 @@
-"""Overlap statistics of task vectors, accumulated chunk by chunk over a whole model.
-
-:class:`OverlapStatistics` is the one implementation of the counts behind RAM's stage 2 (shared / unique / active
-elements per agent, the overlap histogram, pairwise co-activity). The merge's statistics pass, the merge report,
-the sparsity analysis (:mod:`ram_trl.analysis`) and the telemetry all use it; :class:`TensorAnalysis` holds one
-tensor's counts in the analysis' three views.
-"""
+"""Overlap statistics of task vectors, accumulated chunk by chunk over a whole model: the counts behind RAM's stage 2
+(active / unique / shared elements per agent, the overlap histogram, pairwise co-activity), shared by the merge, its
+report, the analysis and the telemetry."""
 
 from __future__ import annotations
 
