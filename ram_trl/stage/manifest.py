@@ -1,24 +1,13 @@
-"""Stage manifests: what an RL run leaves behind for the merge (``ram_stage.json``).
-
-A *stage* is one vertical's RL run (coding, tool use, memory, ...). When it ends, the telemetry callback writes a
-manifest beside the saved agent: which base it started from (with a fingerprint of a few base tensors, so a merge
-against another base is caught before any work), where the agent's checkpoint is and what kind it is (full model or
-LoRA adapter), how it was trained and its final telemetry and rewards. A merge config accepts
-``models: [{stage: PATH}]`` in place of ``model:``; the recipes detect finished stages from their manifests.
-
-The stage contract (:func:`verify_stage`): the manifest names exactly the weight files of its checkpoint directory
-(:func:`weight_files`) with the SHA-256 of each, and its kind; every reader resolves a stage through it and refuses,
-in one line naming the file, a directory whose weight files were changed, removed or added since the save (e.g. by
-``trainer.save_model`` into the same directory), a kind the files contradict, or a checkpoint outside the
-manifest's directory.
-"""
+"""Stage manifests (``ram_stage.json``): what one vertical's RL run leaves beside its agent for the merge (base and
+its fingerprint, checkpoint and kind, training, final telemetry). The contract (:func:`verify_stage`: the weight files
+and their SHA-256, every reader refuses a changed one) is in docs/telemetry.md and docs/bad-input.md."""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,10 +35,8 @@ FINGERPRINT_ELEMENTS = 4096
 
 
 class BaseFingerprint(BaseModel):
-    """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values.
-
-    Values are hashed as float32 (exact for bf16, fp16 and fp32 storage), so a base loaded in float32 for training
-    and the same base saved in bf16 have the same fingerprint."""
+    """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values, hashed as
+    float32 (exact for bf16, fp16 and fp32), so a base trained in float32 and saved in bf16 keeps its fingerprint."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -170,10 +157,8 @@ def fingerprint(get_tensor: Callable[[str], torch.Tensor], names: Iterable[str])
 def fingerprint_heads(
     get_head: Callable[[str], tuple[tuple[int, ...], torch.Tensor]], names: Iterable[str]
 ) -> BaseFingerprint:
-    """Fingerprint a base from each tensor's shape and leading elements, without the full tensors.
-
-    For sources that hold tensors in pieces (a training run's parameters, a memory-mapped range): only the first
-    :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed."""
+    """Fingerprint a base from each tensor's shape and first :data:`FINGERPRINT_ELEMENTS` flat elements only (for
+    sources that hold tensors in pieces: a training run's parameters, a memory-mapped range)."""
     digest = hasher()
     chosen = list(names)
     for name in chosen:
@@ -183,13 +168,6 @@ def fingerprint_heads(
         digest.update(json.dumps(list(shape)).encode())
         digest.update(head.numpy().tobytes())
     return BaseFingerprint(tensors=chosen, sha256=digest.hexdigest())
-
-
-def fingerprint_state(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> BaseFingerprint:
-    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
-    if names is None:
-        names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
-    return fingerprint(lambda name: tensors[name], names)
 
 
 def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None = None) -> BaseFingerprint:
