@@ -1,11 +1,6 @@
-"""The run context of a merge: what a run reads (config, inputs, plan), where it runs, and what it accumulates.
-
-The engine (:mod:`ram_trl.merging.engine`) builds one :class:`RunContext` per run and hands it to the passes
-(:mod:`ram_trl.merging.passes`) instead of long argument lists; the analysis (:mod:`ram_trl.analysis`) shares the input
-opening, the byte balance over ranks and the density warnings. Nothing here reads tensor data.
-
-Dependencies point one way: ``engine -> passes -> context``, ``analysis -> context``.
-"""
+"""The run context of a merge (config, inputs, plan, ranks, accumulated state), handed by the engine to the passes,
+and the input opening and density checks the analysis shares; reads no tensor data. ``engine -> passes -> context``,
+``analysis -> context`` (docs/development.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""The streaming merge engine: read -> statistics -> merge -> write, one row chunk at a time.
-
-:func:`merge` validates the config and every input header, plans the work, runs a statistics pass when the method
-needs global overlap counts (RAM+, RAM+s), then merges chunk by chunk into a temporary sibling of the output
-directory, which is renamed into place only when everything (shards, index, config, tokenizer, model card, report)
-has been written.
-
-The engine is the orchestration: it prepares a :class:`~ram_trl.merging.context.RunContext` (config, inputs, plan, ranks,
-state), runs the passes of :mod:`ram_trl.merging.passes` over this process's share of the tensors, and finalises the output
-through the one commit protocol (:class:`~ram_trl.output.OutputDir`) and the one report writer
-(:func:`ram_trl.merging.report.write_report`). ``output_format="lora"`` merges into a temporary float32 model and hands it
-to :func:`ram_trl.merging.lora.export.export_lora`. Imports point one way: ``engine -> passes -> context``,
-``engine -> lora_export -> report``.
-"""
+"""The streaming merge engine (read -> statistics -> merge -> write, one row chunk at a time): validate, plan, run the
+passes over this process's tensors, and finalise the output through the one commit protocol. Design:
+docs/development.md ("The merge engine") and docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory.
-
-Details: docs/memory.md.
-"""
+"""Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory
+(docs/memory.md)."""
 
 from __future__ import annotations
 

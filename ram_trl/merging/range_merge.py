@@ -1,7 +1,5 @@
-"""The merge of flat element ranges held in memory: each process merges the elements of one agent it holds.
-
-Details: docs/distributed.md and docs/merge-preview.md.
-"""
+"""The merge of flat element ranges held in memory: each process merges the elements of one agent it holds
+(docs/distributed.md, docs/merge-preview.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Merge reports: the JSON report, the model cards (merged model and LoRA adapter), and terminal tables for plans
-and results.
-
-Every output with a merge report (a merged model, an exported LoRA adapter) writes it and its card with
-:func:`write_report`, inside the output's temporary directory (:class:`~ram_trl.output.OutputDir`).
-"""
+"""Merge reports: the JSON report and model cards (merged model, LoRA adapter), written with :func:`write_report`
+inside the output's temporary directory, and the terminal tables of plans and results."""
 
 from __future__ import annotations
 

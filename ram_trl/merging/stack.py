@@ -1,8 +1,6 @@
-"""mergekit's ``passthrough``: the decoder layers of one or more models stacked into a deeper model (``slices``; one
-whole model with ``models``), each tensor copied as mergekit 0.1.5 writes it: cast to ``dtype`` then ``out_dtype``,
-times ``scale`` when given, layers renumbered, the embeddings from the first slice's model and every other tensor
-outside the layers (final norm, ``lm_head``) from the last slice's; config and tokenizer from ``base_model`` (else
-the first slice's model) with the layer count of the output."""
+"""mergekit's ``passthrough``: decoder layers of one or more models stacked into a deeper model, each tensor copied
+as mergekit 0.1.5 writes it (cast to ``dtype`` then ``out_dtype``, times ``scale``, layers renumbered; embeddings
+from the first slice's model, the rest outside the layers from the last's; docs/merging.md)."""
 
 from __future__ import annotations
 

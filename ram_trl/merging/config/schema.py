@@ -1,10 +1,6 @@
-"""The merge configuration's schema: mergekit-style YAML, read and validated field by field (pydantic).
-
-The field names of shared concepts are mergekit's (``merge_method``, ``base_model``, ``models[].model``,
-``models[].parameters``, top-level ``parameters``, ``dtype``, ``out_dtype``, ``tokenizer_source``), so a mergekit
-YAML for any method ``ram-trl methods`` lists runs unchanged. Nothing here knows a method by name: what a method
-accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are listed in ``docs/methods.md``.
-"""
+"""The merge configuration's schema: mergekit-style YAML (mergekit's field names, so a mergekit YAML runs unchanged),
+validated field by field with pydantic. Nothing here knows a method by name: what a method accepts comes from its
+:class:`~ram_trl.methods.MergeMethod`. Differences from mergekit: docs/methods.md."""
 
 from __future__ import annotations
 

@@ -92,9 +92,8 @@ class ResolvedConfig:
         return reads
 
     def layer_position(self, tensor_name: str) -> float:
-        """mergekit's gradient position ``t`` of a tensor: ``i / (N - 1)`` for a tensor of decoder layer ``i`` of
-        ``N`` (``1`` when ``N == 1``), ``0`` for every tensor outside the decoder layers (embeddings, final norm,
-        ``lm_head``)."""
+        """mergekit's gradient position ``t``: ``i / (N - 1)`` in decoder layer ``i`` of ``N`` (``1`` when
+        ``N == 1``), ``0`` outside the decoder layers (embeddings, final norm, ``lm_head``)."""
         index = layer_index(tensor_name)
         segment = self.segment(tensor_name)
         if index is not None and segment is not None:
@@ -128,12 +127,9 @@ class ResolvedConfig:
         }
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
-        """The value of per-agent parameter ``name`` for one tensor.
-
-        Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
-        or absent) gives the value; a rule list of a model that matches no rule falls through to the global
-        setting, then to the default. Gradients are interpolated over the decoder layers
-        (:meth:`layer_position`)."""
+        """The value of per-agent parameter ``name`` for one tensor. As mergekit: the first rule whose ``filter`` is a
+        substring of the name (or ``"*"``, or absent) gives it; no match falls through to the global setting, then the
+        default; gradients are interpolated over the decoder layers (:meth:`layer_position`)."""
         segment = self.segment(tensor_name)
         value = (agent.parameters if segment is None else segment.agent_parameters[agent.index])[name]
         if isinstance(value, list):
@@ -308,8 +304,7 @@ def per_tensor(parameter: Parameter) -> bool:
 
 def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     """Check one value of a method parameter (global or per-agent, filter rules included) as a merge does: type,
-    finite, in range. Used by :func:`~ram_trl.merging.config.resolve.resolve_config` and by recipes before any training.
-    """
+    finite, in range (also used by the recipes before any training)."""
     if parameter.scope == "global" and not parameter.per_tensor:
         return _check_value(parameter, value, where)
     return _check_agent_value(parameter, value, where)

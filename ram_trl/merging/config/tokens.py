@@ -102,10 +102,9 @@ def _rows(path: Path) -> int | None:
 
 
 def union_donor(models: list[Path]) -> tuple[Path | None, str]:
-    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: ``(the model whose tokenizer holds
-    exactly the union of every model's used tokens (those with an embedding row), "")`` when all models number the
-    tokens alike and the union's ids run from 0 without holes; otherwise ``(None, why)``, ``why`` naming the first
-    model, token or id that needs re-indexing."""
+    """mergekit's ``tokenizer_source: union`` without re-indexing: ``(the model whose tokenizer holds exactly the
+    union of the used tokens, "")`` when all number them alike with no holes from 0; else ``(None, why)``, naming the
+    first model, token or id that needs re-indexing."""
     union: dict[str, int] = {}
     holder: dict[str, Path] = {}
     used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []

@@ -1,7 +1,4 @@
-"""Merged models exported as PEFT LoRA adapters: the SVD of each merged task vector.
-
-Details: docs/lora.md.
-"""
+"""Merged models exported as PEFT LoRA adapters: the SVD of each merged task vector (docs/lora.md)."""
 
 from __future__ import annotations
 

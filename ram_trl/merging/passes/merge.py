@@ -1,11 +1,6 @@
-"""The merge-and-write pass: every tensor merged a row chunk at a time with the method's kernel and written into the
-output shards already created in the temporary output directory.
-
-Per tensor the method's ``prepare_tensor`` hook runs first (:mod:`ram_trl.merging.passes.tensors`), per chunk its ``scan``
-and ``merge`` hooks, then the kernels' epilogue (:mod:`ram_trl.merging.passes.epilogue`); methods without a statistics pass
-have their counts taken here. One chunk is in flight ahead of the one being finished: its blocks are queued on the
-compute pool before the previous chunk's results are awaited (and written in the background).
-"""
+"""The merge-and-write pass: every tensor merged a row chunk at a time (``prepare_tensor``, then per chunk ``scan``,
+``merge`` and the epilogue) into the output shards; one chunk's blocks are queued on the compute pool before the
+previous chunk's results are awaited, and rows are written in the background."""
 
 from __future__ import annotations
 

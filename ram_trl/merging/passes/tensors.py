@@ -1,7 +1,5 @@
-"""Per-tensor preparation of the merge-and-write pass: the method's parameters and factors for one tensor, its
-``prepare_tensor`` hook (through :class:`TensorInputs`, a whole tensor of the inputs) and the running context of its
-chunks (:class:`TensorContext`).
-"""
+"""Per-tensor preparation of the merge-and-write pass: the method's parameters, factors and ``prepare_tensor`` hook
+for one tensor, and the running context of its chunks (:class:`TensorContext`)."""
 
 from __future__ import annotations
 
