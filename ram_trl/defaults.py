@@ -1,17 +1,5 @@
-"""Every default shared by more than one entry point, in one place.
-
-The command line, :func:`ram_trl.merge`, :func:`ram_trl.analyze`, the method registry, the telemetry tracker and
-callback, the recipe schema and the reports all read these names instead of repeating the numbers, so a default
-changes in one line. This module imports nothing.
-
-Example:
-
-```python
-from ram_trl import defaults
-
-defaults.EPS, defaults.R, defaults.ALPHA  # (1e-05, 0.1, 2.0): the RAM paper's values
-```
-"""
+"""Every default shared by more than one entry point (command line, API, methods, telemetry, recipes, reports), in
+one place, so a default changes in one line. Imports nothing."""
 
 from __future__ import annotations
 
@@ -38,8 +26,7 @@ WEIGHT: float = 1.0
 DENSITY: float = 1.0
 #: Fisher merging: Fisher values below it are raised to it (Matena & Raffel's ``fisher_floor``).
 FISHER_FLOOR: float = 1e-6
-#: Seed of DARE's random drops.
-SEED: int = 0
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Streaming and output

@@ -1,10 +1,6 @@
-"""Running one merge over several processes and nodes (``accelerate launch``, ``torchrun``).
-
-Tensors are partitioned across ranks, balanced by the bytes each reads; statistics are all-reduced with
-``torch.distributed`` before any rank merges; every rank writes its tensors into the shared output files at offsets
-fixed by the plan, so the output does not depend on the number of processes. A failure on any rank is turned into
-an error on every rank at the next synchronisation point.
-"""
+"""Running one merge over several processes and nodes (``accelerate launch``, ``torchrun``): ranks, the byte-balanced
+split, all-reduces, and a failure on any rank turned into an error on every rank at the next synchronisation point
+(docs/distributed.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """One voice for errors and warnings: pydantic's errors in our words, did-you-mean for names, dtype aliases accepted
-alike everywhere, and (in the command line's own process only) each warning printed once as ``warning: ...``.
-"""
+alike everywhere, and (in the command line's own process only) each warning printed once as ``warning: ...``."""
 
 from __future__ import annotations
 

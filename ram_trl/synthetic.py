@@ -1,31 +1,6 @@
-"""Synthetic, RL-like Hugging Face checkpoints built from configs.
-
-A product module, not a test fixture: ``ram-trl example`` writes its base, agents and merge config with it, a
-recipe's ``base.build`` (the demo's tiny char-tokenizer base) is built by it, and the examples and benchmarks use it.
-
-No model hub is needed: a base model is a randomly initialised ``Qwen2ForCausalLM`` with a character-level
-tokenizer, and an "RL agent" is the base with a sparse, heavy-tailed perturbation of its stored weights, shaped
-like the task vectors of RL fine-tuning (Adam steps at a small learning rate, most of which stay below one step of
-the stored dtype, so only a fraction of the elements change at all):
-
-- each agent changes a random subset of roughly ``density`` of the elements of every floating tensor;
-- agents built with the same ``support_seed`` share part of that subset (``overlap``), so some changed elements
-  are unique to one agent and others are shared, which is what Reinforced Agent Merging reacts to;
-- on bf16 checkpoints every changed element moves by a heavy-tailed number of bf16 steps (units in the last
-  place), never rounds back to the base value, never changes sign and never becomes inf or NaN.
-
-All randomness comes from ``torch.Generator`` objects seeded from the caller's seed and the tensor name, so the
-same arguments give byte-identical files, and tensors are processed one at a time so large synthetic models
-(about 1B parameters) can be built and perturbed with memory of about one shard.
-
-Example:
-
-```python
-from ram_trl.synthetic import generate_example
-
-paths = generate_example("/tmp/ram_example")  # base, three agents and a merge.yaml
-```
-"""
+"""Synthetic, RL-like checkpoints without a model hub: a random ``Qwen2ForCausalLM`` with a character tokenizer, and
+agents as sparse perturbations of it. A product module (``ram-trl example``, a recipe's ``base.build``, examples,
+benchmarks); seeded per tensor name (byte-identical files for the same arguments), one tensor in memory at a time."""
 
 from __future__ import annotations
 
@@ -382,7 +357,10 @@ def make_rl_agent(
     max_ulps: int = 64,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write an "RL agent": the base checkpoint with a sparse, heavy-tailed perturbation of its floating tensors."""
+    """Write an "RL agent": the base with a sparse, heavy-tailed perturbation of its floating tensors, like RL's small
+    Adam steps. About ``density`` of each tensor's elements change; agents with one ``support_seed`` share ``overlap``
+    of that support (unique and shared elements, what RAM reacts to); on 16-bit storage each change is a heavy-tailed
+    number of ulps that never rounds back to the base, flips the sign or becomes inf/NaN."""
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density={density} must be in [0, 1]")
     if not 0.0 <= overlap <= 1.0:
