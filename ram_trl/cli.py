@@ -37,15 +37,7 @@ _MODEL_COMMANDS = frozenset({"run", "eval", "demo", "fisher", "convert-gguf"})
 EXAMPLE_MARKER = ".ram-trl-example"
 
 #: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
-_FILE_SYSTEM_ERRORS = {
-    errno.ENOSPC,
-    errno.EROFS,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EDQUOT,
-    errno.ENOENT,
-    errno.EISDIR,
-}
+_FILE_SYSTEM_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT, errno.EISDIR}
 
 
 def _run_merge(args: argparse.Namespace) -> int:
@@ -380,10 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ram_trl.parallel import owned_process
 
         try:
-            with (
-                quiet,
-                owned_process(),
-            ):  # this process is ours: the compute pools may set torch's thread counts
+            with quiet, owned_process():  # this process is ours: the compute pools may set torch's thread counts
                 return handlers[args.command](args)
         except RamTrlError as exc:
             print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
@@ -395,10 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
-            print(
-                f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
-                file=sys.stderr,
-            )
+            print(f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind", file=sys.stderr)
             return 128 + int(signum)
 
 

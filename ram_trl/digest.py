@@ -14,15 +14,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-__all__ = [
-    "file_digest",
-    "hasher",
-    "key_bytes",
-    "stream_digest",
-    "text_digest",
-    "update_tensor",
-    "weights_digest",
-]
+__all__ = ["file_digest", "hasher", "key_bytes", "stream_digest", "text_digest", "update_tensor", "weights_digest"]
 
 #: Digests the cache keeps.
 CACHE_ENTRIES = 1024

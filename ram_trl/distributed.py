@@ -62,10 +62,7 @@ class DistContext:
             if backend == "nccl":
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(
-                backend=backend,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(minutes=timeout_minutes),
+                backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes)
             )
             owns = True
         ctx = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=owns)

@@ -44,12 +44,7 @@ __all__ = [
 DEFAULT_ALPHABET: str = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 #: Special tokens of the character tokenizer, in id order (``<pad>`` is 0).
-SPECIAL_TOKENS: dict[str, str] = {
-    "pad_token": "<pad>",
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "unk_token": "<unk>",
-}
+SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 #: Shard size of the streaming base writer when none is given (transformers' own default is "50GB", which would
@@ -171,8 +166,7 @@ def write_synthetic_base(
         metas,
         filename_pattern="model{suffix}.safetensors",
         max_shard_size=parse_size(
-            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE,
-            lowercase_b_is_bits=True,
+            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE, lowercase_b_is_bits=True
         ),
     )
     for filename, names in split.filename_to_tensors.items():
@@ -311,14 +305,7 @@ def _perturb_float(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def _perturb_tensor(
-    tensor: torch.Tensor,
-    name: str,
-    *,
-    density: float,
-    seed: int,
-    overlap: float,
-    support_seed: int,
-    max_ulps: int,
+    tensor: torch.Tensor, name: str, *, density: float, seed: int, overlap: float, support_seed: int, max_ulps: int
 ) -> torch.Tensor:
     """Perturb the active elements of one floating tensor (see :func:`make_rl_agent`); returns a new tensor."""
     out = tensor.contiguous().clone()

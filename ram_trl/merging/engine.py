@@ -461,13 +461,7 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = [
-    "check_device",
-    "check_weight_sums",
-    "merge",
-    "run_lora_merge",
-    "run_merge",
-]
+__all__ = ["check_device", "check_weight_sums", "merge", "run_lora_merge", "run_merge"]
 
 
 def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:

@@ -25,11 +25,7 @@ PROCESS_BASELINE_BYTES = 450 * 1024**2
 
 
 def bytes_per_element(
-    num_agents: int,
-    in_itemsize: int = 4,
-    out_itemsize: int = 4,
-    fisher_itemsize: int = 0,
-    model_buffers: bool = False,
+    num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0, model_buffers: bool = False
 ) -> int:
     """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents."""
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize

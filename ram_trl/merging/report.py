@@ -76,11 +76,7 @@ def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict
 
 
 def build_report(
-    resolved: ResolvedConfig,
-    plan: MergePlan,
-    state: MergeState,
-    timings: dict[str, float],
-    output_dir: Path,
+    resolved: ResolvedConfig, plan: MergePlan, state: MergeState, timings: dict[str, float], output_dir: Path
 ) -> dict[str, Any]:
     """Assemble the merge report (the content of ``ram_merge_report.json``)."""
     agents = []
@@ -389,8 +385,7 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan, input_cache: int = 0) 
         table.add_row(f"agent {agent.index}", f"{agent.name}  {agent.path}")
     table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in resolved.params.items()) or "-")
     table.add_row(
-        "tensors",
-        f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)",
+        "tensors", f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)"
     )
     table.add_row("passes over inputs", str(plan.passes))
     table.add_row("bytes to read", format_bytes(summary["bytes_read"]))

@@ -306,11 +306,7 @@ def _stack_merge(
 
 
 def _write(
-    copies: list[_Copy],
-    checkpoints: list[Checkpoint],
-    shards: list[Any],
-    out_dir: Path,
-    dtype: torch.dtype | None,
+    copies: list[_Copy], checkpoints: list[Checkpoint], shards: list[Any], out_dir: Path, dtype: torch.dtype | None
 ) -> None:
     by_name = {c.task.name: c for c in copies}
     with RowReader() as reader:

@@ -48,10 +48,7 @@ def _cast_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
 
 
 def save_agent(
-    trainer: Any,
-    out_dir: Path,
-    dtype: torch.dtype,
-    manifest: Callable[[], StageManifest] | None = None,
+    trainer: Any, out_dir: Path, dtype: torch.dtype, manifest: Callable[[], StageManifest] | None = None
 ) -> Path | None:
     """Save the trainer's model in ``dtype`` to ``out_dir``: the full model (with the tokenizer), or the adapter of
     a PEFT model, and with ``manifest`` the stage manifest beside it.

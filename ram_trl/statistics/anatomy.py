@@ -132,9 +132,7 @@ def summarize(records: dict[str, TensorAnalysis], num_agents: int) -> dict[str, 
     families = aggregate(items, lambda n: classify(n).family, operator.add)
     layers = aggregate(items, lambda n: classify(n).layer, operator.add)
     layer_modules = aggregate(
-        items,
-        lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module),
-        operator.add,
+        items, lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module), operator.add
     )
     return {
         "modules": [

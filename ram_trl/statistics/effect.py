@@ -132,10 +132,4 @@ def effect_line(section: dict[str, Any]) -> str:
     return line
 
 
-__all__ = [
-    "STEP_SURVIVAL_WARNING",
-    "MergeEffect",
-    "block_effect",
-    "effect_line",
-    "effect_report",
-]
+__all__ = ["STEP_SURVIVAL_WARNING", "MergeEffect", "block_effect", "effect_line", "effect_report"]

@@ -308,12 +308,7 @@ class MagnitudeStatistics:
         return added
 
     def add_values(
-        self,
-        t: int,
-        values: torch.Tensor,
-        *,
-        zero_filled: bool = False,
-        workspace: MagnitudeWorkspace | None = None,
+        self, t: int, values: torch.Tensor, *, zero_filled: bool = False, workspace: MagnitudeWorkspace | None = None
     ) -> int:
         """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`."""
         squares = sum_of_squares(values, workspace)

@@ -11,14 +11,7 @@ from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.vocabulary import UnionRows
-from ram_trl.merging.config.schema import (
-    DTYPES,
-    MergeConfig,
-    full_model,
-    resolve_model_ref,
-    resolve_path,
-    split_lora,
-)
+from ram_trl.merging.config.schema import DTYPES, MergeConfig, full_model, resolve_model_ref, resolve_path, split_lora
 from ram_trl.merging.config.settings import (
     AgentSpec,
     ResolvedConfig,
@@ -148,25 +141,13 @@ def resolve_config(
             notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
             continue
         values, own_gradient = agent_settings(
-            method,
-            alias_defaults,
-            entry.parameters,
-            agent_defaults,
-            label,
-            f"models[{position}]",
-            ignored,
-            config_dir,
+            method, alias_defaults, entry.parameters, agent_defaults, label, f"models[{position}]", ignored, config_dir
         )
         gradient = gradient or own_gradient
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
         agents.append(
             AgentSpec(
-                index=len(agents),
-                name=name,
-                path=path,
-                parameters=values,
-                stage=stage_info,
-                reference=entry.model,
+                index=len(agents), name=name, path=path, parameters=values, stage=stage_info, reference=entry.model
             )
         )
         positions.append(position)

@@ -71,10 +71,7 @@ class ResolvedConfig:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
         config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
         inside) one of them (:class:`ram_trl.output.OutputDir`)."""
-        reads: list[tuple[str, Path]] = [
-            ("base model", self.base_path),
-            ("tokenizer_source", self.tokenizer_source),
-        ]
+        reads: list[tuple[str, Path]] = [("base model", self.base_path), ("tokenizer_source", self.tokenizer_source)]
         if self.source is not None:
             reads.append(("merge config", self.source))
         for agent in self.agents:
@@ -134,10 +131,7 @@ class ResolvedConfig:
         value = (agent.parameters if segment is None else segment.agent_parameters[agent.index])[name]
         if isinstance(value, list):
             return evaluate_setting(
-                value,
-                tensor_name,
-                self.layer_position(tensor_name),
-                f"agent {agent.name}: parameter {name!r}",
+                value, tensor_name, self.layer_position(tensor_name), f"agent {agent.name}: parameter {name!r}"
             )
         return float(value)
 
@@ -229,11 +223,7 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
         with contextlib.suppress(ValueError):
             value = float(value)
     return check_number(
-        value,
-        where,
-        f"parameter {parameter.name!r}",
-        minimum=parameter.minimum,
-        maximum=parameter.maximum,
+        value, where, f"parameter {parameter.name!r}", minimum=parameter.minimum, maximum=parameter.maximum
     )
 
 

@@ -24,13 +24,7 @@ SliceSettings = list[tuple[tuple[int, int], dict[str, Any], list[dict[str, Any]]
 
 def slice_entries(
     slices: list[SliceEntry], where: str, label: str
-) -> tuple[
-    list[ModelEntry],
-    dict[str, Any],
-    str | None,
-    list[tuple[str, str, tuple[int, int]]],
-    SliceSettings | None,
-]:
+) -> tuple[list[ModelEntry], dict[str, Any], str | None, list[tuple[str, str, tuple[int, int]]], SliceSettings | None]:
     """Output slices as ``models`` entries: ``(entries, the first slice's parameters, the slice base_model, layer
     ranges that must each cover a whole model, each slice's settings when there are several)``. Only consecutive
     slices from layer 0 over the same models and layers are accepted (no stacking, mixing or skipping)."""
@@ -80,11 +74,7 @@ def slice_entries(
 def config_entries(
     config: MergeConfig, where: str
 ) -> tuple[
-    list[ModelEntry],
-    list[dict[str, Any]],
-    str | None,
-    list[tuple[str, str, tuple[int, int]]],
-    SliceSettings | None,
+    list[ModelEntry], list[dict[str, Any]], str | None, list[tuple[str, str, tuple[int, int]]], SliceSettings | None
 ]:
     """The config's models as ``models`` entries, whichever of ``models``, ``slices`` and ``modules`` gives them:
     ``(entries, parameter scopes above the global one (highest first), a slice's base_model, layer ranges that

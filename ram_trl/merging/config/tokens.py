@@ -176,12 +176,7 @@ def check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: lis
 
 
 def token_sources(
-    rules: dict[str, Any],
-    union: UnionRows,
-    donor: Path,
-    models: list[Path],
-    where: str,
-    config_dir: Path | None,
+    rules: dict[str, Any], union: UnionRows, donor: Path, models: list[Path], where: str, config_dir: Path | None
 ) -> tuple[dict[int, tuple], frozenset[int]]:
     """mergekit's ``tokenizer.tokens`` rules over a union: ``(sources, forced)`` of :class:`UnionRows` for the
     rules mergekit applies (a forced one, or one for a token some model lacks); the others change nothing."""

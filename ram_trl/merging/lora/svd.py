@@ -51,10 +51,7 @@ def _positive_int(value: Any, flag: str) -> int:
 
 
 def lora_options(
-    output_format: str = "full",
-    rank: int | None = None,
-    max_rank: int | None = None,
-    energy: float | None = None,
+    output_format: str = "full", rank: int | None = None, max_rank: int | None = None, energy: float | None = None
 ) -> LoraExportOptions | None:
     """Validate the output options of :func:`ram_trl.merge` before any work starts."""
     if output_format not in OUTPUT_FORMATS:

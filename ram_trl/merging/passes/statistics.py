@@ -89,10 +89,7 @@ def statistics_pass(run: RunContext) -> None:
             if state.cache is not None:  # staged on the device once, kept (within budget) for the merge pass
                 chunk = to_device(chunk, device)
                 state.cache.keep(chunk)
-            started = (
-                chunk,
-                submit_blocks(pool, count, statistics_blocks(chunk, device)),
-            )
+            started = (chunk, submit_blocks(pool, count, statistics_blocks(chunk, device)))
             if pending is not None:
                 absorb(pending[0], pending[1]())
             pending = started

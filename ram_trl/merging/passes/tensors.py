@@ -155,9 +155,7 @@ def agent_parameter_values(
     tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved."""
     return {
         p.name: torch.tensor(
-            [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents],
-            dtype=torch.float32,
-            device=device,
+            [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents], dtype=torch.float32, device=device
         )
         for p in resolved.method.parameters
         if p.scope == "agent" and p.kind is float
