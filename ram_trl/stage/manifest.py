@@ -202,8 +202,7 @@ def unchecked_base(
 
 
 def check_base(manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike) -> None:
-    """Check that a stage was trained from ``base_path``; one without a fingerprint naming another base is warned
-    about (:func:`unchecked_base`)."""
+    """Check that a stage was trained from ``base_path`` (without a fingerprint: :func:`unchecked_base` warns)."""
     if manifest.base_fingerprint is None:
         warning = unchecked_base(manifest, manifest_file, base_path)
         if warning:
@@ -341,8 +340,7 @@ def previous_save(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
 
 
 def check_save_target(directory: str | os.PathLike, writes: Iterable[str] | None = None) -> list[str]:
-    """Refuse an agent save that would leave weight files it does not own beside the new agent; return the
-    previous save's files to remove."""
+    """Refuse a save that would leave weight files it does not own beside the agent; the previous save's to remove."""
     owned, foreign = previous_save(directory)
     written = None if writes is None else set(writes)
     left = [n for n in foreign if written is None or n not in written]

@@ -157,6 +157,5 @@ def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[s
 
 
 def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
-    """The output-commit protocol of an agent directory (:func:`save_agent`): files merged into an existing
-    directory, ``ram_stage.json`` last."""
+    """The output-commit protocol of an agent directory: files merged into an existing one, ``ram_stage.json`` last."""
     return OutputDir(out_dir, merge=True, markers=(MANIFEST_NAME,), reads=reads, what="agent directory")

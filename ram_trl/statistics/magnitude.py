@@ -224,8 +224,7 @@ class MagnitudeStatistics:
 
     @property
     def power_sums(self) -> torch.Tensor:
-        """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2``, and the estimates of ``sum tau**3`` and
-        ``sum tau**4`` (see the class)."""
+        """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2`` and estimates of ``sum tau**3``, ``sum tau**4``."""
         return self._power_sums(self._signed_sums())
 
     def _signed_sums(self) -> torch.Tensor:
@@ -387,8 +386,7 @@ class MagnitudeStatistics:
         return out
 
     def coarse_histogram(self, bins_per_octave: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``|tau|`` histogram merged to ``bins_per_octave`` (a power of two) bins per octave, over the range of
-        nonempty bins of any agent, for plots."""
+        """For plots: the ``|tau|`` histogram at ``bins_per_octave`` (a power of two), first to last nonempty bin."""
         bits = int(math.log2(bins_per_octave))
         if 2**bits != bins_per_octave or bits > self.mantissa_bits:
             raise ValueError(f"bins_per_octave={bins_per_octave} must be a power of two up to {2**self.mantissa_bits}")

@@ -112,8 +112,7 @@ class OverlapStatistics:
         self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
-        """Add ``other``'s counts (pairs stay counted only when both count them; a whole histogram only when both
-        have one)."""
+        """Add ``other``'s counts (pairs, or a whole histogram, stay counted only when both have them)."""
         if self.histogram.shape == other.histogram.shape:
             self.histogram += other.histogram
         else:
@@ -186,8 +185,7 @@ class OverlapStatistics:
         return self.numel - self.element_counts()[0]
 
     def jaccard_matrix(self) -> list[list[float]]:
-        """Pairwise Jaccard indices of the active sets (:meth:`jaccard`); the diagonal is 1 for an agent with any
-        active element."""
+        """Pairwise Jaccard indices of the active sets (:meth:`jaccard`); 1 on the diagonal of an active agent."""
         return [[self.jaccard(s, t) for t in range(self.num_agents)] for s in range(self.num_agents)]
 
     def all_reduce(self, ctx: DistContext) -> None:
