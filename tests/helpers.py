@@ -724,3 +724,10 @@ def magnitude_of(values: torch.Tensor, *, zero_filled: bool = False) -> Magnitud
     stats = MagnitudeStatistics(1)
     stats.add_values(0, values, zero_filled=zero_filled)
     return stats
+
+
+def magnitude_bin(values: torch.Tensor, mantissa_bits: int = 7) -> torch.Tensor:
+    """The ``|tau|`` histogram bin of each value, as :class:`MagnitudeStatistics` bins: its float32 bits without the
+    sign, keeping ``mantissa_bits`` mantissa bits."""
+    bits = values.contiguous().view(torch.int32) & 0x7FFFFFFF
+    return bits.bitwise_right_shift_(23 - mantissa_bits)

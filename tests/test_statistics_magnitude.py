@@ -13,10 +13,9 @@ from ram_trl.statistics.magnitude import (
     excess_kurtosis,
     histogram_gini,
     histogram_top_mass,
-    magnitude_bin,
     magnitude_bin_edges,
 )
-from tests.helpers import magnitude_of
+from tests.helpers import magnitude_bin, magnitude_of
 from tests.reference import gini_coefficient, top_mass_share
 
 F = torch.float32

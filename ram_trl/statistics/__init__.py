@@ -2,13 +2,7 @@
 report, ``ram-trl analyze`` and the telemetry share: which agents change which elements (:mod:`.overlap`) and how
 large the active changes are (:mod:`.magnitude`)."""
 
-from ram_trl.statistics.magnitude import (
-    MagnitudeStatistics,
-    MagnitudeWorkspace,
-    magnitude_bin,
-    magnitude_bin_edges,
-    sum_of_squares,
-)
+from ram_trl.statistics.magnitude import MagnitudeStatistics, MagnitudeWorkspace, magnitude_bin_edges, sum_of_squares
 from ram_trl.statistics.overlap import MAX_SUBSET_AGENTS, OverlapStatistics, TensorAnalysis, subset_counts
 
 __all__ = [
@@ -17,7 +11,6 @@ __all__ = [
     "MagnitudeWorkspace",
     "OverlapStatistics",
     "TensorAnalysis",
-    "magnitude_bin",
     "magnitude_bin_edges",
     "subset_counts",
     "sum_of_squares",

@@ -25,13 +25,6 @@ MAGNITUDE_MANTISSA_BITS = 7
 TOP_FRACTIONS = {"top_1pct_mass": 0.01, "top_5pct_mass": 0.05}
 
 _FLOAT32_MANTISSA_BITS = 23
-_FLOAT32_SIGN_CLEAR = 0x7FFFFFFF
-
-
-def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
-    """Histogram bin of each ``|value|``: its float32 bits without the sign, keeping ``mantissa_bits`` mantissa bits."""
-    bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
-    return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
 
 def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
