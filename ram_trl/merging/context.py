@@ -89,8 +89,7 @@ class RunContext:
 
     @property
     def checked(self) -> bool:
-        """Whether the inputs need no finiteness check when the merge pass reads them (allowed, or already checked
-        by the statistics pass)."""
+        """Whether the merge pass needs no finiteness check (allowed, or done by the statistics pass)."""
         return self.resolved.allow_nonfinite or self.resolved.method.needs_statistics
 
     def require_reader(self) -> RowReader:
@@ -136,8 +135,7 @@ def open_inputs(
 
 
 def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
-    """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
-    balances over processes)."""
+    """Bytes of one tensor in the base and every agent (what the split over processes balances)."""
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(

@@ -152,8 +152,7 @@ def _check_coverage(ranges: Sequence[FlatRange], tasks: dict[str, TensorTask], c
 
 
 def _blocks(r: FlatRange, task: TensorTask, block_elements: int) -> Iterator[tuple[int, int]]:
-    """Flat ``[lo, hi)`` blocks of a range, each within whole rows of at most ``block_elements`` elements (at least
-    one row)."""
+    """Flat ``[lo, hi)`` blocks of a range, whole rows of at most ``block_elements`` elements (at least one row)."""
     row = task.row_numel
     step = max(row, block_elements // row * row)
     end = r.offset + r.values.numel()

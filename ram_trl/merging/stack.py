@@ -47,8 +47,7 @@ class _Source:
 
 @dataclass
 class LayerStack:
-    """A ``passthrough`` config resolved: the models, each output layer's source, and what the output takes from
-    where (tensors outside the layers, config, tokenizer)."""
+    """A ``passthrough`` config resolved: the models, each output layer's source, and where the rest comes from."""
 
     references: list[str]
     models: list[Path]

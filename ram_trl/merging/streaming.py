@@ -266,8 +266,7 @@ def fill_delta(
 def fill_weights(
     out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
 ) -> None:
-    """Write one agent's float32 weights for a chunk into ``out`` (flat, the chunk's length): for methods that
-    merge weights rather than task vectors."""
+    """One agent's float32 weights for a chunk into flat ``out``, for methods that merge weights, not task vectors."""
     n = 0
     if values is not None:
         n = values.numel()

@@ -186,8 +186,7 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
 def unchecked_base(
     manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike | None
 ) -> str | None:
-    """The warning for a stage whose manifest has no base fingerprint and names a base other than ``base_path``
-    (``None``: a fingerprint to check, or the same base on disk)."""
+    """The warning for a stage without a base fingerprint that names another base than ``base_path``, else ``None``."""
     if manifest.base_fingerprint is not None:
         return None
     named = base_model_path(manifest, manifest_file)

@@ -21,15 +21,14 @@ _COUNTS = ("numel", "changed", "rounded_to_base", "step_elements", "step_written
 
 @dataclass
 class MergeEffect:
-    """Counts of a merge's effect summed over blocks (thread-safe :meth:`add`), and the merged delta's squared L2
-    norm (float32 merge minus base, summed in float64)."""
+    """A merge's effect counts summed over blocks (thread-safe :meth:`add`), and its delta's squared L2 norm."""
 
     numel: int = 0
     changed: int = 0
     rounded_to_base: int = 0
     step_elements: int = 0
     step_written: int = 0
-    delta_sq: float = 0.0
+    delta_sq: float = 0.0  # ||float32 merge - base||^2, summed in float64
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, counts: dict[str, float]) -> None:

@@ -40,8 +40,7 @@ from ram_trl.stage.manifest import base_model_path, check_base, manifest_path, r
 def _resolve_stage(
     manifest_file: Path, base_path: Path, label: str, allow_external: bool = False
 ) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint a stage manifest points to, after checking it holds what the manifest describes
-    (:func:`~ram_trl.stage.manifest.verify_stage`) and was trained from ``base_path``."""
+    """The checkpoint of a stage manifest, verified (:func:`verify_stage`) and checked against ``base_path``."""
     try:
         manifest = read_manifest(manifest_file)
         checkpoint = verify_stage(manifest, manifest_file, allow_external=allow_external)

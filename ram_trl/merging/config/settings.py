@@ -111,8 +111,7 @@ class ResolvedConfig:
         return next((s for s in self.segments if s.start <= index < s.stop), self.segments[-1])
 
     def params_for(self, tensor_name: str) -> dict[str, Any]:
-        """The global parameters for one tensor: mergekit filter rules and gradients (``per_tensor`` parameters)
-        resolved."""
+        """The global parameters for one tensor, filter rules and gradients (``per_tensor`` parameters) resolved."""
         segment = self.segment(tensor_name)
         params = self.params if segment is None else segment.params
         if not any(isinstance(value, list) for value in params.values()):

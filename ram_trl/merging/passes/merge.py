@@ -106,8 +106,7 @@ def _finish_tensor(run: RunContext, context: TensorContext | None, bar) -> None:
 def start_chunk(
     run: RunContext, chunk: RawChunk, context: TensorContext, pool: ThreadPoolExecutor | None = None
 ) -> Callable[[], torch.Tensor]:
-    """Start merging one chunk; the returned function waits for it and returns the chunk's output values (in the
-    output dtype, on the CPU)."""
+    """Start merging one chunk; the returned function waits for its output values (output dtype, on the CPU)."""
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:

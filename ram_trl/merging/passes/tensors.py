@@ -20,8 +20,7 @@ from ram_trl.statistics import OverlapStatistics, counting
 
 
 class TensorInputs:
-    """One whole tensor of the inputs, for a method's ``prepare_tensor`` hook (a
-    :class:`~ram_trl.methods.base.TensorView`, which documents its methods)."""
+    """One whole tensor of the inputs for ``prepare_tensor`` (a :class:`~ram_trl.methods.base.TensorView`)."""
 
     def __init__(
         self, run: RunContext, task: TensorTask, params: dict[str, Any], pool: ThreadPoolExecutor | None
