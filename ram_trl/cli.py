@@ -33,8 +33,7 @@ _COMMAND_MODULES = {
 #: Commands that load or save models with transformers (its progress bars are turned off when stderr is a log file).
 _MODEL_COMMANDS = frozenset({"run", "eval", "demo", "fisher", "convert-gguf"})
 
-#: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
-EXAMPLE_MARKER = ".ram-trl-example"
+EXAMPLE_MARKER = ".ram-trl-example"  #: Marks what ``ram-trl example`` wrote (what ``--overwrite`` may replace).
 
 #: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
 _FILE_SYSTEM_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT, errno.EISDIR}

@@ -16,8 +16,7 @@ import torch
 
 __all__ = ["file_digest", "hasher", "key_bytes", "stream_digest", "text_digest", "update_tensor", "weights_digest"]
 
-#: Digests the cache keeps.
-CACHE_ENTRIES = 1024
+CACHE_ENTRIES = 1024  #: Digests the cache keeps.
 _BLOCK = 1 << 20
 _cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()
 _lock = threading.Lock()

@@ -111,8 +111,7 @@ def validation_message(exc: Any, model: type | None = None) -> str:
     return "; ".join(problems)
 
 
-#: Messages the command line has printed (empty outside it): summaries skip them.
-_SHOWN: set[str] = set()
+_SHOWN: set[str] = set()  #: Messages the command line has printed (empty outside it): summaries skip them.
 
 
 def shown(message: str) -> bool:

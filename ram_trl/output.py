@@ -29,8 +29,7 @@ def _describe(path: Path, limit: int = 8) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-#: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
-_NAME_BYTES = 255
+_NAME_BYTES = 255  #: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
 
 
 def check_name_length(target: Path, what: str) -> None:

@@ -14,15 +14,9 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
-#: glibc ``mallopt`` parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-#: Allocations up to this size come from the heap (glibc's largest allowed mmap threshold on 64-bit systems).
-MMAP_THRESHOLD = 32 * 2**20
-
-#: Free memory at the top of the heap kept for reuse instead of being returned to the kernel.
-TRIM_THRESHOLD = 256 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc ``mallopt`` parameters (malloc.h)
+MMAP_THRESHOLD = 32 * 2**20  #: Allocations up to this size stay in the heap (glibc's maximum mmap threshold, 64-bit).
+TRIM_THRESHOLD = 256 * 2**20  #: Free memory at the top of the heap kept for reuse, not returned to the kernel.
 
 
 @contextmanager

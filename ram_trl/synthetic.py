@@ -40,8 +40,7 @@ __all__ = [
     "write_synthetic_base",
 ]
 
-#: Printable ASCII (space to tilde) plus newline.
-DEFAULT_ALPHABET: str = "".join(chr(c) for c in range(32, 127)) + "\n"
+DEFAULT_ALPHABET: str = "".join(chr(c) for c in range(32, 127)) + "\n"  #: Printable ASCII (space to ~) plus newline.
 
 #: Special tokens of the character tokenizer, in id order (``<pad>`` is 0).
 SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -51,11 +50,9 @@ SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos
 #: put a 1B-parameter model in one file and so in memory at once).
 STREAM_DEFAULT_SHARD_SIZE = "1GB"
 
-#: Elements processed per step when generating or perturbing a tensor; fixed so results never depend on memory.
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22  #: Elements per step when generating or perturbing a tensor; fixed so results never depend on memory.
 _INIT_STD = 0.02
-#: Step sizes are ``floor(u ** -_STEP_EXPONENT)``: P(k >= m) = m ** (-1 / _STEP_EXPONENT), a Pareto tail.
-_STEP_EXPONENT = 0.7
+_STEP_EXPONENT = 0.7  #: Steps are ``floor(u ** -_STEP_EXPONENT)``: P(k >= m) = m ** (-1 / _STEP_EXPONENT), Pareto.
 _BF16_MAX_FINITE_BITS = 0x7F7F
 _FP16_MAX_FINITE_BITS = 0x7BFF
 _PERTURBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

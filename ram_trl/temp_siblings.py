@@ -26,8 +26,7 @@ def temp_name(target: Path, kind: str = "tmp") -> Path:
     return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-#: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
-_STEM_BYTES = 200
+_STEM_BYTES = 200  #: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
 
 
 def _temp_stem(name: str) -> str:

@@ -27,8 +27,7 @@ from ram_trl.statistics.effect import MergeEffect
 
 logger = logging.getLogger(__name__)
 
-#: Agents differing from the base in more than this share of their elements get a warning (another base?).
-DENSE_AGENT_WARNING = 0.99
+DENSE_AGENT_WARNING = 0.99  #: Agents differing from the base in more than this share of elements are warned about.
 
 
 @dataclass

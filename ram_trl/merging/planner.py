@@ -17,10 +17,8 @@ from ram_trl.io.checkpoint import Checkpoint, TensorMeta
 from ram_trl.io.safetensors_io import dtype_itemsize
 from ram_trl.sizes import parse_size
 
-#: Default chunk budget in bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).
-DEFAULT_CHUNK_BUDGET = parse_size(defaults.CHUNK_BUDGET)
-#: Default largest output file in bytes (:data:`ram_trl.defaults.MAX_SHARD_SIZE`).
-DEFAULT_MAX_SHARD_SIZE = parse_size(defaults.MAX_SHARD_SIZE)
+DEFAULT_CHUNK_BUDGET = parse_size(defaults.CHUNK_BUDGET)  #: In bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).
+DEFAULT_MAX_SHARD_SIZE = parse_size(defaults.MAX_SHARD_SIZE)  #: In bytes (:data:`ram_trl.defaults.MAX_SHARD_SIZE`).
 PROCESS_BASELINE_BYTES = 450 * 1024**2
 
 

@@ -24,8 +24,7 @@ from ram_trl.methods import ChunkInputs, MergeMethod
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import active_flags
 
-#: Elements of one range merged at once (the task vectors of every agent of a block are held in float32).
-BLOCK_ELEMENTS = 1 << 20
+BLOCK_ELEMENTS = 1 << 20  #: Elements of a range merged at once (every agent's float32 task vectors held).
 
 __all__ = ["BLOCK_ELEMENTS", "FlatRange", "RangeMerge", "check_range_method", "merge_ranges"]
 

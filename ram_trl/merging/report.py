@@ -27,10 +27,8 @@ if TYPE_CHECKING:
     from ram_trl.merging.config.settings import ResolvedConfig
     from ram_trl.merging.context import MergeState
 
-#: The merge report of a merged model or an exported adapter (also the marker of a previous output).
-REPORT_FILE = "ram_merge_report.json"
-#: The model card.
-CARD_FILE = "README.md"
+REPORT_FILE = "ram_merge_report.json"  #: The report of a merged model or adapter (also marks a previous output).
+CARD_FILE = "README.md"  #: The model card.
 
 
 def json_default(value: Any) -> Any:

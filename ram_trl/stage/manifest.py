@@ -26,12 +26,9 @@ from ram_trl.messages import validation_message
 from ram_trl.output import atomic_file
 
 MANIFEST_NAME = "ram_stage.json"
-#: 2 added ``files`` (the weight files and their SHA-256), 3 ``base_revision``; older manifests are still read.
-SCHEMA_VERSION = 3
-#: Tensors hashed into a base fingerprint (spread evenly over the sorted floating tensor names).
-FINGERPRINT_TENSORS = 4
-#: Leading elements of each fingerprinted tensor that are hashed.
-FINGERPRINT_ELEMENTS = 4096
+SCHEMA_VERSION = 3  #: 2 added ``files`` (weight files, SHA-256), 3 ``base_revision``; older manifests are still read.
+FINGERPRINT_TENSORS = 4  #: Tensors hashed into a base fingerprint (spread evenly over the sorted floating names).
+FINGERPRINT_ELEMENTS = 4096  #: Leading elements of each fingerprinted tensor that are hashed.
 
 
 class BaseFingerprint(BaseModel):

@@ -30,8 +30,7 @@ MODULE_FAMILIES: dict[str, str] = {
     "other": "other",
 }
 
-#: Families, in report order.
-FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(MODULE_FAMILIES.values()))
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(MODULE_FAMILIES.values()))  #: Families, in report order.
 
 #: Module names (one component of a tensor name) and their module type.
 MODULE_ALIASES: dict[str, str] = {

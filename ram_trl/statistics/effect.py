@@ -13,8 +13,7 @@ import torch
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
 
-#: Below this share of its elements the written value keeps the step, the report warns.
-STEP_SURVIVAL_WARNING = 0.01
+STEP_SURVIVAL_WARNING = 0.01  #: Below this share of its elements the written value keeps the step, the report warns.
 
 _COUNTS = ("numel", "changed", "rounded_to_base", "step_elements", "step_written")
 

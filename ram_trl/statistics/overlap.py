@@ -15,8 +15,7 @@ from ram_trl.statistics import counting
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
 
-#: Up to this many agents, a chunk's masks are encoded as one subset code per element and counted with one bincount.
-MAX_SUBSET_AGENTS = 12
+MAX_SUBSET_AGENTS = 12  #: Up to this many agents, a chunk is counted by one subset code per element, one bincount.
 
 
 @functools.cache

@@ -22,8 +22,7 @@ from ram_trl.merging.report import REPORT_FILE, adapter_card, write_report
 from ram_trl.output import OutputDir
 from ram_trl.sizes import format_bytes
 
-#: Rows of a tensor copied into the adapter file at a time are about this many bytes.
-_COPY_CHUNK_BYTES = 64 * 1024 * 1024
+_COPY_CHUNK_BYTES = 64 * 1024 * 1024  #: Rows of a tensor copied into the adapter at a time: about this many bytes.
 
 
 # ---------------------------------------------------------------------------------------------------------------
