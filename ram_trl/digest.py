@@ -28,7 +28,6 @@ def hasher() -> Any:
 
 
 def text_digest(text: str | bytes) -> str:
-    """The SHA-256 hex digest of ``text`` (UTF-8) or of bytes."""
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 

@@ -86,5 +86,4 @@ def check_number(
 
 
 def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
-    """:func:`check_number` for a value that may be ``None`` (not given)."""
     return None if value is None else check_number(value, where, name, **bounds)

@@ -140,7 +140,6 @@ def write_report(out_dir: Path, report: dict[str, Any], card: str) -> None:
 
 
 def front_matter(front: dict[str, Any]) -> str:
-    """A model card's YAML front matter."""
     return "---\n" + yaml.safe_dump(front, sort_keys=False).strip() + "\n---\n"
 
 

@@ -190,7 +190,6 @@ class MagnitudeStatistics:
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
-        """Empty statistics of ``num_agents`` agents."""
         return cls(num_agents, mantissa_bits)
 
     @property

@@ -67,7 +67,6 @@ class OverlapStatistics:
 
     @property
     def counts_pairs(self) -> bool:
-        """Whether :attr:`pairwise` is counted."""
         return self.pairwise.numel() > 0 or self.num_agents == 0
 
     @property

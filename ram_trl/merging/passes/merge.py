@@ -26,7 +26,6 @@ from ram_trl.statistics import OverlapStatistics, counting
 
 
 def planned_tensors(shard: ShardPlan) -> list[PlannedTensor]:
-    """The header entries of one output shard."""
     return [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
 
 
