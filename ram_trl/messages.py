@@ -50,8 +50,7 @@ def processes_phrase(count: int) -> str:
 
 
 def canonical_dtype(value: Any, allowed: Iterable[str] = ("bfloat16", "float16", "float32")) -> Any:
-    """The canonical name of a dtype written as an alias (``bf16``, ``fp16``, ``fp32``, ``torch.float16``, ...);
-    anything else is returned unchanged, for the caller's own check to refuse."""
+    """The canonical name of a dtype alias (``bf16``, ``fp16``, ``torch.float16``, ...); anything else unchanged."""
     if not isinstance(value, str):
         value = str(value) if type(value).__name__ == "dtype" else value
         if not isinstance(value, str):

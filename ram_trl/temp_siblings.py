@@ -30,8 +30,7 @@ _STEM_BYTES = 200  #: The longest output name kept whole in a temporary sibling'
 
 
 def _temp_stem(name: str) -> str:
-    """``name`` as temporary siblings carry it: whole when short, else shortened with a digest of the whole name,
-    so that an output name of up to 255 bytes still has a temporary sibling."""
+    """``name`` in a temporary sibling's name: whole when short, else cut with its digest (names up to 255 bytes)."""
     if len(name.encode()) <= _STEM_BYTES:
         return name
     digest = text_digest(name)[:12]

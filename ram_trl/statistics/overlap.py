@@ -28,8 +28,7 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def subset_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
-    ``code`` (:func:`~ram_trl.statistics.counting.subset_codes`)."""
+    """``out[code]``: the elements whose active agents are the bits of ``code`` (:func:`.counting.subset_codes`)."""
     num_agents = mask.shape[0]
     if num_agents > MAX_SUBSET_AGENTS:
         raise ValueError(f"subset counts take at most {MAX_SUBSET_AGENTS} agents, got {num_agents}")

@@ -235,8 +235,7 @@ def resolve_path(value: str, config_dir: Path | None) -> Path:
 
 
 def resolve_model_ref(value: str, config_dir: Path | None, what: str) -> Path:
-    """A model reference (a path or a Hub id) resolved to a directory, metadata only: the weights of a Hub model are
-    fetched when the inputs are opened, after the whole config is checked."""
+    """A model reference (path or Hub id) as a directory, metadata only: Hub weights are fetched when inputs open."""
     return resolve_model(value, config_dir, what=what, weights=False)
 
 

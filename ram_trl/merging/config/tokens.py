@@ -60,8 +60,7 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str | N
 
 
 def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
-    """Token to id of a checkpoint's tokenizer (``tokenizer.json``: its model's vocabulary and its added tokens),
-    ``None`` without one that can be read."""
+    """Token to id of a checkpoint's ``tokenizer.json`` (vocabulary and added tokens), ``None`` if unreadable."""
     directory = path if path.is_dir() else path.parent
     try:
         data = json.loads((directory / "tokenizer.json").read_text())
