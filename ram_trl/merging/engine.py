@@ -219,8 +219,7 @@ def _open_and_plan(
 
 
 def open_fishers(resolved: ResolvedConfig) -> list[Checkpoint]:
-    """Open every agent's Fisher file (its ``fisher`` parameter, else ``fisher.safetensors`` beside it); the
-    report then names the file each agent's Fisher came from."""
+    """Each agent's Fisher file (``fisher`` parameter, else ``fisher.safetensors`` beside it), named in the report."""
     fishers = []
     for spec in resolved.agents:
         where = spec.parameters.get("fisher") or default_fisher_path(spec.path)

@@ -1,5 +1,4 @@
-"""Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory
-(docs/memory.md)."""
+"""Merge planning: which tensors, in which row chunks, into which output shards, with what memory (docs/memory.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The merge of flat element ranges held in memory: each process merges the elements of one agent it holds
-(docs/distributed.md, docs/merge-preview.md)."""
+"""Merges of flat element ranges in memory, one agent per process (docs/distributed.md, docs/merge-preview.md)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ def check_range_method(method: MergeMethod) -> None:
 
 @dataclass
 class _Inputs:
-    """What every block of a range merge reads: the config, the opened checkpoints, the base's floating tensors by
-    name, the in-memory agent's index, the device and the reader."""
+    """What a range merge's blocks read: config, checkpoints, base tensors, the in-memory agent, device, reader."""
 
     resolved: ResolvedConfig
     base: Checkpoint

@@ -179,8 +179,7 @@ def resolve_stack(config: MergeConfig, config_path: Path | None = None) -> Layer
 
 
 def _scale(scopes: tuple[dict[str, Any], ...], name: str, t: float, what: str) -> float | None:
-    """mergekit's ``scale`` of one input tensor: the first scope whose setting gives a value (filters match the
-    input tensor's name), ``None`` (no scaling) when none does."""
+    """mergekit's ``scale`` of an input tensor: the first scope with a value (filters match its name), or ``None``."""
     for scope in scopes:
         if "scale" in scope:
             try:

@@ -111,8 +111,7 @@ def to_device(chunk: RawChunk, device: torch.device) -> RawChunk:
 
 
 class InputCache:
-    """The chunks the statistics pass has read, kept on the compute device up to a byte budget, so that the merge pass
-    neither reads nor copies them to the device again."""
+    """Chunks the statistics pass read, kept on the compute device within a byte budget for the merge pass to reuse."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget

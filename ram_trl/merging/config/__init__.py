@@ -1,2 +1,1 @@
-"""The merge configuration: its schema, the resolved settings, mergekit's slices, the tokenizer and chat template,
-and the resolution of a whole config (:mod:`.resolve`)."""
+"""The merge configuration: schema, resolved settings, mergekit's slices, tokenizer and chat template, resolution."""

@@ -1,5 +1,4 @@
-"""The merge configuration resolved: every model, stage and adapter located and checked, every parameter filled
-in (:func:`resolve_config`), before any heavy work starts."""
+"""The merge configuration resolved (every model, stage and adapter located, every parameter filled in) up front."""
 
 from __future__ import annotations
 

@@ -240,8 +240,7 @@ def resolve_model_ref(value: str, config_dir: Path | None, what: str) -> Path:
 
 
 def full_model(reference: str, config_dir: Path | None, what: str) -> Path:
-    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` is the adapter merged into the model, as mergekit
-    merges it (:func:`~ram_trl.io.lora_base.merged_model`)."""
+    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` merged as mergekit does (:func:`merged_model`)."""
     model, adapter = split_lora(reference, config_dir)
     if adapter is None:
         return resolve_model_ref(model, config_dir, what)

@@ -169,8 +169,7 @@ def has_gradient(setting: Any) -> bool:
 
 
 def _fall_through(first: Any, then: Any) -> Any:
-    """mergekit's precedence between two scopes as one setting: ``first``'s filter rules, then ``then``
-    (``first`` alone when it always gives a value)."""
+    """mergekit's precedence of two scopes: ``first``'s rules, then ``then`` (unless ``first`` always applies)."""
     if not (isinstance(first, list) and first and isinstance(first[0], dict)):
         return first
     if any(rule.get("filter") in (None, "*") for rule in first):

@@ -1,5 +1,4 @@
-"""The tokenizer and chat template of the merged model: ``tokenizer_source`` (base, union, a model), the union's
-rows and donors, and token rules."""
+"""The merged model's tokenizer and chat template: ``tokenizer_source``, the union's rows and donors, token rules."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Per-tensor preparation of the merge-and-write pass: the method's parameters, factors and ``prepare_tensor`` hook
-for one tensor, and the running context of its chunks (:class:`TensorContext`)."""
+"""Per-tensor preparation of the merge-and-write pass: parameters, factors, ``prepare_tensor``, the chunks' context."""
 
 from __future__ import annotations
 
