@@ -1,12 +1,6 @@
-"""ram_trl: Reinforced Agent Merging for RL-trained LLM agents.
-
-Telemetry during TRL training, streaming RAM / RAM+ / RAM+s merges (and the task arithmetic, TIES and DARE
-baselines) over safetensors checkpoints, and specialize-then-merge recipes.
-
-Importing the package is cheap: :func:`merge`, :func:`analyze` and :class:`MergeConfig` load the merge stack on
-first use (PEP 562), so ``from ram_trl.callbacks import TaskVectorSparsityCallback`` in a training script does not
-import the merger.
-"""
+"""ram_trl: Reinforced Agent Merging for RL-trained LLM agents: telemetry during TRL training, streaming RAM merges
+(and baselines) over safetensors checkpoints, and specialize-then-merge recipes. :func:`merge`, :func:`analyze` and
+:class:`MergeConfig` load the merge stack on first use (PEP 562), so importing the callbacks does not import it."""
 
 from __future__ import annotations
 

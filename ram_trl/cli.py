@@ -33,19 +33,10 @@ _COMMAND_MODULES = {
 #: Commands that load or save models with transformers (its progress bars are turned off when stderr is a log file).
 _MODEL_COMMANDS = frozenset({"run", "eval", "demo", "fisher", "convert-gguf"})
 
-#: Marker file of a directory written by ``ram-trl example`` (what ``example --overwrite`` may replace).
-EXAMPLE_MARKER = ".ram-trl-example"
+EXAMPLE_MARKER = ".ram-trl-example"  #: Marks what ``ram-trl example`` wrote (what ``--overwrite`` may replace).
 
 #: File-system errors reported as one ``error:`` line (exit 2) rather than a traceback.
-_FILE_SYSTEM_ERRORS = {
-    errno.ENOSPC,
-    errno.EROFS,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EDQUOT,
-    errno.ENOENT,
-    errno.EISDIR,
-}
+_FILE_SYSTEM_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENOENT, errno.EISDIR}
 
 
 def _run_merge(args: argparse.Namespace) -> int:
@@ -380,10 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ram_trl.parallel import owned_process
 
         try:
-            with (
-                quiet,
-                owned_process(),
-            ):  # this process is ours: the compute pools may set torch's thread counts
+            with quiet, owned_process():  # this process is ours: the compute pools may set torch's thread counts
                 return handlers[args.command](args)
         except RamTrlError as exc:
             print(f"ram-trl {args.command}: error: {exc}", file=sys.stderr)
@@ -395,10 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
-            print(
-                f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind",
-                file=sys.stderr,
-            )
+            print(f"ram-trl {args.command}: interrupted (signal {signum}); no output was left behind", file=sys.stderr)
             return 128 + int(signum)
 
 

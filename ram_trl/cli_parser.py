@@ -68,8 +68,7 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_example(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "example",
-        help="write a tiny synthetic base model, RL-like agents and a merge config to try the merge on",
+        "example", help="write a tiny synthetic base model, RL-like agents and a merge config to try the merge on"
     )
     parser.add_argument("output_root", help="directory to create")
     parser.add_argument("--seed", type=int, default=0)
@@ -147,14 +146,10 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", help="run directory (default: the recipe's output_dir, else runs/NAME)")
     parser.add_argument("--only", metavar="STAGE", help="train only this stage (no merges, no evaluation)")
     parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="skip complete stages and reuse the evaluation of unchanged models",
+        "--resume", action="store_true", help="skip complete stages and reuse the evaluation of unchanged models"
     )
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate the recipe offline (schema, imports, configs) and stop",
+        "--dry-run", action="store_true", help="validate the recipe offline (schema, imports, configs) and stop"
     )
     parser.add_argument(
         "--skip-paths",
@@ -223,9 +218,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="skip stages already complete in --out, reuse unchanged evaluations",
+        "--resume", action="store_true", help="skip stages already complete in --out, reuse unchanged evaluations"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -1,9 +1,6 @@
-"""SHA-256 digests of files, model weights, tensors and text: the one module that hashes.
-
-File and weight digests are remembered in a bounded cache (least recently used first out, at most
-:data:`CACHE_ENTRIES`) keyed on each file's resolved path, inode, size and modification time in nanoseconds, so a
-rewritten or replaced file is hashed again and a long run that hashes many checkpoints holds a fixed amount.
-"""
+"""SHA-256 digests of files, model weights, tensors and text: the one module that hashes. File and weight digests
+are kept in a bounded LRU cache (:data:`CACHE_ENTRIES`) keyed on each file's resolved path, inode, size and mtime in
+nanoseconds, so a rewritten or replaced file is hashed again."""
 
 from __future__ import annotations
 
@@ -17,18 +14,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-__all__ = [
-    "file_digest",
-    "hasher",
-    "key_bytes",
-    "stream_digest",
-    "text_digest",
-    "update_tensor",
-    "weights_digest",
-]
+__all__ = ["file_digest", "hasher", "key_bytes", "stream_digest", "text_digest", "update_tensor", "weights_digest"]
 
-#: Digests the cache keeps.
-CACHE_ENTRIES = 1024
+CACHE_ENTRIES = 1024  #: Digests the cache keeps.
 _BLOCK = 1 << 20
 _cache: OrderedDict[tuple[Any, ...], str] = OrderedDict()
 _lock = threading.Lock()
@@ -40,7 +28,6 @@ def hasher() -> Any:
 
 
 def text_digest(text: str | bytes) -> str:
-    """The SHA-256 hex digest of ``text`` (UTF-8) or of bytes."""
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
@@ -102,9 +89,8 @@ def update_tensor(digest: Any, header: str, tensor: torch.Tensor) -> None:
 
 
 def weights_digest(model_dir: str | os.PathLike) -> str:
-    """SHA-256 of a model directory's weights: every tensor of its safetensors files, in name order, as its name,
-    dtype, shape and raw bytes (hex). Equal digests mean bit-for-bit equal weights, whatever the sharding; remembered
-    per set of files (see the module docstring)."""
+    """SHA-256 (hex) of a model directory's safetensors tensors in name order (name, dtype, shape, raw bytes): equal
+    digests mean bit-for-bit equal weights, whatever the sharding; cached per set of files."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     return _cached(("weights", *map(_stat_key, files)), lambda: _weights(files))
 

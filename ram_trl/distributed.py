@@ -1,10 +1,6 @@
-"""Running one merge over several processes and nodes (``accelerate launch``, ``torchrun``).
-
-Tensors are partitioned across ranks, balanced by the bytes each reads; statistics are all-reduced with
-``torch.distributed`` before any rank merges; every rank writes its tensors into the shared output files at offsets
-fixed by the plan, so the output does not depend on the number of processes. A failure on any rank is turned into
-an error on every rank at the next synchronisation point.
-"""
+"""Running one merge over several processes and nodes (``accelerate launch``, ``torchrun``): ranks, the byte-balanced
+split, all-reduces, and a failure on any rank turned into an error on every rank at the next synchronisation point
+(docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -66,10 +62,7 @@ class DistContext:
             if backend == "nccl":
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(
-                backend=backend,
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(minutes=timeout_minutes),
+                backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=timeout_minutes)
             )
             owns = True
         ctx = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, owns_group=owns)

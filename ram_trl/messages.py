@@ -1,6 +1,5 @@
 """One voice for errors and warnings: pydantic's errors in our words, did-you-mean for names, dtype aliases accepted
-alike everywhere, and (in the command line's own process only) each warning printed once as ``warning: ...``.
-"""
+alike everywhere, and (in the command line's own process only) each warning printed once as ``warning: ...``."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def processes_phrase(count: int) -> str:
 
 
 def canonical_dtype(value: Any, allowed: Iterable[str] = ("bfloat16", "float16", "float32")) -> Any:
-    """The canonical name of a dtype written as an alias (``bf16``, ``fp16``, ``fp32``, ``torch.float16``, ...);
-    anything else is returned unchanged, for the caller's own check to refuse."""
+    """The canonical name of a dtype alias (``bf16``, ``fp16``, ``torch.float16``, ...); anything else unchanged."""
     if not isinstance(value, str):
         value = str(value) if type(value).__name__ == "dtype" else value
         if not isinstance(value, str):
@@ -112,8 +110,7 @@ def validation_message(exc: Any, model: type | None = None) -> str:
     return "; ".join(problems)
 
 
-#: Messages the command line has printed (empty outside it): summaries skip them.
-_SHOWN: set[str] = set()
+_SHOWN: set[str] = set()  #: Messages the command line has printed (empty outside it): summaries skip them.
 
 
 def shown(message: str) -> bool:

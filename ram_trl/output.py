@@ -1,22 +1,6 @@
-"""The one output-commit protocol: merge, LoRA export, analysis, Fisher files and recipe runs write through it.
-
-A run writes into a temporary sibling of its target (``.NAME.ram-trl-tmp-PID-XXXXXXXX``, with a lock file naming the
-process and the host), and renames it into place only when everything is written:
-
-- **inputs are never removed**: an output directory that holds (or is) a file or directory the run reads is refused,
-  with or without ``--overwrite``;
-- **``--overwrite`` only replaces a recognisable previous output** (a directory holding one of the run's marker
-  files, e.g. ``ram_merge_report.json``, or an empty one); anything else is refused with the list of what would be
-  deleted;
-- **the commit never replaces a directory that appeared meanwhile**: the final rename is atomic and no-replace
-  (``renameat2(RENAME_NOREPLACE)`` on Linux, else a ``mkdir`` reservation), so two concurrent runs cannot silently
-  replace each other's output;
-- **SIGINT, SIGTERM and SIGHUP** are turned into :class:`Interrupted` while the temporary directory exists, so it is
-  removed, together with any parent directory the run created;
-- **leftovers of a killed run** (``kill -9``, a power cut) are recognised by the dead process id in their lock file
-  (or name) and removed, naming them, by the next run writing to the same place;
-- file-system errors (read-only, full, no permission) become an :class:`OutputError` naming the path.
-"""
+"""The one output-commit protocol (merge, LoRA export, analysis, Fisher files, recipe runs): write into a temporary
+sibling with a lock file, commit by an atomic no-replace rename; inputs are never removed, ``--overwrite`` replaces
+only a recognisable previous output, signals and killed runs leave nothing behind (docs/bad-input.md, "The output")."""
 
 from __future__ import annotations
 
@@ -45,8 +29,7 @@ def _describe(path: Path, limit: int = 8) -> str:
     return shown + (f" and {len(entries) - limit} more" if len(entries) > limit else "")
 
 
-#: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
-_NAME_BYTES = 255
+_NAME_BYTES = 255  #: The longest file name (bytes) of common file systems (ext4, XFS, btrfs, APFS, tmpfs).
 
 
 def check_name_length(target: Path, what: str) -> None:
@@ -249,9 +232,8 @@ class OutputDir:
 
     @contextlib.contextmanager
     def shared(self, dist: Any) -> Iterator[Path]:
-        """The protocol over the processes of a distributed run: the main process begins (and aborts on any
-        failure), every process writes into the temporary directory it yields; the main process calls
-        :meth:`commit` once every file is written."""
+        """The protocol over a distributed run's processes: the main process begins (and aborts on any failure) and
+        calls :meth:`commit` once every file is written; every process writes into the directory it yields."""
         temp = dist.guarded(lambda: str(self.begin()) if dist.is_main else None)
         temp_dir = Path(dist.broadcast_object(temp))
         try:

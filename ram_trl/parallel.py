@@ -1,14 +1,6 @@
-"""Blocks of work on a small thread pool, one thread per core (the merge's compute blocks, the telemetry's chunks).
-
-torch releases the GIL inside its kernels, so Python threads that each run single-threaded torch operations on
-their own block use every core without the barrier of a multi-threaded operation after each step.
-
-Making a thread single-threaded (``torch.set_num_threads``) is a process-wide knob: it also writes the default that
-new threads start from, resizes torch's shared thread pool and clears oneDNN's cache. So the pools run only in a
-process the library owns (the ``ram-trl`` command line, a recipe's stage process: :func:`owned_process`); called
-from a user's process (the Python API, a callback in a trainer) every block runs on the calling thread, with
-torch's threads as the caller set them.
-"""
+"""Blocks of work on a thread pool, one single-threaded torch worker per core (torch releases the GIL in its kernels).
+``torch.set_num_threads`` is process-wide (the default for new threads, the shared pool, oneDNN's cache), so pools run
+only in a process the library owns (:func:`owned_process`); elsewhere every block runs on the calling thread."""
 
 from __future__ import annotations
 
@@ -32,9 +24,8 @@ _OWNED: ContextVar[bool] = ContextVar("ram_trl_owned_process", default=False)
 
 @contextmanager
 def owned_process() -> Iterator[None]:
-    """Mark the work inside as running in a process the library owns (the ``ram-trl`` command line, a recipe's stage
-    process): its compute pools may then set the torch thread count of their worker threads, a process-wide knob.
-    Outside (the default) they run nothing on threads of their own."""
+    """Mark the work inside as running in a process the library owns (the command line, a recipe's stage process):
+    only there may the compute pools set their workers' torch thread count, a process-wide knob."""
     token = _OWNED.set(True)
     try:
         yield
@@ -72,10 +63,8 @@ def _positive_env(name: str) -> int | None:
 
 
 def process_cores() -> int:
-    """The cores this process's thread plan may use: :func:`available_cores`, shared with the other processes of a
-    launched job on the same node (``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``), and no more than ``OMP_NUM_THREADS``
-    when that is set (the per-process budget a user, a launcher such as torchrun, or a recipe's ``torch_threads``
-    gives)."""
+    """The cores this process's thread plan may use: :func:`available_cores` shared with the launched job's other
+    processes on the node (``LOCAL_WORLD_SIZE`` / ``LOCAL_SIZE``), at most ``OMP_NUM_THREADS`` when set."""
     cores = available_cores()
     local = next((n for n in map(_positive_env, LOCAL_PROCESSES_VARIABLES) if n is not None), 1)
     cores = max(1, cores // local)
@@ -84,14 +73,9 @@ def process_cores() -> int:
 
 
 def plan_threads(cores: int | None = None) -> ThreadPlan:
-    """The thread plan for ``cores`` cores: the merge computes on every core but the one its readers use (from 4 cores
-    on; below that the readers mostly wait on the disk and take no core of their own), reads with one thread per
-    16 cores (at least one), and a telemetry measurement on the CPU uses every core (the training step it runs in
-    waits for it).
-
-    The plan decides how many threads run, never what they compute: the merge's blocks and the telemetry's chunks are
-    the same for every plan, and their results are combined in a fixed order, so outputs and metrics do not depend
-    on it."""
+    """The thread plan for ``cores`` cores (docs/merging.md): compute on every core but the readers' from 4 cores on,
+    one reader per 16 cores, a CPU telemetry measurement on every core. It sets how many threads run, never what they
+    compute (blocks and combination order are fixed), so outputs do not depend on it."""
     cores = process_cores() if cores is None else cores
     if cores < 1:
         raise ValueError(f"cores={cores}: plan for at least one core")
@@ -109,12 +93,9 @@ def _single_threaded_worker() -> None:
 
 @contextmanager
 def compute_pool(device: torch.device, workers: int | None = None) -> Iterator[ThreadPoolExecutor | None]:
-    """Threads that run blocks of work (e.g. :func:`~ram_trl.merging.streaming.compute_blocks`) in parallel on the CPU.
-
-    Each worker runs single-threaded torch operations, so each block stays on one core and no operation waits for a
-    barrier of all cores. Only inside :func:`owned_process` (setting a worker's thread count is process-wide); the
-    calling thread's count and the default that new threads start from are put back before any work runs. Yields
-    ``None`` (run blocks in order on the calling thread) on an accelerator, with one worker, or outside it."""
+    """Single-threaded torch workers that run blocks of work in parallel on the CPU, inside :func:`owned_process` only
+    (the caller's thread count and the new-thread default are put back before any work runs). Yields ``None`` (run the
+    blocks in order on the calling thread) on an accelerator, with one worker, or outside it."""
     previous = torch.get_num_threads()
     workers = plan_threads().compute if workers is None else workers
     if device.type != "cpu" or workers <= 1 or not _OWNED.get():
@@ -151,13 +132,9 @@ def single_threaded_worker() -> ThreadPoolExecutor | None:
 
 
 def single_threaded_call(fn: Callable[[], Result], worker: ThreadPoolExecutor | None = None) -> Result:
-    """``fn()`` on a worker thread that runs single-threaded torch operations; on the calling thread outside
-    :func:`owned_process`.
-
-    For host work done beside a training loop (e.g. the telemetry's summary of its histograms): on a CPU shared with
-    training, torch's multi-threaded operations on small tensors wait at barriers for busy cores (measured on 2 busy
-    cores: the telemetry's summary took 1.5 s multi-threaded on the calling thread, 0.1-0.2 s here); on the calling
-    thread outside :func:`owned_process`."""
+    """``fn()`` on a single-threaded torch worker (on the calling thread outside :func:`owned_process`): beside
+    training, multi-threaded ops on small tensors wait at barriers for busy cores (on 2 busy cores the telemetry's
+    summary took 1.5 s multi-threaded, 0.1-0.2 s here)."""
     if not _OWNED.get():
         return fn()
     if worker is not None:
@@ -176,10 +153,8 @@ def map_blocks(pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], it
 def submit_blocks(
     pool: ThreadPoolExecutor | None, fn: Callable[[Item], Result], items: Iterable[Item]
 ) -> Callable[[], list[Result]]:
-    """Start ``fn`` over ``items`` on the pool now; the returned function waits for the results, in order.
-
-    Lets a caller submit the blocks of its next unit of work (e.g. the next chunk) before waiting for this one's, so
-    that the pool does not idle while the last blocks of a unit finish and the next unit is prepared."""
+    """Start ``fn`` over ``items`` on the pool now; the returned function waits for the results, in order (so the next
+    chunk's blocks can be queued before this one's are awaited and the pool does not idle)."""
     if pool is None:
         results = [fn(item) for item in items]
         return lambda: results

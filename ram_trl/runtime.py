@@ -1,12 +1,6 @@
-"""Process-level settings of the command-line tools (never applied on ``import ram_trl``).
-
-A merge or an analysis allocates and frees the same few block-sized float32 temporaries thousands of times. glibc
-returns freed blocks above its (dynamic) mmap threshold to the kernel and takes fresh, zero-filled pages for the next
-one: a page fault per 4 KiB, about a third of a 270M-parameter merge's system time. :func:`tune_for_streaming` keeps
-such blocks in the heap instead, and moves the objects created by the imports into the garbage collector's permanent
-generation so that its full collections during the passes do not walk them. :func:`gc_paused` keeps the cyclic
-collector off while a command imports torch and the merge stack.
-"""
+"""Process-level settings of the command-line tools, never applied on ``import ram_trl``: block-sized temporaries
+kept in glibc's heap (a page fault per 4 KiB otherwise), the import's objects frozen, the collector paused while
+torch imports (docs/memory.md, "Process settings of the command line")."""
 
 from __future__ import annotations
 
@@ -20,25 +14,15 @@ from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
-#: glibc ``mallopt`` parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-#: Allocations up to this size come from the heap (glibc's largest allowed mmap threshold on 64-bit systems).
-MMAP_THRESHOLD = 32 * 2**20
-
-#: Free memory at the top of the heap kept for reuse instead of being returned to the kernel.
-TRIM_THRESHOLD = 256 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc ``mallopt`` parameters (malloc.h)
+MMAP_THRESHOLD = 32 * 2**20  #: Allocations up to this size stay in the heap (glibc's maximum mmap threshold, 64-bit).
+TRIM_THRESHOLD = 256 * 2**20  #: Free memory at the top of the heap kept for reuse, not returned to the kernel.
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector inside the block, then restore its previous state.
-
-    Importing torch creates about a million objects; the collector would walk them over and over (about 0.3 s of
-    every command's start-up) and find nothing to free. The command line pauses it around its imports only: a
-    library must not change the collector for the program that imports it.
-    """
+    """Pause the cyclic garbage collector inside the block, then restore its previous state: importing torch creates
+    about a million objects it would walk in vain (0.3 s of start-up). The command line's imports only."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -49,10 +33,8 @@ def gc_paused() -> Iterator[None]:
 
 
 def tune_for_streaming() -> bool:
-    """Keep block-sized allocations in the heap and freeze the objects created so far (see the module docstring).
-
-    Larger buffers (the chunks read from disk) are still mapped and returned to the kernel when freed, so the
-    resident set stays bounded by the chunk budget plus at most :data:`TRIM_THRESHOLD`."""
+    """Keep block-sized allocations in the heap and freeze the objects created so far; larger buffers (chunks) are
+    still mapped, so the resident set stays within the chunk budget plus :data:`TRIM_THRESHOLD`."""
     gc.freeze()
     if not sys.platform.startswith("linux"):
         return False

@@ -21,12 +21,9 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def raising_signals(signals: Iterable[int], error: Callable[[int], BaseException]) -> Iterator[None]:
-    """While the body runs, each of ``signals`` raises ``error(signum)`` so that its cleanup runs.
-
-    A Python handler the caller installed is called first; a signal the caller ignores (``SIG_IGN``, e.g. SIGHUP
-    under ``nohup``) stays ignored, and one handled outside Python is left alone. On exit every handler this
-    installed is put back exactly as it was (unless the body replaced it). Off the main thread, where Python
-    cannot install handlers, nothing is changed."""
+    """While the body runs, each of ``signals`` raises ``error(signum)`` so that its cleanup runs. The caller's Python
+    handler is called first; ``SIG_IGN`` (SIGHUP under ``nohup``) and handlers outside Python are left alone; every
+    handler is restored exactly on exit (unless the body replaced it); off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,10 +1,6 @@
-"""Values given by the user: the one parser of ``"5GB"``-style byte sizes and their formatting, and the one check of
-a number (finite, in float32, within bounds), each error naming the place and the field.
-
-Decimal units are powers of 1000 (``KB``, ``MB``, ``GB``, ``TB``, and the bare ``K``, ``M``, ``G``), binary units
-powers of 1024 (``KiB``, ``MiB``, ``GiB``, ``TiB``); a bare number counts bytes. Imports nothing heavier than
-:mod:`ram_trl.errors`.
-"""
+"""Values given by the user: the one parser of ``"5GB"``-style byte sizes (``KB``/``K`` ... powers of 1000, ``KiB`` ...
+powers of 1024, a bare number counts bytes) and their formatting, and the one check of a number (finite, in float32,
+within bounds), each error naming the place and the field. Imports nothing heavier than :mod:`ram_trl.errors`."""
 
 from __future__ import annotations
 
@@ -90,5 +86,4 @@ def check_number(
 
 
 def check_optional_number(value: Any, where: str, name: str, **bounds: Any) -> float | None:
-    """:func:`check_number` for a value that may be ``None`` (not given)."""
     return None if value is None else check_number(value, where, name, **bounds)

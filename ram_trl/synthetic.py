@@ -1,31 +1,6 @@
-"""Synthetic, RL-like Hugging Face checkpoints built from configs.
-
-A product module, not a test fixture: ``ram-trl example`` writes its base, agents and merge config with it, a
-recipe's ``base.build`` (the demo's tiny char-tokenizer base) is built by it, and the examples and benchmarks use it.
-
-No model hub is needed: a base model is a randomly initialised ``Qwen2ForCausalLM`` with a character-level
-tokenizer, and an "RL agent" is the base with a sparse, heavy-tailed perturbation of its stored weights, shaped
-like the task vectors of RL fine-tuning (Adam steps at a small learning rate, most of which stay below one step of
-the stored dtype, so only a fraction of the elements change at all):
-
-- each agent changes a random subset of roughly ``density`` of the elements of every floating tensor;
-- agents built with the same ``support_seed`` share part of that subset (``overlap``), so some changed elements
-  are unique to one agent and others are shared, which is what Reinforced Agent Merging reacts to;
-- on bf16 checkpoints every changed element moves by a heavy-tailed number of bf16 steps (units in the last
-  place), never rounds back to the base value, never changes sign and never becomes inf or NaN.
-
-All randomness comes from ``torch.Generator`` objects seeded from the caller's seed and the tensor name, so the
-same arguments give byte-identical files, and tensors are processed one at a time so large synthetic models
-(about 1B parameters) can be built and perturbed with memory of about one shard.
-
-Example:
-
-```python
-from ram_trl.synthetic import generate_example
-
-paths = generate_example("/tmp/ram_example")  # base, three agents and a merge.yaml
-```
-"""
+"""Synthetic, RL-like checkpoints without a model hub: a random ``Qwen2ForCausalLM`` with a character tokenizer, and
+agents as sparse perturbations of it. A product module (``ram-trl example``, a recipe's ``base.build``, examples,
+benchmarks); seeded per tensor name (byte-identical files for the same arguments), one tensor in memory at a time."""
 
 from __future__ import annotations
 
@@ -65,35 +40,26 @@ __all__ = [
     "write_synthetic_base",
 ]
 
-#: Printable ASCII (space to tilde) plus newline.
-DEFAULT_ALPHABET: str = "".join(chr(c) for c in range(32, 127)) + "\n"
+DEFAULT_ALPHABET: str = "".join(chr(c) for c in range(32, 127)) + "\n"  #: Printable ASCII (space to ~) plus newline.
 
 #: Special tokens of the character tokenizer, in id order (``<pad>`` is 0).
-SPECIAL_TOKENS: dict[str, str] = {
-    "pad_token": "<pad>",
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "unk_token": "<unk>",
-}
+SPECIAL_TOKENS: dict[str, str] = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 #: Shard size of the streaming base writer when none is given (transformers' own default is "50GB", which would
 #: put a 1B-parameter model in one file and so in memory at once).
 STREAM_DEFAULT_SHARD_SIZE = "1GB"
 
-#: Elements processed per step when generating or perturbing a tensor; fixed so results never depend on memory.
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22  #: Elements per step when generating or perturbing a tensor; fixed so results never depend on memory.
 _INIT_STD = 0.02
-#: Step sizes are ``floor(u ** -_STEP_EXPONENT)``: P(k >= m) = m ** (-1 / _STEP_EXPONENT), a Pareto tail.
-_STEP_EXPONENT = 0.7
+_STEP_EXPONENT = 0.7  #: Steps are ``floor(u ** -_STEP_EXPONENT)``: P(k >= m) = m ** (-1 / _STEP_EXPONENT), Pareto.
 _BF16_MAX_FINITE_BITS = 0x7F7F
 _FP16_MAX_FINITE_BITS = 0x7BFF
 _PERTURBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # Seeding helpers
-# --------------------------------------------------------------------------------------------------------------
 
 
 def _derive_seed(*parts: object) -> int:
@@ -108,9 +74,8 @@ def _generator(*parts: object) -> torch.Generator:
     return generator
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # Tokenizer and base model
-# --------------------------------------------------------------------------------------------------------------
 
 
 def _byte_level_tokens(text: str) -> list[str]:
@@ -196,8 +161,7 @@ def write_synthetic_base(
         metas,
         filename_pattern="model{suffix}.safetensors",
         max_shard_size=parse_size(
-            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE,
-            lowercase_b_is_bits=True,
+            max_shard_size if max_shard_size is not None else STREAM_DEFAULT_SHARD_SIZE, lowercase_b_is_bits=True
         ),
     )
     for filename, names in split.filename_to_tensors.items():
@@ -271,9 +235,8 @@ def make_base_checkpoint(
     return output_dir
 
 
-# --------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------
 # RL-like agents
-# --------------------------------------------------------------------------------------------------------------
 
 
 def _checkpoint_shards(base_dir: Path) -> tuple[list[str], dict | None]:
@@ -336,14 +299,7 @@ def _perturb_float(values: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def _perturb_tensor(
-    tensor: torch.Tensor,
-    name: str,
-    *,
-    density: float,
-    seed: int,
-    overlap: float,
-    support_seed: int,
-    max_ulps: int,
+    tensor: torch.Tensor, name: str, *, density: float, seed: int, overlap: float, support_seed: int, max_ulps: int
 ) -> torch.Tensor:
     """Perturb the active elements of one floating tensor (see :func:`make_rl_agent`); returns a new tensor."""
     out = tensor.contiguous().clone()
@@ -382,7 +338,10 @@ def make_rl_agent(
     max_ulps: int = 64,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write an "RL agent": the base checkpoint with a sparse, heavy-tailed perturbation of its floating tensors."""
+    """Write an "RL agent": the base with a sparse, heavy-tailed perturbation of its floating tensors, like RL's small
+    Adam steps. About ``density`` of each tensor's elements change; agents with one ``support_seed`` share ``overlap``
+    of that support (unique and shared elements, what RAM reacts to); on 16-bit storage each change is a heavy-tailed
+    number of ulps that never rounds back to the base, flips the sign or becomes inf/NaN."""
     if not 0.0 <= density <= 1.0:
         raise ValueError(f"density={density} must be in [0, 1]")
     if not 0.0 <= overlap <= 1.0:

@@ -26,13 +26,11 @@ def temp_name(target: Path, kind: str = "tmp") -> Path:
     return target.parent / f".{_temp_stem(target.name)}.ram-trl-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-#: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
-_STEM_BYTES = 200
+_STEM_BYTES = 200  #: The longest output name kept whole in a temporary sibling's name (file names stop at 255 bytes).
 
 
 def _temp_stem(name: str) -> str:
-    """``name`` as temporary siblings carry it: whole when short, else shortened with a digest of the whole name,
-    so that an output name of up to 255 bytes still has a temporary sibling."""
+    """``name`` in a temporary sibling's name: whole when short, else cut with its digest (names up to 255 bytes)."""
     if len(name.encode()) <= _STEM_BYTES:
         return name
     digest = text_digest(name)[:12]

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ram_trl.io import safetensors_io
+from ram_trl.statistics.magnitude import MagnitudeStatistics
 from tests._launch import free_port, run_job
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -716,3 +717,17 @@ def cache_repo(cache: Path, repo_id: str, source: Path, commit: str, skip: tuple
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+def magnitude_of(values: torch.Tensor, *, zero_filled: bool = False) -> MagnitudeStatistics:
+    """One agent's magnitude statistics of some active values (:meth:`MagnitudeStatistics.add_values`)."""
+    stats = MagnitudeStatistics(1)
+    stats.add_values(0, values, zero_filled=zero_filled)
+    return stats
+
+
+def magnitude_bin(values: torch.Tensor, mantissa_bits: int = 7) -> torch.Tensor:
+    """The ``|tau|`` histogram bin of each value, as :class:`MagnitudeStatistics` bins: its float32 bits without the
+    sign, keeping ``mantissa_bits`` mantissa bits."""
+    bits = values.contiguous().view(torch.int32) & 0x7FFFFFFF
+    return bits.bitwise_right_shift_(23 - mantissa_bits)

@@ -11,10 +11,10 @@ from ram_trl.merging.lora.svd import LoraExportOptions, choose_rank
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.magnitude import (
-    MagnitudeStatistics,
     histogram_gini,
     histogram_top_mass,
 )
+from tests.helpers import magnitude_of
 
 
 def _values() -> torch.Tensor:
@@ -25,12 +25,12 @@ def _values() -> torch.Tensor:
 def test_magnitude_helpers(device):
     values = _values()
     on_device = values.to(device)
-    stats = MagnitudeStatistics.of_values(values)
+    stats = magnitude_of(values)
     counts, sums = stats.counts[0], stats.sums[0]
     expected = (histogram_gini(counts, sums), histogram_top_mass(counts, sums, 0.05))
     counts, sums = counts.to(device), sums.to(device)
     assert (histogram_gini(counts, sums), histogram_top_mass(counts, sums, 0.05)) == expected
-    moved = MagnitudeStatistics.of_values(on_device)
+    moved = magnitude_of(on_device)
     assert moved.summary(0) == stats.summary(0)
 
 

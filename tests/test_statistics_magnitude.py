@@ -13,9 +13,9 @@ from ram_trl.statistics.magnitude import (
     excess_kurtosis,
     histogram_gini,
     histogram_top_mass,
-    magnitude_bin,
     magnitude_bin_edges,
 )
+from tests.helpers import magnitude_bin, magnitude_of
 from tests.reference import gini_coefficient, top_mass_share
 
 F = torch.float32
@@ -194,7 +194,7 @@ def test_of_values_equals_update_of_the_active_elements(zero_filled):
     values = torch.where(mask, deltas, 0.0) if zero_filled else deltas[mask]
     got = MagnitudeStatistics.zeros(1)
     for start in range(0, values.numel(), 4096):  # chunk by chunk, as the telemetry adds them
-        got.add(MagnitudeStatistics.of_values(values[start : start + 4096], zero_filled=zero_filled))
+        got.add(magnitude_of(values[start : start + 4096], zero_filled=zero_filled))
     assert torch.equal(got.counts, reference.counts)
     assert got.counts[0, 0] == 0 and got.sums[0, 0] == 0.0
     assert torch.allclose(got.sums, reference.sums, rtol=1e-14, atol=0)
@@ -204,8 +204,8 @@ def test_of_values_equals_update_of_the_active_elements(zero_filled):
 def test_of_values_keeps_subnormal_magnitudes_of_bin_zero_unless_zero_filled():
     tiny = torch.tensor([1e-42, -1e-42, 0.0, 1.0])
     assert magnitude_bin(tiny)[:3].tolist() == [0, 0, 0]
-    assert MagnitudeStatistics.of_values(tiny).count(0) == 4
-    assert MagnitudeStatistics.of_values(tiny, zero_filled=True).count(0) == 1
+    assert magnitude_of(tiny).count(0) == 4
+    assert magnitude_of(tiny, zero_filled=True).count(0) == 1
     assert float(magnitude_bin_edges(1, 1)[0]) == 2.0**-133
 
 
@@ -223,7 +223,7 @@ def _exact_bin_sums(values: torch.Tensor, mantissa_bits: int) -> dict[int, tuple
 
 
 def test_hand_computed_values_each_alone_in_its_bin_give_exact_power_sums():
-    stats = MagnitudeStatistics.of_values(torch.tensor([1.0, -1.0, 1.5, -3.0]))
+    stats = magnitude_of(torch.tensor([1.0, -1.0, 1.5, -3.0]))
     assert stats.power_sums[0].tolist() == [-1.5, 13.25, -23.625, 88.0625]
     assert stats.count(0) == 4
     assert stats.summary(0)["mean_abs"] == 6.5 / 4
@@ -251,7 +251,7 @@ def test_higher_power_estimates_are_within_their_bounds_and_the_bounds_nearly_at
     top = float(torch.nextafter(torch.tensor(1.0 + D), torch.tensor(0.0)))
     values = torch.tensor([1.0, top] * 500 + [-1.0, -top] * 250, dtype=F)
     x = values.to(torch.float64)
-    stats = MagnitudeStatistics.of_values(values)
+    stats = magnitude_of(values)
     estimate = stats.power_sums[0].tolist()
     exact = [float((x**p).sum()) for p in range(1, 5)]
     assert stats.fourth_power_relative_error == FOURTH_POWER_BOUND  # what the analysis reports

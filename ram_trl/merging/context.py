@@ -1,11 +1,6 @@
-"""The run context of a merge: what a run reads (config, inputs, plan), where it runs, and what it accumulates.
-
-The engine (:mod:`ram_trl.merging.engine`) builds one :class:`RunContext` per run and hands it to the passes
-(:mod:`ram_trl.merging.passes`) instead of long argument lists; the analysis (:mod:`ram_trl.analysis`) shares the input
-opening, the byte balance over ranks and the density warnings. Nothing here reads tensor data.
-
-Dependencies point one way: ``engine -> passes -> context``, ``analysis -> context``.
-"""
+"""The run context of a merge (config, inputs, plan, ranks, accumulated state), handed by the engine to the passes,
+and the input opening and density checks the analysis shares; reads no tensor data. ``engine -> passes -> context``,
+``analysis -> context`` (docs/development.md)."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ from ram_trl.statistics.effect import MergeEffect
 
 logger = logging.getLogger(__name__)
 
-#: Agents differing from the base in more than this share of their elements get a warning (another base?).
-DENSE_AGENT_WARNING = 0.99
+DENSE_AGENT_WARNING = 0.99  #: Agents differing from the base in more than this share of elements are warned about.
 
 
 @dataclass
@@ -94,8 +88,7 @@ class RunContext:
 
     @property
     def checked(self) -> bool:
-        """Whether the inputs need no finiteness check when the merge pass reads them (allowed, or already checked
-        by the statistics pass)."""
+        """Whether the merge pass needs no finiteness check (allowed, or done by the statistics pass)."""
         return self.resolved.allow_nonfinite or self.resolved.method.needs_statistics
 
     def require_reader(self) -> RowReader:
@@ -141,8 +134,7 @@ def open_inputs(
 
 
 def task_input_bytes(task: TensorTask, agents: list[Checkpoint]) -> int:
-    """Bytes of one tensor in the base and every agent (what :func:`~ram_trl.distributed.partition_by_bytes`
-    balances over processes)."""
+    """Bytes of one tensor in the base and every agent (what the split over processes balances)."""
     total = task.base.numel * dtype_itemsize(task.base.dtype)
     if task.floating:
         total += sum(

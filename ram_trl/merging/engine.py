@@ -1,17 +1,6 @@
-"""The streaming merge engine: read -> statistics -> merge -> write, one row chunk at a time.
-
-:func:`merge` validates the config and every input header, plans the work, runs a statistics pass when the method
-needs global overlap counts (RAM+, RAM+s), then merges chunk by chunk into a temporary sibling of the output
-directory, which is renamed into place only when everything (shards, index, config, tokenizer, model card, report)
-has been written.
-
-The engine is the orchestration: it prepares a :class:`~ram_trl.merging.context.RunContext` (config, inputs, plan, ranks,
-state), runs the passes of :mod:`ram_trl.merging.passes` over this process's share of the tensors, and finalises the output
-through the one commit protocol (:class:`~ram_trl.output.OutputDir`) and the one report writer
-(:func:`ram_trl.merging.report.write_report`). ``output_format="lora"`` merges into a temporary float32 model and hands it
-to :func:`ram_trl.merging.lora.export.export_lora`. Imports point one way: ``engine -> passes -> context``,
-``engine -> lora_export -> report``.
-"""
+"""The streaming merge engine (read -> statistics -> merge -> write, one row chunk at a time): validate, plan, run the
+passes over this process's tensors, and finalise the output through the one commit protocol. Design:
+docs/development.md ("The merge engine") and docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -230,8 +219,7 @@ def _open_and_plan(
 
 
 def open_fishers(resolved: ResolvedConfig) -> list[Checkpoint]:
-    """Open every agent's Fisher file (its ``fisher`` parameter, else ``fisher.safetensors`` beside it); the
-    report then names the file each agent's Fisher came from."""
+    """Each agent's Fisher file (``fisher`` parameter, else ``fisher.safetensors`` beside it), named in the report."""
     fishers = []
     for spec in resolved.agents:
         where = spec.parameters.get("fisher") or default_fisher_path(spec.path)
@@ -472,13 +460,7 @@ def write_model_config(resolved: ResolvedConfig, base: Checkpoint, plan: MergePl
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-__all__ = [
-    "check_device",
-    "check_weight_sums",
-    "merge",
-    "run_lora_merge",
-    "run_merge",
-]
+__all__ = ["check_device", "check_weight_sums", "merge", "run_lora_merge", "run_merge"]
 
 
 def check_weight_sums(sums: Mapping[str, float], where: str, method: str) -> None:

@@ -1,7 +1,4 @@
-"""Merge planning: which tensors to merge, in which row chunks, into which output shards, with what memory.
-
-Details: docs/memory.md.
-"""
+"""Merge planning: which tensors, in which row chunks, into which output shards, with what memory (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -19,19 +16,13 @@ from ram_trl.io.checkpoint import Checkpoint, TensorMeta
 from ram_trl.io.safetensors_io import dtype_itemsize
 from ram_trl.sizes import parse_size
 
-#: Default chunk budget in bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).
-DEFAULT_CHUNK_BUDGET = parse_size(defaults.CHUNK_BUDGET)
-#: Default largest output file in bytes (:data:`ram_trl.defaults.MAX_SHARD_SIZE`).
-DEFAULT_MAX_SHARD_SIZE = parse_size(defaults.MAX_SHARD_SIZE)
+DEFAULT_CHUNK_BUDGET = parse_size(defaults.CHUNK_BUDGET)  #: In bytes (:data:`ram_trl.defaults.CHUNK_BUDGET`).
+DEFAULT_MAX_SHARD_SIZE = parse_size(defaults.MAX_SHARD_SIZE)  #: In bytes (:data:`ram_trl.defaults.MAX_SHARD_SIZE`).
 PROCESS_BASELINE_BYTES = 450 * 1024**2
 
 
 def bytes_per_element(
-    num_agents: int,
-    in_itemsize: int = 4,
-    out_itemsize: int = 4,
-    fisher_itemsize: int = 0,
-    model_buffers: bool = False,
+    num_agents: int, in_itemsize: int = 4, out_itemsize: int = 4, fisher_itemsize: int = 0, model_buffers: bool = False
 ) -> int:
     """Upper bound on live buffer bytes per chunk element during a merge with ``num_agents`` agents."""
     total = 10 * num_agents + 20 + 2 * (num_agents + 1) * in_itemsize + 3 * out_itemsize

@@ -1,7 +1,4 @@
-"""The merge of flat element ranges held in memory: each process merges the elements of one agent it holds.
-
-Details: docs/distributed.md and docs/merge-preview.md.
-"""
+"""Merges of flat element ranges in memory, one agent per process (docs/distributed.md, docs/merge-preview.md)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ from ram_trl.methods import ChunkInputs, MergeMethod
 from ram_trl.statistics import OverlapStatistics
 from ram_trl.statistics.counting import active_flags
 
-#: Elements of one range merged at once (the task vectors of every agent of a block are held in float32).
-BLOCK_ELEMENTS = 1 << 20
+BLOCK_ELEMENTS = 1 << 20  #: Elements of a range merged at once (every agent's float32 task vectors held).
 
 __all__ = ["BLOCK_ELEMENTS", "FlatRange", "RangeMerge", "check_range_method", "merge_ranges"]
 
@@ -66,8 +62,7 @@ def check_range_method(method: MergeMethod) -> None:
 
 @dataclass
 class _Inputs:
-    """What every block of a range merge reads: the config, the opened checkpoints, the base's floating tensors by
-    name, the in-memory agent's index, the device and the reader."""
+    """What a range merge's blocks read: config, checkpoints, base tensors, the in-memory agent, device, reader."""
 
     resolved: ResolvedConfig
     base: Checkpoint
@@ -154,8 +149,7 @@ def _check_coverage(ranges: Sequence[FlatRange], tasks: dict[str, TensorTask], c
 
 
 def _blocks(r: FlatRange, task: TensorTask, block_elements: int) -> Iterator[tuple[int, int]]:
-    """Flat ``[lo, hi)`` blocks of a range, each within whole rows of at most ``block_elements`` elements (at least
-    one row)."""
+    """Flat ``[lo, hi)`` blocks of a range, whole rows of at most ``block_elements`` elements (at least one row)."""
     row = task.row_numel
     step = max(row, block_elements // row * row)
     end = r.offset + r.values.numel()

@@ -1,9 +1,5 @@
-"""Merge reports: the JSON report, the model cards (merged model and LoRA adapter), and terminal tables for plans
-and results.
-
-Every output with a merge report (a merged model, an exported LoRA adapter) writes it and its card with
-:func:`write_report`, inside the output's temporary directory (:class:`~ram_trl.output.OutputDir`).
-"""
+"""Merge reports: the JSON report and model cards (merged model, LoRA adapter), written with :func:`write_report`
+inside the output's temporary directory, and the terminal tables of plans and results."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ if TYPE_CHECKING:
     from ram_trl.merging.config.settings import ResolvedConfig
     from ram_trl.merging.context import MergeState
 
-#: The merge report of a merged model or an exported adapter (also the marker of a previous output).
-REPORT_FILE = "ram_merge_report.json"
-#: The model card.
-CARD_FILE = "README.md"
+REPORT_FILE = "ram_merge_report.json"  #: The report of a merged model or adapter (also marks a previous output).
+CARD_FILE = "README.md"  #: The model card.
 
 
 def json_default(value: Any) -> Any:
@@ -80,11 +74,7 @@ def _lambda_summary(resolved: ResolvedConfig, state: MergeState, t: int) -> dict
 
 
 def build_report(
-    resolved: ResolvedConfig,
-    plan: MergePlan,
-    state: MergeState,
-    timings: dict[str, float],
-    output_dir: Path,
+    resolved: ResolvedConfig, plan: MergePlan, state: MergeState, timings: dict[str, float], output_dir: Path
 ) -> dict[str, Any]:
     """Assemble the merge report (the content of ``ram_merge_report.json``)."""
     agents = []
@@ -150,7 +140,6 @@ def write_report(out_dir: Path, report: dict[str, Any], card: str) -> None:
 
 
 def front_matter(front: dict[str, Any]) -> str:
-    """A model card's YAML front matter."""
     return "---\n" + yaml.safe_dump(front, sort_keys=False).strip() + "\n---\n"
 
 
@@ -393,8 +382,7 @@ def print_plan(resolved: ResolvedConfig, plan: MergePlan, input_cache: int = 0) 
         table.add_row(f"agent {agent.index}", f"{agent.name}  {agent.path}")
     table.add_row("parameters", ", ".join(f"{k}={v}" for k, v in resolved.params.items()) or "-")
     table.add_row(
-        "tensors",
-        f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)",
+        "tensors", f"{summary['tensors']} ({summary['merged_tensors']} merged, {summary['chunked_tensors']} chunked)"
     )
     table.add_row("passes over inputs", str(plan.passes))
     table.add_row("bytes to read", format_bytes(summary["bytes_read"]))

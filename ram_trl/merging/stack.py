@@ -1,8 +1,6 @@
-"""mergekit's ``passthrough``: the decoder layers of one or more models stacked into a deeper model (``slices``; one
-whole model with ``models``), each tensor copied as mergekit 0.1.5 writes it: cast to ``dtype`` then ``out_dtype``,
-times ``scale`` when given, layers renumbered, the embeddings from the first slice's model and every other tensor
-outside the layers (final norm, ``lm_head``) from the last slice's; config and tokenizer from ``base_model`` (else
-the first slice's model) with the layer count of the output."""
+"""mergekit's ``passthrough``: decoder layers of one or more models stacked into a deeper model, each tensor copied
+as mergekit 0.1.5 writes it (cast to ``dtype`` then ``out_dtype``, times ``scale``, layers renumbered; embeddings
+from the first slice's model, the rest outside the layers from the last's; docs/merging.md)."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ class _Source:
 
 @dataclass
 class LayerStack:
-    """A ``passthrough`` config resolved: the models, each output layer's source, and what the output takes from
-    where (tensors outside the layers, config, tokenizer)."""
+    """A ``passthrough`` config resolved: the models, each output layer's source, and where the rest comes from."""
 
     references: list[str]
     models: list[Path]
@@ -182,8 +179,7 @@ def resolve_stack(config: MergeConfig, config_path: Path | None = None) -> Layer
 
 
 def _scale(scopes: tuple[dict[str, Any], ...], name: str, t: float, what: str) -> float | None:
-    """mergekit's ``scale`` of one input tensor: the first scope whose setting gives a value (filters match the
-    input tensor's name), ``None`` (no scaling) when none does."""
+    """mergekit's ``scale`` of an input tensor: the first scope with a value (filters match its name), or ``None``."""
     for scope in scopes:
         if "scale" in scope:
             try:
@@ -308,11 +304,7 @@ def _stack_merge(
 
 
 def _write(
-    copies: list[_Copy],
-    checkpoints: list[Checkpoint],
-    shards: list[Any],
-    out_dir: Path,
-    dtype: torch.dtype | None,
+    copies: list[_Copy], checkpoints: list[Checkpoint], shards: list[Any], out_dir: Path, dtype: torch.dtype | None
 ) -> None:
     by_name = {c.task.name: c for c in copies}
     with RowReader() as reader:

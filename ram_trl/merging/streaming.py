@@ -1,9 +1,6 @@
-"""Streaming task vectors: the base's and every agent's stored values, one row chunk at a time, as float32 deltas.
-
-The merge's passes and the sparsity analysis read their inputs through this module: :func:`iter_chunks` yields
-:class:`RawChunk` objects (read ahead on a background thread) and :func:`to_deltas` turns one into float32 task
-vectors, refusing NaN/Inf inputs with an error that names the checkpoint and tensor.
-"""
+"""Streaming task vectors for the merge's passes and the analysis: :func:`iter_chunks` reads row chunks of the base
+and every agent ahead on a background thread, :func:`to_deltas` turns one into float32 deltas, refusing NaN/Inf
+with an error naming the checkpoint and tensor."""
 
 from __future__ import annotations
 
@@ -114,9 +111,7 @@ def to_device(chunk: RawChunk, device: torch.device) -> RawChunk:
 
 
 class InputCache:
-    """The chunks the merge's statistics pass has read, kept (on the compute device) for the merge pass, up to a
-    budget of bytes: the merge pass takes each kept chunk instead of reading it again, so a method with a statistics
-    pass (RAM+, RAM+s) reads and copies to the device the kept part of its inputs once instead of twice."""
+    """Chunks the statistics pass read, kept on the compute device within a byte budget for the merge pass to reuse."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -270,8 +265,7 @@ def fill_delta(
 def fill_weights(
     out: torch.Tensor, values: torch.Tensor | None, lora: torch.Tensor | None, base_values: torch.Tensor
 ) -> None:
-    """Write one agent's float32 weights for a chunk into ``out`` (flat, the chunk's length): for methods that
-    merge weights rather than task vectors."""
+    """One agent's float32 weights for a chunk into flat ``out``, for methods that merge weights, not task vectors."""
     n = 0
     if values is not None:
         n = values.numel()

@@ -1,24 +1,13 @@
-"""Stage manifests: what an RL run leaves behind for the merge (``ram_stage.json``).
-
-A *stage* is one vertical's RL run (coding, tool use, memory, ...). When it ends, the telemetry callback writes a
-manifest beside the saved agent: which base it started from (with a fingerprint of a few base tensors, so a merge
-against another base is caught before any work), where the agent's checkpoint is and what kind it is (full model or
-LoRA adapter), how it was trained and its final telemetry and rewards. A merge config accepts
-``models: [{stage: PATH}]`` in place of ``model:``; the recipes detect finished stages from their manifests.
-
-The stage contract (:func:`verify_stage`): the manifest names exactly the weight files of its checkpoint directory
-(:func:`weight_files`) with the SHA-256 of each, and its kind; every reader resolves a stage through it and refuses,
-in one line naming the file, a directory whose weight files were changed, removed or added since the save (e.g. by
-``trainer.save_model`` into the same directory), a kind the files contradict, or a checkpoint outside the
-manifest's directory.
-"""
+"""Stage manifests (``ram_stage.json``): what one vertical's RL run leaves beside its agent for the merge (base and
+its fingerprint, checkpoint and kind, training, final telemetry). The contract (:func:`verify_stage`: the weight files
+and their SHA-256, every reader refuses a changed one) is in docs/telemetry.md and docs/bad-input.md."""
 
 from __future__ import annotations
 
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,19 +26,14 @@ from ram_trl.messages import validation_message
 from ram_trl.output import atomic_file
 
 MANIFEST_NAME = "ram_stage.json"
-#: 2 added ``files`` (the weight files and their SHA-256), 3 ``base_revision``; older manifests are still read.
-SCHEMA_VERSION = 3
-#: Tensors hashed into a base fingerprint (spread evenly over the sorted floating tensor names).
-FINGERPRINT_TENSORS = 4
-#: Leading elements of each fingerprinted tensor that are hashed.
-FINGERPRINT_ELEMENTS = 4096
+SCHEMA_VERSION = 3  #: 2 added ``files`` (weight files, SHA-256), 3 ``base_revision``; older manifests are still read.
+FINGERPRINT_TENSORS = 4  #: Tensors hashed into a base fingerprint (spread evenly over the sorted floating names).
+FINGERPRINT_ELEMENTS = 4096  #: Leading elements of each fingerprinted tensor that are hashed.
 
 
 class BaseFingerprint(BaseModel):
-    """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values.
-
-    Values are hashed as float32 (exact for bf16, fp16 and fp32 storage), so a base loaded in float32 for training
-    and the same base saved in bf16 have the same fingerprint."""
+    """A cheap identity of a base model: the SHA-256 of a few tensors' names, shapes and leading values, hashed as
+    float32 (exact for bf16, fp16 and fp32), so a base trained in float32 and saved in bf16 keeps its fingerprint."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -170,10 +154,8 @@ def fingerprint(get_tensor: Callable[[str], torch.Tensor], names: Iterable[str])
 def fingerprint_heads(
     get_head: Callable[[str], tuple[tuple[int, ...], torch.Tensor]], names: Iterable[str]
 ) -> BaseFingerprint:
-    """Fingerprint a base from each tensor's shape and leading elements, without the full tensors.
-
-    For sources that hold tensors in pieces (a training run's parameters, a memory-mapped range): only the first
-    :data:`FINGERPRINT_ELEMENTS` flat elements of each tensor are hashed, so they are all that is needed."""
+    """Fingerprint a base from each tensor's shape and first :data:`FINGERPRINT_ELEMENTS` flat elements only (for
+    sources that hold tensors in pieces: a training run's parameters, a memory-mapped range)."""
     digest = hasher()
     chosen = list(names)
     for name in chosen:
@@ -183,13 +165,6 @@ def fingerprint_heads(
         digest.update(json.dumps(list(shape)).encode())
         digest.update(head.numpy().tobytes())
     return BaseFingerprint(tensors=chosen, sha256=digest.hexdigest())
-
-
-def fingerprint_state(tensors: Mapping[str, torch.Tensor], names: Iterable[str] | None = None) -> BaseFingerprint:
-    """Fingerprint a base given as a name-to-tensor mapping (a state dict, or safetensors' lazy handle)."""
-    if names is None:
-        names = fingerprint_names(n for n, t in tensors.items() if torch.is_floating_point(t))
-    return fingerprint(lambda name: tensors[name], names)
 
 
 def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None = None) -> BaseFingerprint:
@@ -208,8 +183,7 @@ def fingerprint_checkpoint(path: str | os.PathLike, names: Iterable[str] | None 
 def unchecked_base(
     manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike | None
 ) -> str | None:
-    """The warning for a stage whose manifest has no base fingerprint and names a base other than ``base_path``
-    (``None``: a fingerprint to check, or the same base on disk)."""
+    """The warning for a stage without a base fingerprint that names another base than ``base_path``, else ``None``."""
     if manifest.base_fingerprint is not None:
         return None
     named = base_model_path(manifest, manifest_file)
@@ -224,8 +198,7 @@ def unchecked_base(
 
 
 def check_base(manifest: StageManifest, manifest_file: str | os.PathLike, base_path: str | os.PathLike) -> None:
-    """Check that a stage was trained from ``base_path``; one without a fingerprint naming another base is warned
-    about (:func:`unchecked_base`)."""
+    """Check that a stage was trained from ``base_path`` (without a fingerprint: :func:`unchecked_base` warns)."""
     if manifest.base_fingerprint is None:
         warning = unchecked_base(manifest, manifest_file, base_path)
         if warning:
@@ -363,8 +336,7 @@ def previous_save(directory: str | os.PathLike) -> tuple[list[str], list[str]]:
 
 
 def check_save_target(directory: str | os.PathLike, writes: Iterable[str] | None = None) -> list[str]:
-    """Refuse an agent save that would leave weight files it does not own beside the new agent; return the
-    previous save's files to remove."""
+    """Refuse a save that would leave weight files it does not own beside the agent; the previous save's to remove."""
     owned, foreign = previous_save(directory)
     written = None if writes is None else set(writes)
     left = [n for n in foreign if written is None or n not in written]

@@ -48,23 +48,15 @@ def _cast_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
 
 
 def save_agent(
-    trainer: Any,
-    out_dir: Path,
-    dtype: torch.dtype,
-    manifest: Callable[[], StageManifest] | None = None,
+    trainer: Any, out_dir: Path, dtype: torch.dtype, manifest: Callable[[], StageManifest] | None = None
 ) -> Path | None:
     """Save the trainer's model in ``dtype`` to ``out_dir``: the full model (with the tokenizer), or the adapter of
     a PEFT model, and with ``manifest`` the stage manifest beside it.
 
-    The output-commit protocol of :mod:`ram_trl.output`: everything is written to a temporary sibling of ``out_dir``
-    (with a lock file naming the process) and committed at once. A missing ``out_dir`` is created by an atomic
-    rename; an existing one (a trainer's ``output_dir`` also holds its checkpoints and logs) receives the files all
-    or nothing, the manifest last, so a save killed half-way leaves no manifest and the directory is not taken for
-    a finished stage. A failure (or SIGINT/SIGTERM/SIGHUP) while saving removes the temporary directory and leaves
-    ``out_dir`` as it was; a ``kill -9``'s leftovers are removed by the next save.
-
-    Every process must call this (under DeepSpeed ZeRO-3 the gather of the sharded model is collective); only the
-    main process writes.
+    All or nothing, through the output-commit protocol of :mod:`ram_trl.output` (docs/telemetry.md): an existing
+    ``out_dir`` (a trainer's ``output_dir``) receives the files at once, the manifest last, so a save killed half-way
+    is never taken for a finished stage; a failure or signal leaves ``out_dir`` as it was. Every process must call
+    this (the ZeRO-3 gather is collective); only the main process writes.
 
     Args:
         trainer: The trainer (its ``accelerator``, ``model`` and ``processing_class``).
@@ -160,6 +152,5 @@ def prior_stage_reads(prior_stages: Sequence[str | os.PathLike]) -> list[tuple[s
 
 
 def agent_output(out_dir: str | os.PathLike, reads: Sequence[tuple[str, Path]] = ()) -> OutputDir:
-    """The output-commit protocol of an agent directory (:func:`save_agent`): files merged into an existing
-    directory, ``ram_stage.json`` last."""
+    """The output-commit protocol of an agent directory: files merged into an existing one, ``ram_stage.json`` last."""
     return OutputDir(out_dir, merge=True, markers=(MANIFEST_NAME,), reads=reads, what="agent directory")

@@ -1,11 +1,6 @@
-"""Layer anatomy of a checkpoint: which module type and which decoder layer each tensor belongs to.
-
-Decoder checkpoints of the Hugging Face stack name their tensors ``<prefix>.layers.<i>.<block>.<module>.weight``
-(Llama, Qwen2, Mistral, Gemma, Phi-3 ...) or ``<prefix>.h.<i>....`` (GPT-2 style). :func:`classify` maps a name to
-a module type and a layer index from those names alone; :func:`aggregate` sums per-tensor statistics by bucket and
-:func:`summarize` turns per-tensor overlap statistics into the anatomy tables of ``ram-trl analyze`` and the
-telemetry. Imports no torch.
-"""
+"""Layer anatomy of a checkpoint: each tensor's module type and decoder layer from its name alone
+(``<prefix>.layers.<i>.<block>.<module>.weight``, or GPT-2's ``<prefix>.h.<i>....``), summed into the anatomy tables
+of ``ram-trl analyze`` and the telemetry. Imports no torch."""
 
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ MODULE_FAMILIES: dict[str, str] = {
     "other": "other",
 }
 
-#: Families, in report order.
-FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(MODULE_FAMILIES.values()))
+FAMILIES: tuple[str, ...] = tuple(dict.fromkeys(MODULE_FAMILIES.values()))  #: Families, in report order.
 
 #: Module names (one component of a tensor name) and their module type.
 MODULE_ALIASES: dict[str, str] = {
@@ -137,9 +131,7 @@ def summarize(records: dict[str, TensorAnalysis], num_agents: int) -> dict[str, 
     families = aggregate(items, lambda n: classify(n).family, operator.add)
     layers = aggregate(items, lambda n: classify(n).layer, operator.add)
     layer_modules = aggregate(
-        items,
-        lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module),
-        operator.add,
+        items, lambda n: None if classify(n).layer is None else (classify(n).layer, classify(n).module), operator.add
     )
     return {
         "modules": [

@@ -1,11 +1,6 @@
-"""The counting maths that the statistics and the merge methods share: which task-vector elements are active
-(``|tau| > eps``, strict, compared exactly in float32), how many agents and which set of agents update each element,
-the Overlap-Unique Ratio ``rho_t`` and the RAM+ / RAM+s rescale factors it gives, and the exact ``k`` of magnitude
-trimming.
-
-This module sits below both :mod:`ram_trl.statistics` (which accumulates the counts over a whole model) and
-:mod:`ram_trl.methods` (RAM, TIES and the methods built on them), so that neither imports the other for them.
-"""
+"""The counting maths below both the statistics and the merge methods (so neither imports the other): active elements
+(``|tau| > eps``, strict, exact in float32), which agents update each element, the Overlap-Unique Ratio and the
+RAM+ / RAM+s factors, and the exact ``k`` of magnitude trimming."""
 
 from __future__ import annotations
 
@@ -27,12 +22,8 @@ HISTOGRAM_BLOCK = 1 << 20
 
 
 def float32_threshold(eps: float) -> float:
-    """The largest float32 value not above ``eps``.
-
-    For a float32 ``x``, ``|x| > eps`` (compared exactly, as real numbers) holds exactly when
-    ``|x| > float32_threshold(eps)`` in float32. Comparing against ``eps`` rounded to nearest would be wrong whenever
-    ``eps`` rounds up (e.g. ``0.1``): a task vector element equal to ``float32(0.1)`` exceeds 0.1 but not itself.
-    """
+    """The largest float32 value not above ``eps``: for float32 ``x``, ``|x| > eps`` (exactly, as reals) iff
+    ``|x| > float32_threshold(eps)``. ``eps`` rounded to nearest is wrong when it rounds up (``0.1``)."""
     value = np.float32(eps)
     if float(value) > eps:
         value = np.nextafter(value, np.float32(-np.inf))
@@ -46,10 +37,8 @@ def active_mask(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
 
 
 def active_flags(deltas: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """:func:`active_mask` as float32 ``1.0`` / ``0.0`` (``|tau| > eps``, strict; NaN is inactive).
-
-    Comparisons that write floats run several times faster on the CPU than comparisons that write bools; the flags
-    feed :func:`subset_codes` directly."""
+    """:func:`active_mask` as float32 ``1.0`` / ``0.0`` (NaN inactive): on the CPU, comparisons that write floats run
+    several times faster than ones that write bools, and the flags feed :func:`subset_codes` directly."""
     return deltas.abs().gt_(float32_threshold(eps))
 
 
@@ -68,10 +57,8 @@ def overlap_counts(mask: torch.Tensor) -> torch.Tensor:
 
 
 def overlap_unique_ratio(shared: int, unique: int) -> float:
-    """The Overlap-Unique Ratio ``rho_t = shared_t / unique_t`` (eq. 2).
-
-    An agent with shared but no unique elements gets ``inf``; an agent with no active element at all gets 0 (it has
-    no unique element for the factor to act on, so its value does not matter)."""
+    """The Overlap-Unique Ratio ``rho_t = shared_t / unique_t`` (eq. 2): ``inf`` with shared but no unique elements,
+    0 with no active element (no unique element for the factor to act on)."""
     if unique > 0:
         return shared / unique
     return math.inf if shared > 0 else 0.0

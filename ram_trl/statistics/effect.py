@@ -1,16 +1,6 @@
-"""How much of a merge survives its output dtype, counted block by block in the merge pass.
-
-Per block, from the float32 merged weights (``merged``), what is written (``written``, the output dtype) and the base:
-
-- ``changed``: elements where ``merged != base`` (the merge moved them in float32);
-- ``rounded_to_base``: of those, the elements written as the base's value in the output dtype (the move is lost);
-- for a method with a scaling, trimming or dropping step (its ``unstepped`` hook: the same merge without the step),
-  ``step_elements``: elements where the step changes the float32 merge, and ``step_written``: those where it
-  changes the written value too.
-
-The counts are summed over the model into :class:`MergeEffect`; :func:`effect_report` turns them into the report's
-``effect`` section and its one warning. Nothing here changes a written value.
-"""
+"""How much of a merge survives its output dtype, counted block by block in the merge pass from the float32 merge,
+the written values and the base, and summed into the report's ``effect`` section (the counts: docs/methods.md).
+Nothing here changes a written value."""
 
 from __future__ import annotations
 
@@ -23,23 +13,21 @@ import torch
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
 
-#: Below this share of its elements the written value keeps the step, the report warns.
-STEP_SURVIVAL_WARNING = 0.01
+STEP_SURVIVAL_WARNING = 0.01  #: Below this share of its elements the written value keeps the step, the report warns.
 
 _COUNTS = ("numel", "changed", "rounded_to_base", "step_elements", "step_written")
 
 
 @dataclass
 class MergeEffect:
-    """Counts of a merge's effect summed over blocks (thread-safe :meth:`add`), and the merged delta's squared L2
-    norm (float32 merge minus base, summed in float64)."""
+    """A merge's effect counts summed over blocks (thread-safe :meth:`add`), and its delta's squared L2 norm."""
 
     numel: int = 0
     changed: int = 0
     rounded_to_base: int = 0
     step_elements: int = 0
     step_written: int = 0
-    delta_sq: float = 0.0
+    delta_sq: float = 0.0  # ||float32 merge - base||^2, summed in float64
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, counts: dict[str, float]) -> None:
@@ -142,10 +130,4 @@ def effect_line(section: dict[str, Any]) -> str:
     return line
 
 
-__all__ = [
-    "STEP_SURVIVAL_WARNING",
-    "MergeEffect",
-    "block_effect",
-    "effect_line",
-    "effect_report",
-]
+__all__ = ["STEP_SURVIVAL_WARNING", "MergeEffect", "block_effect", "effect_line", "effect_report"]

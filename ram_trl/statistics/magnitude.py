@@ -1,10 +1,6 @@
-"""Magnitude statistics of the active task-vector elements, accumulated chunk by chunk over a whole model.
-
-:class:`MagnitudeStatistics` accumulates mean ``|tau|``, excess kurtosis, the Gini coefficient and the top-k L1
-mass of each agent's active elements with memory independent of the model's size (a |tau| histogram with exact
-per-bin sums); the small stateless functions beside it compute each metric, exactly on a tensor or with a stated
-error bound from a histogram. The merge report, ``ram-trl analyze`` and the telemetry use it.
-"""
+"""Magnitude statistics of the active task-vector elements (mean ``|tau|``, excess kurtosis, Gini, top-k L1 mass),
+accumulated chunk by chunk in memory independent of the model's size: a ``|tau|`` histogram with exact per-bin sums
+and stated error bounds (docs/analysis.md)."""
 
 from __future__ import annotations
 
@@ -29,13 +25,6 @@ MAGNITUDE_MANTISSA_BITS = 7
 TOP_FRACTIONS = {"top_1pct_mass": 0.01, "top_5pct_mass": 0.05}
 
 _FLOAT32_MANTISSA_BITS = 23
-_FLOAT32_SIGN_CLEAR = 0x7FFFFFFF
-
-
-def magnitude_bin(values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
-    """Histogram bin of each ``|value|``: its float32 bits without the sign, keeping ``mantissa_bits`` mantissa bits."""
-    bits = values.contiguous().view(torch.int32) & _FLOAT32_SIGN_CLEAR
-    return bits.bitwise_right_shift_(_FLOAT32_MANTISSA_BITS - mantissa_bits)
 
 
 def magnitude_bin_edges(first: int, stop: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> torch.Tensor:
@@ -158,8 +147,7 @@ def _packing(mantissa_bits: int) -> _Packing:
 
 @functools.cache
 def _nonfinite_bins(mantissa_bits: int, device: torch.device) -> torch.Tensor:
-    """The signed bins of the non-finite values (exponent 255; positive ones, then negative ones, the first of each
-    being infinity)."""
+    """The signed bins of the non-finite values (exponent 255; positive, then negative; the first of each is inf)."""
     bins = 2 ** (8 + mantissa_bits)
     nonfinite = torch.arange(255 << mantissa_bits, bins, dtype=torch.int64)  # host
     return torch.cat([nonfinite, nonfinite + bins]).to(device)
@@ -202,7 +190,6 @@ class MagnitudeStatistics:
 
     @classmethod
     def zeros(cls, num_agents: int, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS) -> MagnitudeStatistics:
-        """Empty statistics of ``num_agents`` agents."""
         return cls(num_agents, mantissa_bits)
 
     @property
@@ -229,8 +216,7 @@ class MagnitudeStatistics:
 
     @property
     def power_sums(self) -> torch.Tensor:
-        """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2``, and the estimates of ``sum tau**3`` and
-        ``sum tau**4`` (see the class)."""
+        """float64 ``(num_agents, 4)``: ``sum tau``, ``sum tau**2`` and estimates of ``sum tau**3``, ``sum tau**4``."""
         return self._power_sums(self._signed_sums())
 
     def _signed_sums(self) -> torch.Tensor:
@@ -313,12 +299,7 @@ class MagnitudeStatistics:
         return added
 
     def add_values(
-        self,
-        t: int,
-        values: torch.Tensor,
-        *,
-        zero_filled: bool = False,
-        workspace: MagnitudeWorkspace | None = None,
+        self, t: int, values: torch.Tensor, *, zero_filled: bool = False, workspace: MagnitudeWorkspace | None = None
     ) -> int:
         """Add float32 values of agent ``t``: to its histogram (:meth:`add_histogram`) and :attr:`square_sums`."""
         squares = sum_of_squares(values, workspace)
@@ -335,15 +316,6 @@ class MagnitudeStatistics:
             values = deltas[t][mask[t]]
             if values.numel():
                 self.add_values(t, values)
-
-    @classmethod
-    def of_values(
-        cls, values: torch.Tensor, mantissa_bits: int = MAGNITUDE_MANTISSA_BITS, *, zero_filled: bool = False
-    ) -> MagnitudeStatistics:
-        """One agent's statistics of some active values (see :meth:`add_values`), e.g. to :meth:`add` to a total."""
-        stats = cls(1, mantissa_bits)
-        stats.add_values(0, values, zero_filled=zero_filled)
-        return stats
 
     def add(self, other: MagnitudeStatistics) -> None:
         """Add ``other``'s statistics (same agents and resolution; on any device) to this object's."""
@@ -362,8 +334,7 @@ class MagnitudeStatistics:
             ctx.all_reduce_sum(tensor)
 
     def settle(self) -> None:
-        """Move every packed count and remainder (held on the device of the last values added) into the host
-        totals, so that later reads need no device."""
+        """Move the packed counts (on the last values' device) into the host totals: later reads need no device."""
         self._unpack()
 
     def _unpack(self, t: int | None = None) -> None:
@@ -407,8 +378,7 @@ class MagnitudeStatistics:
         return out
 
     def coarse_histogram(self, bins_per_octave: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``|tau|`` histogram merged to ``bins_per_octave`` (a power of two) bins per octave, over the range of
-        nonempty bins of any agent, for plots."""
+        """For plots: the ``|tau|`` histogram at ``bins_per_octave`` (a power of two), first to last nonempty bin."""
         bits = int(math.log2(bins_per_octave))
         if 2**bits != bins_per_octave or bits > self.mantissa_bits:
             raise ValueError(f"bins_per_octave={bins_per_octave} must be a power of two up to {2**self.mantissa_bits}")

@@ -1,10 +1,6 @@
-"""Overlap statistics of task vectors, accumulated chunk by chunk over a whole model.
-
-:class:`OverlapStatistics` is the one implementation of the counts behind RAM's stage 2 (shared / unique / active
-elements per agent, the overlap histogram, pairwise co-activity). The merge's statistics pass, the merge report,
-the sparsity analysis (:mod:`ram_trl.analysis`) and the telemetry all use it; :class:`TensorAnalysis` holds one
-tensor's counts in the analysis' three views.
-"""
+"""Overlap statistics of task vectors, accumulated chunk by chunk over a whole model: the counts behind RAM's stage 2
+(active / unique / shared elements per agent, the overlap histogram, pairwise co-activity), shared by the merge, its
+report, the analysis and the telemetry."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ from ram_trl.statistics import counting
 if TYPE_CHECKING:
     from ram_trl.distributed import DistContext
 
-#: Up to this many agents, a chunk's masks are encoded as one subset code per element and counted with one bincount.
-MAX_SUBSET_AGENTS = 12
+MAX_SUBSET_AGENTS = 12  #: Up to this many agents, a chunk is counted by one subset code per element, one bincount.
 
 
 @functools.cache
@@ -33,8 +28,7 @@ def _subset_tables(num_agents: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def subset_counts(mask: torch.Tensor) -> torch.Tensor:
-    """Elements per subset of active agents: ``out[code]`` counts the elements whose active agents are the bits of
-    ``code`` (:func:`~ram_trl.statistics.counting.subset_codes`)."""
+    """``out[code]``: the elements whose active agents are the bits of ``code`` (:func:`.counting.subset_codes`)."""
     num_agents = mask.shape[0]
     if num_agents > MAX_SUBSET_AGENTS:
         raise ValueError(f"subset counts take at most {MAX_SUBSET_AGENTS} agents, got {num_agents}")
@@ -72,7 +66,6 @@ class OverlapStatistics:
 
     @property
     def counts_pairs(self) -> bool:
-        """Whether :attr:`pairwise` is counted."""
         return self.pairwise.numel() > 0 or self.num_agents == 0
 
     @property
@@ -116,8 +109,7 @@ class OverlapStatistics:
         self.numel += numel
 
     def add(self, other: OverlapStatistics) -> None:
-        """Add ``other``'s counts (pairs stay counted only when both count them; a whole histogram only when both
-        have one)."""
+        """Add ``other``'s counts (pairs, or a whole histogram, stay counted only when both have them)."""
         if self.histogram.shape == other.histogram.shape:
             self.histogram += other.histogram
         else:
@@ -190,8 +182,7 @@ class OverlapStatistics:
         return self.numel - self.element_counts()[0]
 
     def jaccard_matrix(self) -> list[list[float]]:
-        """Pairwise Jaccard indices of the active sets (:meth:`jaccard`); the diagonal is 1 for an agent with any
-        active element."""
+        """Pairwise Jaccard indices of the active sets (:meth:`jaccard`); 1 on the diagonal of an active agent."""
         return [[self.jaccard(s, t) for t in range(self.num_agents)] for s in range(self.num_agents)]
 
     def all_reduce(self, ctx: DistContext) -> None:

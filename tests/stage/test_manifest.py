@@ -18,9 +18,9 @@ from ram_trl.stage.manifest import (
     StageManifest,
     check_base,
     describe_files,
+    fingerprint,
     fingerprint_checkpoint,
     fingerprint_names,
-    fingerprint_state,
     read_manifest,
     write_manifest,
 )
@@ -57,12 +57,12 @@ def test_fingerprint_is_dtype_independent_and_value_sensitive(tmp_path):
     ckpts = make_checkpoints(tmp_path)
     on_disk = fingerprint_checkpoint(ckpts.base)
     as_float32 = {n: t.float() for n, t in ckpts.base_tensors.items()}
-    assert fingerprint_state(as_float32, on_disk.tensors) == on_disk
+    assert fingerprint(as_float32.__getitem__, on_disk.tensors) == on_disk
     changed = dict(as_float32)
     name = on_disk.tensors[0]
     changed[name] = changed[name].clone()
     changed[name].reshape(-1)[0] += 1.0
-    assert fingerprint_state(changed, on_disk.tensors).sha256 != on_disk.sha256
+    assert fingerprint(changed.__getitem__, on_disk.tensors).sha256 != on_disk.sha256
 
 
 def test_manifest_round_trip_and_atomic_write(tmp_path):

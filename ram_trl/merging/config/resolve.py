@@ -1,5 +1,4 @@
-"""The merge configuration resolved: every model, stage and adapter located and checked, every parameter filled
-in (:func:`resolve_config`), before any heavy work starts."""
+"""The merge configuration resolved (every model, stage and adapter located, every parameter filled in) up front."""
 
 from __future__ import annotations
 
@@ -11,14 +10,7 @@ from typing import Any
 
 from ram_trl.errors import ConfigError
 from ram_trl.io.vocabulary import UnionRows
-from ram_trl.merging.config.schema import (
-    DTYPES,
-    MergeConfig,
-    full_model,
-    resolve_model_ref,
-    resolve_path,
-    split_lora,
-)
+from ram_trl.merging.config.schema import DTYPES, MergeConfig, full_model, resolve_model_ref, resolve_path, split_lora
 from ram_trl.merging.config.settings import (
     AgentSpec,
     ResolvedConfig,
@@ -47,8 +39,7 @@ from ram_trl.stage.manifest import base_model_path, check_base, manifest_path, r
 def _resolve_stage(
     manifest_file: Path, base_path: Path, label: str, allow_external: bool = False
 ) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint a stage manifest points to, after checking it holds what the manifest describes
-    (:func:`~ram_trl.stage.manifest.verify_stage`) and was trained from ``base_path``."""
+    """The checkpoint of a stage manifest, verified (:func:`verify_stage`) and checked against ``base_path``."""
     try:
         manifest = read_manifest(manifest_file)
         checkpoint = verify_stage(manifest, manifest_file, allow_external=allow_external)
@@ -148,25 +139,13 @@ def resolve_config(
             notes.append(f"models[{position}] is the base model; it has no task vector and is left out")
             continue
         values, own_gradient = agent_settings(
-            method,
-            alias_defaults,
-            entry.parameters,
-            agent_defaults,
-            label,
-            f"models[{position}]",
-            ignored,
-            config_dir,
+            method, alias_defaults, entry.parameters, agent_defaults, label, f"models[{position}]", ignored, config_dir
         )
         gradient = gradient or own_gradient
         name = entry.name or (stage_info["stage"] if stage_info else path.name)
         agents.append(
             AgentSpec(
-                index=len(agents),
-                name=name,
-                path=path,
-                parameters=values,
-                stage=stage_info,
-                reference=entry.model,
+                index=len(agents), name=name, path=path, parameters=values, stage=stage_info, reference=entry.model
             )
         )
         positions.append(position)

@@ -1,10 +1,6 @@
-"""The merge configuration's schema: mergekit-style YAML, read and validated field by field (pydantic).
-
-The field names of shared concepts are mergekit's (``merge_method``, ``base_model``, ``models[].model``,
-``models[].parameters``, top-level ``parameters``, ``dtype``, ``out_dtype``, ``tokenizer_source``), so a mergekit
-YAML for any method ``ram-trl methods`` lists runs unchanged. Nothing here knows a method by name: what a method
-accepts comes from its :class:`~ram_trl.methods.MergeMethod`. Differences are listed in ``docs/methods.md``.
-"""
+"""The merge configuration's schema: mergekit-style YAML (mergekit's field names, so a mergekit YAML runs unchanged),
+validated field by field with pydantic. Nothing here knows a method by name: what a method accepts comes from its
+:class:`~ram_trl.methods.MergeMethod`. Differences from mergekit: docs/methods.md."""
 
 from __future__ import annotations
 
@@ -239,14 +235,12 @@ def resolve_path(value: str, config_dir: Path | None) -> Path:
 
 
 def resolve_model_ref(value: str, config_dir: Path | None, what: str) -> Path:
-    """A model reference (a path or a Hub id) resolved to a directory, metadata only: the weights of a Hub model are
-    fetched when the inputs are opened, after the whole config is checked."""
+    """A model reference (path or Hub id) as a directory, metadata only: Hub weights are fetched when inputs open."""
     return resolve_model(value, config_dir, what=what, weights=False)
 
 
 def full_model(reference: str, config_dir: Path | None, what: str) -> Path:
-    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` is the adapter merged into the model, as mergekit
-    merges it (:func:`~ram_trl.io.lora_base.merged_model`)."""
+    """A model reference as a full checkpoint: ``MODEL+ADAPTER`` merged as mergekit does (:func:`merged_model`)."""
     model, adapter = split_lora(reference, config_dir)
     if adapter is None:
         return resolve_model_ref(model, config_dir, what)

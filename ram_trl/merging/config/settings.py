@@ -71,10 +71,7 @@ class ResolvedConfig:
         """Every file and directory the merge reads, labelled for messages: the base, the tokenizer source, the
         config file, each agent, its stage manifest and its Fisher file. An output must never replace (or lie
         inside) one of them (:class:`ram_trl.output.OutputDir`)."""
-        reads: list[tuple[str, Path]] = [
-            ("base model", self.base_path),
-            ("tokenizer_source", self.tokenizer_source),
-        ]
+        reads: list[tuple[str, Path]] = [("base model", self.base_path), ("tokenizer_source", self.tokenizer_source)]
         if self.source is not None:
             reads.append(("merge config", self.source))
         for agent in self.agents:
@@ -92,9 +89,8 @@ class ResolvedConfig:
         return reads
 
     def layer_position(self, tensor_name: str) -> float:
-        """mergekit's gradient position ``t`` of a tensor: ``i / (N - 1)`` for a tensor of decoder layer ``i`` of
-        ``N`` (``1`` when ``N == 1``), ``0`` for every tensor outside the decoder layers (embeddings, final norm,
-        ``lm_head``)."""
+        """mergekit's gradient position ``t``: ``i / (N - 1)`` in decoder layer ``i`` of ``N`` (``1`` when
+        ``N == 1``), ``0`` outside the decoder layers (embeddings, final norm, ``lm_head``)."""
         index = layer_index(tensor_name)
         segment = self.segment(tensor_name)
         if index is not None and segment is not None:
@@ -115,8 +111,7 @@ class ResolvedConfig:
         return next((s for s in self.segments if s.start <= index < s.stop), self.segments[-1])
 
     def params_for(self, tensor_name: str) -> dict[str, Any]:
-        """The global parameters for one tensor: mergekit filter rules and gradients (``per_tensor`` parameters)
-        resolved."""
+        """The global parameters for one tensor, filter rules and gradients (``per_tensor`` parameters) resolved."""
         segment = self.segment(tensor_name)
         params = self.params if segment is None else segment.params
         if not any(isinstance(value, list) for value in params.values()):
@@ -128,20 +123,14 @@ class ResolvedConfig:
         }
 
     def agent_value(self, agent: AgentSpec, name: str, tensor_name: str) -> float:
-        """The value of per-agent parameter ``name`` for one tensor.
-
-        Filter lists follow mergekit: the first rule whose ``filter`` is a substring of the tensor name (or ``"*"``,
-        or absent) gives the value; a rule list of a model that matches no rule falls through to the global
-        setting, then to the default. Gradients are interpolated over the decoder layers
-        (:meth:`layer_position`)."""
+        """The value of per-agent parameter ``name`` for one tensor. As mergekit: the first rule whose ``filter`` is a
+        substring of the name (or ``"*"``, or absent) gives it; no match falls through to the global setting, then the
+        default; gradients are interpolated over the decoder layers (:meth:`layer_position`)."""
         segment = self.segment(tensor_name)
         value = (agent.parameters if segment is None else segment.agent_parameters[agent.index])[name]
         if isinstance(value, list):
             return evaluate_setting(
-                value,
-                tensor_name,
-                self.layer_position(tensor_name),
-                f"agent {agent.name}: parameter {name!r}",
+                value, tensor_name, self.layer_position(tensor_name), f"agent {agent.name}: parameter {name!r}"
             )
         return float(value)
 
@@ -180,8 +169,7 @@ def has_gradient(setting: Any) -> bool:
 
 
 def _fall_through(first: Any, then: Any) -> Any:
-    """mergekit's precedence between two scopes as one setting: ``first``'s filter rules, then ``then``
-    (``first`` alone when it always gives a value)."""
+    """mergekit's precedence of two scopes: ``first``'s rules, then ``then`` (unless ``first`` always applies)."""
     if not (isinstance(first, list) and first and isinstance(first[0], dict)):
         return first
     if any(rule.get("filter") in (None, "*") for rule in first):
@@ -233,11 +221,7 @@ def _check_value(parameter: Parameter, value: Any, where: str) -> Any:
         with contextlib.suppress(ValueError):
             value = float(value)
     return check_number(
-        value,
-        where,
-        f"parameter {parameter.name!r}",
-        minimum=parameter.minimum,
-        maximum=parameter.maximum,
+        value, where, f"parameter {parameter.name!r}", minimum=parameter.minimum, maximum=parameter.maximum
     )
 
 
@@ -308,8 +292,7 @@ def per_tensor(parameter: Parameter) -> bool:
 
 def check_parameter(parameter: Parameter, value: Any, where: str) -> Any:
     """Check one value of a method parameter (global or per-agent, filter rules included) as a merge does: type,
-    finite, in range. Used by :func:`~ram_trl.merging.config.resolve.resolve_config` and by recipes before any training.
-    """
+    finite, in range (also used by the recipes before any training)."""
     if parameter.scope == "global" and not parameter.per_tensor:
         return _check_value(parameter, value, where)
     return _check_agent_value(parameter, value, where)

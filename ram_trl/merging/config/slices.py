@@ -24,18 +24,10 @@ SliceSettings = list[tuple[tuple[int, int], dict[str, Any], list[dict[str, Any]]
 
 def slice_entries(
     slices: list[SliceEntry], where: str, label: str
-) -> tuple[
-    list[ModelEntry],
-    dict[str, Any],
-    str | None,
-    list[tuple[str, str, tuple[int, int]]],
-    SliceSettings | None,
-]:
+) -> tuple[list[ModelEntry], dict[str, Any], str | None, list[tuple[str, str, tuple[int, int]]], SliceSettings | None]:
     """Output slices as ``models`` entries: ``(entries, the first slice's parameters, the slice base_model, layer
-    ranges that must each cover a whole model, the settings of each slice when there are several)``. Several slices
-    must take the same models in the same order, each source of a slice the same layers, the slices following each
-    other from layer 0 (mergekit's plan of consecutive slices, each with its own parameters); anything else
-    (stacking, mixing or skipping layers) is refused."""
+    ranges that must each cover a whole model, each slice's settings when there are several)``. Only consecutive
+    slices from layer 0 over the same models and layers are accepted (no stacking, mixing or skipping)."""
     for k, out_slice in enumerate(slices):
         if out_slice.residual_weight is not None:
             raise ConfigError(f"{where}: {label}[{k}].residual_weight is not supported")
@@ -82,11 +74,7 @@ def slice_entries(
 def config_entries(
     config: MergeConfig, where: str
 ) -> tuple[
-    list[ModelEntry],
-    list[dict[str, Any]],
-    str | None,
-    list[tuple[str, str, tuple[int, int]]],
-    SliceSettings | None,
+    list[ModelEntry], list[dict[str, Any]], str | None, list[tuple[str, str, tuple[int, int]]], SliceSettings | None
 ]:
     """The config's models as ``models`` entries, whichever of ``models``, ``slices`` and ``modules`` gives them:
     ``(entries, parameter scopes above the global one (highest first), a slice's base_model, layer ranges that
@@ -140,10 +128,8 @@ def slice_segments(
     ignored: dict[str, list[str]],
     config_dir: Path | None,
 ) -> tuple[list[LayerSegment], bool]:
-    """Each of several consecutive slices' settings (mergekit's precedence: the source's, the slice's, the
-    module's, the top-level parameters), with a check that what applies to the whole merge at once (a global
-    parameter that is not per tensor, a per-agent switch or path) is the same in every slice: ``(segments,
-    whether a setting is a gradient)``."""
+    """``(segments, whether a setting is a gradient)``: each consecutive slice's settings in mergekit's precedence
+    (source, slice, module, top level); what applies to the whole merge at once must agree in every slice."""
     segments: list[LayerSegment] = []
     gradient = False
     resolved_first = ignored

@@ -1,5 +1,4 @@
-"""The tokenizer and chat template of the merged model: ``tokenizer_source`` (base, union, a model), the union's
-rows and donors, and token rules."""
+"""The merged model's tokenizer and chat template: ``tokenizer_source``, the union's rows and donors, token rules."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def resolve_chat_template(value: str, models: list[Path], where: str) -> str | N
 
 
 def tokenizer_vocabulary(path: Path) -> dict[str, int] | None:
-    """Token to id of a checkpoint's tokenizer (``tokenizer.json``: its model's vocabulary and its added tokens),
-    ``None`` without one that can be read."""
+    """Token to id of a checkpoint's ``tokenizer.json`` (vocabulary and added tokens), ``None`` if unreadable."""
     directory = path if path.is_dir() else path.parent
     try:
         data = json.loads((directory / "tokenizer.json").read_text())
@@ -102,10 +100,9 @@ def _rows(path: Path) -> int | None:
 
 
 def union_donor(models: list[Path]) -> tuple[Path | None, str]:
-    """mergekit's ``tokenizer_source: union`` where it needs no re-indexing: ``(the model whose tokenizer holds
-    exactly the union of every model's used tokens (those with an embedding row), "")`` when all models number the
-    tokens alike and the union's ids run from 0 without holes; otherwise ``(None, why)``, ``why`` naming the first
-    model, token or id that needs re-indexing."""
+    """mergekit's ``tokenizer_source: union`` without re-indexing: ``(the model whose tokenizer holds exactly the
+    union of the used tokens, "")`` when all number them alike with no holes from 0; else ``(None, why)``, naming the
+    first model, token or id that needs re-indexing."""
     union: dict[str, int] = {}
     holder: dict[str, Path] = {}
     used_by: list[tuple[Path, dict[str, int], dict[str, int]]] = []
@@ -177,12 +174,7 @@ def check_token_rules(rules: dict[str, Any], tokenizer_source: Path, models: lis
 
 
 def token_sources(
-    rules: dict[str, Any],
-    union: UnionRows,
-    donor: Path,
-    models: list[Path],
-    where: str,
-    config_dir: Path | None,
+    rules: dict[str, Any], union: UnionRows, donor: Path, models: list[Path], where: str, config_dir: Path | None
 ) -> tuple[dict[int, tuple], frozenset[int]]:
     """mergekit's ``tokenizer.tokens`` rules over a union: ``(sources, forced)`` of :class:`UnionRows` for the
     rules mergekit applies (a forced one, or one for a token some model lacks); the others change nothing."""

@@ -1,7 +1,4 @@
-"""Merged models exported as PEFT LoRA adapters: the SVD of each merged task vector.
-
-Details: docs/lora.md.
-"""
+"""Merged models exported as PEFT LoRA adapters: the SVD of each merged task vector (docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -19,20 +16,13 @@ from ram_trl.io.checkpoint import Checkpoint, copy_tokenizer, open_checkpoint
 from ram_trl.io.hub import resolve_model
 from ram_trl.io.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from ram_trl.io.safetensors_io import PlannedTensor, RowReader, ShardFile, TensorInfo, dtype_itemsize
-from ram_trl.merging.lora.peft_layout import (
-    AdapterPlan,
-    Architecture,
-    adapter_layout,
-    build_architecture,
-    classify,
-)
+from ram_trl.merging.lora.peft_layout import AdapterPlan, Architecture, adapter_layout, build_architecture, classify
 from ram_trl.merging.lora.svd import LoraExportOptions, factorize, lora_options
 from ram_trl.merging.report import REPORT_FILE, adapter_card, write_report
 from ram_trl.output import OutputDir
 from ram_trl.sizes import format_bytes
 
-#: Rows of a tensor copied into the adapter file at a time are about this many bytes.
-_COPY_CHUNK_BYTES = 64 * 1024 * 1024
+_COPY_CHUNK_BYTES = 64 * 1024 * 1024  #: Rows of a tensor copied into the adapter at a time: about this many bytes.
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -78,11 +68,7 @@ def export_lora(
     """Write the difference between a merged full model and its base as a PEFT LoRA adapter directory."""
     options = lora_options("lora", rank, max_rank, energy)
     assert options is not None
-    base_dir, merged_dir, output_dir = (
-        resolve_model(base_dir, what="base model"),
-        Path(merged_dir),
-        Path(output_dir),
-    )
+    base_dir, merged_dir, output_dir = (resolve_model(base_dir, what="base model"), Path(merged_dir), Path(output_dir))
     output = OutputDir(
         output_dir,
         overwrite=overwrite,

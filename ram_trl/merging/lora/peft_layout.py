@@ -1,12 +1,6 @@
-"""How a merged model maps onto a PEFT LoRA adapter: which module owns each tensor, and the adapter's layout.
-
-Which module owns a tensor is read from the base architecture built on the meta device from the base's
-``config.json`` (no weights, no ``trust_remote_code``). A changed ``nn.Linear`` weight becomes a LoRA module, a
-changed ``nn.Linear`` bias is stored in full, any other changed leaf module goes to ``modules_to_save``, and what PEFT
-cannot address is left out with the reason. :func:`adapter_layout` then writes ``adapter_config.json``'s content
-(target modules, rank and alpha patterns escaped for PEFT's matching rules) and names every tensor of the adapter
-file. Used by :mod:`ram_trl.merging.lora.export`; reads no tensor data.
-"""
+"""How a merged model maps onto a PEFT LoRA adapter: each tensor's owning module, from the base architecture built on
+the meta device (no weights, no ``trust_remote_code``), and ``adapter_config.json``'s content with PEFT-escaped
+patterns (docs/lora.md). Reads no tensor data."""
 
 from __future__ import annotations
 

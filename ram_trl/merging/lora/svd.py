@@ -1,9 +1,6 @@
-"""The maths of the LoRA export: rank options, and the truncated SVD of a merged delta into LoRA factors.
-
-``delta ~ B @ A`` with ``B = U_r sqrt(S_r)`` (out x r) and ``A = sqrt(S_r) Vh_r`` (r x in), in float64, stored in
-float32 (``lora_alpha = r``, scaling 1). The rank is fixed (``rank``), or per tensor the smallest rank whose share of
-the squared singular values reaches ``energy``, at most ``max_rank``. Used by :mod:`ram_trl.merging.lora.export`.
-"""
+"""The maths of the LoRA export: rank options, and ``delta ~ B @ A`` with ``B = U_r sqrt(S_r)`` (out x r) and
+``A = sqrt(S_r) Vh_r`` (r x in), computed in float64, stored in float32 (``lora_alpha = r``, scaling 1;
+docs/lora.md)."""
 
 from __future__ import annotations
 
@@ -54,10 +51,7 @@ def _positive_int(value: Any, flag: str) -> int:
 
 
 def lora_options(
-    output_format: str = "full",
-    rank: int | None = None,
-    max_rank: int | None = None,
-    energy: float | None = None,
+    output_format: str = "full", rank: int | None = None, max_rank: int | None = None, energy: float | None = None
 ) -> LoraExportOptions | None:
     """Validate the output options of :func:`ram_trl.merge` before any work starts."""
     if output_format not in OUTPUT_FORMATS:

@@ -1,7 +1,5 @@
-"""The epilogue of the merge kernels: what every merged block goes through after the method's ``merge`` hook (the
-base added back, signed zeros kept, overflow refused, rounding to the output dtype). Shared by the merge-and-write pass
-and the range merge (:mod:`ram_trl.merging.range_merge`).
-"""
+"""The epilogue of the merge kernels after the method's ``merge`` hook (base added back, signed zeros kept, overflow
+refused, rounding to the output dtype), shared by the merge-and-write pass and the range merge."""
 
 from __future__ import annotations
 

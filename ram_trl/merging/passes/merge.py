@@ -1,11 +1,6 @@
-"""The merge-and-write pass: every tensor merged a row chunk at a time with the method's kernel and written into the
-output shards already created in the temporary output directory.
-
-Per tensor the method's ``prepare_tensor`` hook runs first (:mod:`ram_trl.merging.passes.tensors`), per chunk its ``scan``
-and ``merge`` hooks, then the kernels' epilogue (:mod:`ram_trl.merging.passes.epilogue`); methods without a statistics pass
-have their counts taken here. One chunk is in flight ahead of the one being finished: its blocks are queued on the
-compute pool before the previous chunk's results are awaited (and written in the background).
-"""
+"""The merge-and-write pass: every tensor merged a row chunk at a time (``prepare_tensor``, then per chunk ``scan``,
+``merge`` and the epilogue) into the output shards; one chunk's blocks are queued on the compute pool before the
+previous chunk's results are awaited, and rows are written in the background."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ from ram_trl.statistics import OverlapStatistics, counting
 
 
 def planned_tensors(shard: ShardPlan) -> list[PlannedTensor]:
-    """The header entries of one output shard."""
     return [PlannedTensor(t.name, t.out_dtype, t.out_shape) for t in shard.tasks]
 
 
@@ -111,8 +105,7 @@ def _finish_tensor(run: RunContext, context: TensorContext | None, bar) -> None:
 def start_chunk(
     run: RunContext, chunk: RawChunk, context: TensorContext, pool: ThreadPoolExecutor | None = None
 ) -> Callable[[], torch.Tensor]:
-    """Start merging one chunk; the returned function waits for it and returns the chunk's output values (in the
-    output dtype, on the CPU)."""
+    """Start merging one chunk; the returned function waits for its output values (output dtype, on the CPU)."""
     task = chunk.task
     shape = (chunk.stop - chunk.start, *task.base.shape[1:]) if task.base.shape else ()
     if not task.floating:

@@ -1,11 +1,6 @@
-"""The statistics pass of a merge: per agent, the active / unique / shared elements of every floating tensor.
-
-RAM+ and RAM+s need the statistics of the whole model before the first merged tensor is written: :func:`statistics_pass`
-counts them chunk by chunk (one chunk in flight ahead on the compute pool) into ``run.state``, and
-:func:`method_factors` turns counts into the method's per-agent factors (its ``factors`` hook). With an input cache
-(``run.state.cache``) the pass moves each chunk to the compute device and keeps it, within the cache's budget, for the
-merge pass.
-"""
+"""The statistics pass of a merge (RAM+, RAM+s need the whole model's counts before the first write): per agent, the
+active / unique / shared elements of every floating tensor into ``run.state``, the chunks kept in the input cache
+within its budget for the merge pass, and the method's per-agent factors from the counts."""
 
 from __future__ import annotations
 
@@ -94,10 +89,7 @@ def statistics_pass(run: RunContext) -> None:
             if state.cache is not None:  # staged on the device once, kept (within budget) for the merge pass
                 chunk = to_device(chunk, device)
                 state.cache.keep(chunk)
-            started = (
-                chunk,
-                submit_blocks(pool, count, statistics_blocks(chunk, device)),
-            )
+            started = (chunk, submit_blocks(pool, count, statistics_blocks(chunk, device)))
             if pending is not None:
                 absorb(pending[0], pending[1]())
             pending = started

@@ -1,7 +1,4 @@
-"""Per-tensor preparation of the merge-and-write pass: the method's parameters and factors for one tensor, its
-``prepare_tensor`` hook (through :class:`TensorInputs`, a whole tensor of the inputs) and the running context of its
-chunks (:class:`TensorContext`).
-"""
+"""Per-tensor preparation of the merge-and-write pass: parameters, factors, ``prepare_tensor``, the chunks' context."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ from ram_trl.statistics import OverlapStatistics, counting
 
 
 class TensorInputs:
-    """One whole tensor of the inputs, for a method's ``prepare_tensor`` hook (a
-    :class:`~ram_trl.methods.base.TensorView`, which documents its methods)."""
+    """One whole tensor of the inputs for ``prepare_tensor`` (a :class:`~ram_trl.methods.base.TensorView`)."""
 
     def __init__(
         self, run: RunContext, task: TensorTask, params: dict[str, Any], pool: ThreadPoolExecutor | None
@@ -157,9 +153,7 @@ def agent_parameter_values(
     tensor of shape ``(num_agents,)`` on ``device``, filter rules resolved."""
     return {
         p.name: torch.tensor(
-            [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents],
-            dtype=torch.float32,
-            device=device,
+            [resolved.agent_value(a, p.name, tensor_name) for a in resolved.agents], dtype=torch.float32, device=device
         )
         for p in resolved.method.parameters
         if p.scope == "agent" and p.kind is float

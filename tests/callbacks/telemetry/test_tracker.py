@@ -21,7 +21,7 @@ from torch import nn
 from ram_trl.callbacks.telemetry import MappedCheckpointBase, ModelBase, TaskVectorTracker
 from ram_trl.errors import CheckpointError, ConfigError
 from ram_trl.stage.manifest import fingerprint_checkpoint
-from ram_trl.statistics import MagnitudeStatistics, magnitude_bin
+from ram_trl.statistics import MagnitudeStatistics
 from ram_trl.statistics.counting import active_mask
 from tests.callbacks.telemetry.helpers import (
     NUMEL,
@@ -40,6 +40,7 @@ from tests.callbacks.telemetry.helpers import (
     write_lora_prior,
     write_stage,
 )
+from tests.helpers import magnitude_bin
 
 
 def expected_counts() -> tuple[int, int, int]:
