@@ -63,7 +63,7 @@ SIZES = {
 #: GRPO settings per size where they differ from the defaults of :func:`run` (batch 4 = 1 prompt x 4 generations,
 #: 8 new tokens, lr 1e-5): the demo preset trains like a stage of recipes/demo-cpu.yaml, on one torch thread as there.
 TRAINER = {
-    "demo": dict(per_device_train_batch_size=32, num_generations=8, max_completion_length=24, learning_rate=2e-5),
+    "demo": dict(per_device_train_batch_size=32, num_generations=8, max_completion_length=24, learning_rate=2e-5)
 }
 TORCH_THREADS = {"demo": 1}
 SECTION_START = "<!-- bench_callback:start -->"
@@ -133,12 +133,7 @@ def run(base: Path, out: Path, steps: int, with_callback: bool, size: str = "") 
     started, cpu_started = time.perf_counter(), time.process_time()
     trainer.train()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    result = {
-        "wall": wall,
-        "cpu": cpu,
-        "logging_steps": args.logging_steps,
-        "steps": trainer.state.global_step,
-    }
+    result = {"wall": wall, "cpu": cpu, "logging_steps": args.logging_steps, "steps": trainer.state.global_step}
     if with_callback:
         tracker = callbacks[0].tracker
         measures = [m["task_vector/measure_seconds"] for _, m in tracker.history]
@@ -160,8 +155,7 @@ def bench(size: str, workdir: Path, steps: int, repeats: int, warmup: bool) -> d
     runs: dict[str, list[dict]] = {"without": [], "with": []}
     if warmup:  # the first run in a process pays one-off costs (imports, kernels, page cache): discarded
         print(
-            f"{size} warm-up: {json.dumps(run(base, workdir / size / 'out_warmup', steps, False, size))}",
-            flush=True,
+            f"{size} warm-up: {json.dumps(run(base, workdir / size / 'out_warmup', steps, False, size))}", flush=True
         )
     for r in range(repeats):
         for variant in ("without", "with"):

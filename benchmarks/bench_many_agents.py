@@ -24,12 +24,7 @@ from safetensors.torch import save_file
 
 from ram_trl.statistics.overlap import OverlapStatistics
 
-SHAPES = {
-    "embed.weight": (1000, 64),
-    "up.weight": (256, 64),
-    "down.weight": (64, 256),
-    "head.weight": (1000, 64),
-}
+SHAPES = {"embed.weight": (1000, 64), "up.weight": (256, 64), "down.weight": (64, 256), "head.weight": (1000, 64)}
 
 
 def write_inputs(root: Path, distinct: int = 8) -> tuple[Path, list[Path]]:

@@ -103,10 +103,7 @@ JOBS = [
     ("ours_ties", "ram_trl", "ties", "ties"),
     ("mk_ties", "mergekit", "ties", "ties"),
 ]
-METHOD_JOBS = {
-    "ram_plus": ["ours_ram_plus", "mk_ram", "mk_ramplus_tl"],
-    "ties": ["ours_ties", "mk_ties"],
-}
+METHOD_JOBS = {"ram_plus": ["ours_ram_plus", "mk_ram", "mk_ramplus_tl"], "ties": ["ours_ties", "mk_ties"]}
 #: (label, ours key, mergekit key, speed target or None).
 COMPARISONS = [
     ("ram_trl ram_plus vs mergekit ram", "ours_ram_plus", "mk_ram", 3.0),
@@ -222,10 +219,7 @@ def machine_info() -> dict:
     git = "unknown"
     try:
         commit = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "ram_trl"],
@@ -361,16 +355,7 @@ def job_command(key: str, config: Path | None, out: Path, data: Path, nproc: int
         files = [str(p) for name in ["base", *AGENTS] for p in safetensors_files(data / name)]
         return [sys.executable, "-c", FLOOR_SCRIPT, *files]
     if key.startswith("ours_"):
-        return [
-            sys.executable,
-            "-m",
-            "ram_trl",
-            "merge",
-            str(config),
-            str(out),
-            "--overwrite",
-            "--no-progress",
-        ]
+        return [sys.executable, "-m", "ram_trl", "merge", str(config), str(out), "--overwrite", "--no-progress"]
     return [*mergekit_command(), str(config), str(out), *mergekit_options(nproc)]
 
 
@@ -580,12 +565,7 @@ def verify(size: str, data: Path, outs: dict[str, Path]) -> dict:
             k = max(1, int(TIES_DENSITY * tau.numel()))
             cut = float(tau.kthvalue(tau.numel() - k + 1).values)
             at_cut.append(
-                {
-                    "k": k,
-                    "cut": cut,
-                    "above_cut": int((tau > cut).sum()),
-                    "equal_to_cut": int((tau == cut).sum()),
-                }
+                {"k": k, "cut": cut, "above_cut": int((tau > cut).sum()), "equal_to_cut": int((tau == cut).sum())}
             )
     result["ties"] = {
         "common_tensors": len(common),
@@ -796,12 +776,7 @@ def write_report(payload: dict, report_path: Path) -> None:
 
 def build_report(payload: dict) -> tuple[str, str]:
     """(markdown report, terminal summary) from the contents of ``results.json``."""
-    info, command_line, sizes, checks = (
-        payload["machine"],
-        payload["command"],
-        payload["sizes"],
-        payload["checks"],
-    )
+    info, command_line, sizes, checks = (payload["machine"], payload["command"], payload["sizes"], payload["checks"])
     started, finished = payload.get("started", "unknown"), payload.get("finished", "unknown")
     nproc, executable = payload.get("nproc", 1), payload.get("executable", "python")
     all_results = {

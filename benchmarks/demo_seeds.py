@@ -41,17 +41,9 @@ RUNS: dict[str, tuple[int, int | None, dict[str, str]]] = {
 
 def _command(out: Path, seed: int, threads: int | None, quick: bool) -> list[str]:
     if threads is None:  # the demo as a user runs it
-        return [
-            sys.executable,
-            "-m",
-            "ram_trl",
-            "demo",
-            "--seed",
-            str(seed),
-            "--out",
-            str(out),
-            "--no-progress",
-        ] + (["--quick"] if quick else [])
+        return [sys.executable, "-m", "ram_trl", "demo", "--seed", str(seed), "--out", str(out), "--no-progress"] + (
+            ["--quick"] if quick else []
+        )
     return [sys.executable, __file__, "--child", str(out), "--seed", str(seed), "--threads", str(threads)] + (
         ["--quick"] if quick else []
     )
@@ -94,10 +86,7 @@ def run_one(name: str, out: Path, quick: bool) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{name}.log", "w", encoding="utf-8") as log:
         code = subprocess.call(
-            _command(out, seed, threads, quick),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
+            _command(out, seed, threads, quick), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
         )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -231,10 +220,7 @@ def table(runs: dict[str, dict[str, Any] | None], times: dict[str, dict[str, Any
     missing = [k for k, v in runs.items() if v is None]
     if missing:
         lines += ["", f"Runs missing (not finished): {', '.join(missing)}."]
-    lines += [
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}.",
-    ]
+    lines += ["", f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}."]
     return "\n".join(lines) + "\n"
 
 

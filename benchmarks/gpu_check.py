@@ -135,9 +135,7 @@ def _base(root: Path, name: str, smoke: bool) -> Path:
     if not done.is_file():
         shutil.rmtree(directory, ignore_errors=True)
         make_base_checkpoint(
-            directory,
-            materialize="eager" if smoke else "stream",
-            **SHAPES[f"{name}_smoke" if smoke else name],
+            directory, materialize="eager" if smoke else "stream", **SHAPES[f"{name}_smoke" if smoke else name]
         )
         done.write_text("")
     return directory
@@ -367,10 +365,7 @@ def _configs(base: Path, agents: list[Path]) -> dict[str, tuple[dict[str, Any], 
         return out
 
     ties = config("ties", per_model=weight)
-    return {
-        "ram_plus": (config("ram_plus", {"r": 0.1, "alpha": 2.0}), config("ram")),
-        "ties": (ties, ties),
-    }
+    return {"ram_plus": (config("ram_plus", {"r": 0.1, "alpha": 2.0}), config("ram")), "ties": (ties, ties)}
 
 
 def _mergekit() -> Callable[[dict[str, Any], Path, torch.device], None]:
@@ -428,11 +423,7 @@ def merge_rows(root: Path, device: torch.device, smoke: bool, repeats: int) -> l
             out = root / f"{method}_{key.replace(' ', '_')}"
 
             def run(
-                key: str = key,
-                where: str = where,
-                out: Path = out,
-                config: dict = ours,
-                reports: dict = reports,
+                key: str = key, where: str = where, out: Path = out, config: dict = ours, reports: dict = reports
             ) -> None:
                 cache = "off" if key == "no cache" else "auto"
                 with contextlib.redirect_stdout(io.StringIO()):  # the merge's own report table
@@ -537,10 +528,7 @@ def run_rows(root: Path, device: torch.device) -> list[dict[str, Any]]:
     recipe.write_text(RECIPE)  # TRL's bf16 default holds on CUDA (the recipes turn it off without a GPU)
     out = _fresh(root / "run")
     paths = [str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(paths),
-    }  # this checkout; the recipe's reward (tests.helpers)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # this checkout; the recipe's reward (tests.helpers)
     command = [sys.executable, "-m", "ram_trl", "run", str(recipe), "--only", "check", "--out", str(out)]
     start = time.perf_counter()
     done = subprocess.run(

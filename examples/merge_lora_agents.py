@@ -47,12 +47,7 @@ def main(root: str) -> None:
     for agent in report["agents"]:
         print(agent["name"], {k: agent.get(k) for k in ("kind", "density", "rho", "lambda")})
     merged = AutoModelForCausalLM.from_pretrained(root_path / "merged")
-    print(
-        "merged model loads:",
-        type(merged).__name__,
-        sum(p.numel() for p in merged.parameters()),
-        "parameters",
-    )
+    print("merged model loads:", type(merged).__name__, sum(p.numel() for p in merged.parameters()), "parameters")
 
 
 if __name__ == "__main__":

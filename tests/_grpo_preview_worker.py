@@ -28,12 +28,7 @@ def main() -> None:
     base, prior, out = (Path(a) for a in sys.argv[1:4])
     state = PartialState(cpu=True, backend="gloo")
     config = rl_config(
-        GRPOConfig,
-        out,
-        logging_steps=1,
-        learning_rate=3e-3,
-        seed=1,
-        accelerator_config={"use_configured_state": True},
+        GRPOConfig, out, logging_steps=1, learning_rate=3e-3, seed=1, accelerator_config={"use_configured_state": True}
     )
     callback = MergePreviewCallback(
         base_model=base,

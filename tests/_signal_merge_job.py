@@ -19,7 +19,4 @@ if __name__ == "__main__":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ram_trl.merge(sys.argv[1], sys.argv[2], progress=False)
     found = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
-    print(
-        "handlers kept" if found == (own_handler, signal.SIG_IGN) else f"handlers changed: {found}",
-        flush=True,
-    )
+    print("handlers kept" if found == (own_handler, signal.SIG_IGN) else f"handlers changed: {found}", flush=True)

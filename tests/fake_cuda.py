@@ -49,12 +49,7 @@ _CROSS_DEVICE = {
     aten._copy_from_and_resize.default,
 }
 #: indexing ops: their index tensors may live on the CPU (CUDA moves them)
-_INDEXING = {
-    aten.index.Tensor,
-    aten.index_put_.default,
-    aten.index_put.default,
-    aten._index_put_impl_.default,
-}
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
 #: factories that take their device from a tensor argument

@@ -51,16 +51,7 @@ EMBED = "model.embed_tokens.weight"
 UP = "model.layers.0.mlp.up_proj.weight"
 BIAS = "model.layers.0.mlp.up_proj.bias"
 DOWN = "model.layers.0.mlp.down_proj.weight"
-ALL_METHODS = (
-    "dare_linear",
-    "dare_ties",
-    "linear",
-    "ram",
-    "ram_plus",
-    "ram_plus_soft",
-    "task_arithmetic",
-    "ties",
-)
+ALL_METHODS = ("dare_linear", "dare_ties", "linear", "ram", "ram_plus", "ram_plus_soft", "task_arithmetic", "ties")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -95,17 +86,10 @@ def save_checkpoint(
     """A Hugging Face-style directory: model.safetensors + config.json (a tiny Llama's unless ``config`` is given)."""
     path.mkdir(parents=True)
     save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
     )
     if config is None:
-        config = {
-            "model_type": "llama",
-            "vocab_size": vocab_size,
-            "hidden_size": HIDDEN,
-            "torch_dtype": "float32",
-        }
+        config = {"model_type": "llama", "vocab_size": vocab_size, "hidden_size": HIDDEN, "torch_dtype": "float32"}
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -173,12 +157,7 @@ def plan_for(base: Any, agents: list[Any], **settings: Any) -> Any:
     dtype, shapes must match, no global statistics, no magnitude trim."""
     from ram_trl.merging.planner import build_plan
 
-    plain = {
-        "out_dtype": None,
-        "shape_mismatch": "error",
-        "needs_statistics": False,
-        "trims_by_magnitude": False,
-    }
+    plain = {"out_dtype": None, "shape_mismatch": "error", "needs_statistics": False, "trims_by_magnitude": False}
     return build_plan(base, agents, **{**plain, **settings})
 
 
@@ -376,13 +355,7 @@ def launch_merge(
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
         command += [f"--master_port={port}", "-m", "ram_trl"]
     else:
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            f"--num_processes={nproc}",
-        ]
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}"]
         command += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
         command += [f"--main_process_port={port}", "-m", "ram_trl"]
     command += ["merge", str(config), str(out), "--no-progress", *extra]
@@ -566,14 +539,7 @@ def assert_telemetry_logged(
     assert [e["step"] for e in entries] == steps
     last = entries[-1]
     assert last == {**last, **measured}
-    for key in (
-        "density",
-        "density_exact",
-        "density_saved",
-        "measure_seconds",
-        "magnitude/gini",
-        "layer/1/density",
-    ):
+    for key in ("density", "density_exact", "density_saved", "measure_seconds", "magnitude/gini", "layer/1/density"):
         assert f"{TELEMETRY}{key}" in last
     assert 0.0 < last[f"{TELEMETRY}density_saved"] <= last[f"{TELEMETRY}density_exact"] <= 1.0
     assert last[f"{TELEMETRY}measure_seconds"] > 0

@@ -54,14 +54,7 @@ def ram_reference(
     """Algorithm 1 of the RAM paper. Returns (merged float32 weights, statistics). ``unique_scale`` replaces every
     lambda_t (RAM with its unique region scaled, the shared mean unchanged)."""
     return ram_from_task_vectors(
-        base,
-        task_vectors(base, agents),
-        eps=eps,
-        r=r,
-        alpha=alpha,
-        soft=soft,
-        scope=scope,
-        unique_scale=unique_scale,
+        base, task_vectors(base, agents), eps=eps, r=r, alpha=alpha, soft=soft, scope=scope, unique_scale=unique_scale
     )
 
 
@@ -236,12 +229,7 @@ def linear_reference(base, agents, weights, normalize=True):
 
 
 def fisher_reference(
-    base: dict,
-    agents: list[dict],
-    fishers: list[dict],
-    weights: list[float],
-    lam: float = 1.0,
-    floor: float = 1e-6,
+    base: dict, agents: list[dict], fishers: list[dict], weights: list[float], lam: float = 1.0, floor: float = 1e-6
 ) -> dict[str, torch.Tensor]:
     """Fisher merging (Matena & Raffel): base + lambda * sum_t w_t F'_t tau_t / sum_t w_t F'_t, F' = max(F, floor);
     where the denominator is zero, the weighted mean of the task vectors (0 if every weight is zero)."""

@@ -334,12 +334,7 @@ def test_cli_refuses_bad_arguments(golden, tmp_path, capsys, argv, message):
     config.write_text(
         yaml.safe_dump({"merge_method": "ram", "base_model": str(base), "models": [{"model": str(agents[0])}]})
     )
-    paths = {
-        "BASE": str(base),
-        "AGENT": str(agents[0]),
-        "CONFIG": str(config),
-        "MISSING": str(tmp_path / "nope"),
-    }
+    paths = {"BASE": str(base), "AGENT": str(agents[0]), "CONFIG": str(config), "MISSING": str(tmp_path / "nope")}
     out = tmp_path / "out"
     assert main(["analyze", *(paths.get(a, a) for a in argv), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -396,23 +391,8 @@ def test_two_processes_give_the_same_analysis(synthetic, tmp_path):
     base, agents, _ = synthetic
     single = ram_trl.analyze(base, agents, tmp_path / "p1", progress=False)
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={port}",
-    ]
-    command += [
-        "-m",
-        "ram_trl",
-        "analyze",
-        "--base",
-        str(base),
-        *map(str, agents),
-        "--out",
-        str(tmp_path / "p2"),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    command += ["-m", "ram_trl", "analyze", "--base", str(base), *map(str, agents), "--out", str(tmp_path / "p2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = run_job([*command, "--no-progress"], port, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -178,14 +178,7 @@ def test_sharded_index_lists_a_missing_shard(ckpts, out):
     missing.unlink()
     config = config_for(ckpts, agents=[ckpts.agents[0], sharded])
     assert_fails(
-        config,
-        out,
-        CheckpointError,
-        "agent 1",
-        missing,
-        "missing",
-        "model.safetensors.index.json",
-        inputs=ckpts.root,
+        config, out, CheckpointError, "agent 1", missing, "missing", "model.safetensors.index.json", inputs=ckpts.root
     )
 
 
@@ -199,14 +192,7 @@ def test_tensor_missing_in_agent(tmp_path, out):
 
     ckpts = make_checkpoints(tmp_path / "inputs", overrides={1: drop_bias})
     assert_fails(
-        config_for(ckpts),
-        out,
-        CheckpointError,
-        "agent 1",
-        BIAS,
-        ckpts.agents[1],
-        "missing",
-        inputs=ckpts.root,
+        config_for(ckpts), out, CheckpointError, "agent 1", BIAS, ckpts.agents[1], "missing", inputs=ckpts.root
     )
 
 
@@ -218,14 +204,7 @@ def test_tensor_missing_in_base(tmp_path, out):
 
     ckpts = make_checkpoints(tmp_path / "inputs", overrides={0: add_tensor})
     assert_fails(
-        config_for(ckpts),
-        out,
-        CheckpointError,
-        "agent 0",
-        extra,
-        "not in the base",
-        ckpts.base,
-        inputs=ckpts.root,
+        config_for(ckpts), out, CheckpointError, "agent 0", extra, "not in the base", ckpts.base, inputs=ckpts.root
     )
 
 
@@ -285,9 +264,7 @@ def test_merge_common_rows_with_a_larger_vocabulary(tmp_path, method):
 
     out = tmp_path / "merged"
     report = ram_trl.merge(
-        config_for(ckpts, method, agent_parameters=params, shape_mismatch="merge_common_rows"),
-        out,
-        progress=False,
+        config_for(ckpts, method, agent_parameters=params, shape_mismatch="merge_common_rows"), out, progress=False
     )
     reference = tmp_path / "reference"
     ram_trl.merge(config_for(ckpts, method, agents=[truncated], agent_parameters=params), reference, progress=False)
@@ -471,13 +448,7 @@ def _to_pickle(path: Path) -> None:
 def test_pickle_refused_without_allow_pickle(ckpts, out):
     _to_pickle(ckpts.agents[0])
     assert_fails(
-        config_for(ckpts),
-        out,
-        CheckpointError,
-        "agent 0",
-        ckpts.agents[0],
-        "--allow-pickle",
-        inputs=ckpts.root,
+        config_for(ckpts), out, CheckpointError, "agent 0", ckpts.agents[0], "--allow-pickle", inputs=ckpts.root
     )
 
 

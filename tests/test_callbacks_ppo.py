@@ -52,10 +52,7 @@ def ppo_python() -> Path:
         return python
     try:
         subprocess.run(
-            [sys.executable, "-m", "venv", "--clear", str(PPO_VENV)],
-            check=True,
-            capture_output=True,
-            text=True,
+            [sys.executable, "-m", "venv", "--clear", str(PPO_VENV)], check=True, capture_output=True, text=True
         )
         for group in PPO_REQUIREMENTS:
             _pip(python, *group)

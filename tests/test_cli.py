@@ -15,14 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import ram_trl
 from ram_trl.cli import main
-from tests.helpers import (
-    ALL_METHODS,
-    config_for,
-    failing_writer,
-    leftovers,
-    load_checkpoint,
-    snapshot,
-)
+from tests.helpers import ALL_METHODS, config_for, failing_writer, leftovers, load_checkpoint, snapshot
 
 OUTPUT_FILES = {"model.safetensors", "README.md", "ram_merge_report.json", "config.json"}
 
@@ -162,15 +155,7 @@ def _nonfinite_agent(ckpts, tmp_path):
         (_pickle_agent, "--allow-pickle"),
         (_nonfinite_agent, "up_proj.bias"),
     ],
-    ids=[
-        "missing_config",
-        "corrupt_agent",
-        "unknown_method",
-        "bad_shard_size",
-        "bad_chunk_budget",
-        "pickle",
-        "nan",
-    ],
+    ids=["missing_config", "corrupt_agent", "unknown_method", "bad_shard_size", "bad_chunk_budget", "pickle", "nan"],
 )
 def test_bad_input_exits_2(ckpts, config_path, tmp_path, capsys, setup, needle):
     path, flags = setup(ckpts, tmp_path)

@@ -10,10 +10,7 @@ from ram_trl.evaluation.scoring import generate
 from ram_trl.merging.lora.svd import LoraExportOptions, choose_rank
 from ram_trl.recipes.schema import EvaluationSpec
 from ram_trl.statistics import OverlapStatistics
-from ram_trl.statistics.magnitude import (
-    histogram_gini,
-    histogram_top_mass,
-)
+from ram_trl.statistics.magnitude import histogram_gini, histogram_top_mass
 from tests.helpers import magnitude_of
 
 

@@ -43,10 +43,7 @@ def test_the_cache_is_bounded(tmp_path, monkeypatch):
 def test_weights_digest_is_the_documented_scheme(tmp_path):
     """Name order, ``name|dtype|shape|`` then the raw bytes: the value stored as ``merged_sha256``/``agent_sha256``
     by earlier previews."""
-    tensors = {
-        "b": torch.ones(4, dtype=torch.bfloat16),
-        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-    }
+    tensors = {"b": torch.ones(4, dtype=torch.bfloat16), "a": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     expected = hashlib.sha256()
     expected.update(b"a|float32|[2, 3]|" + tensors["a"].numpy().tobytes())
@@ -55,10 +52,7 @@ def test_weights_digest_is_the_documented_scheme(tmp_path):
 
 
 def test_weights_digest_ignores_sharding_and_sees_one_bit(tmp_path):
-    tensors = {
-        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-        "b": torch.ones(4, dtype=torch.bfloat16),
-    }
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
     whole, sharded, changed = tmp_path / "whole", tmp_path / "sharded", tmp_path / "changed"
     for d in (whole, sharded, changed):
         d.mkdir()

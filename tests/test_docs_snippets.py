@@ -204,11 +204,7 @@ def _run_in_package(where: str, code: str, work: Path) -> None:
     with (work / target).open("a", encoding="utf-8") as file:
         file.write("\n" + code)
     module = target[:-3].replace("/", ".")  # imported from the copy: its edited lines run
-    _run(
-        [sys.executable, "-c", f"import os, {module} as m; assert m.__file__.startswith(os.getcwd())"],
-        work,
-        where,
-    )
+    _run([sys.executable, "-c", f"import os, {module} as m; assert m.__file__.startswith(os.getcwd())"], work, where)
 
 
 def _substituted(code: str) -> str:

@@ -207,12 +207,7 @@ def test_missing_fisher_file(copies, tmp_path):
     base, agents, _ = copies
     (agents[1] / FISHER_FILE).unlink()
     _refused(
-        _config(base, agents),
-        tmp_path / "out",
-        CheckpointError,
-        "agent 1 (agent_1)",
-        FISHER_FILE,
-        "ram-trl fisher",
+        _config(base, agents), tmp_path / "out", CheckpointError, "agent 1 (agent_1)", FISHER_FILE, "ram-trl fisher"
     )
 
 
@@ -296,11 +291,7 @@ def test_dry_run_plans_the_fisher_reads(inputs, tmp_path):
     fisher_bytes = sum(v.numel() * v.element_size() for f in state["fishers"] for v in f.values())
     assert json.dumps(summary, default=str)  # serialisable
     without = ram_trl.merge(
-        {
-            **_config(base, agents),
-            "merge_method": "task_arithmetic",
-            "models": [{"model": str(a)} for a in agents],
-        },
+        {**_config(base, agents), "merge_method": "task_arithmetic", "models": [{"model": str(a)} for a in agents]},
         tmp_path / "out",
         dry_run=True,
         progress=False,
@@ -320,11 +311,7 @@ def test_resized_vocabulary_uses_the_agents_own_fisher_shape(tmp_path):
         {"embed": torch.rand(8, 4, generator=g), "w": torch.rand(3, 4, generator=g)},
         {"embed": torch.rand(6, 4, generator=g), "w": torch.rand(3, 4, generator=g)},
     ]
-    for name, tensors, fisher in [
-        ("base", base, None),
-        ("grown", grown, fishers[0]),
-        ("other", other, fishers[1]),
-    ]:
+    for name, tensors, fisher in [("base", base, None), ("grown", grown, fishers[0]), ("other", other, fishers[1])]:
         (tmp_path / name).mkdir()
         save_file(tensors, str(tmp_path / name / "model.safetensors"))
         if fisher is not None:

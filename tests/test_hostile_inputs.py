@@ -202,12 +202,7 @@ def test_index_paths_outside_the_checkpoint_are_refused(ckpts, tmp_path, capsys,
     else:
         agent = _index_agent(ckpts, tmp_path, None if how == "absolute" else "../../elsewhere/weights.safetensors")
     refused_merge(
-        capsys,
-        tmp_path,
-        config_for(ckpts),
-        "agent 1",
-        "outside the checkpoint directory",
-        "--allow-external-shards",
+        capsys, tmp_path, config_for(ckpts), "agent 1", "outside the checkpoint directory", "--allow-external-shards"
     )
     config = write_config(tmp_path / "merge.yaml", config_for(ckpts))
     assert main(["merge", str(config), str(tmp_path / "ok"), "--no-progress", "--allow-external-shards"]) == 0
@@ -405,11 +400,7 @@ def test_analyze_refuses_non_finite_r(ckpts, tmp_path, capsys, value):
 
 @pytest.mark.parametrize(
     ("content", "needle"),
-    [
-        ("{not json", "not valid JSON"),
-        ("[1, 2]", "JSON object"),
-        (json.dumps({"vocab_size": "x"}), "vocab_size"),
-    ],
+    [("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), (json.dumps({"vocab_size": "x"}), "vocab_size")],
 )
 def test_invalid_base_config_json_is_refused_before_any_tensor_is_read(
     ckpts, tmp_path, capsys, monkeypatch, content, needle

@@ -49,11 +49,7 @@ def test_telemetry_does_not_load_the_merge_stack(statement):
 def test_importing_the_package_loads_neither_torch_nor_the_merger():
     loaded = _loaded_after("import ram_trl")
     assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}
-    assert sorted(m for m in loaded if m.startswith("ram_trl")) == [
-        "ram_trl",
-        "ram_trl.errors",
-        "ram_trl.lazy",
-    ]
+    assert sorted(m for m in loaded if m.startswith("ram_trl")) == ["ram_trl", "ram_trl.errors", "ram_trl.lazy"]
 
 
 def test_public_names_load_on_first_use():
@@ -71,13 +67,7 @@ def test_public_names_load_on_first_use():
 
 @pytest.mark.parametrize(
     "module",
-    [
-        "ram_trl.callbacks",
-        "ram_trl.merging.engine",
-        "ram_trl.analysis",
-        "ram_trl.cli",
-        "ram_trl.recipes.runner",
-    ],
+    ["ram_trl.callbacks", "ram_trl.merging.engine", "ram_trl.analysis", "ram_trl.cli", "ram_trl.recipes.runner"],
 )
 def test_importing_changes_no_global_state(module):
     """Importing a module leaves the garbage collector (on, thresholds, nothing frozen) and torch's thread count as
@@ -113,10 +103,7 @@ def test_the_library_and_the_callbacks_need_neither_rich_nor_matplotlib(tmp_path
     """rich and matplotlib are the command line's (the ``cli`` extra): the callbacks import and a library merge runs
     without them; the command line refuses to start, naming the extra."""
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_CLI_PACKAGES, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
+        [sys.executable, "-c", WITHOUT_CLI_PACKAGES, str(tmp_path)], capture_output=True, text=True, check=True
     )
     assert done.stdout.splitlines()[-1] == "exit 2"
     assert "ram-trl merge: error: the command line needs rich and matplotlib (pip install 'ram-trl[cli]')" in (
@@ -311,11 +298,7 @@ def test_layers_point_one_way():
     """The counting maths lies below the statistics and the methods: the statistics reach no method; the engine
     and its passes name no method (they reach them through the registry)."""
     graph = _import_graph()
-    for module in (
-        "ram_trl.statistics.counting",
-        "ram_trl.statistics.overlap",
-        "ram_trl.statistics.magnitude",
-    ):
+    for module in ("ram_trl.statistics.counting", "ram_trl.statistics.overlap", "ram_trl.statistics.magnitude"):
         reached = {m for m in _reachable(graph, module) if m.startswith("ram_trl.methods")}
         assert not reached, (module, sorted(reached))
     passes = [m for m in graph if m == "ram_trl.merging.passes" or m.startswith("ram_trl.merging.passes.")]

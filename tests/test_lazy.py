@@ -24,10 +24,7 @@ def test_a_name_is_loaded_on_first_access_and_kept():
 
 @pytest.mark.parametrize(
     ("package", "name", "module"),
-    [
-        (ram_trl, "merge", "ram_trl.merging.engine"),
-        (ram_trl.evaluation, "EvaluationSpec", "ram_trl.evaluation.spec"),
-    ],
+    [(ram_trl, "merge", "ram_trl.merging.engine"), (ram_trl.evaluation, "EvaluationSpec", "ram_trl.evaluation.spec")],
 )
 def test_the_packages_lazy_names(package, name, module):
     assert name in dir(package) and name in package.__all__

@@ -58,9 +58,7 @@ def test_largest_buffer_stays_under_the_chunk_budget(model, tmp_path, monkeypatc
             save_file(random_fisher(base_state, seed=i), str(agent / FISHER_FILE))
     # read in this thread so that the dispatch mode (thread-local) sees the reader's buffers too
     monkeypatch.setattr(
-        ram_trl.merging.streaming,
-        "read_ahead",
-        lambda items, read, depth=1, readers=1: read_ahead(items, read, 0),
+        ram_trl.merging.streaming, "read_ahead", lambda items, read, depth=1, readers=1: read_ahead(items, read, 0)
     )
     config = {
         "merge_method": method,

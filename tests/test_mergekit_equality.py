@@ -71,9 +71,7 @@ def _tiny_config(layers: int = 2) -> transformers.Qwen2Config:
 def _save_agent(path: Path, tensors: dict[str, torch.Tensor], config: transformers.PretrainedConfig) -> None:
     path.mkdir()
     save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
     )
     config.save_pretrained(path)
 
@@ -244,11 +242,7 @@ def test_task_arithmetic_equals_mergekit(case, dense, tmp_path):
 
 
 TIES_CASES = {
-    "2 agents, normalize (default)": (
-        [{"weight": 0.7, "density": 0.5}, {"weight": 0.3, "density": 0.25}],
-        {},
-        False,
-    ),
+    "2 agents, normalize (default)": ([{"weight": 0.7, "density": 0.5}, {"weight": 0.3, "density": 0.25}], {}, False),
     "2 agents, lambda, base listed": (
         [{"weight": 1.0, "density": 0.3}, {"weight": 1.0, "density": 0.7}],
         {"lambda": 0.8},
@@ -448,11 +442,7 @@ BREADCRUMBS_CASES = {
     "breadcrumbs_ties, 3 agents, filter lists": (
         "breadcrumbs_ties",
         [
-            {
-                "weight": [{"filter": "self_attn", "value": 0.4}, {"value": 1.0}],
-                "density": 0.5,
-                "gamma": 0.05,
-            },
+            {"weight": [{"filter": "self_attn", "value": 0.4}, {"value": 1.0}], "density": 0.5, "gamma": 0.05},
             {"weight": 0.8, "density": [{"filter": "mlp", "value": 0.25}, {"value": 0.6}], "gamma": 0.1},
             {"weight": 0.6, "density": 0.4, "gamma": 0.5},
         ],
@@ -716,10 +706,7 @@ def test_unused_per_model_weights_are_ignored_as_in_mergekit(method, layered, tm
     "template", ["chatml", "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"]
 )
 def test_chat_template_equals_mergekits(template, layered, tmp_path):
-    config = {
-        **_config(layered, "task_arithmetic", [{"weight": 0.5}, {"weight": 0.5}]),
-        "chat_template": template,
-    }
+    config = {**_config(layered, "task_arithmetic", [{"weight": 0.5}, {"weight": 0.5}]), "chat_template": template}
     run_merge(
         MergeConfiguration.model_validate(copy.deepcopy(config)),
         str(tmp_path / "mergekit"),
@@ -833,10 +820,7 @@ def test_model_plus_lora_as_base_and_on_another_model_equals_mergekit(tmp_path, 
     # the adapters were applied: the merged base's q_proj and the second agent's k_proj differ from their models'
     merged_base, merged_agent = Path(report["base_model"]), Path(report["agents"][1]["path"])
     assert merged_base.parent.parent == merged_agent.parent.parent == tmp_path  # kept under the temporary directory
-    for merged, plain, module in [
-        (merged_base, base, "q_proj"),
-        (merged_agent, _load_dir(agent_dir), "k_proj"),
-    ]:
+    for merged, plain, module in [(merged_base, base, "q_proj"), (merged_agent, _load_dir(agent_dir), "k_proj")]:
         changed = _load_dir(merged)
         assert all(not torch.equal(changed[n], plain[n]) for n in plain if f"{module}.weight" in n)
         assert all(torch.equal(changed[n], plain[n]) for n in plain if "o_proj" in n)
@@ -951,10 +935,7 @@ def _token_rules(models: dict[str, str]) -> dict[str, Any]:
         "<|im_start|>": {"source": models["chatml2"]},  # lacking in the base: chatml2's row, not the mean
         "<|im_end|>": {"source": {"kind": "zero"}},
         "_tok_7": {"source": models["chatml"], "force": True},  # every model: chatml's row
-        "_tok_9": {
-            "source": {"kind": "model_token", "model": models["base"], "token": "_tok_3"},
-            "force": True,
-        },
+        "_tok_9": {"source": {"kind": "model_token", "model": models["base"], "token": "_tok_3"}, "force": True},
         "_tok_11": {"source": {"kind": "model_token", "model": models["chatml2"], "token_id": 65}},  # no effect
     }
 

@@ -32,13 +32,7 @@ def test_did_you_mean(name, choices, expected):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [
-        ("bf16", "bfloat16"),
-        ("FP16", "float16"),
-        ("fp32", "float32"),
-        ("torch.float16", "float16"),
-        ("int8", "int8"),
-    ],
+    [("bf16", "bfloat16"), ("FP16", "float16"), ("fp32", "float32"), ("torch.float16", "float16"), ("int8", "int8")],
 )
 def test_dtype_aliases(value, expected):
     assert canonical_dtype(value) == expected

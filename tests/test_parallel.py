@@ -187,8 +187,7 @@ def test_submit_blocks_raises_the_first_error_in_order():
 
 
 @pytest.mark.parametrize(
-    "cores, compute, readers, telemetry",
-    [(1, 1, 1, 1), (2, 2, 1, 2), (4, 3, 1, 4), (16, 15, 1, 16), (64, 60, 4, 64)],
+    "cores, compute, readers, telemetry", [(1, 1, 1, 1), (2, 2, 1, 2), (4, 3, 1, 4), (16, 15, 1, 16), (64, 60, 4, 64)]
 )
 def test_thread_plan_follows_the_cores(cores, compute, readers, telemetry):
     plan = plan_threads(cores)

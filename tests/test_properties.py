@@ -124,11 +124,7 @@ header_edits = st.lists(
 
 
 @PROFILE
-@given(
-    edits=header_edits,
-    body_cut=st.integers(min_value=0, max_value=64),
-    which=st.sampled_from(["base", "agent1"]),
-)
+@given(edits=header_edits, body_cut=st.integers(min_value=0, max_value=64), which=st.sampled_from(["base", "agent1"]))
 def test_random_safetensors_headers(pristine, edits, body_cut, which):
     with workspace(pristine) as root:
         file = root / "inputs" / which / "model.safetensors"
@@ -150,13 +146,7 @@ weight_maps = st.one_of(
         st.sampled_from([*NAMES, "other"]),
         st.one_of(
             st.sampled_from(
-                [
-                    "model.safetensors",
-                    "../agent0/model.safetensors",
-                    "/etc/hostname",
-                    "",
-                    "missing.safetensors",
-                ]
+                ["model.safetensors", "../agent0/model.safetensors", "/etc/hostname", "", "missing.safetensors"]
             ),
             json_scalars,
         ),
@@ -185,39 +175,16 @@ numbers = st.one_of(
 )
 filter_rules = st.lists(
     st.fixed_dictionaries(
-        {"value": numbers},
-        optional={"filter": st.one_of(st.sampled_from(["up_proj", "embed", "*"]), json_scalars)},
+        {"value": numbers}, optional={"filter": st.one_of(st.sampled_from(["up_proj", "embed", "*"]), json_scalars)}
     ),
     max_size=3,
 )
 parameter_values = st.one_of(numbers, filter_rules)
 parameter_names = st.sampled_from(
-    [
-        "weight",
-        "density",
-        "lambda",
-        "r",
-        "alpha",
-        "eps",
-        "normalize",
-        "rescale",
-        "rho_scope",
-        "fisher_floor",
-        "bogus",
-    ]
+    ["weight", "density", "lambda", "r", "alpha", "eps", "normalize", "rescale", "rho_scope", "fisher_floor", "bogus"]
 )
 methods = st.sampled_from(
-    [
-        "ram",
-        "ram_plus",
-        "ram_plus_soft",
-        "ramplus_tl",
-        "task_arithmetic",
-        "ties",
-        "dare_linear",
-        "dare_ties",
-        "linear",
-    ]
+    ["ram", "ram_plus", "ram_plus_soft", "ramplus_tl", "task_arithmetic", "ties", "dare_linear", "dare_ties", "linear"]
 )
 
 
@@ -227,9 +194,7 @@ methods = st.sampled_from(
     global_params=st.dictionaries(parameter_names, parameter_values, max_size=3),
     agent_params=st.lists(st.dictionaries(parameter_names, parameter_values, max_size=2), min_size=2, max_size=2),
     extra=st.dictionaries(
-        st.sampled_from(["seed", "out_dtype", "shape_mismatch", "dtype", "tokenizer_source"]),
-        json_scalars,
-        max_size=2,
+        st.sampled_from(["seed", "out_dtype", "shape_mismatch", "dtype", "tokenizer_source"]), json_scalars, max_size=2
     ),
 )
 def test_random_merge_configs(pristine, method, global_params, agent_params, extra):

@@ -40,11 +40,6 @@ def test_make_clean_removes_every_created_venv():
     # as a user types it: not inside CI's own make (MAKELEVEL prints directories) nor with CI's VENV exported
     env = {k: v for k, v in os.environ.items() if k not in {"VENV", "MAKEFLAGS", "MAKELEVEL", "MFLAGS"}}
     command = subprocess.run(
-        ["make", "--no-print-directory", "-n", "clean"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
+        ["make", "--no-print-directory", "-n", "clean"], cwd=REPO, env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert set(_created_venvs()) <= set(command)

@@ -68,14 +68,7 @@ def test_defaults_are_parsed_by_the_same_parser():
 
 @pytest.mark.parametrize(
     ("num", "text"),
-    [
-        (0, "0 B"),
-        (999, "999 B"),
-        (1000, "1.00 KB"),
-        (1_536_000, "1.54 MB"),
-        (5e9, "5.00 GB"),
-        (2e15, "2000.00 TB"),
-    ],
+    [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1_536_000, "1.54 MB"), (5e9, "5.00 GB"), (2e15, "2000.00 TB")],
 )
 def test_format_bytes(num, text):
     assert format_bytes(num) == text

@@ -78,12 +78,7 @@ def test_char_tokenizer_roundtrip(tmp_path: Path) -> None:
         "</s>",
         "<unk>",
     )
-    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id, loaded.unk_token_id) == (
-        0,
-        1,
-        2,
-        3,
-    )
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2, 3)
 
 
 def test_custom_alphabet(tmp_path: Path) -> None:

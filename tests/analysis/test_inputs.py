@@ -17,11 +17,7 @@ def test_paths_and_defaults(ckpts):
     assert inputs.resolved.base_path == ckpts.base
     assert [a.path for a in inputs.resolved.agents] == ckpts.agents
     # the merge's density warnings read eps from the parameters
-    assert {k: inputs.resolved.params[k] for k in ("eps", "r", "alpha")} == {
-        "eps": 1e-5,
-        "r": 0.1,
-        "alpha": 2.0,
-    }
+    assert {k: inputs.resolved.params[k] for k in ("eps", "r", "alpha")} == {"eps": 1e-5, "r": 0.1, "alpha": 2.0}
 
 
 def test_arguments_override_and_are_floats(ckpts):

@@ -21,12 +21,7 @@ def _open(tmp_path, base_dtype, agent_dtypes):
         agents.append(open_checkpoint(save_checkpoint(tmp_path / f"agent{t}", tensors), f"agent {t}"))
     base_ckpt = open_checkpoint(tmp_path / "base", "base model")
     plan = build_plan(
-        base_ckpt,
-        agents,
-        out_dtype=None,
-        shape_mismatch="error",
-        needs_statistics=False,
-        trims_by_magnitude=False,
+        base_ckpt, agents, out_dtype=None, shape_mismatch="error", needs_statistics=False, trims_by_magnitude=False
     )
     return base_ckpt, agents, plan.tasks
 

@@ -11,20 +11,8 @@ from ram_trl.analysis.plots import DPI, FIGURES, write_figures
 
 def _result(layers: bool) -> dict:
     agents = [
-        {
-            "name": "coding",
-            "density": 0.1,
-            "density_exact": 0.2,
-            "density_bf16": None,
-            "overlap_shares": [0.7, 0.3],
-        },
-        {
-            "name": "tools",
-            "density": 0.05,
-            "density_exact": 0.05,
-            "density_bf16": 0.04,
-            "overlap_shares": [0.4, 0.6],
-        },
+        {"name": "coding", "density": 0.1, "density_exact": 0.2, "density_bf16": None, "overlap_shares": [0.7, 0.3]},
+        {"name": "tools", "density": 0.05, "density_exact": 0.05, "density_bf16": 0.04, "overlap_shares": [0.4, 0.6]},
     ]
     modules = [{"module": "q_proj", "density": [0.1, 0.02]}, {"module": "mlp", "density": [0.0, 0.3]}]
     layer_rows = [

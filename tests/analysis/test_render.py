@@ -34,44 +34,14 @@ def _agent(name: str, **changes) -> dict:
 def test_sparsity_rows():
     result = {"agents": [_agent("coding"), _agent("tools", kind="lora", rho=None)]}
     header, rows = sparsity_rows(result)
-    assert header == [
-        "agent",
-        "dtype",
-        "density",
-        "exact",
-        "bf16",
-        "unique",
-        "shared",
-        "rho",
-        "lam RAM+",
-        "lam RAM+s",
-    ]
-    assert rows[0] == [
-        "coding",
-        "bf16/int64",
-        "12.35%",
-        "50.00%",
-        "-",
-        "1,234,567",
-        "0",
-        "0.250",
-        "1.0250",
-        "inf",
-    ]
+    assert header == ["agent", "dtype", "density", "exact", "bf16", "unique", "shared", "rho", "lam RAM+", "lam RAM+s"]
+    assert rows[0] == ["coding", "bf16/int64", "12.35%", "50.00%", "-", "1,234,567", "0", "0.250", "1.0250", "inf"]
     assert rows[1][:2] == ["tools", "LoRA"] and rows[1][7] == "-"
 
 
 def test_magnitude_rows():
     header, rows = magnitude_rows({"agents": [_agent("coding")]})
-    assert header == [
-        "agent",
-        "active",
-        "mean abs(tau)",
-        "Gini",
-        "ex. kurtosis",
-        "top 1% mass",
-        "top 5% mass",
-    ]
+    assert header == ["agent", "active", "mean abs(tau)", "Gini", "ex. kurtosis", "top 1% mass", "top 5% mass"]
     assert rows == [["coding", "1,000", "0.000123", "0.5000", "-", "4.6%", "100.0%"]]
 
 
@@ -82,10 +52,7 @@ def test_the_terminal_tables_fit_80_columns(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     agent = _agent("RL-MemoryAgent-7B", dtypes=["bfloat16"], unique=1_234_567_890, shared=6_543_210_987)
     result = {
-        "agents": [
-            agent,
-            _agent("ReasonFlux-Coder-7B", dtypes=["bfloat16"], unique=98_765, shared=12_345_678),
-        ],
+        "agents": [agent, _agent("ReasonFlux-Coder-7B", dtypes=["bfloat16"], unique=98_765, shared=12_345_678)],
         "num_agents": 2,
         "total_elements": 7_615_616_512,
         "tensors": 339,
@@ -97,26 +64,6 @@ def test_the_terminal_tables_fit_80_columns(capsys, monkeypatch):
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "…" not in out
     lines = [line.split() for line in out.splitlines()]
-    assert [
-        "RL-MemoryAgent-7B",
-        "bf16",
-        "12.35%",
-        "50.00%",
-        "1.23G",
-        "6.54G",
-        "0.250",
-        "1.0250",
-        "inf",
-    ] in lines
-    assert [
-        "ReasonFlux-Coder-7B",
-        "bf16",
-        "12.35%",
-        "50.00%",
-        "98,765",
-        "12.3M",
-        "0.250",
-        "1.0250",
-        "inf",
-    ] in lines
+    assert ["RL-MemoryAgent-7B", "bf16", "12.35%", "50.00%", "1.23G", "6.54G", "0.250", "1.0250", "inf"] in lines
+    assert ["ReasonFlux-Coder-7B", "bf16", "12.35%", "50.00%", "98,765", "12.3M", "0.250", "1.0250", "inf"] in lines
     assert any("shared" in line for line in lines)  # the columns without any value ("bf16": "-") are left out

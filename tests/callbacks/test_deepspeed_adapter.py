@@ -29,15 +29,7 @@ def test_partitions_release_and_regather_of_a_real_zero3_engine(tmp_path):
     pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(port),
-    ]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
     command += [str(WORKER)]
     result = run_job(command, port, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

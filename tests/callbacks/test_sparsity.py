@@ -27,13 +27,7 @@ pytest.importorskip("tensorboard")
 
 from datasets import Dataset  # noqa: E402
 from peft import LoraConfig  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    Trainer,
-    TrainingArguments,
-    default_data_collator,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
 
 import ram_trl  # noqa: E402
@@ -134,11 +128,7 @@ def test_grpo_lora_needs_no_base(base, tmp_path):
     out = tmp_path / "grpo_lora"
     callback = TaskVectorSparsityCallback(save_dtype="bfloat16")
     peft_config = LoraConfig(
-        r=4,
-        lora_alpha=8,
-        target_modules=["q_proj", "v_proj"],
-        modules_to_save=["lm_head"],
-        task_type="CAUSAL_LM",
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM"
     )
     trainer = grpo_run(base, out, callback, peft_config=peft_config)
     assert callback.tracker.base_description == "frozen base weights of the PEFT model"
@@ -403,11 +393,7 @@ def test_save_into_an_existing_output_dir_is_all_or_nothing(base, tmp_path, monk
         patch.setattr(processing, "save_pretrained", broken)
         with pytest.raises(RuntimeError, match="tokenizer save failed"):
             grpo_run(
-                base,
-                out,
-                TaskVectorSparsityCallback(base_model=base, stage_name="second"),
-                max_steps=1,
-                report_to=[],
+                base, out, TaskVectorSparsityCallback(base_model=base, stage_name="second"), max_steps=1, report_to=[]
             )
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert read_manifest(out).stage == "first"
@@ -440,13 +426,7 @@ def test_output_dir_of_a_prior_stage_is_refused_before_training(base, tmp_path):
     from ram_trl.errors import OutputError
 
     first = tmp_path / "first"
-    grpo_run(
-        base,
-        first,
-        TaskVectorSparsityCallback(base_model=base, stage_name="first"),
-        max_steps=1,
-        report_to=[],
-    )
+    grpo_run(base, first, TaskVectorSparsityCallback(base_model=base, stage_name="first"), max_steps=1, report_to=[])
     before = {p.name: p.read_bytes() for p in first.iterdir() if p.is_file()}
     callback = TaskVectorSparsityCallback(base_model=base, stage_name="second", prior_stages=[first])
     with pytest.raises(OutputError, match=f"overlaps the prior stage at {first}"):
@@ -512,12 +492,7 @@ def test_save_agent_false_writes_a_manifest_describing_no_weights(base, tmp_path
 def _one_step_trainer(base, out, data, callbacks):
     """A plain transformers Trainer of one CPU step on ``data`` with ``callbacks``, and its arguments."""
     args = TrainingArguments(
-        output_dir=str(out),
-        per_device_train_batch_size=4,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=1, report_to=[], save_strategy="no", use_cpu=True
     )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     trainer = Trainer(

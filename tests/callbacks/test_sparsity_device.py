@@ -45,11 +45,7 @@ def _run(base: Path, tmp_path: Path, device: torch.device, source: str) -> dict[
     )
     trainer.log = trainer.logged.append
     callback = TaskVectorSparsityCallback(
-        trainer,
-        base_model=base if source == "disk" else None,
-        every_n_steps=5,
-        save_agent=False,
-        write_stage=False,
+        trainer, base_model=base if source == "disk" else None, every_n_steps=5, save_agent=False, write_stage=False
     )
     args = SimpleNamespace(output_dir=str(tmp_path / "out"), logging_steps=5)
     state, control = TrainerState(global_step=0, max_steps=10), TrainerControl()

@@ -50,10 +50,7 @@ def test_bigram_fisher_by_hand():
     model = Bigram(p)
     # sample 1: prompt [2], completion [0, 1]: row 2 predicts 0, then row 0 predicts 1
     # sample 2: prompt [1], completion [1]: row 1 predicts 1
-    samples = [
-        Completion(torch.tensor([2]), torch.tensor([0, 1])),
-        Completion(torch.tensor([1]), torch.tensor([1])),
-    ]
+    samples = [Completion(torch.tensor([2]), torch.tensor([0, 1])), Completion(torch.tensor([1]), torch.tensor([1]))]
     fisher = fisher_from_completions(model, samples)["table"]
     g1 = torch.tensor([[-0.25, 0.5, -0.25], [0.0, 0.0, 0.0], [0.5, -0.25, -0.25]])  # onehot - p, per used row
     g2 = torch.tensor([[0.0, 0.0, 0.0], [-0.5, 0.75, -0.25], [0.0, 0.0, 0.0]])
@@ -266,8 +263,7 @@ def test_lora_agent_fisher_is_keyed_by_base_names_and_merges(tiny, tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32)
     lora = peft.get_peft_model(
-        model,
-        peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False),
+        model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
     )
     lora.save_pretrained(tmp_path / "adapter")
     prompts = tmp_path / "p.txt"

@@ -40,10 +40,7 @@ def test_an_exception_names_the_stage_and_function():
 @pytest.mark.parametrize(
     ("returned", "message"),
     [
-        (
-            1.0,
-            "stage 'coding': reward function pkg:f returned float; return a list with one float per completion",
-        ),
+        (1.0, "stage 'coding': reward function pkg:f returned float; return a list with one float per completion"),
         ([1.0], "stage 'coding': reward function pkg:f returned 1 values for 2 completions"),
         ([1.0, float("nan")], "stage 'coding': reward function pkg:f"),
     ],

@@ -9,11 +9,7 @@ from ram_trl.evaluation.rewards import StageFailure
 from ram_trl.evaluation.scoring import EvalTask, score_completions
 from ram_trl.recipes.tasks import arithmetic_reward, recall_reward
 
-ROWS = [
-    {"prompt": "37+45=", "answer": "82"},
-    {"prompt": "2*3=", "answer": "6"},
-    {"prompt": "9-9=", "answer": "0"},
-]
+ROWS = [{"prompt": "37+45=", "answer": "82"}, {"prompt": "2*3=", "answer": "6"}, {"prompt": "9-9=", "answer": "0"}]
 
 
 def test_scores_are_sums_over_the_functions():

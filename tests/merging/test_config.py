@@ -191,8 +191,7 @@ models:
 def test_gradient_refusals_are_one_line(dirs):
     with pytest.raises(ConfigError, match="no config.json with num_hidden_layers"):
         _resolve(
-            dirs,
-            "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: [0.1, 0.5]}}]\n",
+            dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a, parameters: {density: [0.1, 0.5]}}]\n"
         )
     with pytest.raises(ConfigError, match="parameter 'r' takes one value for the whole merge") as info:
         _resolve(
@@ -359,10 +358,7 @@ def test_tokenizer_block_and_sources(dirs):
     resolved = _resolve(dirs, "merge_method: ties\nbase_model: base\nmodels: [{model: a}]\ntokenizer: {source: a}\n")
     assert resolved.tokenizer_source == dirs / "a"
     for extra, needle in [
-        (
-            "tokenizer: {source: base, tokens: {x: {source: a}}}",
-            r"tokenizer.tokens\['x'\]: .*base has no row",
-        ),
+        ("tokenizer: {source: base, tokens: {x: {source: a}}}", r"tokenizer.tokens\['x'\]: .*base has no row"),
         ("tokenizer: {source: base, tokens: {x: 1}}", r"a rule is \{source: MODEL, force: BOOL\}, got 1"),
         (
             "tokenizer: {source: base, pad_to_multiple_of: 8}",
@@ -384,11 +380,7 @@ def test_tokenizer_block_and_sources(dirs):
 
 def test_chat_template_names_literals_and_auto(dirs):
     def template(value):
-        config = {
-            "merge_method": "ties",
-            "base_model": str(dirs / "base"),
-            "models": [{"model": str(dirs / "a")}],
-        }
+        config = {"merge_method": "ties", "base_model": str(dirs / "base"), "models": [{"model": str(dirs / "a")}]}
         return resolve_config(*load_config({**config, "chat_template": value})).chat_template
 
     # auto with no template among the inputs sets none, as mergekit 0.1.5 does (it used to be refused)
@@ -405,11 +397,7 @@ def test_chat_template_names_literals_and_auto(dirs):
 
 def test_a_chat_template_that_does_not_compile_is_refused_naming_its_origin(dirs):
     def template(value):
-        config = {
-            "merge_method": "ties",
-            "base_model": str(dirs / "base"),
-            "models": [{"model": str(dirs / "a")}],
-        }
+        config = {"merge_method": "ties", "base_model": str(dirs / "base"), "models": [{"model": str(dirs / "a")}]}
         return resolve_config(*load_config({**config, "chat_template": value})).chat_template
 
     broken = "{% for m in messages %}{{ m['content'] }}"  # no endfor
@@ -430,8 +418,7 @@ def test_bad_dtype_and_choice(dirs):
         _resolve(dirs, "merge_method: ram\nbase_model: base\nmodels: [{model: a}]\nout_dtype: int3\n")
     with pytest.raises(ConfigError, match="rho_scope"):
         _resolve(
-            dirs,
-            "merge_method: ram_plus\nbase_model: base\nmodels: [{model: a}]\nparameters: {rho_scope: layer}\n",
+            dirs, "merge_method: ram_plus\nbase_model: base\nmodels: [{model: a}]\nparameters: {rho_scope: layer}\n"
         )
 
 

@@ -30,10 +30,7 @@ def rl_checkpoints(tmp_path_factory):
         root / "base", hidden_size=32, num_layers=2, intermediate_size=64, max_shard_size="40KB"
     )
     agents = make_agent_set(base, root, densities=(0.03, 0.46, 0.54), overlap=0.5, seed=11)
-    state = {
-        "base": reference.load_state_dict(base),
-        "agents": [reference.load_state_dict(a) for a in agents],
-    }
+    state = {"base": reference.load_state_dict(base), "agents": [reference.load_state_dict(a) for a in agents]}
     return root, base, agents, state
 
 
@@ -83,11 +80,7 @@ def test_inputs_are_rl_like(rl_checkpoints):
         ("ram_plus", {"r": 0.1, "alpha": 2.0}, {"r": 0.1, "alpha": 2.0}),
         ("ram_plus", {"r": 0.2, "alpha": 0.5}, {"r": 0.2, "alpha": 0.5}),
         ("ram_plus_soft", {"r": 0.1}, {"r": 0.1, "soft": True}),
-        (
-            "ram_plus",
-            {"r": 0.1, "alpha": 0.2, "rho_scope": "tensor"},
-            {"r": 0.1, "alpha": 0.2, "scope": "tensor"},
-        ),
+        ("ram_plus", {"r": 0.1, "alpha": 0.2, "rho_scope": "tensor"}, {"r": 0.1, "alpha": 0.2, "scope": "tensor"}),
     ],
 )
 def test_ram_family_matches_reference(rl_checkpoints, tmp_path, method, params, kwargs):
@@ -143,11 +136,7 @@ def test_dare_matches_reference_and_ignores_chunking(rl_checkpoints, tmp_path, m
     _, base, agents, state = rl_checkpoints
     weights, densities = [1.0, 0.5, 0.5], [0.5, 0.3, 0.9]
     config = _config(
-        base,
-        agents,
-        method,
-        {},
-        [{"weight": w, "density": d} for w, d in zip(weights, densities, strict=True)],
+        base, agents, method, {}, [{"weight": w, "density": d} for w, d in zip(weights, densities, strict=True)]
     )
     config["seed"] = 5
     ram_trl.merge(config, tmp_path / "small", chunk_budget=CHUNK_BUDGET, progress=False)
@@ -276,10 +265,7 @@ def test_ram_unique_matches_reference(rl_checkpoints, tmp_path, agent):
 def test_ties_at_density_one_matches_reference(rl_checkpoints, tmp_path):
     _, base, agents, state = rl_checkpoints
     ram_trl.merge(
-        _config(base, agents, "ties", {"density": 1.0}),
-        tmp_path / "out",
-        chunk_budget=CHUNK_BUDGET,
-        progress=False,
+        _config(base, agents, "ties", {"density": 1.0}), tmp_path / "out", chunk_budget=CHUNK_BUDGET, progress=False
     )
     expected = reference.ties_reference(state["base"], state["agents"], [1.0] * 3, [1.0] * 3)
     _assert_matches(tmp_path / "out", expected, state["base"])

@@ -14,12 +14,7 @@ from safetensors.torch import save_file
 
 from ram_trl.errors import CheckpointError
 from ram_trl.io.checkpoint import open_checkpoint
-from ram_trl.merging.planner import (
-    PROCESS_BASELINE_BYTES,
-    bytes_per_element,
-    chunk_elements,
-    plan_shards,
-)
+from ram_trl.merging.planner import PROCESS_BASELINE_BYTES, bytes_per_element, chunk_elements, plan_shards
 from tests.helpers import (
     BIAS,
     DOWN,

@@ -39,11 +39,7 @@ def test_report_counts_rho_and_lambda(config, tmp_path):
     assert report["parameters"] == {"eps": 1e-5, "r": 0.1, "alpha": 2.0, "rho_scope": "global"}
     assert report["total_elements"] == 7 and report["num_agents"] == 3
     got = [(a["active"], a["unique"], a["shared"], a["rho"], a["lambda"]) for a in report["agents"]]
-    assert got == [
-        (4, 2, 2, 1.0, pytest.approx(1.1)),
-        (3, 1, 2, 2.0, pytest.approx(1.2)),
-        (1, 0, 1, "inf", 1.2),
-    ]
+    assert got == [(4, 2, 2, 1.0, pytest.approx(1.1)), (3, 1, 2, 2.0, pytest.approx(1.2)), (1, 0, 1, "inf", 1.2)]
     assert [a["density"] for a in report["agents"]] == [4 / 7, 3 / 7, 1 / 7]
     assert [a["name"] for a in report["agents"]] == ["agent0", "agent1", "agent2"]
     assert report["output"] == {

@@ -18,12 +18,7 @@ import ram_trl
 from ram_trl.errors import RamTrlError
 from tests.helpers import assert_no_output, qwen_model
 
-MERGEKIT_FILES = (
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "generation_config.json",
-)
+MERGEKIT_FILES = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json", "generation_config.json")
 
 
 def _llama(path: Path, seed: int, tokenizer: bool = False, **overrides: Any) -> Path:
@@ -156,10 +151,7 @@ def test_one_model_in_models_is_copied_whole_as_mergekit_copies_it(llamas, tmp_p
             lambda c, m: c["slices"][0]["sources"].append({"model": str(m["b"]), "layer_range": [0, 8]}),
             "lists 2 sources",
         ),
-        (
-            lambda c, m: c["slices"][1]["sources"][0].update(layer_range=[4, 13]),
-            "is not within its layers [0, 12]",
-        ),
+        (lambda c, m: c["slices"][1]["sources"][0].update(layer_range=[4, 13]), "is not within its layers [0, 12]"),
         (lambda c, m: c["slices"][1]["sources"][0].update(layer_range=[4, 4]), "layer_range [4, 4]"),
         (lambda c, m: c.update(tokenizer_source=str(m["b"])), "tokenizer source with passthrough"),
         (
@@ -186,8 +178,7 @@ def test_layers_of_another_architecture_are_refused(llamas, tmp_path):
     stack = _stack(llamas)
     stack["slices"][1]["sources"][0] = {"model": str(wide), "layer_range": [0, 4]}
     with pytest.raises(
-        RamTrlError,
-        match=r"layer 0 of .*wide does not match the first output layer \(tensor 'model.layers.0.mlp",
+        RamTrlError, match=r"layer 0 of .*wide does not match the first output layer \(tensor 'model.layers.0.mlp"
     ):
         ram_trl.merge(stack, tmp_path / "out", progress=False)
     assert_no_output(tmp_path / "out")

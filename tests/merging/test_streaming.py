@@ -46,10 +46,7 @@ def _setup(root, *, extra_agent=None, chunk_elements=24, shape_mismatch="error")
     if extra_agent is not None:
         agents.append(open_checkpoint(extra_agent, f"agent {len(agents)}"))
     plan = plan_for(
-        base,
-        agents,
-        shape_mismatch=shape_mismatch,
-        chunk_budget=bytes_per_element(len(agents)) * chunk_elements,
+        base, agents, shape_mismatch=shape_mismatch, chunk_budget=bytes_per_element(len(agents)) * chunk_elements
     )
     return ckpts, base, agents, plan
 
@@ -112,11 +109,7 @@ def test_resized_agent_rows_and_extra_rows(tmp_path):
     extra = save_checkpoint(tmp_path / "big", bigger, vocab_size=20)
     _, base, agents, plan = _setup(tmp_path, extra_agent=extra, shape_mismatch="merge_common_rows")
     embed = [t for t in plan.tasks if t.name == EMBED]
-    assert [(a, b) for _, a, b in chunk_refs(embed, floating_only=False)][-3:] == [
-        (15, 16),
-        (16, 19),
-        (19, 20),
-    ]
+    assert [(a, b) for _, a, b in chunk_refs(embed, floating_only=False)][-3:] == [(15, 16), (16, 19), (19, 20)]
     with RowReader() as reader:
         merged_rows = [(c.start, c.stop) for c in iter_chunks(base, agents, embed, reader)]
         all_rows = [

@@ -60,10 +60,7 @@ def test_arm_r_v2_is_ram_plus_with_alpha_1(tmp_path):
     # shared elements: the mean of the active values; unique ones: lambda_t * tau_t; 0 where nobody is active
     by_hand = [0.375, 0.3125, 0.15625, 0.15625, 0.46875, 0.5, 0.75, 0.0]
     merged, report = _merge(tmp_path, "ram_plus", {"r": R - 1, "alpha": 1.0})
-    assert [a["unique"] for a in report["agents"]] == [4, 1] and [a["shared"] for a in report["agents"]] == [
-        2,
-        2,
-    ]
+    assert [a["unique"] for a in report["agents"]] == [4, 1] and [a["shared"] for a in report["agents"]] == [2, 2]
     assert [a["lambda"] for a in report["agents"]] == [1.25, 1.5]
     assert merged.tolist() == by_hand
     # the paper's default alpha = 2 differs exactly where rho_t > 1: agent 2's unique element, 1 + 0.5 * 2 = 2

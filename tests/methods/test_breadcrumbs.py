@@ -60,11 +60,7 @@ def _inputs(method: str, tau: list[list[float]], density: float, gamma: float, w
     deltas = torch.tensor(tau)
     params = {p.name: p.default for p in meth.parameters if p.scope == "global"}
     prepared = [outlier_cut(row.abs(), density, gamma, False) for row in deltas]
-    agent = {
-        "weight": torch.tensor(weights),
-        "density": torch.full((2,), density),
-        "gamma": torch.full((2,), gamma),
-    }
+    agent = {"weight": torch.tensor(weights), "density": torch.full((2,), density), "gamma": torch.full((2,), gamma)}
     return ChunkInputs("t", 0, deltas, torch.zeros(deltas.shape[1]), params, agent, prepared=prepared, seen=[0] * 4)
 
 

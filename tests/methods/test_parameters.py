@@ -6,15 +6,7 @@ from __future__ import annotations
 from ram_trl import defaults
 from ram_trl.methods import resolve_method
 from ram_trl.methods.base import Parameter
-from ram_trl.methods.parameters import (
-    INT8_MASK,
-    LAMBDA,
-    WEIGHT,
-    density,
-    normalize,
-    rescale,
-    sparsified_parameters,
-)
+from ram_trl.methods.parameters import INT8_MASK, LAMBDA, WEIGHT, density, normalize, rescale, sparsified_parameters
 
 
 def test_shared_parameters_carry_the_defaults():
@@ -31,22 +23,11 @@ def test_sparsified_parameters_are_listed_in_order_with_the_methods_own_before_i
     own = Parameter("gamma", float, 0.01, "agent", "outliers")
     names = [p.name for p in sparsified_parameters(False, "n", True, "r", "d", own)]
     assert names == ["lambda", "normalize", "rescale", "weight", "density", "gamma", "int8_mask"]
-    assert [p.name for p in sparsified_parameters(False, "n", True, "r", "d")][-2:] == [
-        "density",
-        "int8_mask",
-    ]
+    assert [p.name for p in sparsified_parameters(False, "n", True, "r", "d")][-2:] == ["density", "int8_mask"]
 
 
 def test_methods_share_one_definition():
-    for name in (
-        "task_arithmetic",
-        "ties",
-        "dare_linear",
-        "dare_ties",
-        "breadcrumbs",
-        "della",
-        "della_linear",
-    ):
+    for name in ("task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "della", "della_linear"):
         method, _ = resolve_method(name)
         assert method.parameter("lambda") is LAMBDA, name
         assert method.parameter("weight") is WEIGHT, name

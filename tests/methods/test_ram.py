@@ -18,11 +18,7 @@ F = torch.float32
 # Seven elements, three agents. Per element: e0 no agent; e1 only agent 0; e2 agents 0 and 1; e3 all three;
 # e4 agent 0 at exactly eps (inactive: the threshold is strict); e5 only agent 1 (2e-5 > eps); e6 only agent 0.
 TAUS = torch.tensor(
-    [
-        [0.0, 0.5, 0.2, 0.3, 1e-5, 0.0, 0.1],
-        [0.0, 0.0, 0.4, -0.3, 0.0, 2e-5, 0.0],
-        [0.0, 0.0, 0.0, 0.6, 0.0, 0.0, 0.0],
-    ],
+    [[0.0, 0.5, 0.2, 0.3, 1e-5, 0.0, 0.1], [0.0, 0.0, 0.4, -0.3, 0.0, 2e-5, 0.0], [0.0, 0.0, 0.0, 0.6, 0.0, 0.0, 0.0]],
     dtype=F,
 )
 

@@ -128,12 +128,7 @@ EXPECTED = {
         True,
         False,
         False,
-        {
-            "eps": (1e-5, "global"),
-            "r": (0.1, "global"),
-            "alpha": (2.0, "global"),
-            "rho_scope": ("global", "global"),
-        },
+        {"eps": (1e-5, "global"), "r": (0.1, "global"), "alpha": (2.0, "global"), "rho_scope": ("global", "global")},
     ),
     "ram_plus_soft": (
         True,
@@ -172,11 +167,7 @@ def test_methods_flags_parameters_and_defaults():
     for name, (statistics, trims, fisher, parameters) in EXPECTED.items():
         method, overrides = resolve_method(name)
         assert (method.name, overrides) == (name, {})
-        assert (method.needs_statistics, method.prepares_tensors, method.needs_fisher) == (
-            statistics,
-            trims,
-            fisher,
-        )
+        assert (method.needs_statistics, method.prepares_tensors, method.needs_fisher) == (statistics, trims, fisher)
         assert {p.name: (p.default, p.scope) for p in method.parameters} == parameters, name
         assert method.pretty_name and method.description
 

@@ -43,12 +43,7 @@ def test_validation_leaves_the_test_rows_unchanged_and_can_be_sized_or_off(tmp_p
     assert len(draw_splits(sized, tmp_path)[2]) == 8
     few = StageSpec(
         name="f",
-        prompts={
-            "generator": "tests.recipes.failing:few_prompts",
-            "train_size": 1,
-            "eval_size": 1,
-            "val_size": 2,
-        },
+        prompts={"generator": "tests.recipes.failing:few_prompts", "train_size": 1, "eval_size": 1, "val_size": 2},
         rewards=base.rewards,
     )
     with pytest.raises(ConfigError, match=r"stage 'f': only 1 of prompts.val_size=2 validation prompts"):

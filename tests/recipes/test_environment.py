@@ -107,16 +107,8 @@ ZERO3 = {"zero_stage": 3, "zero3_save_16bit_model": True}
         ({"distributed_type": "FSDP"}, {}, "does not support FSDP"),
         ({"deepspeed_config": ZERO3}, {"preview": {"method": "ties"}}, "method 'ties' needs whole"),
         ({"deepspeed_config": ZERO3}, {"peft": {"r": 4}}, "PEFT \\(LoRA\\) stage is not supported"),
-        (
-            {"deepspeed_config": {"deepspeed_config_file": "ds.json"}},
-            {"preview": {"method": "della"}},
-            "della",
-        ),
-        (
-            {"deepspeed_config": {"zero_stage": 3}},
-            {},
-            "needs stage3_gather_16bit_weights_on_model_save: true",
-        ),
+        ({"deepspeed_config": {"deepspeed_config_file": "ds.json"}}, {"preview": {"method": "della"}}, "della"),
+        ({"deepspeed_config": {"zero_stage": 3}}, {}, "needs stage3_gather_16bit_weights_on_model_save: true"),
         ({"deepspeed_config": ZERO3}, {}, None),
         ({"deepspeed_config": {"deepspeed_config_file": "ds.json"}}, {}, None),
         ({"deepspeed_config": {"zero_stage": 2}}, {"preview": {"method": "ties"}}, None),

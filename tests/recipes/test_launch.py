@@ -36,18 +36,8 @@ def test_stage_command_runs_the_stage_module_on_the_run_files(tmp_path):
         str(tmp_path / "run" / "data" / "coding" / "train.jsonl"),
     ]
     module = [sys.executable, "-m", "ram_trl.recipes.stage"]
-    assert run.launcher.stage_command(stage) == [
-        *module,
-        *files,
-        "--out",
-        str(tmp_path / "run" / "stages" / "coding"),
-    ]
-    assert run.launcher.stage_command(stage, tmp_path / "work") == [
-        *module,
-        *files,
-        "--out",
-        str(tmp_path / "work"),
-    ]
+    assert run.launcher.stage_command(stage) == [*module, *files, "--out", str(tmp_path / "run" / "stages" / "coding")]
+    assert run.launcher.stage_command(stage, tmp_path / "work") == [*module, *files, "--out", str(tmp_path / "work")]
     recipe, root = load_recipe(recipe_dict(stages={"*": {"accelerate_config": str(tmp_path / "cpu.yaml")}}))
     launched = Run(recipe, root, tmp_path / "run", RunOptions(progress=False)).launcher.stage_command(recipe.stages[0])
     assert launched[:5] == [

@@ -15,10 +15,7 @@ def test_paths_of_a_run(tmp_path):
     """A built base goes to RUN/base_init, a warm-started one to RUN/base; a trained stage's agent to
     RUN/stages/NAME, a given checkpoint stays where the recipe (relative to its directory) puts it."""
     data = recipe_dict(
-        stages=[
-            {**recipe_dict()["stages"][0], "name": "trained"},
-            {"name": "given", "checkpoint": "agents/given"},
-        ]
+        stages=[{**recipe_dict()["stages"][0], "name": "trained"}, {"name": "given", "checkpoint": "agents/given"}]
     )
     recipe, _ = load_recipe(data)
     run = RunLayout(recipe, tmp_path / "recipes", tmp_path / "run", RunOptions())

@@ -32,12 +32,7 @@ def _with_mechanism_rows() -> dict:
         _merge("ram_half", "ram", {"unique_scale": 0.5}, same, same, 1.5),
         # TA at lambda 0.5 and 1 (norms 1 and 2): 1.0 is best on validation and matches RAM's norm
         _merge(
-            "ta(lambda=0.5)",
-            "task_arithmetic",
-            {"lambda": 0.5},
-            same,
-            {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0]},
-            1.0,
+            "ta(lambda=0.5)", "task_arithmetic", {"lambda": 0.5}, same, {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0]}, 1.0
         ),
         _merge("ta(lambda=1)", "ta", {"lambda": 1.0}, {"a": [1, 1, 1, 0], "b": [1, 1, 1, 1]}, same, 2.1),
         _merge("ties_d1", "ties", {"density": 1.0}, same, same),

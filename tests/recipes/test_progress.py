@@ -39,13 +39,7 @@ def test_steps_get_a_line_at_each_tenth_only():
 def test_counting_from_first_a_line_every_n_steps_with_the_time_left():
     lines = []
     progress = Progress(
-        "warm start (answers): step",
-        700,
-        bar=False,
-        write=lines.append,
-        every_item=False,
-        first=600,
-        every=60,
+        "warm start (answers): step", 700, bar=False, write=lines.append, every_item=False, first=600, every=60
     )
     progress.start -= 30  # step 660 ends 30 s after step 600
     for step in range(601, 701):

@@ -12,13 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ram_trl.evaluation import EvalTask
-from ram_trl.recipes.reuse import (
-    EVALUATION_KEY,
-    evaluation_key,
-    model_digest,
-    reusable_evaluation,
-    reward_digests,
-)
+from ram_trl.recipes.reuse import EVALUATION_KEY, evaluation_key, model_digest, reusable_evaluation, reward_digests
 
 REWARD = "ram_trl.recipes.tasks:arithmetic_reward"
 
@@ -196,7 +190,7 @@ def test_a_reward_that_cannot_be_keyed_is_scored_again(tmp_path, monkeypatch):
         {
             "i34_opaque": "import functools\nclass Opaque:\n    pass\n"
             "def scaled(completions, k, **kw):\n    return [0.0] * len(completions)\n"
-            "reward = functools.partial(scaled, k=Opaque())\n",
+            "reward = functools.partial(scaled, k=Opaque())\n"
         },
     )
     tasks = [EvalTask("coding", [{"prompt": "1+1=", "answer": "2"}], ["i34_opaque:reward"], split="test")]

@@ -224,18 +224,7 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
     json_out = out / "eval_val.json"
     row = results["rows"][4]
     assert (
-        main(
-            [
-                "eval",
-                row["path"],
-                "--recipe",
-                str(out / "recipe.yaml"),
-                "--split",
-                "val",
-                "--json",
-                str(json_out),
-            ]
-        )
+        main(["eval", row["path"], "--recipe", str(out / "recipe.yaml"), "--split", "val", "--json", str(json_out)])
         == 0
     )
     scored = json.loads(json_out.read_text())

@@ -73,12 +73,7 @@ def test_schema_errors_say_what_to_change(tmp_path):
     with pytest.raises(ConfigError, match="base: 'gguf_member' applies to 'gguf: ARCHIVE'"):
         load_recipe(recipe_dict(base={"gguf_member": "a/m.gguf"}))
     gguf = load_recipe(recipe_dict(base={"build": None, "gguf": "m.whl", "gguf_member": "a/m.gguf"}))[0].base
-    assert (gguf.gguf, gguf.gguf_member, gguf.gguf_dtype, gguf.build) == (
-        "m.whl",
-        "a/m.gguf",
-        "bfloat16",
-        None,
-    )
+    assert (gguf.gguf, gguf.gguf_member, gguf.gguf_dtype, gguf.build) == ("m.whl", "a/m.gguf", "bfloat16", None)
     with pytest.raises(ConfigError, match="stage name 'coding' is used twice"):
         data = recipe_dict()
         data["stages"] = data["stages"] * 2
@@ -100,11 +95,7 @@ def test_schema_errors_say_what_to_change(tmp_path):
 def test_overrides_update_every_stage():
     data = apply_overrides(recipe_dict(), {"stages": {"*": {"config": {"max_steps": 7}}}, "seed": 3})
     assert data["seed"] == 3
-    assert data["stages"][0]["config"] == {
-        "max_steps": 7,
-        "per_device_train_batch_size": 4,
-        "num_generations": 4,
-    }
+    assert data["stages"][0]["config"] == {"max_steps": 7, "per_device_train_batch_size": 4, "num_generations": 4}
 
 
 def test_repository_demo_recipe_is_the_package_data():
@@ -181,10 +172,7 @@ def test_preview_settings_are_validated():
 def test_preview_needs_validation_prompts_on_every_earlier_stage():
     data = recipe_dict()
     second = {**data["stages"][0], "name": "tools", "preview": {}}
-    data["stages"] = [
-        {**data["stages"][0], "prompts": {**data["stages"][0]["prompts"], "val_size": 0}},
-        second,
-    ]
+    data["stages"] = [{**data["stages"][0], "prompts": {**data["stages"][0]["prompts"], "val_size": 0}}, second]
     with pytest.raises(ConfigError, match="stage 'tools': 'preview:' .* stage 'coding' has none"):
         load_recipe(data)
     existing = {"name": "old", "checkpoint": "agents/old", "preview": {}}
@@ -204,8 +192,7 @@ def test_merges_are_written_in_float32_unless_the_recipe_names_a_dtype():
 
 def test_ram_unique_must_name_a_stage():
     with pytest.raises(
-        ConfigError,
-        match=r"merge 'ram_unique': parameters.agent: agent 'tools' is not one of the merged agents",
+        ConfigError, match=r"merge 'ram_unique': parameters.agent: agent 'tools' is not one of the merged agents"
     ):
         check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "tools"}}]))
     assert check_recipe(recipe_dict(merges=[{"method": "ram_unique", "parameters": {"agent": "coding"}}])) == []

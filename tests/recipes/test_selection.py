@@ -9,13 +9,7 @@ import math
 import pytest
 
 from ram_trl.recipes.results_markdown import markdown
-from ram_trl.recipes.selection import (
-    add_statistics,
-    aggregate_seeds,
-    regime_from_analysis,
-    row_average,
-    select_merges,
-)
+from ram_trl.recipes.selection import add_statistics, aggregate_seeds, regime_from_analysis, row_average, select_merges
 from tests.recipes.results_rows import hand_made, results_row
 
 
@@ -95,10 +89,7 @@ def test_selection_ignores_test_scores_and_follows_validation():
         row["rewards"] = {s: [1 - x for x in r] for s, r in row["rewards"].items()}
     assert add_statistics(swapped)["selection"] == results["selection"]
     flipped = hand_made()
-    flipped["rows"][3]["val"], flipped["rows"][4]["val"] = (
-        flipped["rows"][4]["val"],
-        flipped["rows"][3]["val"],
-    )
+    flipped["rows"][3]["val"], flipped["rows"][4]["val"] = (flipped["rows"][4]["val"], flipped["rows"][3]["val"])
     assert add_statistics(flipped)["selection"]["ship"] == "m2"
     assert select_merges(hand_made())["columns"] == {"a": "m1", "b": "m1", "average": "m1"}
 
@@ -159,14 +150,7 @@ def test_regime_from_analysis():
     analysis = {
         "agents": [
             {"name": "A", "active": 8, "unique": 2, "density": 0.5, "rho": 3.0, "lambda": {"ram_plus": 1.2}},
-            {
-                "name": "B",
-                "active": 0,
-                "unique": 0,
-                "density": 0.0,
-                "rho": "inf",
-                "lambda": {"ram_plus": 1.2},
-            },
+            {"name": "B", "active": 0, "unique": 0, "density": 0.0, "rho": "inf", "lambda": {"ram_plus": 1.2}},
         ]
     }
     assert regime_from_analysis(analysis) == {

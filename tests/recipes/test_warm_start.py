@@ -113,12 +113,7 @@ def test_the_abstaining_phase_follows_the_answers_and_teaches_the_reply(tmp_path
     plain = warm_start(tmp_path / "init", tmp_path / "plain", rows, WarmStartSpec(steps=30, **common), progress=False)
     assert plain["steps"] == 30 and plain["abstaining_rows"] == 0
     spec = WarmStartSpec(
-        steps=30,
-        abstain_share=0.5,
-        abstain_steps=40,
-        abstain_learning_rate=1e-2,
-        abstain_reply="zz",
-        **common,
+        steps=30, abstain_share=0.5, abstain_steps=40, abstain_learning_rate=1e-2, abstain_reply="zz", **common
     )
     record = warm_start(tmp_path / "init", tmp_path / "abstains", rows, spec, progress=False)
     assert record["steps"] == 70  # 30 on the answers, then 40 with half the rows abstaining

@@ -93,18 +93,8 @@ def test_criterion_and_decline_target_in_words():
 def test_the_summary_shouts_when_a_cap_was_hit():
     acceptance = {
         "phases": {
-            "answers": {
-                "steps": 1500,
-                "cap": 1500,
-                "met": False,
-                "checks": [{"step": 1500, "values": {"a": 0.1}}],
-            },
-            "abstain": {
-                "steps": 50,
-                "cap": 300,
-                "met": True,
-                "checks": [{"step": 50, "values": {"a": 0.45}}],
-            },
+            "answers": {"steps": 1500, "cap": 1500, "met": False, "checks": [{"step": 1500, "values": {"a": 0.1}}]},
+            "abstain": {"steps": 50, "cap": 300, "met": True, "checks": [{"step": 50, "values": {"a": 0.45}}]},
         },
         "final": {"pass_at_k": {"a": 0.125}, "decline": {"a": 0.5}},
     }
@@ -184,11 +174,7 @@ def test_a_warm_start_that_hits_its_cap_is_flagged_and_recorded(tmp_path, capsys
     assert acceptance == record["acceptance"]
     assert acceptance["accepted"] is False
     answers, abstain = acceptance["phases"]["answers"], acceptance["phases"]["abstain"]
-    assert (answers["steps"], answers["met"], [c["step"] for c in answers["checks"]]) == (
-        12,
-        False,
-        [5, 10, 12],
-    )
+    assert (answers["steps"], answers["met"], [c["step"] for c in answers["checks"]]) == (12, False, [5, 10, 12])
     assert all(c["values"] == {"t": 0.0} for c in answers["checks"])
     # target max(0, 0.5 - 1.0) = 0: met at the first check, after abstain_steps
     assert (abstain["steps"], abstain["met"], [c["step"] for c in abstain["checks"]]) == (6, True, [6])
@@ -298,13 +284,7 @@ def test_the_seed_flag_reaches_every_seed_of_the_run(monkeypatch, quick):
     recipe, _ = load_recipe(DEMO_RECIPE, _demo_overrides(monkeypatch, ["--seed", "3", *quick]))
     seeds = dict(_seeds(recipe.model_dump()))
     # the base, the warm start and its check, every stage's prompts, the trainers and merges, the evaluation
-    for field in (
-        ".seed",
-        ".base.build.seed",
-        ".warm_start.seed",
-        ".warm_start.accept.seed",
-        ".evaluation.seed",
-    ):
+    for field in (".seed", ".base.build.seed", ".warm_start.seed", ".warm_start.accept.seed", ".evaluation.seed"):
         assert seeds.pop(field) == 3, field
     for i in range(len(recipe.stages)):
         assert seeds.pop(f".stages[{i}].prompts.seed") == 3
@@ -360,11 +340,7 @@ def test_check_rows_skip_training_prompts_and_leave_the_warm_start():
     train = [{"prompt": "a"}, {"prompt": "c"}]
     kept, check = split_check_rows(warm, train, 2)
     assert [r["prompt"] for r in check] == ["b", "d"]  # the first two warm rows that are not training prompts
-    assert [r["prompt"] for r in kept] == [
-        "a",
-        "c",
-        "e",
-    ]  # no row of a check prompt is trained on (the 2nd "b")
+    assert [r["prompt"] for r in kept] == ["a", "c", "e"]  # no row of a check prompt is trained on (the 2nd "b")
     assert split_check_rows(warm, train, 10)[1] == [r for r in warm if r["prompt"] not in "ac"]
 
 

@@ -13,11 +13,7 @@ from ram_trl.stage.save import check_finite_agent
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_finiteness_check_finds_every_nan_and_inf(dtype, tmp_path):
 
-    clean = {
-        "a": torch.randn(1000).to(dtype),
-        "b": torch.randn(7, 33).to(dtype),
-        "empty": torch.empty(0, dtype=dtype),
-    }
+    clean = {"a": torch.randn(1000).to(dtype), "b": torch.randn(7, 33).to(dtype), "empty": torch.empty(0, dtype=dtype)}
     check_finite_agent({**clean, "ids": torch.arange(4)}, dtype, tmp_path)
     for value in (float("nan"), float("inf"), float("-inf")):
         for position in (0, 500, 999):  # the first, a middle and the last element (vectorised tails included)

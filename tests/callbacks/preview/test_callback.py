@@ -75,10 +75,7 @@ def test_preview_is_the_merge_of_the_kept_checkpoint(base, first, train, tmp_pat
     specialists = {"first": record["specialist_scores"]["first"], "second": kept_record["agent_score"]}
     for name in ("first", "second"):
         expected = retention(
-            kept_record["scores"][name],
-            record["base_scores"][name],
-            specialists[name],
-            EVALUATION.retention_min_gain,
+            kept_record["scores"][name], record["base_scores"][name], specialists[name], EVALUATION.retention_min_gain
         )
         key = f"{P}retention/{name}"
         assert logged[kept - 1].get(key) == expected

@@ -27,14 +27,7 @@ from ram_trl.evaluation.spec import EvaluationSpec  # noqa: E402
 from ram_trl.stage.manifest import read_manifest  # noqa: E402
 from ram_trl.synthetic import make_base_checkpoint  # noqa: E402
 from tests._launch import free_port, run_job  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    distinct_chars,
-    load_checkpoint,
-    preview_tasks,
-    rl_config,
-    rl_prompts,
-    train_rl,
-)
+from tests.helpers import distinct_chars, load_checkpoint, preview_tasks, rl_config, rl_prompts, train_rl  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -123,12 +116,7 @@ def test_merged_partitions_are_the_merge_of_the_saved_checkpoints_bit_for_bit(ru
         merged = run["root"] / f"merged-{step}"
         models = [{"stage": str(run["first"])}, {"model": str(agent), "name": "second"}]
         ram_trl.merge(
-            {
-                "merge_method": "ram_plus",
-                "base_model": str(run["base"]),
-                "models": models,
-                "out_dtype": "float32",
-            },
+            {"merge_method": "ram_plus", "base_model": str(run["base"]), "models": models, "out_dtype": "float32"},
             merged,
             progress=False,
         )

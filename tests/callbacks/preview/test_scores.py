@@ -30,19 +30,10 @@ def test_record_retention_golden():
     < min_gain); this stage's specialist is the policy (the record's agent_score)."""
     record = {"scores": {"first": 0.625, "second": 0.875}, "agent_score": 0.5}
     base, specialists = {"first": 0.25, "second": 0.5}, {"first": 0.75}
-    assert record_retention(record, base, specialists, ["first", "second"], 0.02) == {
-        "first": 0.75,
-        "second": None,
-    }
+    assert record_retention(record, base, specialists, ["first", "second"], 0.02) == {"first": 0.75, "second": None}
     record["agent_score"] = 0.75  # gain 0.25: (0.875 - 0.5) / 0.25 = 1.5
-    assert record_retention(record, base, specialists, ["first", "second"], 0.02) == {
-        "first": 0.75,
-        "second": 1.5,
-    }
-    assert record_retention(record, base, specialists, ["first", "second"], 0.3) == {
-        "first": 0.75,
-        "second": None,
-    }
+    assert record_retention(record, base, specialists, ["first", "second"], 0.02) == {"first": 0.75, "second": 1.5}
+    assert record_retention(record, base, specialists, ["first", "second"], 0.3) == {"first": 0.75, "second": None}
 
 
 @pytest.mark.slow
@@ -50,11 +41,7 @@ def test_retention_golden(base, first):
     """Retention of a preview record, hand-computed: (0.625 - 0.25) / (0.75 - 0.25) = 0.75 where the specialist
     gained; undefined where it did not (0.5 - 0.5 = 0 < retention_min_gain); the mean over the defined ones."""
     callback = MergePreviewCallback(
-        base_model=base,
-        prior_stages=[first],
-        stage_name="second",
-        tasks=preview_tasks(),
-        evaluation=EVALUATION,
+        base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION
     )
     callback.base_scores = {"first": 0.25, "second": 0.5}
     callback.specialist_scores = {"first": 0.75}

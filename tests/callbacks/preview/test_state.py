@@ -75,11 +75,7 @@ def test_a_users_scratch_directory_survives_a_preview_run(base, first, train, tm
     (out / WORK_DIR).mkdir(parents=True)
     (out / WORK_DIR / "notes.txt").write_text("mine\n")
     callback = MergePreviewCallback(
-        base_model=base,
-        prior_stages=[first],
-        stage_name="second",
-        tasks=preview_tasks(),
-        evaluation=EVALUATION,
+        base_model=base, prior_stages=[first], stage_name="second", tasks=preview_tasks(), evaluation=EVALUATION
     )
     with pytest.raises(ConfigError, match=rf"^{out / WORK_DIR} exists and is not a merge preview's scratch") as err:
         train(base, out, callback)

@@ -101,10 +101,7 @@ def write_lora_prior(directory: Path) -> Path:
     )
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
     save_file(
-        {
-            f"{prefix}.lora_A.weight": torch.tensor([[1.0, 1.0]]),
-            f"{prefix}.lora_B.weight": torch.tensor([[L], [0.0]]),
-        },
+        {f"{prefix}.lora_A.weight": torch.tensor([[1.0, 1.0]]), f"{prefix}.lora_B.weight": torch.tensor([[L], [0.0]])},
         str(directory / "adapter_model.safetensors"),
     )
     return directory

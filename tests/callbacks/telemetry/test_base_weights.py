@@ -89,8 +89,5 @@ def test_only_full_safetensors_checkpoints_are_mapped(tmp_path):
     torch.save(base_tensors(), path / "pytorch_model.bin")
     (path / "config.json").write_text('{"model_type": "llama"}')
     refused = "is a pickle checkpoint; the telemetry reads the base from a full"
-    with (
-        pytest.warns(UserWarning, match="loading pickle checkpoint"),
-        pytest.raises(CheckpointError, match=refused),
-    ):
+    with pytest.warns(UserWarning, match="loading pickle checkpoint"), pytest.raises(CheckpointError, match=refused):
         MappedCheckpointBase(path)

@@ -80,10 +80,7 @@ def test_partitioned_regions_stay_and_replicated_ones_are_dealt_out():
     layout.regions = [_region(f"r{i}", partitioned=i in (1, 4)) for i in range(6)]
     assert local_regions(layout, DistContext()) == layout.regions  # one process measures everything
     shares = [[r.name for r in local_regions(layout, DistContext(rank=rank, world_size=2))] for rank in range(2)]
-    assert shares == [
-        ["r0", "r1", "r3", "r4"],
-        ["r1", "r2", "r4", "r5"],
-    ]  # replicated: r0 r2 r3 r5, dealt in turn
+    assert shares == [["r0", "r1", "r3", "r4"], ["r1", "r2", "r4", "r5"]]  # replicated: r0 r2 r3 r5, dealt in turn
 
 
 def test_the_chunks_compute_where_a_region_lives():

@@ -64,13 +64,7 @@ def base(tmp_path_factory):
 
 def train_one_step(base, out, **callback_args):
     from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        Trainer,
-        TrainingArguments,
-        default_data_collator,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
     from ram_trl.callbacks import TaskVectorSparsityCallback
 

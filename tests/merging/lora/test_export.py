@@ -224,10 +224,7 @@ def test_norms_biases_and_embeddings_are_saved_in_full_and_restored_exactly(tmp_
     section = report["lora_export"]
     saved = ["model.embed_tokens", "model.layers.0.input_layernorm", "model.norm"]
     assert [s["module"] for s in section["modules_to_save"]] == saved
-    assert section["biases"] == [
-        "model.layers.0.self_attn.q_proj.bias",
-        "model.layers.1.self_attn.k_proj.bias",
-    ]
+    assert section["biases"] == ["model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias"]
     assert [t["module"] for t in section["tensors"]] == ["lm_head", "model.layers.0.self_attn.q_proj"]
     assert section["not_exported"] == []
     adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -313,14 +310,10 @@ def test_no_linear_changed_and_a_tensor_without_a_module(tmp_path):
     base = _save_base(tmp_path / "base")
     state = load_file(str(base / "model.safetensors"))
     save_file(
-        {**state, "model.extra_scale": torch.ones(4)},
-        str(base / "model.safetensors"),
-        metadata={"format": "pt"},
+        {**state, "model.extra_scale": torch.ones(4)}, str(base / "model.safetensors"), metadata={"format": "pt"}
     )
     _full_agent(
-        base,
-        tmp_path / "agent",
-        {"model.norm.weight": torch.full((32,), 0.5), "model.extra_scale": torch.ones(4)},
+        base, tmp_path / "agent", {"model.norm.weight": torch.full((32,), 0.5), "model.extra_scale": torch.ones(4)}
     )
     with pytest.warns(UserWarning, match="model.extra_scale is not exported"):
         report = ram_trl.merge(
@@ -344,14 +337,8 @@ def test_no_linear_changed_and_a_tensor_without_a_module(tmp_path):
 
 BAD_OPTIONS = [
     ({"output_format": "lora", "lora_rank": 0}, "--rank must be an integer >= 1"),
-    (
-        {"output_format": "lora", "lora_max_rank": 4, "lora_energy": 1.5},
-        "--energy must be a number in (0, 1]",
-    ),
-    (
-        {"output_format": "lora", "lora_max_rank": 4, "lora_energy": 0.0},
-        "--energy must be a number in (0, 1]",
-    ),
+    ({"output_format": "lora", "lora_max_rank": 4, "lora_energy": 1.5}, "--energy must be a number in (0, 1]"),
+    ({"output_format": "lora", "lora_max_rank": 4, "lora_energy": 0.0}, "--energy must be a number in (0, 1]"),
     ({"output_format": "full", "lora_rank": 4}, "--rank applies only to --output-format lora"),
     ({"lora_max_rank": 4, "lora_energy": 0.9}, "--max-rank and --energy apply only to --output-format lora"),
     (
@@ -409,11 +396,7 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(lora_export, "_write_adapter", broken)
     with pytest.raises(OSError, match="disk full"):
         ram_trl.merge(
-            _config(base, [tmp_path / "agent"]),
-            tmp_path / "out",
-            progress=False,
-            output_format="lora",
-            lora_rank=2,
+            _config(base, [tmp_path / "agent"]), tmp_path / "out", progress=False, output_format="lora", lora_rank=2
         )
     assert not (tmp_path / "out").exists()
     assert _leftovers(tmp_path) == []

@@ -41,14 +41,8 @@ def test_energy_options_store_a_float():
         ({"output_format": "lora"}, "--output-format lora needs --rank R"),
         ({"output_format": "lora", "max_rank": 4}, "--max-rank needs --energy E"),
         ({"output_format": "lora", "rank": True}, "--rank must be an integer >= 1, got True"),
-        (
-            {"output_format": "lora", "max_rank": 0, "energy": 0.5},
-            "--max-rank must be an integer >= 1, got 0",
-        ),
-        (
-            {"output_format": "lora", "max_rank": 4, "energy": 0.0},
-            "--energy must be a number in (0, 1], got 0.0",
-        ),
+        ({"output_format": "lora", "max_rank": 0, "energy": 0.5}, "--max-rank must be an integer >= 1, got 0"),
+        ({"output_format": "lora", "max_rank": 4, "energy": 0.0}, "--energy must be a number in (0, 1], got 0.0"),
         ({"output_format": "lora", "max_rank": 4, "energy": "0.5"}, "--energy must be a number in (0, 1]"),
     ],
 )

@@ -8,12 +8,7 @@ import torch
 
 from ram_trl.io.safetensors_io import RowReader
 from ram_trl.merging.passes.statistics import method_factors, statistics_pass
-from ram_trl.merging.passes.tensors import (
-    agent_parameter_values,
-    fill_magnitudes,
-    tensor_context,
-    tensor_factors,
-)
+from ram_trl.merging.passes.tensors import agent_parameter_values, fill_magnitudes, tensor_context, tensor_factors
 from ram_trl.parallel import compute_pool, owned_process
 from tests.helpers import DOWN, UP, make_checkpoints, run_context
 
@@ -21,9 +16,7 @@ from tests.helpers import DOWN, UP, make_checkpoints, run_context
 def test_agent_parameters_follow_the_filter_rules(tmp_path):
     ckpts = make_checkpoints(tmp_path, num_agents=2)
     run = run_context(
-        ckpts,
-        "task_arithmetic",
-        agent_parameters={"weight": [{"filter": "up_proj", "value": 0.25}, {"value": 0.75}]},
+        ckpts, "task_arithmetic", agent_parameters={"weight": [{"filter": "up_proj", "value": 0.25}, {"value": 0.75}]}
     )
     up = agent_parameter_values(run.resolved, UP, torch.device("cpu"))
     down = agent_parameter_values(run.resolved, DOWN, torch.device("cpu"))
