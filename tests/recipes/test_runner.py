@@ -32,6 +32,7 @@ MERGES = [
     "ram_plus(r=0.1)",
     "ram_plus(r=0.2)",
     "task_arithmetic(lambda=0.333)",
+    "task_arithmetic(lambda=0.4)",
     "task_arithmetic(lambda=0.5)",
     "task_arithmetic(lambda=0.75)",
     "task_arithmetic(lambda=1)",
