@@ -1,7 +1,10 @@
 """One rank of a 2-process DeepSpeed ZeRO-3 job on CPUs: what ram_trl.callbacks.deepspeed_adapter reads of real partitioned
-parameters and engine. Prints ``RESULT <json>``; run by tests/test_deepspeed_adapter.py."""
+parameters and engine. Writes ``result_rank<R>.json`` in its working directory (not stdout: the ranks share one pipe,
+and two ranks' lines can interleave); run by tests/test_deepspeed_adapter.py."""
 
 import json
+import os
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -52,7 +55,9 @@ def main() -> None:
     adapter.regather_persistent(engine)
     out["regathered"] = {n: p.detach().reshape(-1).tolist() for n, p in engine.module.named_parameters()}
     out["plain"] = adapter.is_partitioned(torch.nn.Parameter(torch.ones(2)))
-    print("RESULT " + json.dumps(out), flush=True)
+    target = Path(f"result_rank{out['rank']}.json")
+    target.with_suffix(".tmp").write_text(json.dumps(out))
+    os.replace(target.with_suffix(".tmp"), target)
 
 
 if __name__ == "__main__":
