@@ -161,7 +161,8 @@ def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **k
     rewards = []
     for completion, want in zip(completions, answer, strict=True):
         line = _answer_line(_completion(completion))
-        ends = line.split()[:1] + line.split()[-1:]
+        tokens = line.split()
+        ends = tokens[:1] + tokens[-1:]
         if line == want:
             rewards.append(1.0)
         elif any(want in (token, token.strip(_AROUND)) for token in ends):
