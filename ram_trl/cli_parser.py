@@ -7,6 +7,29 @@ import argparse
 
 from ram_trl import defaults
 
+_SHARED: dict[str, dict] = {  # options several commands take, with one meaning
+    "--allow-pickle": dict(
+        action="store_true",
+        help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
+    ),
+    "--allow-external-shards": dict(
+        action="store_true",
+        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
+        "symbolic links)",
+    ),
+    "--chunk-budget": dict(
+        default=defaults.CHUNK_BUDGET,
+        help=f"memory for one chunk's buffers; bounds peak memory (default: {defaults.CHUNK_BUDGET})",
+    ),
+    "--no-figures": dict(action="store_true", help="write no PNG figures"),
+    "--no-progress": dict(action="store_true", help="no progress bars"),
+}
+
+
+def _shared(parser: argparse.ArgumentParser, *flags: str) -> None:
+    for flag in flags:
+        parser.add_argument(flag, **_SHARED[flag])
+
 
 def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -25,29 +48,13 @@ def _add_merge(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--device", default="cpu", help="device for the arithmetic: cpu or cuda (default: cpu)")
     parser.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
-    )
-    parser.add_argument(
-        "--chunk-budget",
-        default=defaults.CHUNK_BUDGET,
-        help=f"memory for one chunk's buffers; bounds peak memory (default: {defaults.CHUNK_BUDGET})",
-    )
-    parser.add_argument(
         "--input-cache",
         default="auto",
         help="RAM+/RAM+s: memory that keeps the inputs the statistics pass read, on the compute device, for the "
         "merge pass (no second read or copy): auto (half the GPU's free memory; none on the CPU), off, or a size "
         "such as 8GB (default: auto)",
     )
-    parser.add_argument(
-        "--allow-external-shards",
-        action="store_true",
-        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
-        "symbolic links)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _shared(parser, "--allow-pickle", "--chunk-budget", "--allow-external-shards", "--no-progress")
     parser.add_argument(
         "--output-format",
         choices=("full", "lora"),
@@ -110,24 +117,7 @@ def _add_analyze(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--r", type=float, help=f"rescale strength r for the implied lambda_t (default {defaults.R})")
     parser.add_argument("--alpha", type=float, help=f"RAM+ clip bound alpha of rho_t (default {defaults.ALPHA})")
     parser.add_argument("--names", nargs="+", metavar="NAME", help="agent labels (default: directory names)")
-    parser.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pytorch_model*.bin pickle checkpoints (loaded with torch.load(weights_only=True))",
-    )
-    parser.add_argument(
-        "--chunk-budget",
-        default=defaults.CHUNK_BUDGET,
-        help=f"memory for one chunk's buffers (default: {defaults.CHUNK_BUDGET})",
-    )
-    parser.add_argument("--no-figures", action="store_true", help="write no PNG figures")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--allow-external-shards",
-        action="store_true",
-        help="accept index files whose shards resolve outside their checkpoint directory (absolute paths, '..', "
-        "symbolic links)",
-    )
+    _shared(parser, "--allow-pickle", "--chunk-budget", "--allow-external-shards", "--no-figures", "--no-progress")
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -167,8 +157,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
             "bootstrap intervals over prompts)"
         ),
     )
-    parser.add_argument("--no-figures", action="store_true", help="write no PNG charts")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _shared(parser, "--no-figures", "--no-progress")
 
 
 def _add_eval(subparsers: argparse._SubParsersAction) -> None:
@@ -220,7 +209,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="skip stages already complete in --out, reuse unchanged evaluations"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _shared(parser, "--no-progress")
 
 
 def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
@@ -249,7 +238,7 @@ def _add_fisher(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept an agent (or LoRA base) whose weights exist only as pickles (pytorch_model*.bin)",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _shared(parser, "--no-progress")
 
 
 def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
@@ -273,7 +262,7 @@ def _add_convert_gguf(subparsers: argparse._SubParsersAction) -> None:
         help="dtype of the written weights: bfloat16 (bf16), float16 (fp16) or float32 (fp32) (default: bfloat16)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a previous conversion at OUT")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _shared(parser, "--no-progress")
 
 
 def build_parser() -> argparse.ArgumentParser:

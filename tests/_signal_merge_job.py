@@ -19,4 +19,8 @@ if __name__ == "__main__":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     ram_trl.merge(sys.argv[1], sys.argv[2], progress=False)
     found = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP))
-    print("handlers kept" if found == (own_handler, signal.SIG_IGN) else f"handlers changed: {found}", flush=True)
+    line = "handlers kept" if found == (own_handler, signal.SIG_IGN) else f"handlers changed: {found}"
+    # one write per rank: the ranks share torchrun's stdout pipe, and print() writes the text and its newline apart
+    # (two ranks' lines interleaved as "handlers kepthandlers kept\n\n"); a write under PIPE_BUF is not split
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()

@@ -103,5 +103,5 @@ def test_a_torchrun_merge_keeps_the_scripts_own_handlers(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = run_job(command, port, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n").count("handlers kept") == 2, result.stdout
+    assert result.stdout.splitlines().count("handlers kept") == 2, result.stdout
     assert (tmp_path / "out" / "ram_merge_report.json").is_file()

@@ -19,3 +19,12 @@ def read_json_object(path: Path, what: str, error: type[RamTrlError] = Checkpoin
     if not isinstance(data, dict):
         raise error(f"{what} {path}: must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def json_object_or_none(path: Path) -> dict[str, Any] | None:
+    """A JSON file's object, or ``None`` when the file is missing, unreadable or holds something else."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

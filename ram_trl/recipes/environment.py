@@ -11,7 +11,8 @@ import yaml
 from ram_trl.errors import ConfigError, RamTrlError
 from ram_trl.evaluation.rewards import import_object
 from ram_trl.io.hub import parse_reference, resolve_model
-from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, Recipe, StageSpec, expand_merges
+from ram_trl.recipes.mechanism import MATCHED, full_ram, task_arithmetic_lambda
+from ram_trl.recipes.schema import FISHER_SETTINGS, MAX_SEED, MergeRow, Recipe, StageSpec, expand_merges
 
 __all__ = ["TRAINER_BOUNDS", "check_finite", "check_trainer_config", "trainer_settings", "validate_recipe"]
 
@@ -169,8 +170,6 @@ def check_trainer_config(stage: StageSpec) -> None:
 
 def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, where: str = "recipe") -> list[str]:
     """The environment checks of ``--dry-run``: import paths, trainer and PEFT configs, config files, paths."""
-    from ram_trl.merging.config.settings import check_parameter
-    from ram_trl.methods import resolve_method
     from ram_trl.sizes import check_number
 
     source = where
@@ -270,18 +269,9 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, whe
             if stage.accelerate_config is not None:
                 _check_accelerate(stage, root, problems)
             if stage.preview is not None:
-                try:
-                    method, _ = resolve_method(stage.preview.method)
-                except Exception as exc:  # noqa: BLE001 - the registry's message names the method
-                    problems.append(f"{where}: preview.method: {exc}")
-                else:
-                    known = {p.name for p in method.parameters}
-                    problems += [
-                        f"{where}: preview: method {stage.preview.method!r} has no parameter {key!r}; "
-                        f"its parameters: {', '.join(sorted(known)) or 'none'}"
-                        for key in stage.preview.parameters
-                        if key not in known
-                    ]
+                problems += _method_problems(
+                    recipe, stage.preview.method, stage.preview.parameters, f"{where}: preview"
+                )[1]
     for row in expand_merges(recipe):
         unknown = sorted(set(row.fisher) - FISHER_SETTINGS)
         if unknown:
@@ -289,10 +279,9 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, whe
                 f"merge {row.name!r}: unknown fisher setting {', '.join(map(repr, unknown))}; "
                 f"use some of {', '.join(sorted(FISHER_SETTINGS))}"
             )
-        try:
-            method, _ = resolve_method(row.method)
-        except Exception as exc:  # noqa: BLE001 - the registry's message names the method
-            problems.append(f"merge {row.name!r}: {exc}")
+        method, found = _method_problems(recipe, row.method, row.parameters, f"merge {row.name!r}", row)
+        problems += found
+        if method is None:
             continue
         if row.fisher and not method.needs_fisher:
             problems.append(f"merge {row.name!r}: 'fisher:' settings apply only to method 'fisher'")
@@ -303,25 +292,6 @@ def validate_recipe(recipe: Recipe, root: Path, *, check_paths: bool = True, whe
                 f"merge {row.name!r}: method {row.method!r} merges {wanted} model(s) besides the base; the recipe "
                 f"has {len(recipe.stages)} stage(s)"
             )
-        known = {p.name for p in method.parameters}
-        for key, value in row.parameters.items():
-            parameter = method.parameter(key)
-            if parameter is None:
-                problems.append(
-                    f"merge {row.name!r}: method {row.method!r} has no parameter {key!r}; "
-                    f"its parameters: {', '.join(sorted(known)) or 'none'}"
-                )
-                continue
-            try:  # the merge's own checks (finite, in range), now rather than after training
-                check_parameter(parameter, value, f"merge {row.name!r}: parameters")
-            except ConfigError as exc:
-                problems.append(str(exc))
-        if method.check is not None:  # e.g. ram_unique's agent: one of the stages
-            try:
-                params = {p.name: p.default for p in method.parameters} | row.parameters
-                method.check(params, recipe.names, f"merge {row.name!r}")
-            except ConfigError as exc:
-                problems.append(str(exc))
     if recipe.evaluation.enabled:
         for stage in recipe.stages:
             if stage.prompts is None or (stage.prompts.generator is None and stage.prompts.eval_file is None):
@@ -405,3 +375,47 @@ def _check_preview_launch(
             "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config (zero3_save_16bit_model: true "
             "in the accelerate config)"
         )
+
+
+def _method_problems(
+    recipe: Recipe, name: str, parameters: dict[str, Any], where: str, row: MergeRow | None = None
+) -> tuple[Any, list[str]]:
+    """A merge method (``None`` if unknown) and what is wrong with its parameters, checked as the merge will."""
+    from ram_trl.merging.config.settings import check_parameter
+    from ram_trl.methods import resolve_method
+
+    try:
+        method, _ = resolve_method(name)
+    except Exception as exc:  # noqa: BLE001 - the registry's message names the method
+        return None, [f"{where}: {exc}"]
+    problems = []
+    for key, value in parameters.items():
+        parameter = method.parameter(key)
+        if parameter is None:
+            known = ", ".join(sorted(p.name for p in method.parameters)) or "none"
+            problems.append(f"{where}: method {name!r} has no parameter {key!r}; its parameters: {known}")
+        elif row is not None and value == MATCHED and key == "lambda" and method.name == "task_arithmetic":
+            problems += _matched_problems(recipe, row)
+        else:
+            try:  # the merge's own checks (finite, in range), now rather than after training
+                check_parameter(parameter, value, f"{where}: parameters")
+            except ConfigError as exc:
+                problems.append(str(exc))
+    if method.check is not None:  # e.g. ram_unique's agent: one of the stages
+        try:
+            method.check({p.name: p.default for p in method.parameters} | parameters, recipe.names, where)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return method, problems
+
+
+def _matched_problems(recipe: Recipe, row: MergeRow) -> list[str]:
+    """Why ``row``'s ``lambda: matched`` (task arithmetic at RAM's L2 norm) cannot be resolved, if it cannot."""
+    rows = [(r.method, r.parameters) for r in expand_merges(recipe)]
+    needs = {
+        "'- ram' in the recipe's merges": any(full_ram(*r) for r in rows),
+        "a task_arithmetic row with a numeric lambda": any(task_arithmetic_lambda(*r) is not None for r in rows),
+        "no normalize on this row": not row.parameters.get("normalize"),
+    }
+    where = f"merge {row.name!r}: lambda: {MATCHED} (task arithmetic at RAM's L2 norm) needs"
+    return [f"{where} {need}" for need, ok in needs.items() if not ok]

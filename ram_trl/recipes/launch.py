@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.errors import ConfigError, RamTrlError
+from ram_trl.io.json_files import json_object_or_none
 from ram_trl.output import OutputDir
 from ram_trl.recipes.layout import RunLayout, resolve_path, stage_complete
 from ram_trl.recipes.progress import Progress, parse_step
@@ -126,10 +127,7 @@ class StageLauncher:
         file = self.layout.stage_dir(stage) / STAGE_RECORD
         if not file.is_file():
             return  # a stage finished before records were kept
-        try:
-            recorded = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            recorded = None
+        recorded = json_object_or_none(file)
         wanted = json.loads(json.dumps(self.stage_record(stage)))
         if recorded != wanted:
             field = _first_difference(recorded, wanted)

@@ -9,16 +9,51 @@ from ram_trl.methods import resolve_method
 from ram_trl.recipes import stats
 from ram_trl.recipes.selection import difference, row_average, score_samples, val_block
 
-__all__ = ["MATCH_TOLERANCE", "mechanism", "mechanism_rows", "mechanism_section"]
+__all__ = [
+    "MATCHED",
+    "MATCH_TOLERANCE",
+    "full_ram",
+    "matched_lambda",
+    "mechanism",
+    "mechanism_rows",
+    "mechanism_section",
+    "task_arithmetic_lambda",
+]
 
 MATCH_TOLERANCE = 0.1  #: Task arithmetic is magnitude-matched when its delta's L2 norm is within this share of RAM's.
+MATCHED = "matched"  #: ``lambda: matched``: task arithmetic at RAM's L2 norm, resolved after the other merges.
 
 
-def _method(row: dict[str, Any]) -> str | None:
+def _method(method: str | None) -> str | None:
     try:
-        return resolve_method(row.get("method") or "")[0].name
+        return resolve_method(method or "")[0].name
     except KeyError:
         return None
+
+
+def full_ram(method: str | None, parameters: dict[str, Any]) -> bool:
+    """Whether a merge is RAM with its unique region at full strength (``unique_scale`` 1)."""
+    return _method(method) == "ram" and float(parameters.get("unique_scale", 1.0)) == 1.0
+
+
+def task_arithmetic_lambda(method: str | None, parameters: dict[str, Any]) -> float | None:
+    """A plain (not normalized) task-arithmetic merge's numeric lambda, else ``None``."""
+    value = parameters.get("lambda", 1.0)
+    if _method(method) != "task_arithmetic" or parameters.get("normalize") or isinstance(value, (str, bool)):
+        return None
+    return float(value)
+
+
+def matched_lambda(rows: list[tuple[str | None, dict[str, Any], float | None]]) -> tuple[float, int] | None:
+    """TA's lambda at RAM's delta L2 norm, from merges' ``(method, parameters, delta norm)``: scaled (the delta is
+    linear in lambda) from the task-arithmetic row whose norm is nearest RAM's; returns it and that row's index."""
+    ram = next((norm for method, parameters, norm in rows if full_ram(method, parameters)), None)
+    tas = [(i, lam, norm) for i, (m, p, norm) in enumerate(rows) if (lam := task_arithmetic_lambda(m, p)) is not None]
+    tas = [t for t in tas if t[2] and math.isfinite(t[2])]
+    if not ram or not tas:
+        return None
+    index, lam, norm = min(tas, key=lambda t: abs(t[2] - ram))
+    return lam * ram / norm, index
 
 
 def _delta_norm(row: dict[str, Any]) -> float | None:
@@ -27,31 +62,29 @@ def _delta_norm(row: dict[str, Any]) -> float | None:
 
 def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
     """Find the mechanism merges among a run's merge rows."""
-    merges = [r for r in results["rows"] if r["kind"] == "merge"]
+    merges = [{"parameters": {}, **r} for r in results["rows"] if r["kind"] == "merge"]
+    kind = {r["name"]: _method(r.get("method")) for r in merges}
     n = max(len(results["stages"]), 1)
-    found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None}
-    ram = [r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) == 1.0]
-    scaled = [r for r in merges if _method(r) == "ram" and float(r["parameters"].get("unique_scale", 1.0)) < 1.0]
-    tas = [r for r in merges if _method(r) == "task_arithmetic" and not r["parameters"].get("normalize")]
+    found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None, "ta_matched": None}
+    ram = [r for r in merges if full_ram(r.get("method"), r["parameters"])]
+    scaled = [r for r in merges if kind[r["name"]] == "ram" and float(r["parameters"].get("unique_scale", 1)) < 1]
+    tas = [r for r in merges if task_arithmetic_lambda(r.get("method"), r["parameters"]) is not None]
     found["ram"] = ram[0]["name"] if ram else None
     found["ram_1n"] = (
         min(scaled, key=lambda r: abs(float(r["parameters"]["unique_scale"]) - 1 / n))["name"] if scaled else None
     )
     stages = results["stages"]
     found["ta_val"] = stats.select_best({r["name"]: row_average(val_block(r), stages) for r in tas})
-    found["ta_matched"] = None
-    ram_norm = _delta_norm(ram[0]) if ram else None
-    sized = [r for r in tas if _delta_norm(r)]
-    if ram_norm and sized:
-        nearest = min(sized, key=lambda r: abs(_delta_norm(r) - ram_norm))
-        lam = float(nearest["parameters"].get("lambda", 1.0))
-        found["matched_lambda"] = lam * ram_norm / _delta_norm(nearest)
-        if abs(_delta_norm(nearest) - ram_norm) <= MATCH_TOLERANCE * ram_norm:
-            found["ta_matched"] = nearest["name"]
-    ties = [r for r in merges if _method(r) == "ties" and float(r["parameters"].get("density", 1.0)) >= 1.0]
+    matched = matched_lambda([(r.get("method"), r["parameters"], _delta_norm(r)) for r in merges])
+    if matched is not None:
+        found["matched_lambda"], index = matched
+        ram_norm = _delta_norm(ram[0])
+        if abs(_delta_norm(merges[index]) - ram_norm) <= MATCH_TOLERANCE * ram_norm:
+            found["ta_matched"] = merges[index]["name"]
+    ties = [r for r in merges if kind[r["name"]] == "ties" and float(r["parameters"].get("density", 1)) >= 1]
     found["ties_full"] = ties[0]["name"] if ties else None
     for r in merges:
-        if _method(r) == "ram_unique":
+        if kind[r["name"]] == "ram_unique":
             found["unique"][str(r["parameters"].get("agent"))] = r["name"]
     return found
 
@@ -92,10 +125,8 @@ def mechanism(results: dict[str, Any]) -> dict[str, Any]:
     if found["ta_val"] is None:
         grid = sorted({round(1 / n, 3), 0.5, 0.75, 1.0, 1.25, 1.5})
         missing.append(f"- {{method: task_arithmetic, parameters: {{lambda: {grid}}}}}")
-    if found["ta_matched"] is None and found["ram"] is not None:
-        lam = found["matched_lambda"]
-        if lam is not None and math.isfinite(lam):
-            missing.append(f"- {{method: task_arithmetic, name: ta_matched, parameters: {{lambda: {lam:.4g}}}}}")
+    if found["ta_matched"] is None:  # lambda: matched resolves after ram and a numeric task-arithmetic row
+        missing.append("- {method: task_arithmetic, name: ta_matched, parameters: {lambda: matched}}")
     if found["ties_full"] is None:
         missing.append("- {method: ties, name: ties_density_1, parameters: {density: 1.0}}")
     if not found["unique"]:

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from ram_trl.errors import ConfigError
+from ram_trl.io.json_files import json_object_or_none
 from ram_trl.output import OutputDir, atomic_file
 from ram_trl.recipes.data import draw_splits, draw_warm_rows, read_jsonl, split_check_rows, write_jsonl
 from ram_trl.recipes.layout import RunLayout, resolve_path
@@ -95,25 +96,14 @@ class RunPreparation:
 
     def convert_base(self) -> None:
         """Convert ``base.gguf`` into ``RUN/base_init`` unless the same bytes in the same dtype were converted."""
-        import json
-
         from ram_trl.io.gguf import RECORD_NAME, convert_gguf, open_gguf_source
 
         spec = self.layout.recipe.base
         target = self.layout.dir / "base_init"
         source = open_gguf_source(resolve_path(spec.gguf, self.layout.root), spec.gguf_member)
-        record = target / RECORD_NAME
-        if record.is_file():
-            try:
-                done = json.loads(record.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError):
-                done = None
-            if (
-                isinstance(done, dict)
-                and done.get("sha256") == source.digest()
-                and done.get("dtype") == spec.gguf_dtype
-            ):
-                return
+        done = json_object_or_none(target / RECORD_NAME)
+        if done and done.get("sha256") == source.digest() and done.get("dtype") == spec.gguf_dtype:
+            return
         start = time.perf_counter()
         self.layout.console.print(f"converting the GGUF base {source.label} ...")
         result = convert_gguf(source.path, target, member=source.member, dtype=spec.gguf_dtype, replace_previous=True)
@@ -125,26 +115,15 @@ class RunPreparation:
 
     def warm_start(self) -> None:
         """Warm-start the base into ``RUN/base`` unless an identical warm start is there."""
-        import json
-
         from ram_trl.recipes.warm_start import WARM_START_RECORD, acceptance_line, criterion, warm_start
 
         spec = self.layout.recipe.warm_start
         source = self.layout.initial_base
         if spec.abstain_share:
             spec = spec.model_copy(update={"abstain_reply": self.abstain_reply(spec.abstain_reply)})
-        record = self.layout.base / WARM_START_RECORD
-        if record.is_file():
-            try:
-                done = json.loads(record.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, ValueError):
-                done = None  # unreadable: warm-start again (the protocol replaces the directory)
-            if (
-                isinstance(done, dict)
-                and done.get("spec") == spec.model_dump()
-                and done.get("rows_digest") == self._rows_digest()
-            ):
-                return
+        done = json_object_or_none(self.layout.base / WARM_START_RECORD)  # unreadable: warm-start again
+        if done and done.get("spec") == spec.model_dump() and done.get("rows_digest") == self._rows_digest():
+            return
         from ram_trl.recipes.tasks import mixture
 
         rows = mixture([read_jsonl(file) for file in self._warm_files()], seed=spec.seed)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ram_trl.digest import file_digest, hasher, text_digest, weights_digest
+from ram_trl.io.json_files import json_object_or_none
 
 __all__ = ["EVALUATION_KEY", "evaluation_key", "model_digest", "reusable_evaluation", "reward_digests"]
 
@@ -76,10 +77,5 @@ def reusable_evaluation(file: Path, key: str | None) -> dict[str, Any] | None:
     """An earlier evaluation file's scores, when it was computed for ``key``."""
     if key is None:
         return None
-    try:
-        scored = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(scored, dict) or scored.get(EVALUATION_KEY) != key or "splits" not in scored:
-        return None
-    return scored
+    scored = json_object_or_none(file)
+    return scored if scored and scored.get(EVALUATION_KEY) == key and "splits" in scored else None

@@ -14,6 +14,7 @@ from ram_trl.recipes.data import read_jsonl
 from ram_trl.recipes.environment import validate_recipe
 from ram_trl.recipes.launch import StageError, StageLauncher
 from ram_trl.recipes.layout import RunLayout, RunOptions, resolve_path, safe_name, stage_complete, stderr_console
+from ram_trl.recipes.mechanism import MATCHED, matched_lambda
 from ram_trl.recipes.prepare import RunPreparation
 from ram_trl.recipes.progress import Progress
 from ram_trl.recipes.schema import MergeRow, Recipe, StageSpec, apply_overrides, expand_merges, load_recipe
@@ -98,13 +99,16 @@ class Run:
 
         rows = expand_merges(self.layout.recipe)
         self.fisher(rows)
-        done = []
+        done: dict[str, tuple[MergeRow, Path]] = {}
         start = time.perf_counter()
         (self.layout.dir / "logs").mkdir(exist_ok=True)
         log_path = self.layout.dir / "logs" / "merges.log"
         progress = Progress("merges", len(rows), bar=self.layout.options.progress, write=self.layout.say)
+        deferred = [r for r in rows if r.parameters.get("lambda") == MATCHED]  # after RAM and a numeric TA row
         with open(log_path, "w", encoding="utf-8") as log:
-            for row in rows:
+            for row in [r for r in rows if r not in deferred] + deferred:
+                if row in deferred:
+                    row = _resolve_matched(row, list(done.values()), log)
                 out = self.layout.dir / "merges" / safe_name(row.name)
                 config = {
                     "merge_method": row.method,
@@ -121,14 +125,14 @@ class Run:
                     print_summary(report, file=log)
                 except RamTrlError as exc:
                     raise RamTrlError(f"merge {row.name!r} failed: {exc} (log: {log_path})") from exc
-                done.append((row, out))
+                done[row.name] = (row, out)
                 progress.update(len(done), row.name)
         progress.close()
         self.layout.timed("merges", start)
         self.layout.console.print(
             f"[green]merges[/]: {len(done)} in {self.layout.timings['merges']:.0f}s (log: {log.name})"
         )
-        return done
+        return [done[r.name] for r in rows]
 
     def evaluate(self, merged: list[tuple[MergeRow, Path]]) -> list[dict[str, Any]]:
         """Score the base, every agent and every merge on each stage's test and validation prompts."""
@@ -411,6 +415,15 @@ def run_seeds(recipe_path: str | os.PathLike | dict[str, Any], options: RunOptio
     print_table(results)
     stderr_console().print(f"results over {len(seeds)} seeds: {out / 'results.md'}")
     return results
+
+
+def _resolve_matched(row: MergeRow, done: list[tuple[MergeRow, Path]], log: Any) -> MergeRow:
+    """``row`` with ``lambda: matched`` replaced by the lambda at which task arithmetic has RAM's L2 norm."""
+    found = matched_lambda([(r.method, r.parameters, (merge_effect(out) or {}).get("delta_norm")) for r, out in done])
+    if found is None:
+        raise RamTrlError(f"merge {row.name!r}: lambda: matched needs the nonzero delta norms of RAM and of TA")
+    log.write(f"\n# {row.name}: lambda at RAM's L2 norm = {found[0]:.6g} (from row {done[found[1]][0].name})\n")
+    return row.model_copy(update={"parameters": {**row.parameters, "lambda": found[0]}})
 
 
 def merge_effect(path: Path) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ram_trl.errors import CheckpointError, ConfigError
-from ram_trl.io.json_files import read_json_object
+from ram_trl.io.json_files import json_object_or_none, read_json_object
 
 
 def test_an_object_is_read(tmp_path):
@@ -28,3 +28,14 @@ def test_bad_files_name_the_file(tmp_path, text, message):
     assert str(info.value).startswith(message.format(path=path))
     with pytest.raises(ConfigError, match="not valid JSON"):
         read_json_object(tmp_path / "missing.json", "stage", ConfigError)
+
+
+def test_a_record_that_cannot_be_trusted_reads_as_none(tmp_path):
+    """Records a run may redo (a conversion, a warm start, an evaluation) read as ``None`` unless they are objects."""
+    file = tmp_path / "record.json"
+    assert json_object_or_none(file) is None  # missing
+    for text, expected in [('{"a": 1}', {"a": 1}), ("[1]", None), ("{not json", None)]:
+        file.write_text(text)
+        assert json_object_or_none(file) == expected
+    file.write_bytes(b"\xff\xfe")  # not UTF-8
+    assert json_object_or_none(file) is None

@@ -97,6 +97,23 @@ def test_fisher_settings_follow_the_method_not_its_name():
         check_recipe(recipe_dict(merges=[{"method": "ties", "fisher": {"num_samples": 4}}]))
 
 
+def test_lambda_matched_needs_ram_and_a_numeric_task_arithmetic_row():
+    """``lambda: matched`` is resolved from RAM's and a task-arithmetic merge's norms: both must be in the recipe."""
+    matched = {"method": "task_arithmetic", "name": "ta_matched", "parameters": {"lambda": "matched"}}
+    grid = {"method": "ta", "parameters": {"lambda": [0.5, 1.0]}}
+    assert check_recipe(recipe_dict(merges=["ram", grid, matched])) == []
+    needs = "merge 'ta_matched': lambda: matched [(]task arithmetic at RAM's L2 norm[)] needs"
+    with pytest.raises(ConfigError, match=f"{needs} '- ram' in the recipe's merges"):
+        check_recipe(recipe_dict(merges=[grid, matched]))
+    with pytest.raises(ConfigError, match=f"{needs} a task_arithmetic row with a numeric lambda"):
+        check_recipe(recipe_dict(merges=["ram", matched]))
+    normalized = {**matched, "parameters": {"lambda": "matched", "normalize": True}}
+    with pytest.raises(ConfigError, match=f"{needs} no normalize on this row"):
+        check_recipe(recipe_dict(merges=["ram", grid, normalized]))
+    with pytest.raises(ConfigError, match="merge 'ties': parameters"):  # elsewhere, a word is not a number
+        check_recipe(recipe_dict(merges=[{"method": "ties", "parameters": {"lambda": "matched"}}]))
+
+
 #: An accelerate DeepSpeed section with ZeRO-3 that can save the policy (what the preview needs under ZeRO-3).
 ZERO3 = {"zero_stage": 3, "zero3_save_16bit_model": True}
 

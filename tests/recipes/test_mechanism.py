@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ram_trl.recipes import stats
-from ram_trl.recipes.mechanism import mechanism, mechanism_rows
+from ram_trl.recipes.mechanism import matched_lambda, mechanism, mechanism_rows
 from ram_trl.recipes.results_markdown import markdown
 from ram_trl.recipes.selection import add_statistics
 from tests.recipes.results_rows import hand_made, results_row
@@ -80,8 +80,20 @@ def test_missing_rows_are_named_as_yaml_entries():
     assert "- {method: ram, name: ram_1_over_n, parameters: {unique_scale: 0.5}}" in missing
     assert "- {method: task_arithmetic, parameters: {lambda: [0.5, 0.75, 1.0, 1.25, 1.5]}}" in missing
     assert "- {method: ram_unique, name: unique_b, parameters: {agent: b}}" in missing
+    assert "- {method: task_arithmetic, name: ta_matched, parameters: {lambda: matched}}" in missing
     assert all(c["difference"] is None for c in results["mechanism"]["comparisons"])
     assert "add to the recipe's `merges:`" in markdown(results)
+
+
+def test_matched_lambda_scales_the_nearest_norm_linearly():
+    # RAM's norm 2.0; TA rows (lambda, norm): 0.5 -> 1.0 and 1.0 -> 2.1 (nearest); the delta is linear in lambda
+    ram, half, full = ("ram", {}, 2.0), ("ta", {"lambda": 0.5}, 1.0), ("task_arithmetic", {"lambda": 1.0}, 2.1)
+    assert matched_lambda([ram, half, full]) == (pytest.approx(2.0 / 2.1), 2)
+    # a RAM at 1/N, a normalized TA, a zero or missing norm and lambda: matched itself are not used
+    others = [("ram", {"unique_scale": 0.5}, 2.0), ("ta", {"lambda": 1.0, "normalize": True}, 2.0)]
+    others += [("ta", {"lambda": 2.0}, 0.0), ("ta", {"lambda": 3.0}, None), ("ta", {"lambda": "matched"}, 2.0)]
+    assert matched_lambda([*others, ram, half]) == (pytest.approx(1.0), 6)
+    assert matched_lambda([half, full]) is None and matched_lambda([ram, *others]) is None
 
 
 def test_a_run_without_merges_or_stages_has_no_mechanism_section():

@@ -38,6 +38,7 @@ MERGES = [
     "task_arithmetic(lambda=1)",
     "task_arithmetic(lambda=1.25)",
     "task_arithmetic(lambda=1.5)",
+    "ta_matched",
     "ties",
     "ties_density_1",
     "unique_coding",
@@ -130,6 +131,13 @@ def test_quick_demo_rows_and_files(quick_demo):
     assert "## Mechanism: does the unique region at full strength matter?" in markdown
     assert "To measure what is missing" not in markdown and "not measured" not in markdown
     assert sorted(results["mechanism"]["unique"]) == sorted(STAGES)
+    # lambda: matched is resolved after RAM: task arithmetic at RAM's L2 norm (the delta is linear in lambda)
+    rows = {r["name"]: r for r in results["rows"]}
+    assert results["mechanism"]["ta_matched"] == "ta_matched"
+    assert rows["ta_matched"]["parameters"]["lambda"] == pytest.approx(
+        results["mechanism"]["matched_lambda"], rel=1e-5
+    )
+    assert rows["ta_matched"]["effect"]["delta_norm"] == pytest.approx(rows["ram"]["effect"]["delta_norm"], rel=1e-5)
     assert results["processes"] == {s: 1 for s in STAGES}
     assert "Trained: coding on 1 process, tools on 1 process, memory on 1 process." in markdown
     for figure in ("scores.png", "retention.png", "training.png", "analysis/density.png"):

@@ -163,10 +163,12 @@ def test_preview_settings_are_validated():
         load_recipe(recipe_dict(stages={"*": {"preview": {}, "prompts": {"val_size": 0}}}))
     with pytest.raises(ConfigError, match="'preview:' scores prompts; evaluation.enabled is false"):
         load_recipe(recipe_dict(stages={"*": {"preview": {}}}, evaluation={"enabled": False}))
-    with pytest.raises(ConfigError, match="stage 'coding': preview.method"):
+    with pytest.raises(ConfigError, match="stage 'coding': preview: .*'ram_minus'"):
         check_recipe(recipe_dict(stages={"*": {"preview": {"method": "ram_minus"}}}))
     with pytest.raises(ConfigError, match="preview: method 'ram_plus' has no parameter 'beta'"):
         check_recipe(recipe_dict(stages={"*": {"preview": {"parameters": {"beta": 1}}}}))
+    with pytest.raises(ConfigError, match="stage 'coding': preview: parameters"):  # values checked as a merge's
+        check_recipe(recipe_dict(stages={"*": {"preview": {"parameters": {"r": -1.0}}}}))
 
 
 def test_preview_needs_validation_prompts_on_every_earlier_stage():
