@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}" $(BIN)/python -m pytest -q
+	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}" $(BIN)/python -m pytest -q --durations=25
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
