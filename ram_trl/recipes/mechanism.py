@@ -62,7 +62,7 @@ def _delta_norm(row: dict[str, Any]) -> float | None:
 
 def mechanism_rows(results: dict[str, Any]) -> dict[str, Any]:
     """Find the mechanism merges among a run's merge rows."""
-    merges = [{"parameters": {}, **r} for r in results["rows"] if r["kind"] == "merge"]
+    merges = [{**r, "parameters": r.get("parameters") or {}} for r in results["rows"] if r["kind"] == "merge"]
     kind = {r["name"]: _method(r.get("method")) for r in merges}
     n = max(len(results["stages"]), 1)
     found: dict[str, Any] = {"n": n, "unique": {}, "matched_lambda": None, "ta_matched": None}

@@ -96,6 +96,15 @@ def test_matched_lambda_scales_the_nearest_norm_linearly():
     assert matched_lambda([half, full]) is None and matched_lambda([ram, *others]) is None
 
 
+def test_rows_without_parameters_are_read_as_defaults():
+    results = _with_mechanism_rows()
+    for row in results["rows"]:
+        if row["kind"] == "merge" and not row["parameters"]:
+            row["parameters"] = None  # as a hand-written or older results.json may hold them
+    found = mechanism_rows(results)
+    assert (found["ram"], found["ram_1n"], found["ties_full"]) == ("ram", "ram_half", "ties_d1")
+
+
 def test_a_run_without_merges_or_stages_has_no_mechanism_section():
     results = add_statistics({"recipe": "t", "stages": [], "rows": []})
     results["mechanism"] = mechanism(results)
