@@ -7,6 +7,8 @@ import io
 import json
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +20,8 @@ __all__ = [
     "EXAMPLE_CALL",
     "EXAMPLE_PROGRAM",
     "chat_prompt",
+    "code_writing_prompts",
+    "code_writing_reward",
     "fact_recall_prompts",
     "fact_recall_reward",
     "json_tool_call_prompts",
@@ -25,6 +29,7 @@ __all__ = [
     "program_output_prompts",
     "program_output_reward",
     "run_program",
+    "run_sandboxed",
     "schema_valid",
 ]
 
@@ -166,6 +171,95 @@ def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **k
         if line == want:
             rewards.append(1.0)
         elif any(want in (token, token.strip(_AROUND)) for token in ends):
+            rewards.append(0.5)
+        else:
+            rewards.append(0.0)
+    return rewards
+
+
+# coding, second rung: write a program that prints something
+
+#: Task -> (what the program must print, its output), drawn from words and numbers.
+_CODE_TASKS: dict[str, Any] = {
+    "sum": lambda w, v: (f"the sum of {v[0]} and {v[1]}", str(v[0] + v[1])),
+    "difference": lambda w, v: (f"{v[0]} minus {v[1]}", str(v[0] - v[1])),
+    "product": lambda w, v: (f"{v[0]} times {v[2]}", str(v[0] * v[2])),
+    "largest": lambda w, v: (f"the largest of the numbers {v[0]}, {v[1]} and {v[2]}", str(max(v))),
+    "smallest": lambda w, v: (f"the smallest of the numbers {v[0]}, {v[1]} and {v[2]}", str(min(v))),
+    "upper": lambda w, v: (f'the word "{w[0]}" in capital letters', w[0].upper()),
+    "length": lambda w, v: (f'the number of letters in the word "{w[0]}"', str(len(w[0]))),
+    "reverse": lambda w, v: (f'the word "{w[0]}" backwards', w[0][::-1]),
+    "repeat": lambda w, v: (f'the word "{w[0]}" three times with no spaces', w[0] * 3),
+    "join": lambda w, v: (f'the words "{w[0]}" and "{w[1]}" joined with a dash', f"{w[0]}-{w[1]}"),
+}
+
+
+def code_writing_prompts(n: int, seed: int = 0, system: str | None = DEFAULT_SYSTEM) -> list[dict[str, str]]:
+    """A request for a short Python program that prints a value (arithmetic, min/max, a string operation); the
+    answer is what it must print, graded by :func:`code_writing_reward` executing the reply's program."""
+
+    def make(rng: random.Random) -> dict[str, str]:
+        task = _CODE_TASKS[rng.choice(sorted(_CODE_TASKS))]
+        words = rng.sample(_WORDS, 2)
+        numbers = [rng.randint(10, 99), rng.randint(2, 99), rng.randint(2, 9)]
+        what, output = task(words, numbers)
+        user = f"Write a Python program that prints {what}. Reply with the program only, in a ```python block."
+        return {"prompt": chat_prompt(user, system), "answer": output}
+
+    return unique_rows(make, n, seed)
+
+
+#: Runs a program in a child interpreter: no imports, no names or attributes with underscores, a few builtins,
+#: 512 MiB of memory and 2 s of CPU; exit 3 when the program is refused.
+_SANDBOX = """
+import ast, builtins, sys
+try:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 29, 1 << 29))
+    resource.setrlimit(resource.RLIMIT_CPU, (2, 2))
+except (ImportError, ValueError, OSError):
+    pass
+tree = ast.parse(sys.stdin.read())
+for node in ast.walk(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)) or "_" == getattr(
+        node, "attr", getattr(node, "id", "x")
+    )[:1]:
+        sys.exit(3)
+names = "abs all any bool dict enumerate float int len list map max min print range reversed round set sorted str sum tuple zip"
+exec(compile(tree, "<reply>", "exec"), {"__builtins__": {k: getattr(builtins, k) for k in names.split()}})
+"""
+
+
+def run_sandboxed(source: str, timeout: float = 5.0) -> str | None:
+    """What ``source`` prints (trailing newlines stripped) when run in a restricted child interpreter, or ``None``
+    when it is refused, fails or runs past ``timeout`` seconds. A guard against a small model's mistakes (loops that
+    never end, huge strings), not a security boundary against hostile code."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _SANDBOX],
+            input=source,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return done.stdout.rstrip("\n") if done.returncode == 0 else None
+
+
+def code_writing_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
+    """1.0 when the reply's program (its first fenced block, else the whole reply) prints exactly the answer, 0.5
+    when the last token of what it prints is the answer (``The sum is 23.``), else 0 (also when it fails)."""
+    rewards = []
+    for completion, want in zip(completions, answer, strict=True):
+        text = _completion(completion)
+        block = _FENCED_BLOCK.search(text)
+        printed = run_sandboxed(block.group(1) if block else text)
+        tokens = (printed or "").split()
+        if printed == want:
+            rewards.append(1.0)
+        elif tokens and tokens[-1].strip(_AROUND) == want:
             rewards.append(0.5)
         else:
             rewards.append(0.0)

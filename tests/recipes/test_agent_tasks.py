@@ -13,6 +13,8 @@ from ram_trl.recipes.agent_tasks import (
     EXAMPLE_CALL,
     EXAMPLE_PROGRAM,
     chat_prompt,
+    code_writing_prompts,
+    code_writing_reward,
     fact_recall_prompts,
     fact_recall_reward,
     json_tool_call_prompts,
@@ -20,6 +22,7 @@ from ram_trl.recipes.agent_tasks import (
     program_output_prompts,
     program_output_reward,
     run_program,
+    run_sandboxed,
     schema_valid,
 )
 
@@ -174,6 +177,63 @@ def test_answer_line_changes_the_instruction_not_the_programs():
         assert a["prompt"].split("```")[1] == b["prompt"].split("```")[1]  # the same program
         assert "Reply with the output only." in a["prompt"] and "end your reply with the line Output:" in b["prompt"]
         assert "the last line is: Output: abab" in b["prompt"]
+
+
+# Reference programs for each code-writing task: what a correct reply runs (the answers are computed, not run).
+_REFERENCE = {
+    "the sum of (\\d+) and (\\d+)": "print({0} + {1})",
+    "(\\d+) minus (\\d+)": "print({0} - {1})",
+    "(\\d+) times (\\d+)": "print({0} * {1})",
+    "the largest of the numbers (\\d+), (\\d+) and (\\d+)": "print(max({0}, {1}, {2}))",
+    "the smallest of the numbers (\\d+), (\\d+) and (\\d+)": "print(min({0}, {1}, {2}))",
+    'the word "(\\w+)" in capital letters': 'print("{0}".upper())',
+    'the number of letters in the word "(\\w+)"': 'print(len("{0}"))',
+    'the word "(\\w+)" backwards': 'print("{0}"[::-1])',
+    'the word "(\\w+)" three times with no spaces': 'print("{0}" * 3)',
+    'the words "(\\w+)" and "(\\w+)" joined with a dash': 'print("{0}" + "-" + "{1}")',
+}
+
+
+def test_code_writing_answers_are_what_a_reference_program_prints():
+    import re
+
+    rows = code_writing_prompts(80, seed=3)
+    assert len({r["prompt"] for r in rows}) == 80 and rows == code_writing_prompts(80, seed=3)
+    seen = set()
+    for row in rows:
+        request = row["prompt"].split("prints ", 1)[1].split(". Reply", 1)[0]
+        pattern = next(p for p in _REFERENCE if re.fullmatch(p, request))
+        seen.add(pattern)
+        program = _REFERENCE[pattern].format(*re.fullmatch(pattern, request).groups())
+        assert run_program(program) == row["answer"], (request, row["answer"])
+        assert row["prompt"].endswith("in a ```python block.<|im_end|>\n<|im_start|>assistant\n")
+    assert seen == set(_REFERENCE)  # every task is drawn
+
+
+def test_code_writing_reward_runs_the_reply():
+    completions = [
+        "```python\nprint(30 + 4)\n```\nThis prints 34.",  # a fenced program: exact
+        "```python\nx = 30\nprint(x + 4)",  # a block cut off by the token limit still runs
+        'print("The sum is", 30 + 4)',  # no fence: the whole reply; last token is the answer
+        'print(f"The sum is {30 + 4}.")',  # punctuation around the last token
+        "```python\nprint(30 + 5)\n```",  # runs, wrong output
+        "The answer is 34.",  # prose is no program
+        "```python\nprint(34\n```",  # a syntax error
+        "```python\nprint(34)\nprint(1)\n```",  # extra output: last token is not the answer
+    ]
+    assert code_writing_reward(completions, ["34"] * 8) == [1.0, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+    assert code_writing_reward([[{"role": "assistant", "content": 'print("OCEAN")'}]], ["OCEAN"]) == [1.0]
+
+
+def test_sandbox_refuses_imports_dunders_and_runaway_programs():
+    assert run_sandboxed('print("ab" * 2)') == "abab"
+    assert run_sandboxed("s = 0\nfor i in range(4):\n    s += i\nprint(s)") == "6"
+    assert run_sandboxed("import os\nprint(1)") is None  # no imports
+    assert run_sandboxed("print(().__class__.__base__)") is None  # no dunder attributes
+    assert run_sandboxed("print(open)") is None  # builtins outside the list are absent
+    assert run_sandboxed('print(len("a" * 10**10))') is None  # memory limit
+    assert run_sandboxed("while True:\n    pass", timeout=1.0) is None  # killed at the time limit
+    assert run_sandboxed("print(1 / 0)") is None  # an error is no output
 
 
 def test_tool_call_prompts_show_every_schema_and_answers_validate():
