@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import io
 import json
 import random
 import re
@@ -18,7 +16,6 @@ __all__ = [
     "AGENT_TOOLS",
     "DEFAULT_SYSTEM",
     "EXAMPLE_CALL",
-    "EXAMPLE_PROGRAM",
     "chat_prompt",
     "code_writing_prompts",
     "code_writing_reward",
@@ -26,9 +23,6 @@ __all__ = [
     "fact_recall_reward",
     "json_tool_call_prompts",
     "json_tool_call_reward",
-    "program_output_prompts",
-    "program_output_reward",
-    "run_program",
     "run_sandboxed",
     "schema_valid",
 ]
@@ -48,136 +42,19 @@ def _strip_fences(text: str) -> str:
     return text.replace("`", "").strip()
 
 
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in _strip_fences(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""
-
-
 def _completion(completion: Any) -> str:
     if isinstance(completion, list):
         return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion)
 
 
-# coding: what does the program print?
+# coding: write a program that prints something
 
 _WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "robot", "maple", "ocean", "pixel", "delta")
-
-
-def run_program(source: str) -> str:
-    """What a generated program prints (builtins: print, len, sum, max, min, sorted, range, str), newline stripped."""
-    buffer = io.StringIO()
-    allowed = {f.__name__: f for f in (len, sum, max, min, sorted, range, str)}
-    allowed["print"] = functools.partial(print, file=buffer)  # no process-wide stdout redirection
-    exec(source, {"__builtins__": allowed})  # noqa: S102 - only programs this module generated
-    return buffer.getvalue().rstrip("\n")
-
-
-def _program(rng: random.Random) -> str:
-    kind = rng.randrange(5)
-    if kind == 0:
-        a, b, c = rng.randint(2, 19), rng.randint(2, 9), rng.randint(1, 30)
-        op = rng.choice(["+", "-", "*"])
-        return f"x = {a}\ny = {b}\nprint(x {op} y + {c})"
-    if kind == 1:
-        values = [rng.randint(1, 20) for _ in range(rng.randint(3, 5))]
-        fn = rng.choice(["sum", "max", "min", "len"])
-        return f"nums = {values}\nprint({fn}(nums))"
-    if kind == 2:
-        word = rng.choice(_WORDS)
-        expr = rng.choice(["word[::-1]", "word.upper()", "word[1:4]", "len(word)", "word[0] + word[-1]"])
-        return f'word = "{word}"\nprint({expr})'
-    if kind == 3:
-        n, k = rng.randint(3, 7), rng.randint(2, 4)
-        return f"total = 0\nfor i in range({n}):\n    total += i * {k}\nprint(total)"
-    values = [rng.randint(1, 30) for _ in range(4)]
-    index = rng.randrange(4)
-    return f"items = sorted({values})\nprint(items[{index}])"
-
-
-def _one_line_program(rng: random.Random) -> str:
-    if rng.randrange(2):
-        return f"print({rng.randint(2, 30)} {rng.choice(['+', '-', '*'])} {rng.randint(2, 9)})"
-    return f'print(len("{rng.choice(_WORDS)}"))'
-
-
-#: The worked example (program, output) a coding prompt shows with ``show_example``; no generated program.
-EXAMPLE_PROGRAM = ('print("ab" * 2)', "abab")
-
-
-def program_output_prompts(
-    n: int,
-    seed: int = 0,
-    system: str | None = DEFAULT_SYSTEM,
-    easy_share: float = 0.0,
-    show_example: bool = False,
-    answer_line: bool = False,
-) -> list[dict[str, str]]:
-    """Programs of 2-4 lines (``easy_share`` of one line) and the question what they print; the answer is their
-    output. ``show_example`` and ``answer_line`` change the wording only, never which programs are drawn."""
-
-    if not 0.0 <= easy_share <= 1.0:
-        raise ValueError(f"easy_share must lie in [0, 1], got {easy_share}")
-
-    def make(rng: random.Random) -> dict[str, str]:
-        source = _one_line_program(rng) if easy_share and rng.random() < easy_share else _program(rng)
-        user = f"What does this Python program print?\n```python\n{source}\n```\n"
-        if answer_line:
-            user += "Think briefly if you need to, then end your reply with the line Output: followed by the output."
-            if show_example:
-                user += f" For example, for {EXAMPLE_PROGRAM[0]} the last line is: Output: {EXAMPLE_PROGRAM[1]}"
-        else:
-            user += "Reply with the output only."
-            if show_example:
-                user += f" For example, for {EXAMPLE_PROGRAM[0]} the reply is: {EXAMPLE_PROGRAM[1]}"
-        return {"prompt": chat_prompt(user, system), "answer": run_program(source)}
-
-    return unique_rows(make, n, seed)
-
-
 #: A fenced block (its language tag, its content, its closing fence or the end of the reply: a cut-off block).
 _FENCED_BLOCK = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.S)
-#: An answer label at the start of a line ("Output: 9", "output:9", "Output:" with the answer on the next line).
-_LABEL = re.compile(r"^[ \t]*output[ \t]*:", re.I | re.M)
 #: Punctuation around a near-miss answer token ("23.", "`23`").
 _AROUND = ".,;:!?\"'`"
-
-
-def _without_code(text: str) -> str:
-    """``text`` without fenced blocks that hold a ``print(`` call (the program echoed back); fenced answers stay."""
-    return _FENCED_BLOCK.sub(lambda block: "" if "print(" in block.group(1) else block.group(0), text)
-
-
-def _answer_line(text: str) -> str:
-    """The reply's answer: the first non-empty line after its last non-empty ``Output:`` label (on the label's line
-    or below it), else its first non-empty line; fences stripped, echoed programs dropped."""
-    text = _without_code(text)
-    labels = list(_LABEL.finditer(text))
-    for i in reversed(range(len(labels))):
-        end = labels[i + 1].start() if i + 1 < len(labels) else len(text)
-        if value := _first_line(text[labels[i].end() : end]):
-            return value
-    return _first_line(text)
-
-
-def program_output_reward(completions: Sequence[Any], answer: Sequence[str], **kwargs: Any) -> list[float]:
-    """1.0 when the reply's answer line (:func:`_answer_line`) is the output exactly, 0.5 when its first or last
-    token is (``It prints 23``, ``12 * 5 = 60``), else 0: an output elsewhere in the reply earns nothing."""
-    rewards = []
-    for completion, want in zip(completions, answer, strict=True):
-        line = _answer_line(_completion(completion))
-        tokens = line.split()
-        ends = tokens[:1] + tokens[-1:]
-        if line == want:
-            rewards.append(1.0)
-        elif any(want in (token, token.strip(_AROUND)) for token in ends):
-            rewards.append(0.5)
-        else:
-            rewards.append(0.0)
-    return rewards
-
-
-# coding, second rung: write a program that prints something
 
 #: Task -> (what the program must print, its output), drawn from words and numbers.
 _CODE_TASKS: dict[str, Any] = {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import json
 
 import pytest
@@ -11,7 +13,6 @@ from ram_trl.recipes.agent_tasks import (
     AGENT_TOOLS,
     DEFAULT_SYSTEM,
     EXAMPLE_CALL,
-    EXAMPLE_PROGRAM,
     chat_prompt,
     code_writing_prompts,
     code_writing_reward,
@@ -19,9 +20,6 @@ from ram_trl.recipes.agent_tasks import (
     fact_recall_reward,
     json_tool_call_prompts,
     json_tool_call_reward,
-    program_output_prompts,
-    program_output_reward,
-    run_program,
     run_sandboxed,
     schema_valid,
 )
@@ -54,131 +52,6 @@ def test_chat_prompt_matches_a_chatml_tokenizer_template():
     assert rendered == chat_prompt(user)
 
 
-def test_program_answers_are_what_the_programs_print():
-    rows = program_output_prompts(60, seed=3)
-    assert len({r["prompt"] for r in rows}) == 60
-    for row in rows:
-        source = row["prompt"].split("```python\n", 1)[1].split("\n```", 1)[0]
-        assert row["answer"] == run_program(source) != ""
-        assert row["prompt"].startswith("<|im_start|>system\n") and row["prompt"].endswith("<|im_start|>assistant\n")
-    assert run_program("x = 7\ny = 3\nprint(x * y + 2)") == "23"
-    assert run_program('word = "robot"\nprint(word[::-1])') == "tobor"
-    with pytest.raises(NameError):
-        run_program("print(open('/etc/passwd'))")
-    assert program_output_prompts(5, seed=1) == program_output_prompts(5, seed=1) != program_output_prompts(5, 2)
-
-
-def _sources(rows):
-    return [row["prompt"].split("```python\n", 1)[1].split("\n```", 1)[0] for row in rows]
-
-
-def test_easy_share_mixes_one_line_programs_and_leaves_the_default_draw_alone():
-    rows = program_output_prompts(200, seed=0, easy_share=0.5)
-    one_line = [s for s in _sources(rows) if "\n" not in s]
-    assert 70 <= len(one_line) <= 130  # a binomial(200, 0.5) draw
-    for row, source in zip(rows, _sources(rows), strict=True):
-        assert row["answer"] == run_program(source) != ""
-    assert all("\n" not in s for s in _sources(program_output_prompts(20, seed=0, easy_share=1.0)))
-    # easy_share 0 draws exactly the programs of the first revision (no extra random numbers consumed): the digest
-    # and the answers were taken from the generator before easy_share existed
-    default = program_output_prompts(30, seed=4)
-    assert hashlib.sha256(json.dumps(default).encode()).hexdigest()[:16] == "48d3d445a7aa989f"
-    assert [r["answer"] for r in default[:6]] == ["38", "12", "25", "45", "TIGER", "3"]
-    assert all("\n" in s for s in _sources(default))
-    with pytest.raises(ValueError, match="easy_share"):
-        program_output_prompts(3, easy_share=1.5)
-
-
-def test_show_example_appends_the_reply_format_and_draws_the_same_programs():
-    plain = program_output_prompts(40, seed=3, easy_share=0.5)
-    shown = program_output_prompts(40, seed=3, easy_share=0.5, show_example=True)
-    assert [r["answer"] for r in shown] == [r["answer"] for r in plain]
-    assert _sources(shown) == _sources(plain)
-    for row in shown:
-        assert row["prompt"].count('For example, for print("ab" * 2) the reply is: abab') == 1
-    assert all("For example" not in row["prompt"] for row in plain)
-    # the example's program is none of the generator's and its answer is what it prints
-    assert run_program(EXAMPLE_PROGRAM[0]) == EXAMPLE_PROGRAM[1]
-    assert EXAMPLE_PROGRAM[0] not in _sources(program_output_prompts(500, seed=0, easy_share=1.0))
-
-
-def test_running_a_program_leaves_the_process_stdout_alone(monkeypatch):
-    # the reward runs inside the user's trainer: its output is captured without redirecting sys.stdout
-    class Refuses:
-        def write(self, text):
-            raise AssertionError("run_program wrote to sys.stdout")
-
-        def flush(self):
-            pass
-
-    def no_redirect(*args, **kwargs):
-        raise AssertionError("run_program redirected the process's stdout")
-
-    monkeypatch.setattr("sys.stdout", Refuses())
-    monkeypatch.setattr("contextlib.redirect_stdout", no_redirect)
-    assert run_program("nums = [3, 9, 4]\nprint(max(nums))\nprint(len(nums), end='!')") == "9\n3!"
-
-
-def test_program_reward():
-    completions = ["23", "```\n23\n```", "The output is 23.", "123", "`23` is printed", "", "24", "I think\n23"]
-    assert program_output_reward(completions, ["23"] * 8) == [1.0, 1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0]
-    assert program_output_reward([[{"role": "assistant", "content": "tobor"}]], ["tobor"]) == [1.0]
-
-
-def test_program_reward_reads_the_answer_after_an_echoed_program():
-    # revision 4: the coding agent of revision 3 echoed the program in a fence, then "Output: 9"; the first line was
-    # the program's, so 1.0 was never earned, and an echoed list program earned 0.5 for its own numbers
-    echo = "```python\nnums = [23, 4]\nprint(max(nums))\n```\n\nOutput: {}"
-    completions = [
-        echo.format("23"),  # the program, then the labelled answer
-        echo.format("4"),  # a wrong answer: the program's own 23 earns nothing
-        "```python\nnums = [23, 4]\nprint(max(nums))",  # cut off inside the echo
-        "output:23\nbecause 23 > 4",  # the label in any case, without a space
-        "Output: 236",  # not the whole token
-        "print(max([23, 4]))\n23",  # an unfenced echo is the first line (revision 6: its answer below earns 0)
-        "```\n23\n```\n```python\nprint(23)\n```",  # a fenced answer is kept, the code block dropped
-    ]
-    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0]
-
-
-def test_program_reward_reads_the_last_output_line_after_reasoning():
-    # revision 5's prompts ask for reasoning first and an "Output:" line last (answer_line=True)
-    completions = [
-        "x is 20 and y is 3, so 20 + 3 = 23.\nOutput: 23",  # reasoning, then the labelled answer
-        "Output: 24\nNo wait.\nOutput: 23",  # the last labelled line is the answer
-        "Output: 23\n\nOutput:",  # an empty label is not an answer
-        "20 + 3 = 23\nOutput: 24",  # a wrong labelled answer (revision 6: the reasoning's 23 earns nothing)
-        "It prints 23",  # no label: the first line, as before
-    ]
-    assert program_output_reward(completions, ["23"] * 5) == [1.0, 1.0, 1.0, 0.0, 0.5]
-
-
-def test_program_reward_reads_the_answer_line_only():
-    # revision 6: the revision-5 coding agent wrote "Output:" and then a fenced block listing many values, which
-    # earned 0.5 whenever the output was among them (the partial credit read the whole reply); the answer is now the
-    # line after the last label, and partial credit needs the output as that line's first or last token
-    completions = [
-        "Output:\n```\n23\n```",  # the answer on the line below the label, fenced
-        "Output:\n```\n0 1 3 23 5 7\n```",  # a list of guesses earns nothing
-        "This Python program will output:\n```\n20 21 22 23 24\n```",  # a label mid-line is no label
-        "Output: 3 * 7 + 2 = 23.",  # the answer line ends with the output
-        "Output:\n\nThe answer is 23",  # the line below the label
-        "Output: 23\nOutput:\n```\n24\n```",  # the last label with a value
-        "Output: 2\n23",  # the line below a non-empty label is not read
-    ]
-    assert program_output_reward(completions, ["23"] * 7) == [1.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0]
-
-
-def test_answer_line_changes_the_instruction_not_the_programs():
-    plain = program_output_prompts(20, seed=3, easy_share=0.5, show_example=True)
-    marked = program_output_prompts(20, seed=3, easy_share=0.5, show_example=True, answer_line=True)
-    assert [r["answer"] for r in plain] == [r["answer"] for r in marked]
-    for a, b in zip(plain, marked, strict=True):
-        assert a["prompt"].split("```")[1] == b["prompt"].split("```")[1]  # the same program
-        assert "Reply with the output only." in a["prompt"] and "end your reply with the line Output:" in b["prompt"]
-        assert "the last line is: Output: abab" in b["prompt"]
-
-
 # Reference programs for each code-writing task: what a correct reply runs (the answers are computed, not run).
 _REFERENCE = {
     "the sum of (\\d+) and (\\d+)": "print({0} + {1})",
@@ -205,9 +78,17 @@ def test_code_writing_answers_are_what_a_reference_program_prints():
         pattern = next(p for p in _REFERENCE if re.fullmatch(p, request))
         seen.add(pattern)
         program = _REFERENCE[pattern].format(*re.fullmatch(pattern, request).groups())
-        assert run_program(program) == row["answer"], (request, row["answer"])
+        printed = io.StringIO()
+        exec(program, {"print": functools.partial(print, file=printed)})  # noqa: S102 - the reference programs above
+        assert printed.getvalue().rstrip("\n") == row["answer"], (request, row["answer"])
         assert row["prompt"].endswith("in a ```python block.<|im_end|>\n<|im_start|>assistant\n")
     assert seen == set(_REFERENCE)  # every task is drawn
+
+
+def test_code_writing_draw_is_pinned():
+    """The recipes' training, validation and test prompts come from this draw: a change to it changes their test set."""
+    rows = code_writing_prompts(30, seed=4)
+    assert hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == "01e1f273b8b850fe"
 
 
 def test_code_writing_reward_runs_the_reply():
