@@ -7,7 +7,7 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ram_trl.recipes.tasks import unique_rows
@@ -57,7 +57,7 @@ _FENCED_BLOCK = re.compile(r"```[^\n`]*\n?(.*?)(?:```|\Z)", re.S)
 _AROUND = ".,;:!?\"'`"
 
 #: Task -> (what the program must print, its output), drawn from words and numbers.
-_CODE_TASKS: dict[str, Any] = {
+_CODE_TASKS: dict[str, Callable[[list[str], list[int]], tuple[str, str]]] = {
     "sum": lambda w, v: (f"the sum of {v[0]} and {v[1]}", str(v[0] + v[1])),
     "difference": lambda w, v: (f"{v[0]} minus {v[1]}", str(v[0] - v[1])),
     "product": lambda w, v: (f"{v[0]} times {v[2]}", str(v[0] * v[2])),
@@ -98,9 +98,8 @@ except (ImportError, ValueError, OSError):
     pass
 tree = ast.parse(sys.stdin.read())
 for node in ast.walk(tree):
-    if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)) or "_" == getattr(
-        node, "attr", getattr(node, "id", "x")
-    )[:1]:
+    name = getattr(node, "attr", getattr(node, "id", ""))  # an attribute's or a variable's name
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.Global, ast.Nonlocal)) or name.startswith("_"):
         sys.exit(3)
 names = "abs all any bool dict enumerate float int len list map max min print range reversed round set sorted str sum tuple zip"
 exec(compile(tree, "<reply>", "exec"), {"__builtins__": {k: getattr(builtins, k) for k in names.split()}})

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 
 import pytest
 
@@ -68,8 +69,6 @@ _REFERENCE = {
 
 
 def test_code_writing_answers_are_what_a_reference_program_prints():
-    import re
-
     rows = code_writing_prompts(80, seed=3)
     assert len({r["prompt"] for r in rows}) == 80 and rows == code_writing_prompts(80, seed=3)
     seen = set()
