@@ -36,14 +36,12 @@ class Counts:
         return self
 
     def as_json(self) -> dict:
-        nonzero = self.magnitude.counts[0].nonzero().reshape(-1)
+        counts, sums = self.magnitude.counts[0].tolist(), self.magnitude.sums[0].tolist()  # each folds every bin
         return {
             "histogram": self.overlap.histogram.tolist(),
             "pairwise": self.overlap.pairwise.tolist(),
             "numel": self.overlap.numel,
-            "magnitude_bins": {
-                int(i): [int(self.magnitude.counts[0, i]), float(self.magnitude.sums[0, i])] for i in nonzero
-            },
+            "magnitude_bins": {i: [count, sums[i]] for i, count in enumerate(counts) if count},
             "power_sums": self.magnitude.power_sums[0].tolist(),
             "per_parameter": dict(self.per_parameter),
         }
