@@ -81,11 +81,13 @@ def test_demo_seeds_summarizes_a_finished_run(quick_demo):
 def test_resume_reuses_the_evaluation_of_unchanged_models(quick_demo, tmp_path):
     """--resume keeps each model's scores when its weights, the prompts, the rewards and the settings are the same
     (the merges are written again, byte-identical); a file computed for other inputs is scored again, and a run
-    without --resume scores everything."""
+    without --resume scores everything (its evaluation phase, on the base and the agents)."""
     import shutil
 
     from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
     from ram_trl.recipes.reuse import EVALUATION_KEY
+    from ram_trl.recipes.runner import Run
+    from ram_trl.recipes.schema import load_recipe
 
     out = tmp_path / "run"
     shutil.copytree(quick_demo, out)
@@ -102,8 +104,14 @@ def test_resume_reuses_the_evaluation_of_unchanged_models(quick_demo, tmp_path):
     assert changed == ["ties.json"]
     assert json.loads(stale.read_text())[EVALUATION_KEY] != "0" * 64
     assert [r["scores"] for r in again["rows"]] == [r["scores"] for r in before["rows"]]
-    run_recipe(DEMO_RECIPE, RunOptions(out=out, progress=False, overrides=QUICK_OVERRIDES))
-    assert all(f.stat().st_mtime_ns != times[f.name] for f in files)
+    times = {f.name: f.stat().st_mtime_ns for f in files}
+    recipe, root = load_recipe(DEMO_RECIPE, QUICK_OVERRIDES)
+    fresh = Run(recipe, root, out, RunOptions(out=out, progress=False, overrides=QUICK_OVERRIDES))
+    scored = fresh.evaluate([])  # the phase as a run without --resume calls it, here on the base and the agents
+    assert [r["name"] for r in scored] == ["base", *STAGES]
+    rewritten = sorted(f.name for f in files if f.stat().st_mtime_ns != times[f.name])
+    assert rewritten == sorted(f"{name}.json" for name in ["base", *STAGES])
+    assert [r["scores"] for r in scored] == [r["scores"] for r in before["rows"][:4]]
 
 
 def test_quick_demo_rows_and_files(quick_demo):
