@@ -48,24 +48,3 @@ def test_gguf_base_is_converted_once_into_base_init(tmp_path, monkeypatch):
     source.write_bytes(b"GGUF" + b"\1" * 60)
     run("float32").preparation.convert_base()
     assert len(calls) == 3
-
-
-def test_the_warm_start_prints_its_progress_as_lines_in_a_log_file(tmp_path, capsys):
-    from ram_trl.recipes import DEMO_RECIPE, QUICK_OVERRIDES
-    from ram_trl.recipes.runner import Run
-    from ram_trl.recipes.schema import load_recipe
-
-    recipe, root = load_recipe(DEMO_RECIPE, QUICK_OVERRIDES)
-    Run(recipe, root, tmp_path / "run", RunOptions(progress=False, figures=False)).preparation.prepare()
-    err = capsys.readouterr().err
-    # the steps between the checks (a line every tenth of the 20 to the first check) and each check's stages
-    for line in (
-        "warm start (answers): step 2/20 (",
-        "warm start (answers): step 20/20 (",
-        "warm start check (answers) 3/3: memory (",
-        "warm start (answers) step 20: sampled pass@k ",
-        "warm start (abstain): step 1/10 (",
-        "warm start check (declines) 3/3: memory (",
-    ):
-        assert line in err, line
-    assert not [line for line in err.split("\n") if "warm start" in line and "\r" in line]  # no bar redrawn

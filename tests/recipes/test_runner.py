@@ -5,6 +5,8 @@ These run real TRL GRPOTrainer processes on tiny models built from configs (abou
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -54,9 +56,29 @@ pytestmark = [pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
+    """A finished ``ram-trl demo --quick --no-progress`` run; what it printed is ``demo.err`` beside it."""
     out = tmp_path_factory.mktemp("demo") / "run"
-    assert main(["demo", "--quick", "--out", str(out), "--no-progress"]) == 0
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # the run's console writes to sys.stderr as it is at each line
+        code = main(["demo", "--quick", "--out", str(out), "--no-progress"])
+    (out.parent / "demo.err").write_text(err.getvalue(), encoding="utf-8")
+    assert code == 0, err.getvalue()[-3000:]
     return out
+
+
+def test_the_warm_start_prints_its_progress_as_lines_in_a_log_file(quick_demo):
+    err = (quick_demo.parent / "demo.err").read_text(encoding="utf-8")
+    # the steps between the checks (a line every tenth of the 20 to the first check) and each check's stages
+    for line in (
+        "warm start (answers): step 2/20 (",
+        "warm start (answers): step 20/20 (",
+        "warm start check (answers) 3/3: memory (",
+        "warm start (answers) step 20: sampled pass@k ",
+        "warm start (abstain): step 1/10 (",
+        "warm start check (declines) 3/3: memory (",
+    ):
+        assert line in err, line
+    assert not [line for line in err.split("\n") if "warm start" in line and "\r" in line]  # no bar redrawn
 
 
 def test_demo_seeds_summarizes_a_finished_run(quick_demo):
