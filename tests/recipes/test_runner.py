@@ -67,6 +67,7 @@ def quick_demo(tmp_path_factory):
 
 
 def test_the_warm_start_prints_its_progress_as_lines_in_a_log_file(quick_demo):
+    """recipes/prepare.py's warm start, as the module's quick demo ran it (here to share that run)."""
     err = (quick_demo.parent / "demo.err").read_text(encoding="utf-8")
     # the steps between the checks (a line every tenth of the 20 to the first check) and each check's stages
     for line in (
