@@ -177,3 +177,22 @@ def test_readme_smollm2_figures_are_real_model_tables():
             ]
     prompts = re.search(r"(\d+) test prompts", real)
     assert prompts and quotes(readme, f"{prompts.group(1)} test prompts per vertical")
+
+
+def test_readme_revision8_merge_figures_are_real_model_tables():
+    real, readme = read("docs/real-model.md"), read("README.md")
+    where = "### Revision 8's merges"
+    scores = table(real, "model", "coding", "tools", "memory", "test mean", where=where)
+    ram = next(r for r in scores if r["model"] == "`ram`")
+    assert quotes(readme, f"RAM keeps the specialists' scores ({ram['coding']}, {ram['tools']}, {ram['memory']})")
+    one_third = next(r for r in scores if r["model"].startswith("`ram_1_over_n`"))
+    assert [one_third[v] for v in VERTICALS] == [ram[v] for v in VERTICALS]  # "scores the same"
+    differences = table(real, "comparison", "difference [95% interval]", where=where)
+    for start in ("RAM - best single agent", "RAM - task arithmetic chosen on validation"):
+        row = next(r for r in differences if r["comparison"].startswith(start))
+        assert quotes(readme, row["difference [95% interval]"].strip("*")), start
+    unique = [
+        number(r["unique (no other agent updates it)"])
+        for r in table(real, "agent", "unique (no other agent updates it)", where="## Revision 8")
+    ]
+    assert quotes(readme, f"{min(unique):.1f}-{max(unique):.1f}% unique")
