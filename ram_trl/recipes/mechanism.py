@@ -7,7 +7,7 @@ from typing import Any
 
 from ram_trl.methods import resolve_method
 from ram_trl.recipes import stats
-from ram_trl.recipes.selection import difference, row_average, score_samples, val_block
+from ram_trl.recipes.selection import alike, difference, row_average, same_rewards, score_samples, val_block
 
 __all__ = [
     "MATCHED",
@@ -97,6 +97,9 @@ def _comparison(results: dict[str, Any], question: str, first: str | None, secon
     if found is not None:
         entry["difference"], interval = found
         entry["interval"] = None if interval is None else [float(interval[0]), float(interval[1])]
+        by_name = {row["name"]: row for row in results["rows"]}
+        if same_rewards(by_name[first], by_name[second]):
+            entry["same"] = alike(by_name[first], by_name[second])
     return entry
 
 
@@ -146,6 +149,8 @@ def _answer(entry: dict[str, Any]) -> str:
     if interval is None:
         return f"{first} - {second} = {diff:+.3f} on test (no interval: per-prompt rewards are missing)"
     text = f"{first} - {second} = {diff:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}] on test (paired 95%)"
+    if entry.get("same"):
+        return text + f": no difference, {entry['same']}"
     if interval[0] > 0 or interval[1] < 0:
         return text + f": resolved, {first if diff > 0 else second} is better"
     return text + ": not resolved at this number of prompts"

@@ -194,6 +194,7 @@ class Run:
                     "method": method,
                     "parameters": parameters,
                     "path": str(path),
+                    "model_sha256": digest,
                     "scores": scored["scores"],
                     "n": scored["n"],
                     "rewards": scored["rewards"],

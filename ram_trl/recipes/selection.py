@@ -14,9 +14,12 @@ __all__ = [
     "SELECTION_RULE",
     "add_statistics",
     "aggregate_seeds",
+    "alike",
     "difference",
     "regime_from_analysis",
     "row_average",
+    "same_rewards",
+    "same_weights",
     "score_samples",
     "select_merges",
     "split_block",
@@ -245,6 +248,27 @@ def aggregate_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
     }
 
 
+def same_rewards(first: dict[str, Any], second: dict[str, Any]) -> bool:
+    """Whether two results rows have the same reward on every test prompt of every stage."""
+    return bool(first.get("rewards")) and first.get("rewards") == second.get("rewards")
+
+
+def same_weights(first: dict[str, Any], second: dict[str, Any]) -> bool | None:
+    """Whether two results rows scored the same model files (their ``model_sha256``); ``None`` when unknown."""
+    a, b = first.get("model_sha256"), second.get("model_sha256")
+    return None if a is None or b is None else a == b
+
+
+def alike(first: dict[str, Any], second: dict[str, Any]) -> str:
+    """How two rows with the same test rewards relate at the weights: equal rewards are not equal weights."""
+    identical = same_weights(first, second)
+    if identical is None:
+        return "the same reward on every test prompt; whether the weights are the same is not recorded"
+    if identical:
+        return "the same reward on every test prompt, from identical weights"
+    return "the same reward on every test prompt, from different weights"
+
+
 def difference(results: dict[str, Any], first: str, second: str) -> tuple[float, Any] | None:
     """Test-average difference ``first - second`` with its paired interval."""
     by_name = {row["name"]: row for row in results["rows"]}
@@ -265,6 +289,9 @@ def _compare(results: dict[str, Any], ship: str, other: str, label: str) -> str:
     diff, interval = found
     if interval is None:
         return f"On test it differs from {label} by {diff:+.3f} (no interval: per-prompt rewards are missing)."
+    by_name = {row["name"]: row for row in results["rows"]}
+    if same_rewards(by_name[ship], by_name[other]):
+        return f"On test it scores the same as {label}: {alike(by_name[ship], by_name[other])}."
     if diff == 0 and interval[0] == interval[1] == 0:
         return f"On test it scores the same as {label} in every resample."
     resolved = interval[0] > 0 or interval[1] < 0
@@ -350,10 +377,10 @@ def verdict(results: dict[str, Any]) -> str:
     others = {r["name"]: row_average(val_block(r), stages) for r in merges if r["name"] != ship}
     tied = [name for name, value in others.items() if value is not None and value == val_average]
     if tied:
-        same = [n for n in tied if by_name[n].get("scores") == row.get("scores")]
+        same = [n for n in tied if same_rewards(by_name[n], row)]
         text += (
             f" It ties on validation with {', '.join(tied)}"
-            + (f" ({', '.join(same)}: the same test scores too, an identical merge here)" if same else "")
+            + "".join(f" ({n}: {alike(by_name[n], row)})" for n in same)
             + "; the tie is broken by retention, then row order, so it does not show one method beats the other."
         )
     runner_up = stats.select_best(others)

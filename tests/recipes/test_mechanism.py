@@ -70,6 +70,30 @@ def test_paired_differences_use_the_bootstrap_resamples_of_the_prompts():
     text = markdown(results)
     assert "## Mechanism: does the unique region at full strength matter?" in text
     assert "ram - ram_half = +0.250" in text
+    assert "ram - ta(lambda=1) = +0.000 [+0.000, +0.000] on test (paired 95%): no difference, the same reward" in text
+
+
+@pytest.mark.parametrize(
+    ("digests", "said"),
+    [
+        (("w1", "w2"), "no difference, the same reward on every test prompt, from different weights"),
+        (("w1", "w1"), "no difference, the same reward on every test prompt, from identical weights"),
+        ((None, "w1"), "no difference, the same reward on every test prompt; whether the weights are the same is not"),
+    ],
+)
+def test_equal_rewards_are_told_apart_from_equal_weights(digests, said):
+    results = _with_mechanism_rows()
+    by_name = {r["name"]: r for r in results["rows"]}
+    by_name["ram"]["model_sha256"], by_name["ta(lambda=1)"]["model_sha256"] = digests
+    results = add_statistics(results)
+    results["mechanism"] = mechanism(results)
+    assert f"ram - ta(lambda=1) = +0.000 [+0.000, +0.000] on test (paired 95%): {said}" in markdown(results)
+    # rewards that differ on some prompts but average the same are not "the same reward"
+    by_name = {r["name"]: r for r in results["rows"]}
+    by_name["ta(lambda=1)"]["rewards"] = {"a": [1, 1, 0, 1], "b": [1, 1, 1, 1]}
+    results.pop("mechanism")
+    results["mechanism"] = mechanism(results)
+    assert "no difference" not in markdown(results)
 
 
 def test_missing_rows_are_named_as_yaml_entries():

@@ -21,6 +21,7 @@ from ram_trl.cli import main
 from ram_trl.errors import ConfigError
 from ram_trl.output import LOCK_FILE
 from ram_trl.recipes.layout import stage_complete
+from ram_trl.recipes.reuse import model_digest
 from ram_trl.recipes.runner import RunOptions, StageError, run_recipe
 from ram_trl.stage.manifest import fingerprint_checkpoint, read_manifest
 from tests.helpers import dead_pid, leftovers
@@ -253,6 +254,9 @@ def test_quick_demo_merges_load_and_eval_reproduces_the_table(quick_demo, capsys
         assert [a["name"] for a in report["agents"]] == STAGES
         # recipe merges are written (and scored) in float32, and the row keeps what survives that dtype
         assert report["output"]["dtype"] == "float32" and row["effect"] == report["effect"]
+        # the digest of the files scored, so that equal rewards can be told apart from equal weights
+        assert row["model_sha256"] == model_digest(row["path"])
+    assert len({row["model_sha256"] for row in results["rows"]}) == len(results["rows"])
     # `ram-trl eval` on the run's recipe reproduces the scores of the table exactly (same prompts, greedy, seeded).
     for row in (results["rows"][0], results["rows"][5]):
         json_out = out / f"eval_{row['kind']}.json"

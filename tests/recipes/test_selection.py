@@ -188,14 +188,31 @@ def test_seeds_aggregate_means_and_t_intervals_golden():
 def test_the_verdict_names_a_tie_on_validation():
     results = hand_made()
     m1 = next(r for r in results["rows"] if r["name"] == "m1")
-    results["rows"].append({**m1, "name": "m3"})  # an identical merge (RAM and RAM+ at r=0 on dense agents)
+    results["rows"].append({**m1, "name": "m3"})  # the same rewards (RAM and RAM+ at r=0 on dense agents)
     text = add_statistics(results)["verdict"]
     assert text.startswith("Ship m1:")
     assert (
-        "It ties on validation with m3 (m3: the same test scores too, an identical merge here); the tie is broken "
-        "by retention, then row order, so it does not show one method beats the other." in text
+        "It ties on validation with m3 (m3: the same reward on every test prompt; whether the weights are the same "
+        "is not recorded); the tie is broken by retention, then row order, so it does not show one method beats "
+        "the other." in text
     )
     assert "ties on validation" not in add_statistics(hand_made())["verdict"]
+
+
+@pytest.mark.parametrize(("digest", "said"), [("w1", "from identical weights"), ("w2", "from different weights")])
+def test_a_tie_with_the_same_rewards_says_whether_the_weights_are_the_same(digest, said):
+    results = hand_made()
+    m1 = next(r for r in results["rows"] if r["name"] == "m1")
+    m1["model_sha256"] = "w1"
+    results["rows"].append({**m1, "name": "m3", "model_sha256": digest})
+    text = add_statistics(results)["verdict"]
+    assert f"(m3: the same reward on every test prompt, {said})" in text
+    # a tie on validation whose test rewards differ prompt by prompt says nothing of the weights
+    results = hand_made()
+    m1 = next(r for r in results["rows"] if r["name"] == "m1")
+    results["rows"].append({**m1, "name": "m3", "rewards": {"a": [0, 1, 0, 1], "b": [1, 1, 1, 0]}})
+    text = add_statistics(results)["verdict"]
+    assert "It ties on validation with m3;" in text
 
 
 def test_a_run_where_every_model_scores_the_same_says_it_cannot_show_learning():
