@@ -196,3 +196,15 @@ def test_readme_revision8_merge_figures_are_real_model_tables():
         for r in table(real, "agent", "unique (no other agent updates it)", where="## Revision 8")
     ]
     assert quotes(readme, f"{min(unique):.1f}-{max(unique):.1f}% unique")
+
+
+def test_readme_bf16_agent_figures_are_real_model_tables():
+    real, readme = read("docs/real-model.md"), read("README.md")
+    where = "### Revision 8's agents saved in bf16"
+    agents = table(real, "", "float32 agents (above)", "the same agents rounded to bf16", where=where)
+    unique = next(r for r in agents if r[""].startswith("unique"))
+    assert quotes(readme, f"the same agents are {unique['the same agents rounded to bf16']} unique")
+    differences = table(real, "comparison", "difference [95% interval]", where=where)
+    for start in ("RAM - RAM with the unique region at 1/3", "RAM - task arithmetic chosen on validation"):
+        row = next(r for r in differences if r["comparison"].startswith(start))
+        assert quotes(readme, row["difference [95% interval]"].strip("*")), start
