@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import statistics
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,6 @@ def number(cell: str) -> float:
     match = re.search(r"[-+]?\d+(\.\d+)?", cell.replace("**", ""))
     assert match, f"no number in {cell!r}"
     return float(match.group())
-
-
-def half_up(value: str, places: int) -> str:
-    """A decimal string rounded as people round (``+0.075`` -> ``+0.08``), with its sign."""
-    return f"{Decimal(value).quantize(Decimal(10) ** -places, rounding=ROUND_HALF_UP):+}"
 
 
 def close(quoted: float, exact: float, places: int) -> bool:
@@ -154,28 +148,18 @@ def test_readme_demo_medians_are_the_seven_runs(seeds):
 # -- the SmolLM2 run: docs/real-model.md -> README -----------------------------------------------------------------
 
 
-def test_readme_smollm2_figures_are_real_model_tables():
+def test_readme_smollm2_gains_are_real_model_tables():
     real, readme = read("docs/real-model.md"), read("README.md")
-    agents = table(real, "agent", "unique", "float32 training weights above eps")
-
-    def span(column: str) -> str:
-        values = [number(r[column]) for r in agents]
-        return (
-            f"{min(values):.0f}-{max(values):.0f}%" if min(values) >= 10 else f"{min(values):.1f}-{max(values):.1f}%"
-        )
-
-    for column in ("density (bf16 agent)", "unique", "float32 training weights above eps"):
-        assert quotes(readme, span(column)), column
-    gains = table(real, "specialist", "gain [95% paired interval]")
-    for row in gains:
-        low, high = re.findall(r"[-+]\d+\.\d+", row["gain [95% paired interval]"])[1:3]
-        quoted = half_up(re.findall(r"[-+]\d+\.\d+", row["gain [95% paired interval]"])[0], 2)
-        assert quotes(readme, quoted), row["gain [95% paired interval]"]
-        if float(high) > 0:  # an interval the README prints
-            assert quotes(readme, f"{quoted} [{half_up(low, 2)}, {half_up(high, 2)}]"), row[
-                "gain [95% paired interval]"
-            ]
-    prompts = re.search(r"(\d+) test prompts", real)
+    # the shipped recipe's stages: revision 8's coding, revision 4's tools, revision 3's memory
+    for where, stage in (
+        ("## Revision 8", "coding (revision 8)"),
+        ("## Revision 4", "tools"),
+        ("## Revision 3", "memory"),
+    ):
+        row = next(r for r in table(real, "stage", "gain [95% interval]", where=where) if r["stage"] == stage)
+        gain = row["gain [95% interval]"].strip("*")
+        assert quotes(readme, f"{stage.split()[0]} {gain}"), stage
+    prompts = re.search(r"(\d+) test prompts", real[real.index("## Revision 8") :])
     assert prompts and quotes(readme, f"{prompts.group(1)} test prompts per vertical")
 
 
