@@ -207,6 +207,10 @@ def test_a_tie_with_the_same_rewards_says_whether_the_weights_are_the_same(diges
     results["rows"].append({**m1, "name": "m3", "model_sha256": digest})
     text = add_statistics(results)["verdict"]
     assert f"(m3: the same reward on every test prompt, {said})" in text
+    assert (
+        f"On test it scores the same as the runner-up on validation (m3): the same reward on every test prompt, {said}."
+        in text
+    )
     # a tie on validation whose test rewards differ prompt by prompt says nothing of the weights
     results = hand_made()
     m1 = next(r for r in results["rows"] if r["name"] == "m1")
