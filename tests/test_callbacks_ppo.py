@@ -1,7 +1,10 @@
 """TaskVectorSparsityCallback in a real TRL PPO run (``trl.experimental.ppo.PPOTrainer``, TRL 1.9.2).
 
 PPO was removed from TRL after 1.9.x, so the run happens in a separate virtualenv this module makes on first use
-(``.venv-ppo`` in the repository: torch 2.13.0 CPU, trl 1.9.2, transformers 5.23, this package) and reuses after.
+(``.venv-ppo`` in the repository) and reuses after. It holds only trl 1.9.2 and transformers 5.23 (and whatever of
+their requirements the test's own environment does not satisfy); everything else, torch and this package included,
+it reads from the environment running the tests (a ``.pth`` file adds that site-packages after its own), so it
+takes seconds to make instead of reinstalling torch and the Hugging Face stack.
 PPO's callbacks receive a policy + value wrapper: the telemetry must measure the policy alone. The assertions are the
 core callback tests': the metrics in ``log_history`` and TensorBoard, the last measurement equal to ``ram-trl
 analyze`` of the saved policy (bf16, eps 1e-5), and the stage manifest.
@@ -13,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -26,8 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.network]
 
 REPO = Path(__file__).resolve().parents[1]
 PPO_VENV = REPO / ".venv-ppo"
-#: What the PPO virtualenv holds besides this package (torch first: the CPU wheel, pinned).
-PPO_REQUIREMENTS = (["torch==2.13.0"], ["trl==1.9.2", "transformers==5.23.*", "tensorboard>=2.16"])
+#: What the PPO virtualenv installs over the test environment's packages.
+PPO_REQUIREMENTS = ("trl==1.9.2", "transformers==5.23.*")
+#: The test environment's site-packages, which the PPO virtualenv reads after its own.
+PARENT_SITE = sysconfig.get_paths()["purelib"]
 JOB = Path(__file__).with_name("_ppo_job.py")
 STEPS = 3
 
@@ -44,19 +50,29 @@ def _pip(python: Path, *args: str) -> None:
 
 @pytest.fixture(scope="session")
 def ppo_python() -> Path:
-    """The python of the TRL 1.9.2 virtualenv, made (once) on first use."""
+    """The python of the TRL 1.9.2 virtualenv, made (once) on first use, layered over the test environment."""
     python = PPO_VENV / "bin" / "python"
     marker = PPO_VENV / ".ram_trl_requirements"
-    wanted = json.dumps(PPO_REQUIREMENTS)
+    wanted = json.dumps({"requirements": PPO_REQUIREMENTS, "parent": PARENT_SITE})
     if python.exists() and marker.is_file() and marker.read_text() == wanted:
         return python
     try:
         subprocess.run(
             [sys.executable, "-m", "venv", "--clear", str(PPO_VENV)], check=True, capture_output=True, text=True
         )
-        for group in PPO_REQUIREMENTS:
-            _pip(python, *group)
-        _pip(python, "-e", str(REPO))
+        own_site = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        # a .pth line starting with "import" runs: addsitedir also processes the parent's .pth files (editable
+        # installs), and appends, so the virtualenv's own trl and transformers come first on sys.path
+        (Path(own_site) / "_ram_trl_test_environment.pth").write_text(
+            f"import site; site.addsitedir({PARENT_SITE!r})\n"
+        )
+        # pip leaves the parent's packages alone ("outside environment") and installs the pinned versions here
+        _pip(python, *PPO_REQUIREMENTS)
     except subprocess.CalledProcessError as exc:
         tail = (exc.stderr or exc.stdout or "").strip().splitlines()[-3:]
         pytest.skip(f"cannot make the TRL 1.9.2 virtualenv for PPO at {PPO_VENV}: {' / '.join(tail)}")
@@ -87,7 +103,9 @@ def ppo_run(ppo_python, tmp_path_factory) -> dict:
 
 def test_ppo_runs_trl_1_9_and_measures_the_policy_against_the_reference_model(ppo_run) -> None:
     manifest = read_manifest(ppo_run["out"])
+    # the virtualenv's own trl and transformers, not the test environment's (TRL 1.16, transformers 5.24)
     assert manifest.versions["trl"] == "1.9.2"
+    assert manifest.versions["transformers"].startswith("5.23.")
     assert manifest.trainer == "PPOTrainer"
     # the callback received the policy + value wrapper; the cheapest base is PPO's reference model
     assert ppo_run["model_class"] == "PolicyAndValueWrapper"
