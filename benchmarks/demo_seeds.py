@@ -2,7 +2,9 @@
 ``torch_threads: 1`` and once with ``MKL_CBWR=AVX2`` (other BLAS kernels: what another CPU does), one run after the
 other, each in its own process (wall and CPU time measured), and one table over the runs: per vertical the base's and
 its specialist's held-out score with 95% bootstrap intervals, the gain with its paired interval, the agent's density
-and unique share; per run the merge shipped, its retention, and the warm start's steps and acceptance.
+and unique share; per run the merge shipped, its retention, the warm start's steps and acceptance, and the answers of
+results.md's mechanism section (RAM minus RAM with the unique region at 1/N, minus task arithmetic chosen on
+validation, minus magnitude-matched task arithmetic, each with its paired interval on test).
 
 Target (issue 22): in every run every specialist gains at least +0.15 on its own vertical, interval clear of zero.
 
@@ -102,7 +104,8 @@ def summarize(name: str, out: Path) -> dict[str, Any] | None:
 
     Returns:
         Per vertical base / specialist / gain with intervals, density and unique share; the merge shipped and its
-        retention; the warm start's steps and acceptance.
+        retention; the warm start's steps and acceptance; the mechanism comparisons (``question``, ``second``,
+        ``difference``, ``interval``) of results.md.
     """
     from ram_trl.recipes import stats
     from ram_trl.recipes.selection import score_samples
@@ -146,6 +149,10 @@ def summarize(name: str, out: Path) -> dict[str, Any] | None:
         "retention_interval": retention.get("interval"),
         "warm_start": warm,
         "timings": results.get("timings", {}),
+        "mechanism": [
+            {key: comparison.get(key) for key in ("question", "second", "difference", "interval")}
+            for comparison in (results.get("mechanism") or {}).get("comparisons", [])
+        ],
     }
 
 
@@ -207,6 +214,24 @@ def table(runs: dict[str, dict[str, Any] | None], times: dict[str, dict[str, Any
             f"{run['warm_start'].get('steps', 'n/a')} | {run['warm_start'].get('accepted')} | "
             f"{t.get('wall_s') or 'n/a'} | {t.get('cpu_s') or 'n/a'} |"
         )
+    questions = list(dict.fromkeys(c["question"] for run in done.values() for c in run["mechanism"]))
+    if questions:
+        lines += [
+            "",
+            "Mechanism (results.md): RAM minus the merge named in each cell, mean test reward, paired 95% CI.",
+            "",
+            "| run | " + " | ".join(questions) + " |",
+            "|---|" + "---|" * len(questions),
+        ]
+        for name, run in done.items():
+            found = {c["question"]: c for c in run["mechanism"]}
+            cells = [
+                f"{_ci(found[q]['difference'], found[q]['interval'], '+.3f')} vs {found[q]['second']}"
+                if q in found and found[q]["difference"] is not None
+                else "n/a"
+                for q in questions
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if done:
         lines += ["", "| vertical | gain: median | range | runs meeting the target |", "|---|---|---|---|"]
         stages = next(iter(done.values()))["verticals"]

@@ -98,8 +98,18 @@ def test_demo_seeds_summarizes_a_finished_run(quick_demo):
     for stage, vertical in summary["verticals"].items():
         low, high = vertical["gain_interval"]
         assert low <= vertical["gain"] <= high, stage
+    comparisons = results["mechanism"]["comparisons"]
+    assert [(c["question"], c["second"], c["difference"]) for c in summary["mechanism"]] == [
+        (c["question"], c["second"], c["difference"]) for c in comparisons
+    ]
     text = demo_seeds.table({"seed0": summary, "seed1": None}, {})
     assert "| seed0 | coding |" in text and "Runs missing (not finished): seed1." in text
+    first = comparisons[0]
+    assert f"| {first['question']} |" in text
+    assert (
+        f"{first['difference']:+.3f} [{first['interval'][0]:+.3f}, {first['interval'][1]:+.3f}] vs {first['second']}"
+        in text
+    )
 
 
 def test_resume_reuses_the_evaluation_of_unchanged_models(quick_demo, tmp_path):
