@@ -200,6 +200,22 @@ def summarise(result: dict) -> dict:
     }
 
 
+def load_note(load: tuple[float, float], cpus: int) -> str:
+    """Says what the load averages around the runs mean for their wall times.
+
+    Args:
+        load: the 1-minute load average before and after the runs.
+        cpus: the machine's CPU count.
+
+    Returns:
+        A clause for the report's machine line: the benchmark itself keeps up to about `cpus` busy, so a load above
+        that means other processes shared the CPUs.
+    """
+    if max(load) > cpus + 0.5:
+        return "other processes shared the CPUs: wall times are noisy; the CPU-time column is less affected"
+    return "no more than the benchmark itself keeps busy: the machine was otherwise idle"
+
+
 def markdown(rows: list[dict], command: str, started: str, finished: str, load: tuple[float, float]) -> str:
     import ram_trl
 
@@ -210,7 +226,7 @@ def markdown(rows: list[dict], command: str, started: str, finished: str, load: 
         f"- Date: {started} to {finished}; command: `{command}`",
         f"- Machine: {os.cpu_count()} CPUs, {platform.platform()}; torch {torch.__version__}, "
         f"ram_trl {ram_trl.__version__}; 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after "
-        "(other engineers' jobs share the machine: wall times are noisy).",
+        f"({load_note(load, os.cpu_count() or 1)}).",
         "- Each run: TRL GRPOTrainer, fp32 on the CPU, batch 4 (1 prompt x 4 generations), 8 new tokens, beta 0, "
         "lr 1e-5, default `logging_steps` (10) (*demo*: the model and GRPO settings of a stage of "
         "`recipes/demo-cpu.yaml`: batch 32 = 4 prompts x 8 generations, 24 new tokens, lr 2e-5, one torch thread); "
