@@ -17,11 +17,15 @@ demo: $(VENV)/.installed
 	$(BIN)/ram-trl demo --out demo_out
 
 # DeepSpeed's CPU extension is built per virtualenv (a killed build's stale lock in the shared ~/.cache would hang
-# every later DeepSpeed test: docs/ci.md); a TORCH_EXTENSIONS_DIR the caller sets wins.
+# every later DeepSpeed test: docs/ci.md); a TORCH_EXTENSIONS_DIR the caller sets wins. The tests run in one
+# pytest-xdist worker per core (at most 4), each test file on one worker (its module fixtures are built once);
+# `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= auto
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}" $(BIN)/python -m pytest -q --durations=25
+	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}" $(BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile --durations=25
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

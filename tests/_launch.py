@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,15 +22,32 @@ from pathlib import Path
 from typing import Any
 
 SHM = Path("/dev/shm")
+#: Where :func:`free_port` draws from: below the ephemeral range, above most services' fixed ports.
+PORTS = range(20000, 32768)
 #: The one-time build of DeepSpeed's CPU extension: a few minutes on a loaded 2-core machine.
 BUILD_TIMEOUT = 1800
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for ``--master_port`` / ``--main_process_port``)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now (for ``--master_port`` / ``--main_process_port``).
+
+    Drawn below Linux's ephemeral range (32768-60999), where no outgoing connection can take it before the job binds
+    it; under pytest-xdist each worker draws only ports of its own residue modulo the number of workers, so two
+    workers never hand the same port to two jobs started at the same time.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw")) % count if worker.startswith("gw") else 0
+    draw = random.Random()  # not the global generator: tests may seed it
+    for _ in range(1000):
+        port = draw.randrange(PORTS.start + index, PORTS.stop, count)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS} (residue {index} modulo {count}) after 1,000 tries")
 
 
 def deepspeed_shm_buffers(port: int) -> list[Path]:
